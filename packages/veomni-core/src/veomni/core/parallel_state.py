@@ -1,0 +1,207 @@
+"""Device meshes and process groups for a `ParallelDims` topology, and the context-scoped current state.
+
+`build_parallel_state(dims, device_type)` is the one place meshes are created. Everything else receives the
+`ParallelState` (or one of its groups) as an argument. The only ambient value is the context-scoped current
+state, set with ``with use_parallel_state(state):``; it exists for code that HF modeling calls without a way to
+pass arguments (attention functions, loss functions) and it is never filled in silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from veomni.core.parallel_dims import ParallelDims
+
+MAIN_MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
+EP_MESH_DIMS = ("ep_replicate", "ep_fsdp", "ep")
+
+
+@attrs.frozen(eq=False)
+class ParallelState:
+    """Meshes of one topology. Build it with `build_parallel_state`; do not construct it directly.
+
+    Attributes:
+        dims: the validated degrees.
+        device: this rank's device (``cpu`` or ``cuda:<local rank>``).
+        mesh: the main mesh ``[dp_replicate, dp_shard, sp]``, with flattened views ``dp``, ``dp_shard_sp`` and
+            ``dp_sp`` registered on it.
+        ep_mesh: ``[ep_replicate, ep_fsdp, ep]`` when ``dims.ep > 1``, else None.
+    """
+
+    dims: ParallelDims
+    device: torch.device
+    mesh: DeviceMesh
+    ep_mesh: DeviceMesh | None
+
+    # Meshes -----------------------------------------------------------------------------------------------
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """1-D mesh of the ranks that read different data (``dp_replicate * dp_shard``); SP peers excluded."""
+        return self.mesh["dp"]
+
+    @property
+    def sp_mesh(self) -> DeviceMesh:
+        return self.mesh["sp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh `fully_shard` uses: 1-D ``dp_shard_sp``, or 2-D ``[dp_replicate, dp_shard_sp]`` (HSDP)."""
+        if self.dims.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard_sp"]
+        return self.mesh["dp_shard_sp"]
+
+    @property
+    def loss_mesh(self) -> DeviceMesh:
+        """1-D mesh over which token counts and losses are reduced: ``dp * sp``, the whole world."""
+        return self.mesh["dp_sp"]
+
+    @property
+    def ep_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh expert modules are FSDP-sharded on: ``ep_fsdp``, or ``[ep_replicate, ep_fsdp]`` (HSDP)."""
+        ep_mesh = self._require_ep()
+        if self.dims.ep_replicate > 1:
+            return ep_mesh["ep_replicate", "ep_fsdp"]
+        return ep_mesh["ep_fsdp"]
+
+    # Groups -----------------------------------------------------------------------------------------------
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.dp_mesh.get_group()
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.sp_mesh.get_group()
+
+    @property
+    def fsdp_shard_group(self) -> dist.ProcessGroup:
+        """Ranks that hold different shards of a dense parameter (``dp_shard * sp``); never the replicas."""
+        return self.mesh["dp_shard_sp"].get_group()
+
+    @property
+    def dp_replicate_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp_replicate"].get_group()
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup:
+        return self.loss_mesh.get_group()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self._require_ep()["ep"].get_group()
+
+    @property
+    def ep_fsdp_group(self) -> dist.ProcessGroup:
+        return self._require_ep()["ep_fsdp"].get_group()
+
+    # Ranks and sizes ----------------------------------------------------------------------------------------
+    @property
+    def sp_rank(self) -> int:
+        return self.sp_mesh.get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def ep_rank(self) -> int:
+        return self._require_ep()["ep"].get_local_rank() if self.dims.ep > 1 else 0
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.dims.sp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.dims.ep > 1
+
+    def _require_ep(self) -> DeviceMesh:
+        if self.ep_mesh is None:
+            raise ValueError(f"expert parallelism is off (ep={self.dims.ep}); there is no EP mesh")
+        return self.ep_mesh
+
+
+# Keyed by the default process group, so that destroying it (and creating a new one) starts afresh instead of
+# handing out meshes whose groups are gone. Process groups are expensive, and asking twice for one topology must
+# not create them twice; this is the module's only mutable state.
+_STATE_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, ParallelState]] = weakref.WeakKeyDictionary()
+
+
+def build_parallel_state(dims: ParallelDims, device_type: str) -> ParallelState:
+    """Create (or fetch the cached) meshes for ``dims`` over the initialised default process group.
+
+    Args:
+        dims: degrees; their product must equal the world size.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL). For CUDA the current device must already be set to
+            this rank's GPU.
+
+    Returns:
+        The `ParallelState`; a second call with the same arguments returns the same object.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "build_parallel_state needs an initialised default process group "
+            "(torch.distributed.init_process_group); none is initialised"
+        )
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    dims.check_world_size(dist.get_world_size())
+    world = dist.group.WORLD
+    per_world = _STATE_CACHE.setdefault(world, {})
+    key = (dims, device_type)
+    if key in per_world:
+        return per_world[key]
+
+    mesh = init_device_mesh(
+        device_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=MAIN_MESH_DIMS
+    )
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+    mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
+    ep_mesh = None
+    if dims.ep > 1:
+        ep_mesh = init_device_mesh(
+            device_type, (dims.ep_replicate, dims.ep_fsdp, dims.ep), mesh_dim_names=EP_MESH_DIMS
+        )
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    state = ParallelState(dims=dims, device=device, mesh=mesh, ep_mesh=ep_mesh)
+    per_world[key] = state
+    return state
+
+
+_CURRENT_STATE: contextvars.ContextVar[ParallelState | None] = contextvars.ContextVar(
+    "veomni_current_parallel_state", default=None
+)
+
+
+@contextlib.contextmanager
+def use_parallel_state(state: ParallelState) -> Iterator[ParallelState]:
+    """Make ``state`` the current state inside the ``with`` block (for code HF calls without arguments)."""
+    if not isinstance(state, ParallelState):
+        raise TypeError(f"use_parallel_state expects a ParallelState, got {type(state).__name__}")
+    token = _CURRENT_STATE.set(state)
+    try:
+        yield state
+    finally:
+        _CURRENT_STATE.reset(token)
+
+
+def current_parallel_state() -> ParallelState:
+    """The state set by the innermost enclosing `use_parallel_state`; raises if there is none."""
+    state = _CURRENT_STATE.get()
+    if state is None:
+        raise RuntimeError(
+            "no current ParallelState: wrap the call in `with use_parallel_state(state):` "
+            "(state from veomni.core.build_parallel_state)"
+        )
+    return state

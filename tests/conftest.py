@@ -1,0 +1,52 @@
+"""Shared fixtures: hardware markers and the long-lived distributed pools."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from dist_harness import DistPool, gpu_count
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpus = gpu_count()
+    for item in items:
+        if "cuda" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs, found {gpus}"))
+
+
+class _Pools:
+    def __init__(self) -> None:
+        self._pools: dict[tuple[int, str], DistPool] = {}
+
+    def get(self, world_size: int, backend: str = "gloo") -> DistPool:
+        key = (world_size, backend)
+        pool = self._pools.get(key)
+        if pool is None or pool.broken:
+            pool = DistPool(world_size, backend)
+            self._pools[key] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            if not pool.broken:
+                pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist_pools():
+    """``dist_pools.get(world_size, backend)`` returns a live pool; pools outlive tests and examples."""
+    pools = _Pools()
+    yield pools
+    pools.close()
