@@ -12,6 +12,7 @@ next task starts a fresh one instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -155,10 +156,8 @@ class DistPool:
     def close(self) -> None:
         self.broken = True
         for conn in self._conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import backend_params
-
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import (
     build_parallel_state,
@@ -43,9 +42,8 @@ def test_derived_sizes():
 def test_current_state_is_never_defaulted():
     with pytest.raises(RuntimeError, match="no current ParallelState"):
         current_parallel_state()
-    with pytest.raises(TypeError, match="expects a ParallelState"):
-        with use_parallel_state("base"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(TypeError, match="expects a ParallelState"), use_parallel_state("base"):  # type: ignore[arg-type]
+        pass
 
 
 def test_build_without_process_group_raises():

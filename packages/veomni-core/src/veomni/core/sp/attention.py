@@ -1,0 +1,107 @@
+"""Ulysses attention: run any attention function on the full sequence and this rank's share of the heads.
+
+Before attention one or more all-to-alls turn sequence shards into head shards; after it one all-to-all turns
+them back. The attention function itself is unaware of SP: it sees full-length Q/K/V with ``H/P`` heads, so
+packed (varlen) inputs pass their *full-sequence* ``cu_seqlens`` through ``attn_kwargs`` unchanged.
+
+GQA: query heads must split evenly (``H_q % P == 0``). Key/value heads either split evenly too
+(``H_kv % P == 0``) or, when there are fewer KV heads than ranks, are repeated to ``P`` heads before the exchange
+(``P % H_kv == 0``), so each rank receives exactly the KV head its query heads use; autograd sums the copies'
+gradients back. Anything else cannot be laid out and raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from veomni.core.sp.comm import heads_to_seq, seq_to_heads
+from veomni.core.sp.padding import _norm_dim
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def kv_repeats_for_sp(num_q_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many times each KV head must be repeated before a Ulysses exchange over ``sp_size`` ranks.
+
+    Returns 1 when ``num_kv_heads % sp_size == 0``; ``sp_size // num_kv_heads`` when ``sp_size % num_kv_heads
+    == 0``. Raises ``ValueError`` for head counts that cannot be split.
+    """
+    if num_q_heads % sp_size != 0:
+        raise ValueError(
+            f"Ulysses SP needs the query heads divisible by the SP size: H_q={num_q_heads}, P={sp_size}"
+        )
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if num_kv_heads % sp_size == 0:
+        return 1
+    if sp_size % num_kv_heads == 0:
+        return sp_size // num_kv_heads
+    raise ValueError(
+        f"Ulysses SP needs H_kv % P == 0 or P % H_kv == 0 for grouped-query attention: H_kv={num_kv_heads}, "
+        f"P={sp_size}"
+    )
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_fn: AttentionFn,
+    group: dist.ProcessGroup,
+    *,
+    seq_dim: int,
+    head_dim: int,
+    unpadded_len: int | None = None,
+    out_seq_dim: int | None = None,
+    out_head_dim: int | None = None,
+    **attn_kwargs: Any,
+) -> torch.Tensor:
+    """Attention over the full sequence with heads split across the SP group.
+
+    Args:
+        q: ``[..., S/P, ..., H_q, D]`` local sequence shard (e.g. ``[B, S/P, H, D]`` with seq_dim=1,
+            head_dim=2, or HF's ``[B, H, S/P, D]`` with seq_dim=2, head_dim=1).
+        k, v: same layout with ``H_kv`` heads (v may have another head size than k).
+        attn_fn: ``attn_fn(q, k, v, **attn_kwargs)`` on ``[..., S, ..., H_q/P, D]`` inputs (K/V with
+            ``max(H_kv, P)/P`` heads); returns an output whose sequence and head dims are ``out_seq_dim`` and
+            ``out_head_dim`` (default: the input's).
+        unpadded_len: true full length when the shards carry tail padding; attention never sees the padding.
+    Returns:
+        the attention output for the local shard, ``[..., S/P, ..., H_q, D_v]`` in the output layout.
+    """
+    seq_dim, head_dim = _norm_dim(q, seq_dim), _norm_dim(q, head_dim)
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v must have the same rank, got shapes {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[head_dim] != v.shape[head_dim] or k.shape[seq_dim] != q.shape[seq_dim]:
+        raise ValueError(
+            f"k and v must have equal heads and q, k, v equal local length; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    world = dist.get_world_size(group)
+    repeats = kv_repeats_for_sp(q.shape[head_dim], k.shape[head_dim], world)
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=head_dim)
+        v = v.repeat_interleave(repeats, dim=head_dim)
+
+    def exchange(t: torch.Tensor, stacked: bool) -> torch.Tensor:
+        shift = 1 if stacked else 0
+        return seq_to_heads(
+            t, group, seq_dim=seq_dim + shift, head_dim=head_dim + shift, unpadded_len=unpadded_len
+        )
+
+    # Fewer, larger all-to-alls: tensors of equal shape travel together.
+    if q.shape == k.shape == v.shape:
+        q, k, v = exchange(torch.stack([q, k, v]), stacked=True).unbind(0)
+    elif k.shape == v.shape:
+        q = exchange(q, stacked=False)
+        k, v = exchange(torch.stack([k, v]), stacked=True).unbind(0)
+    else:
+        q, k, v = (exchange(t, stacked=False) for t in (q, k, v))
+
+    out = attn_fn(q, k, v, **attn_kwargs)
+    out_seq = seq_dim if out_seq_dim is None else _norm_dim(out, out_seq_dim)
+    out_head = head_dim if out_head_dim is None else _norm_dim(out, out_head_dim)
+    return heads_to_seq(out, group, seq_dim=out_seq, head_dim=out_head)
