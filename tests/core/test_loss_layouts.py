@@ -97,7 +97,7 @@ def _step(ctx, layout: tuple[int, int, int], samples: list[tuple[int, int, bool]
     counts = [count_valid_tokens(lab) for _, lab in shards]
     n_global = global_token_count(counts, state.loss_group, state.device)
     step_sum = torch.zeros((), device=ctx.device)
-    for (ids, lab), (local_ids, local_lab), count in zip(mine, shards, counts, strict=True):
+    for (ids, _), (local_ids, local_lab), count in zip(mine, shards, counts, strict=True):
         logits = model(local_ids, state.sp_group, ids.shape[1])
         local_mean = F.cross_entropy(logits.flatten(0, 1), local_lab.flatten(), ignore_index=IGNORE_INDEX)
         if sp_path:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
 from veomni.core.sp.comm import all_reduce_sum
 
 IGNORE_INDEX = -100

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from veomni.core.sp.comm import heads_to_seq, seq_to_heads
 from veomni.core.sp.padding import _norm_dim
 

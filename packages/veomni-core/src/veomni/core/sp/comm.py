@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from veomni.core.sp.padding import _norm_dim, pad_to_length, pad_to_multiple, unpad
 
 
