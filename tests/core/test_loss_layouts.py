@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_harness import gpu_count
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -128,17 +129,32 @@ def _single_group(ctx) -> dist.ProcessGroup:
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 4, 1), (2, 1, 2), (1, 2, 2)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "dp{}-sp{}-ga{}".format(*lay))
+def _layout_params() -> list:
+    params = []
+    for layout in LAYOUTS:
+        name = "dp{}-sp{}-ga{}".format(*layout)
+        world = layout[0] * layout[1]
+        params.append(pytest.param(layout, "gloo", id=f"gloo-{name}"))
+        if world > 1:
+            marks = [
+                pytest.mark.multi_gpu,
+                pytest.mark.skipif(gpu_count() < world, reason=f"needs {world} GPUs"),
+            ]
+            params.append(pytest.param(layout, "nccl", id=f"nccl-{name}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("layout, backend", _layout_params())
 @settings(max_examples=8)
 @given(data=st.data(), sp_path=st.booleans())
-def test_step_matches_single_process(dist_pools, layout, data, sp_path):
+def test_step_matches_single_process(dist_pools, layout, backend, data, sp_path):
     dp, sp, grad_accum = layout
     n = dp * grad_accum
     samples = [
         (data.draw(st.integers(0, 10**6)), data.draw(st.integers(1, 11)), data.draw(st.booleans()) and i == 0)
         for i in range(n)
     ]
-    dist_pools.get(dp * sp).run(_step, layout, samples, sp_path)
+    dist_pools.get(dp * sp, backend).run(_step, layout, samples, sp_path)
 
 
 def _empty_sp_group(ctx):

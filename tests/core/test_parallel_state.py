@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import backend_params
+
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import (
     build_parallel_state,
