@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -31,37 +32,27 @@ class ParallelState:
     Attributes:
         dims: the validated degrees.
         device: this rank's device (``cpu`` or ``cuda:<local rank>``).
-        mesh: the main mesh ``[dp_replicate, dp_shard, sp]``, with flattened views ``dp``, ``dp_shard_sp`` and
-            ``dp_sp`` registered on it.
+        mesh: the main mesh ``[dp_replicate, dp_shard, sp]``; the flattened views are separate fields.
         ep_mesh: ``[ep_replicate, ep_fsdp, ep]`` when ``dims.ep > 1``, else None.
     """
 
     dims: ParallelDims
     device: torch.device
     mesh: DeviceMesh
+    dp_mesh: DeviceMesh
+    fsdp_shard_mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh
+    loss_mesh: DeviceMesh
     ep_mesh: DeviceMesh | None
 
-    # Meshes -----------------------------------------------------------------------------------------------
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """1-D mesh of the ranks that read different data (``dp_replicate * dp_shard``); SP peers excluded."""
-        return self.mesh["dp"]
-
+    # Meshes: the fields above are
+    #   dp_mesh          1-D dp_replicate*dp_shard: ranks that read different data (SP peers excluded)
+    #   fsdp_shard_mesh  1-D dp_shard*sp: ranks holding different shards of a dense parameter
+    #   fsdp_mesh        what `fully_shard` uses: fsdp_shard_mesh, or 2-D [dp_replicate, dp_shard_sp] (HSDP)
+    #   loss_mesh        1-D dp*sp, the whole world: token counts, losses and gradient averaging
     @property
     def sp_mesh(self) -> DeviceMesh:
         return self.mesh["sp"]
-
-    @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh `fully_shard` uses: 1-D ``dp_shard_sp``, or 2-D ``[dp_replicate, dp_shard_sp]`` (HSDP)."""
-        if self.dims.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard_sp"]
-        return self.mesh["dp_shard_sp"]
-
-    @property
-    def loss_mesh(self) -> DeviceMesh:
-        """1-D mesh over which token counts and losses are reduced: ``dp * sp``, the whole world."""
-        return self.mesh["dp_sp"]
 
     @property
     def ep_fsdp_mesh(self) -> DeviceMesh:
@@ -83,7 +74,7 @@ class ParallelState:
     @property
     def fsdp_shard_group(self) -> dist.ProcessGroup:
         """Ranks that hold different shards of a dense parameter (``dp_shard * sp``); never the replicas."""
-        return self.mesh["dp_shard_sp"].get_group()
+        return self.fsdp_shard_mesh.get_group()
 
     @property
     def dp_replicate_group(self) -> dist.ProcessGroup:
@@ -162,9 +153,17 @@ def build_parallel_state(dims: ParallelDims, device_type: str) -> ParallelState:
     mesh = init_device_mesh(
         device_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=MAIN_MESH_DIMS
     )
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
-    mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
+    # Flattened meshes are kept as returned: newer torch deprecates slicing them back out of the root mesh.
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    fsdp_shard_mesh = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+    loss_mesh = mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
+    fsdp_mesh = fsdp_shard_mesh
+    if dims.dp_replicate > 1:
+        # A 2-D HSDP mesh of an original dim and a flattened one can only be sliced from the root; torch warns
+        # that this may go away, but it reuses the existing groups (an _unflatten would create new ones).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            fsdp_mesh = mesh["dp_replicate", "dp_shard_sp"]
     ep_mesh = None
     if dims.ep > 1:
         ep_mesh = init_device_mesh(
@@ -174,7 +173,16 @@ def build_parallel_state(dims: ParallelDims, device_type: str) -> ParallelState:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    state = ParallelState(dims=dims, device=device, mesh=mesh, ep_mesh=ep_mesh)
+    state = ParallelState(
+        dims=dims,
+        device=device,
+        mesh=mesh,
+        dp_mesh=dp_mesh,
+        fsdp_shard_mesh=fsdp_shard_mesh,
+        fsdp_mesh=fsdp_mesh,
+        loss_mesh=loss_mesh,
+        ep_mesh=ep_mesh,
+    )
     per_world[key] = state
     return state
 

@@ -15,12 +15,12 @@ Glob syntax: FQNs are split on ``.``; ``*`` matches within a single component an
 
 from __future__ import annotations
 
-import re
-
 import attrs
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from veomni.core.fqn import compile_fqn_glob
 
 _SHARD_ATTR = "_veomni_expert_shard"
 # The same records, {param name: ExpertShard}, kept on the owning module too: the parameter object does not
@@ -53,12 +53,6 @@ def _to_tuple(value: object) -> tuple:
     return tuple(value)  # type: ignore[arg-type]
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
-    # A wildcard never crosses a dot, so it stays inside one component; `*` as a whole component still
-    # matches exactly one component because real FQN components are never empty.
-    return re.compile("[^.]*".join(re.escape(piece) for piece in pattern.split("*")))
-
-
 @attrs.frozen(kw_only=True)
 class ExpertPlan:
     """Which parameters are fused expert tensors, sharded on dim 0 across the EP group.
@@ -72,7 +66,7 @@ class ExpertPlan:
 
     def matches(self, fqn: str) -> bool:
         """Whether the parameter FQN ``fqn`` is matched by any pattern."""
-        return any(_compile(p).fullmatch(fqn) for p in self.patterns)
+        return any(compile_fqn_glob(p).fullmatch(fqn) for p in self.patterns)
 
 
 @attrs.frozen(kw_only=True)
@@ -134,7 +128,7 @@ def _match_parameters(model: nn.Module, plan: ExpertPlan) -> list[tuple[str, nn.
     names_by_id: dict[int, list[str]] = {}
     for fqn, param in all_named:
         names_by_id.setdefault(id(param), []).append(fqn)
-    compiled = [(p, _compile(p)) for p in plan.patterns]
+    compiled = [(p, compile_fqn_glob(p)) for p in plan.patterns]
     hits: dict[str, int] = {p: 0 for p in plan.patterns}
     matched: list[tuple[str, nn.Parameter]] = []
     for fqn, param in all_named:

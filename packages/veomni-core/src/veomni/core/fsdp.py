@@ -1,0 +1,366 @@
+"""FSDP2 application: which modules become FSDP units, on which mesh, with which gradient scaling.
+
+`apply_fsdp2` wraps bottom-up, because each ``fully_shard`` call claims the parameters not already claimed:
+
+1. every expert module (owner of `ExpertPlan` parameters) on the ``ep_fsdp`` mesh, after EP slicing;
+2. every block matched by `FSDPPolicy.block_patterns` on the dense FSDP mesh (optionally checkpointed);
+3. the root, which collects what is left (embeddings, final norm, head).
+
+Meta-device construction, materialisation and loading of full checkpoints are in `veomni.core.fsdp_init`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
+
+from veomni.core.ep.plan import ExpertPlan, apply_expert_plan, expert_module_fqns, expert_shard_of
+from veomni.core.fqn import fqn_matches
+from veomni.core.fsdp_init import StateDictMismatchError, load_full_state_dict, materialize_sharded
+from veomni.core.parallel_state import ParallelState
+
+__all__ = [
+    "FSDPPolicy",
+    "StateDictMismatchError",
+    "apply_fsdp2",
+    "load_full_state_dict",
+    "materialize_sharded",
+    "set_grad_sync",
+]
+
+# Marks a module whose forward `apply_fsdp2` replaced with a checkpointed one, so it is never wrapped twice.
+_AC_MARK = "_veomni_checkpointed_forward"
+
+
+def _float_dtype_or_none(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"FSDPPolicy.{attribute.name} must be a floating torch.dtype or None, got {value!r}")
+
+
+def _to_pattern_tuple(value: object) -> tuple:
+    # A bare string would otherwise become a tuple of one-letter patterns.
+    if isinstance(value, str):
+        raise TypeError(f"FSDPPolicy.block_patterns must be a sequence of strings, got the string {value!r}")
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def _check_block_patterns(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if not value:
+        raise ValueError("FSDPPolicy.block_patterns must name at least one block, e.g. ('layers.*',), got ()")
+    for pattern in value:
+        if not isinstance(pattern, str) or not pattern or any(ch.isspace() for ch in pattern):
+            raise ValueError(f"FSDPPolicy.block_patterns entries must be non-empty strings, got {pattern!r}")
+        if any(not part for part in pattern.split(".")):
+            raise ValueError(f"FSDPPolicy block pattern {pattern!r} has an empty FQN component (stray '.')")
+
+
+_BOOL = attrs.validators.instance_of(bool)
+
+
+@attrs.frozen(kw_only=True)
+class FSDPPolicy:
+    """How `apply_fsdp2` shards a model.
+
+    Attributes:
+        block_patterns: glob FQNs (relative to the model) of the modules that become FSDP units, e.g.
+            ``("layers.*",)``. ``*`` matches within one FQN component and never crosses a ``.``. Every pattern
+            must match at least one module, and matched modules must not nest.
+        param_dtype: dtype of the all-gathered parameters used in forward/backward (None: the stored dtype).
+            When set, the stored (master) parameters must all be fp32: `apply_fsdp2` raises rather than cast.
+        reduce_dtype: dtype of gradient reduce-scatter / all-reduce (None: ``param_dtype``).
+        output_dtype: dtype each unit casts its floating outputs to (None: no cast).
+        reshard_after_forward: free gathered block/expert parameters after forward and re-gather in backward.
+            The root unit never reshards after forward (see `apply_fsdp2`).
+        activation_checkpointing: recompute each block's forward in backward (non-reentrant checkpoint).
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
+        pin_memory: pin the offloaded shards (faster copies; pinned memory counts against a container's memory
+            limit). Used only with ``cpu_offload``.
+    """
+
+    block_patterns: tuple[str, ...] = attrs.field(
+        converter=_to_pattern_tuple, validator=_check_block_patterns
+    )
+    param_dtype: torch.dtype | None = attrs.field(default=torch.bfloat16, validator=_float_dtype_or_none)
+    reduce_dtype: torch.dtype | None = attrs.field(default=torch.float32, validator=_float_dtype_or_none)
+    output_dtype: torch.dtype | None = attrs.field(default=None, validator=_float_dtype_or_none)
+    reshard_after_forward: bool = attrs.field(default=True, validator=_BOOL)
+    activation_checkpointing: bool = attrs.field(default=False, validator=_BOOL)
+    cpu_offload: bool = attrs.field(default=False, validator=_BOOL)
+    pin_memory: bool = attrs.field(default=True, validator=_BOOL)
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The ``fully_shard`` mixed-precision policy (floating inputs are cast to ``param_dtype``)."""
+        return MixedPrecisionPolicy(
+            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=self.output_dtype
+        )
+
+    def offload_policy(self) -> OffloadPolicy:
+        """``CPUOffloadPolicy`` when ``cpu_offload``, else the no-offload policy."""
+        return CPUOffloadPolicy(pin_memory=self.pin_memory) if self.cpu_offload else OffloadPolicy()
+
+
+def _check_master_dtype(model: nn.Module, policy: FSDPPolicy) -> None:
+    if policy.param_dtype is None:
+        return
+    bad = [
+        (n, p.dtype)
+        for n, p in model.named_parameters()
+        if p.is_floating_point() and p.dtype != torch.float32
+    ]
+    if bad:
+        listed = ", ".join(f"{n} ({d})" for n, d in bad[:6]) + (", ..." if len(bad) > 6 else "")
+        raise ValueError(
+            f"apply_fsdp2: mixed precision (param_dtype={policy.param_dtype}) keeps fp32 master parameters, "
+            f"but {len(bad)} parameter(s) are not fp32: {listed}. Build the model in fp32 (or call "
+            "model.float() yourself), or set param_dtype=None to train in the stored dtype"
+        )
+
+
+def _prepare_experts(model: nn.Module, state: ParallelState, plan: ExpertPlan | None) -> list[str]:
+    """EP-slice the planned parameters unless already sliced; return the expert module FQNs."""
+    if plan is None:
+        tagged = [n for n, p in model.named_parameters() if expert_shard_of(p) is not None]
+        if tagged:
+            raise ValueError(
+                f"apply_fsdp2: parameters {tagged[:4]} are EP-sliced expert shards but no expert_plan was "
+                "given; pass the ExpertPlan so they get their own units on the ep_fsdp mesh"
+            )
+        if state.ep_enabled:
+            raise ValueError(
+                f"apply_fsdp2: expert parallelism is on (ep={state.dims.ep}) but no expert_plan was given; "
+                "pass the model's ExpertPlan, or build the ParallelState with ep=1"
+            )
+        return []
+    if not state.ep_enabled:
+        raise ValueError(
+            "apply_fsdp2: an expert_plan was given but expert parallelism is off (ep=1); without EP, expert "
+            "weights are ordinary dense parameters: pass expert_plan=None, or build the ParallelState with "
+            "ep>1"
+        )
+    planned = [(n, p) for n, p in model.named_parameters() if plan.matches(n)]
+    shards = [expert_shard_of(p) for _, p in planned]
+    if planned and all(s is None for s in shards):
+        apply_expert_plan(model, plan, state.dims.ep, state.ep_rank)
+    else:
+        for (name, _), shard in zip(planned, shards, strict=True):
+            if shard is None or (shard.ep_size, shard.ep_rank) != (state.dims.ep, state.ep_rank):
+                raise ValueError(
+                    f"apply_fsdp2: expert parameter {name!r} has EP shard {shard}, expected every planned "
+                    f"parameter sliced for ep_size={state.dims.ep}, ep_rank={state.ep_rank} (or none "
+                    "sliced yet)"
+                )
+    fqns = expert_module_fqns(model, plan)
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        stray = [n for n, p in module.named_parameters() if expert_shard_of(p) is None]
+        if stray:
+            # They would be sharded over ep_fsdp only, although every EP rank holds and updates a full copy:
+            # their gradients would miss the other EP ranks' contributions.
+            raise ValueError(
+                f"apply_fsdp2: expert module {fqn or '<root>'!r} also owns non-expert parameters {stray}; an "
+                "expert unit may hold only EP-sliced parameters: move them to another module"
+            )
+    return fqns
+
+
+def _match_blocks(model: nn.Module, patterns: tuple[str, ...], expert_fqns: list[str]) -> list[str]:
+    hits = {p: 0 for p in patterns}
+    blocks: list[str] = []
+    for fqn, _ in model.named_modules():
+        matched = [p for p in patterns if fqn and fqn_matches(p, fqn)]
+        for p in matched:
+            hits[p] += 1
+        if matched:
+            blocks.append(fqn)
+    missing = [p for p, n in hits.items() if n == 0]
+    if missing:
+        sample = [fqn for fqn, _ in model.named_modules() if fqn][:10]
+        raise ValueError(
+            f"apply_fsdp2: block pattern(s) {missing} matched no module of {type(model).__name__} ('*' "
+            f"matches within one FQN component); its modules include {sample}"
+        )
+    for i, outer in enumerate(blocks):
+        for inner in blocks[i + 1 :]:
+            if inner.startswith(outer + "."):
+                raise ValueError(
+                    f"apply_fsdp2: block {inner!r} is nested in block {outer!r}; blocks must not nest"
+                )
+    for block in blocks:
+        for expert in expert_fqns:
+            if expert == block or block.startswith(expert + "."):
+                raise ValueError(
+                    f"apply_fsdp2: block pattern matched {block!r}, which is (inside) the expert module "
+                    f"{expert!r}; blocks must contain expert modules, not be them"
+                )
+    return blocks
+
+
+def _experts_by_block(blocks: list[str], expert_fqns: list[str]) -> dict[str, list[str]]:
+    owned: dict[str, list[str]] = {b: [] for b in blocks}
+    for expert in expert_fqns:
+        owner = [b for b in blocks if expert.startswith(b + ".")]
+        if not owner:
+            raise ValueError(
+                f"apply_fsdp2: expert module {expert!r} is not inside any block matched by block_patterns "
+                f"{blocks[:4]}...; expert units must nest in a block (prefetch order is set per block)"
+            )
+        owned[owner[0]].append(expert)
+    return owned
+
+
+def _expert_placement(param: nn.Parameter, shard_size: int) -> Shard:
+    # Experts are few per EP rank: dim 0 (E/ep) often does not divide by ep_fsdp, and uneven dim-0 sharding
+    # would leave some ranks with empty shards. Take the first dim that splits evenly (FSDP2 needs even splits
+    # off dim 0).
+    for dim, size in enumerate(param.shape):
+        if size % shard_size == 0:
+            return Shard(dim)
+    raise ValueError(
+        f"apply_fsdp2: no dim of the expert parameter shaped {tuple(param.shape)} divides evenly by the "
+        f"ep_fsdp size {shard_size}"
+    )
+
+
+def _fully_shard_keep_metadata(module: nn.Module, **kwargs: object) -> None:
+    """``fully_shard`` that carries Python attributes (e.g. the `ExpertShard` record) to sharded params."""
+    before = {name: p.__dict__ for name, p in module.named_parameters() if p.__dict__}
+    fully_shard(module, **kwargs)  # type: ignore[arg-type]
+    for name, p in module.named_parameters():
+        for key, value in before.get(name, {}).items():
+            if key not in p.__dict__:
+                setattr(p, key, value)
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    if getattr(module, _AC_MARK, False):
+        raise ValueError(f"apply_fsdp2: {type(module).__name__} already has a checkpointed forward")
+    inner = module.forward
+
+    # Patching the instance's forward (instead of wrapping the module in another module) keeps every FQN, and
+    # with it the checkpoint keys, unchanged. FSDP's hooks run outside it: the unit is gathered before the
+    # recomputation and nested expert units gather themselves again during it.
+    @functools.wraps(inner)
+    def forward(*args: object, **kwargs: object) -> object:
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    object.__setattr__(module, _AC_MARK, True)
+
+
+def _set_prefetch(model: nn.Module, owned: dict[str, list[str]]) -> None:
+    # Nested units blur FSDP2's implicit order (an expert's post-forward comes before its block's), so spell
+    # it out, assuming modules run in registration order. Forward: a block gathers its experts and the next
+    # block. Experts prefetch nothing in forward: under activation checkpointing they run again inside
+    # backward, where a forward prefetch would re-gather the already finished next block. Backward: a block
+    # runs first, then its experts in reverse, then the previous block.
+    blocks = [model.get_submodule(b) for b in owned]
+    experts = [[model.get_submodule(e) for e in owned[b]] for b in owned]
+    for i, block in enumerate(blocks):
+        nxt = blocks[i + 1 : i + 2]
+        block.set_modules_to_forward_prefetch(experts[i] + nxt)
+        chain = [block, *reversed(experts[i]), *([blocks[i - 1]] if i > 0 else [])]
+        for cur, after in zip(chain, chain[1:], strict=False):
+            cur.set_modules_to_backward_prefetch([after])
+
+
+def apply_fsdp2(
+    model: nn.Module, state: ParallelState, policy: FSDPPolicy, expert_plan: ExpertPlan | None = None
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 (and EP for the planned expert parameters); return it.
+
+    Build the model in fp32 (on the meta device for large models, then `materialize_sharded`). Expert
+    parameters ``[E, ...]`` are first sliced to this EP rank's ``[E/ep, ...]`` with `apply_expert_plan`
+    (skipped if that was already done with the same ``ep``/rank). Afterwards every parameter is a DTensor:
+    dense ones on ``state.fsdp_mesh``, expert ones on ``state.ep_fsdp_mesh`` (still tagged for
+    `expert_shard_of`).
+
+    Gradient scaling: dense gradients are averaged over the whole world (the loss on each rank must be its
+    local token sum times ``world / global_tokens``). Expert units divide by the world size too, not by their
+    own mesh size: an expert shard's gradient already sums the tokens of every rank of its EP group (they
+    reached it through the all-to-all), and the ep_fsdp reduce-scatter (and ep_replicate all-reduce) sums over
+    the ranks holding the same experts, so the reduced sum spans all ``world`` ranks exactly once, like a
+    dense gradient.
+
+    Args:
+        model: fp32 module (any device, or meta) whose blocks match ``policy.block_patterns``.
+        state: the parallel state; ``state.device`` is the compute device.
+        policy: dtypes, block patterns, resharding, checkpointing and offload.
+        expert_plan: the fused expert parameters, required exactly when ``state.ep_enabled``.
+
+    Returns:
+        ``model``, now an ``FSDPModule``.
+
+    Raises:
+        ValueError: mixed precision with non-fp32 parameters; a block pattern matching nothing or nested
+            blocks; an expert plan without EP or EP without a plan; an expert module outside every block or
+            owning non-expert parameters; an expert parameter no dim of which divides by ``ep_fsdp``.
+    """
+    if isinstance(model, FSDPModule):
+        raise ValueError("apply_fsdp2: the model already has FSDP applied")
+    _check_master_dtype(model, policy)
+    expert_fqns = _prepare_experts(model, state, expert_plan)
+    blocks = _match_blocks(model, policy.block_patterns, expert_fqns)
+    owned = _experts_by_block(blocks, expert_fqns)
+    common = {"mp_policy": policy.mp_policy(), "offload_policy": policy.offload_policy()}
+
+    for fqn in expert_fqns:
+        module = model.get_submodule(fqn)
+        _fully_shard_keep_metadata(
+            module,
+            mesh=state.ep_fsdp_mesh,
+            reshard_after_forward=policy.reshard_after_forward,
+            shard_placement_fn=functools.partial(_expert_placement, shard_size=state.dims.ep_fsdp),
+            **common,
+        )
+        module.set_gradient_divide_factor(float(state.dims.world_size))  # why: see the docstring
+        if state.device.type == "cpu" and state.dims.ep_fsdp > 1:
+            # gloo has no PREMUL_SUM, which a custom factor otherwise uses: reduce with SUM, then divide. Not
+            # with one shard: FSDP then skips the reduce-scatter but divides twice (before and after).
+            module.set_force_sum_reduction_for_comms(True)
+
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        if policy.activation_checkpointing:
+            _checkpoint_forward(block)
+        fully_shard(block, mesh=state.fsdp_mesh, reshard_after_forward=policy.reshard_after_forward, **common)
+
+    # The root's parameters (embeddings, final norm, head) are the first needed when backward starts, and
+    # fused linear-cross-entropy kernels save the head weight for backward: resharding it would free that
+    # storage.
+    fully_shard(model, mesh=state.fsdp_mesh, reshard_after_forward=False, **common)
+    if expert_fqns:
+        _set_prefetch(model, owned)
+    return model
+
+
+def set_grad_sync(model: nn.Module, is_last_microstep: bool, *, defer_reduce_scatter: bool = False) -> None:
+    """Configure gradient communication for one micro-step of gradient accumulation.
+
+    Call before each micro-step's backward. The HSDP all-reduce across replicas runs only on the last
+    micro-step (reduce-scattered shards accumulate until then). With ``defer_reduce_scatter`` the
+    reduce-scatter is also skipped until the last micro-step: less communication, but unsharded gradients
+    (in ``reduce_dtype``) stay in memory.
+
+    Args:
+        model: the root returned by `apply_fsdp2` (applies to every unit inside it).
+        is_last_microstep: True for the micro-step after which the optimizer steps.
+        defer_reduce_scatter: also skip the reduce-scatter on non-last micro-steps.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"set_grad_sync expects the FSDP root from apply_fsdp2, got {type(model).__name__}")
+    if not isinstance(is_last_microstep, bool):
+        raise TypeError(f"set_grad_sync: is_last_microstep must be a bool, got {is_last_microstep!r}")
+    model.set_requires_gradient_sync(is_last_microstep or not defer_reduce_scatter)
+    model.set_requires_all_reduce(is_last_microstep)
