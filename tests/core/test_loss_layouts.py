@@ -2,7 +2,7 @@
 
 A tiny causal LM with Ulysses attention trains one step on a global batch of variable-length sequences, some
 with every label ignored. Each layout shards the batch over dp ranks and micro-steps and the sequence over sp
-ranks; gradients are averaged over the world, as FSDP does. Both loss paths are exercised: per-rank means, and
+ranks; FSDP2 shards the parameters over dp x sp and averages gradients over the world. Both loss paths are exercised: per-rank means, and
 SP-group means from `sp_token_mean`.
 """
 
@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from veomni.core.fsdp import FSDPPolicy, apply_fsdp2
 from veomni.core.loss import (
     IGNORE_INDEX,
     count_valid_tokens,
@@ -39,23 +40,35 @@ def causal_attention(q, k, v):
     return out.transpose(1, 2)
 
 
-class TinyCausalLM(nn.Module):
+class AttentionBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         d = HIDDEN // HEADS
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.q = nn.Linear(HIDDEN, HEADS * d)
         self.kv = nn.Linear(HIDDEN, 2 * KV_HEADS * d)
         self.o = nn.Linear(HEADS * d, HIDDEN)
+
+    def forward(self, x: torch.Tensor, sp_group: dist.ProcessGroup, full_len: int) -> torch.Tensor:
+        """x [B, S/P, hidden] (this rank's shard) -> [B, S/P, hidden]."""
+        q = self.q(x).unflatten(-1, (HEADS, -1))
+        k, v = self.kv(x).unflatten(-1, (2, KV_HEADS, -1)).unbind(2)
+        attn = ulysses_attention(q, k, v, causal_attention, sp_group, seq_dim=1, head_dim=2, unpadded_len=full_len)
+        return x + self.o(attn.flatten(-2))
+
+
+class TinyCausalLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList([AttentionBlock() for _ in range(2)])
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids: torch.Tensor, sp_group: dist.ProcessGroup, full_len: int) -> torch.Tensor:
         """ids [B, S/P] (this rank's shard) -> logits [B, S/P, V]."""
         x = self.embed(ids)
-        q = self.q(x).unflatten(-1, (HEADS, -1))
-        k, v = self.kv(x).unflatten(-1, (2, KV_HEADS, -1)).unbind(2)
-        attn = ulysses_attention(q, k, v, causal_attention, sp_group, seq_dim=1, head_dim=2, unpadded_len=full_len)
-        return self.head(x + self.o(attn.flatten(-2)))
+        for layer in self.layers:
+            x = layer(x, sp_group, full_len)
+        return self.head(x)
 
 
 def _build(device) -> TinyCausalLM:
@@ -89,7 +102,8 @@ def _step(ctx, layout: tuple[int, int, int], samples: list[tuple[int, int, bool]
     ref_loss.backward()
 
     # Distributed: dp rank d takes samples d, d+dp, ...; sp ranks split each sequence.
-    model = _build(ctx.device)
+    # FSDP2 shards over dp_shard x sp and averages gradients over the world.
+    model = apply_fsdp2(_build(ctx.device), state, FSDPPolicy(block_patterns=("layers.*",), param_dtype=None))
     mine = [data[g * dp + state.dp_rank] for g in range(grad_accum)]
     shards = [
         (slice_sequence(ids, 1, state.sp_group), slice_sequence(lab, 1, state.sp_group, pad_value=IGNORE_INDEX))
@@ -109,16 +123,12 @@ def _step(ctx, layout: tuple[int, int, int], samples: list[tuple[int, int, bool]
         assert torch.isfinite(loss), "an empty shard must give a zero loss, not NaN"
         loss.backward()
         step_sum += loss.detach()
-    # FSDP averages gradients over the world; do exactly that.
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=state.loss_group)
-        p.grad /= world
     dist.all_reduce(step_sum, group=state.loss_group)
     step_loss = step_sum / world  # Σ over ranks and micro-steps of the scaled losses is W * the step's mean loss
     torch.testing.assert_close(step_loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     assert int(n_global) == total_tokens
     for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _single_group(ctx) -> dist.ProcessGroup:
