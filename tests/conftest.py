@@ -6,14 +6,21 @@ import os
 
 import pytest
 from dist_harness import DistPool, gpu_count
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "default",
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
+# CI: reproducible examples, and no shrinking, so a failure reports at once instead of replaying hundreds of
+# distributed examples.
+settings.register_profile(
+    "ci",
+    parent=settings.get_profile("default"),
+    derandomize=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 

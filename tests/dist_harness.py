@@ -5,9 +5,9 @@ draw hundreds of examples, so the pool is started once per (world size, backend)
 all ranks as a task: ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank and returns the per-rank
 results. ``fn`` must be a module-level function (it is pickled by reference); ``ctx`` is a `RankContext`.
 
-A task that raises on any rank fails the call with every rank's traceback. A rank that does not answer within
-the timeout (for example, stuck in a collective its failed peer never joined) gets the whole pool killed, so the
-next task starts a fresh one instead of hanging.
+A task that raises on any rank fails the call with every rank's traceback; the pool stays up when every rank
+answered. A rank that does not answer within the timeout (for example, stuck in a collective its failed peer never
+joined) gets the whole pool killed, so the next task starts a fresh one instead of hanging.
 """
 
 from __future__ import annotations
@@ -147,9 +147,8 @@ class DistPool:
             else:
                 errors.append(f"rank {rank}:\n{value}")
         if errors:
-            if not self.broken:
-                # Peers of a failed rank may be left mid-collective; only a fresh group is trustworthy.
-                self.close()
+            # A rank that did not answer is stuck mid-collective and close() above killed the pool. When every
+            # rank answered, none is inside a collective, so the group stays usable for the next task.
             raise AssertionError(f"{fn.__name__} failed on {self.world_size} ranks ({self.backend}):\n" + "\n".join(errors))
         return results
 
