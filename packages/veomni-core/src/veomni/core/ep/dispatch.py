@@ -50,7 +50,9 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-def all_to_all_rows(x: Tensor, input_splits: list[int], output_splits: list[int], group) -> Tensor:
+def all_to_all_rows(
+    x: Tensor, input_splits: list[int], output_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
     """Differentiable ``all_to_all_single`` along dim 0 with explicit splits.
 
     Args:
