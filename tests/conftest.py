@@ -1,8 +1,15 @@
-"""Shared fixtures: hardware markers and the long-lived distributed pools."""
+"""Shared fixtures: hardware markers, Triton's CPU interpreter and the long-lived distributed pools."""
 
 from __future__ import annotations
 
 import os
+
+# Without a GPU, Triton kernels run through Triton's interpreter. It must be chosen before triton is imported.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 from dist_harness import DistPool, gpu_count
