@@ -1,0 +1,150 @@
+"""`OpsConfig`: which backend runs each op, validated against the hardware; `resolve_kernels` binds it once.
+
+Each field names a backend for one op family (every variant of the op uses it). Leave a field unset to get the
+best default for the hardware (`DEFAULT_BACKENDS`); only unset fields are ever remapped. An explicit value that
+is unknown, or that this hardware cannot run, is an error naming the alternatives — never a silent fallback.
+Allowed values come from the registry, so third-party backends become valid by registering.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+
+import attrs
+
+from veomni.kernels.hardware import Hardware, detect_hardware
+from veomni.kernels.registry import KERNELS, KernelFn, KernelRegistry
+
+# Per op, the default backend on each device type. Every OpsConfig field has a row (a test enforces it); a
+# default that the hardware cannot run (a missing package, say) falls back to "eager", the reference.
+DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
+    "attention": {"cuda": "sdpa", "npu": "npu", "cpu": "sdpa"},
+    "cross_entropy": {"cuda": "eager", "npu": "npu", "cpu": "eager"},
+    "rms_norm": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
+    "rope": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
+    "rope_vision": {"cuda": "eager", "npu": "eager", "cpu": "eager"},
+    "swiglu": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
+    "moe_experts": {"cuda": "eager", "npu": "eager", "cpu": "eager"},
+    "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
+}
+# The registry op that each field selects for (rope_vision shares the rope kernels' registry entries).
+FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS} | {"rope_vision": "rope"}
+
+
+def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"OpsConfig.{attribute.name} must be a backend name (str) or None, got {value!r}")
+
+
+def _backend_field() -> object:
+    return attrs.field(default=None, validator=_optional_str)
+
+
+@attrs.frozen(kw_only=True)
+class OpsConfig:
+    """Backend per op. After construction every field holds a concrete, runnable backend name.
+
+    Attributes:
+        attention, cross_entropy, rms_norm, rope, rope_vision, swiglu, moe_experts, load_balancing_loss:
+            backend names (``eager``, ``triton``, ``torch``, ``liger``, ``sdpa``, ``npu``, ...) or None for the
+            hardware default.
+        hardware: what to validate against (detected when omitted).
+        registry: where backends are looked up (the global `KERNELS` unless a test passes its own).
+        defaulted: the fields that were left unset and so got the hardware default.
+    """
+
+    attention: str | None = _backend_field()
+    cross_entropy: str | None = _backend_field()
+    rms_norm: str | None = _backend_field()
+    rope: str | None = _backend_field()
+    rope_vision: str | None = _backend_field()
+    swiglu: str | None = _backend_field()
+    moe_experts: str | None = _backend_field()
+    load_balancing_loss: str | None = _backend_field()
+    hardware: Hardware = attrs.field(factory=detect_hardware)
+    registry: KernelRegistry = attrs.field(default=KERNELS, repr=False, eq=False)
+    defaulted: frozenset[str] = attrs.field(default=frozenset(), init=False)
+
+    def __attrs_post_init__(self) -> None:
+        defaulted = set()
+        for field in op_fields():
+            value = getattr(self, field)
+            if value is None:
+                value = _default_backend(field, self.hardware, self.registry)
+                defaulted.add(field)
+            else:
+                _check_explicit(field, value, self.hardware, self.registry)
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "defaulted", frozenset(defaulted))
+
+
+def op_fields() -> list[str]:
+    """The OpsConfig fields that select a backend."""
+    return [f.name for f in attrs.fields(OpsConfig) if f.name not in ("hardware", "registry", "defaulted")]
+
+
+def _default_backend(field: str, hw: Hardware, registry: KernelRegistry) -> str:
+    op = FIELD_OPS[field]
+    preferred = DEFAULT_BACKENDS[field][hw.device_type]
+    if registry.backend_problem(op, preferred, hw) is None:
+        return preferred
+    return "eager"
+
+
+def _check_explicit(field: str, value: str, hw: Hardware, registry: KernelRegistry) -> None:
+    op = FIELD_OPS[field]
+    known = registry.backends(op)
+    if value not in known:
+        close = difflib.get_close_matches(value, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"OpsConfig.{field}={value!r} is not a known backend{hint}; allowed: {known}")
+    problem = registry.backend_problem(op, value, hw)
+    if problem:
+        runnable = [b for b in known if registry.backend_problem(op, b, hw) is None]
+        raise ValueError(f"OpsConfig.{field}={value!r} cannot run here: {problem}. Runnable here: {runnable}")
+
+
+@attrs.frozen
+class Kernels:
+    """The implementations one `OpsConfig` selects, built once; a model instance keeps its own.
+
+    ``kernels.get("rms_norm", "standard")`` returns the plain tensor function of the backend that
+    ``config.rms_norm`` names; ``kernels.get("rope_vision", "full")`` the rope kernel of ``config.rope_vision``.
+    """
+
+    config: OpsConfig
+    _table: Mapping[tuple[str, str], KernelFn]
+    _missing: Mapping[tuple[str, str], str]
+
+    def get(self, field: str, variant: str) -> KernelFn:
+        """The function for OpsConfig field ``field`` (an op name, or an alias such as rope_vision)."""
+        key = (field, variant)
+        if key in self._table:
+            return self._table[key]
+        if key in self._missing:
+            raise KeyError(self._missing[key])
+        raise KeyError(f"no kernel {field}/{variant}; available: {sorted(self._table)}")
+
+
+def resolve_kernels(config: OpsConfig) -> Kernels:
+    """Build every (field, variant) implementation the config selects; variants its backend lacks raise on `get`.
+
+    Args:
+        config: a validated `OpsConfig`.
+    Returns:
+        `Kernels` holding one callable per available (field, variant).
+    """
+    registry = config.registry
+    table: dict[tuple[str, str], KernelFn] = {}
+    missing: dict[tuple[str, str], str] = {}
+    for field in op_fields():
+        op, backend = FIELD_OPS[field], getattr(config, field)
+        for variant in registry.variants(op):
+            try:
+                spec = registry.get(op, variant, backend)
+            except KeyError as err:
+                missing[(field, variant)] = f"OpsConfig.{field}={backend!r}: {err.args[0]}"
+                continue
+            table[(field, variant)] = spec.factory()
+    return Kernels(config, table, missing)

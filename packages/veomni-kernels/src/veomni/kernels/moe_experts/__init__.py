@@ -1,0 +1,1 @@
+"""MoE expert computation over tokens grouped by expert. Grouped-GEMM kernels arrive with their own issue."""
