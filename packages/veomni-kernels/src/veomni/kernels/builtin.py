@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import importlib
 
-from veomni.kernels.hardware import ANYWHERE, Requirement
+from veomni.kernels.hardware import ANYWHERE, TRITON, Requirement
 from veomni.kernels.registry import KERNELS, KernelFn
 
 CUDA = Requirement(device_types=("cuda",))
 LIGER = Requirement(device_types=("cuda",), packages=("liger_kernel",))
 NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
+FLASH_2 = Requirement(device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",))
+FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
+FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
 
 _K = "veomni.kernels"
 BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
@@ -21,6 +24,35 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("cross_entropy", "causal", "eager", f"{_K}.cross_entropy.eager:causal_lm_cross_entropy", ANYWHERE),
     ("cross_entropy", "seq_cls", "eager", f"{_K}.cross_entropy.eager:sequence_classification_cross_entropy", ANYWHERE),
     ("moe_experts", "swiglu", "eager", f"{_K}.moe_experts.eager:experts_swiglu", ANYWHERE),
+    ("rms_norm", "standard", "eager", f"{_K}.rms_norm.eager:rms_norm_standard", ANYWHERE),
+    ("rms_norm", "offset", "eager", f"{_K}.rms_norm.eager:rms_norm_offset", ANYWHERE),
+    ("rms_norm", "unweighted", "eager", f"{_K}.rms_norm.eager:rms_norm_unweighted", ANYWHERE),
+    ("rms_norm", "residual", "eager", f"{_K}.rms_norm.eager:fused_add_rms_norm", ANYWHERE),
+    ("rms_norm", "standard", "triton", f"{_K}.rms_norm.triton_impl:rms_norm_standard", TRITON),
+    ("rms_norm", "offset", "triton", f"{_K}.rms_norm.triton_impl:rms_norm_offset", TRITON),
+    ("rms_norm", "unweighted", "triton", f"{_K}.rms_norm.triton_impl:rms_norm_unweighted", TRITON),
+    ("rms_norm", "residual", "triton", f"{_K}.rms_norm.triton_impl:fused_add_rms_norm", TRITON),
+    ("rms_norm", "standard", "torch", f"{_K}.rms_norm.torch_native:rms_norm_standard", ANYWHERE),
+    ("rms_norm", "offset", "torch", f"{_K}.rms_norm.torch_native:rms_norm_offset", ANYWHERE),
+    ("rms_norm", "unweighted", "torch", f"{_K}.rms_norm.torch_native:rms_norm_unweighted", ANYWHERE),
+    ("rms_norm", "residual", "torch", f"{_K}.rms_norm.torch_native:fused_add_rms_norm", ANYWHERE),
+    # One function serves both rope variants: `partial` passes rotary_dim < head_dim.
+    ("rope", "full", "eager", f"{_K}.rope.eager:apply_rope_eager", ANYWHERE),
+    ("rope", "partial", "eager", f"{_K}.rope.eager:apply_rope_eager", ANYWHERE),
+    ("rope", "full", "triton", f"{_K}.rope.triton_impl:apply_rope_triton", TRITON),
+    ("rope", "partial", "triton", f"{_K}.rope.triton_impl:apply_rope_triton", TRITON),
+    ("swiglu", "standard", "eager", f"{_K}.swiglu.eager:swiglu_eager", ANYWHERE),
+    ("swiglu", "standard", "triton", f"{_K}.swiglu.triton_impl:swiglu_triton", TRITON),
+    ("load_balancing_loss", "switch", "eager", f"{_K}.moe_loss.eager:load_balancing_loss_eager", ANYWHERE),
+    ("load_balancing_loss", "switch", "triton", f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton", TRITON),
+    ("attention", "default", "eager", f"{_K}.attention.functions:eager_attention", ANYWHERE),
+    ("attention", "default", "sdpa", f"{_K}.attention.functions:sdpa_attention", ANYWHERE),
+    # Flex runs forward-only on CPU (torch has no CPU flex backward), so it is registered for CUDA.
+    ("attention", "default", "flex", f"{_K}.attention.functions:flex_attention", CUDA),
+    ("attention", "default", "varlen", f"{_K}.attention.external:varlen_attention", CUDA),
+    ("attention", "default", "flash_attn_2", f"{_K}.attention.external:flash_attn_2", FLASH_2),
+    ("attention", "default", "flash_attn_3", f"{_K}.attention.external:flash_attn_3", FLASH_3),
+    ("attention", "default", "flash_attn_4", f"{_K}.attention.external:flash_attn_4", FLASH_4),
 ]
 
 

@@ -1,0 +1,207 @@
+"""Attention backends outside torch's core: ``varlen`` (torch.nn.attention.varlen) and FlashAttention 2/3/4.
+
+Same calling convention as ``functions.py``. Packages are imported on first call; a missing package or a
+non-CUDA tensor is an error naming what is missing, never a fallback to another backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from veomni.kernels.attention.functions import check_qkv
+
+# name -> (module imported on first use, pip package that provides it)
+_FLASH_MODULES = {
+    "flash_attn_2": ("flash_attn", "flash-attn"),
+    "flash_attn_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention's hopper/ build)"),
+    "flash_attn_4": ("flash_attn.cute", "flash-attn-cute (FlashAttention 4, flash_attn.cute)"),
+}
+
+
+def _module_present(module: str) -> bool:
+    """Whether ``module`` could be imported, without importing it (for dotted names, nor its parents)."""
+    top, _, rest = module.partition(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not rest:
+        return spec is not None
+    roots = spec.submodule_search_locations or []
+    sub = rest.replace(".", os.sep)
+    return any(
+        os.path.isdir(os.path.join(r, sub)) or os.path.isfile(os.path.join(r, sub + ".py")) for r in roots
+    )
+
+
+def _unavailable_reason(name: str) -> str | None:
+    if name == "varlen":
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    else:
+        module, package = _FLASH_MODULES[name]
+        if not _module_present(module):
+            return f"needs the {package} package (module {module!r} not found)"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return None
+
+
+def _require(name: str, device: torch.device) -> None:
+    reason = _unavailable_reason(name)
+    if reason is None and device.type != "cuda":
+        reason = f"runs on CUDA tensors only, got {device}"
+    if reason is not None:
+        raise RuntimeError(f"attention {name!r} is unavailable: {reason}")
+
+
+def _packed_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None):
+    """``(cu_seqlens, max_seqlen)`` for the ``[B*S, H, D]`` view; unpacked batches become B equal segments."""
+    batch, seq = q.shape[:2]
+    if cu_seqlens is None:
+        cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
+        return cu, seq
+    cu = cu_seqlens.to(q.device)
+    if max_seqlen is None:
+        # One host sync; pass max_seqlen (the data pipeline knows it) to avoid it.
+        max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return cu, max_seqlen
+
+
+def _first(result: Any) -> torch.Tensor:
+    # Some FlashAttention builds return (out, lse) tuples; the output always comes first.
+    return result[0] if isinstance(result, tuple) else result
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn`` (CUDA only); unpacked batches run as B equal segments.
+
+    Args / Returns: the ``functions.py`` convention; out ``[B, S, Hq, D]`` in q's dtype (bf16/fp16 inputs).
+    Raises ``RuntimeError`` when torch lacks the module, there is no GPU or the tensors are not on CUDA.
+    """
+    check_qkv(q, k, v, cu_seqlens)
+    _require("varlen", q.device)
+    from torch.nn.attention import varlen
+
+    batch, seq, heads_q = q.shape[:3]
+    cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
+    params = inspect.signature(varlen.varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    # torch 2.10 spelled causality ``is_causal``; later releases use flash-style window_size (-1, 0).
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif causal:
+        kwargs["is_causal"] = True
+    if scale is not None:
+        if "scale" not in params:
+            raise RuntimeError(f"torch {torch.__version__}'s varlen_attn takes no scale; needs a newer torch")
+        kwargs["scale"] = scale
+    if k.shape[2] != heads_q:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(heads_q // k.shape[2], dim=2)
+            v = v.repeat_interleave(heads_q // v.shape[2], dim=2)
+    out = varlen.varlen_attn(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, max_len, max_len, **kwargs
+    )
+    return _first(out).unflatten(0, (batch, seq))
+
+
+def _flash(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int | None,
+    scale: float | None,
+) -> torch.Tensor:
+    check_qkv(q, k, v, cu_seqlens)
+    _require(name, q.device)
+    mod = importlib.import_module(_FLASH_MODULES[name][0])
+    # FlashAttention maps query head h to KV head h // (Hq // Hkv): our GQA layout, no repeat needed.
+    if cu_seqlens is None:
+        return _first(mod.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+    cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
+    fn = mod.flash_attn_varlen_func
+    kwargs: dict[str, Any] = {
+        "cu_seqlens_q": cu,
+        "cu_seqlens_k": cu,
+        "softmax_scale": scale,
+        "causal": causal,
+    }
+    # Some FlashAttention 4 releases derive the maximum length themselves and take no max_seqlen_*.
+    params = inspect.signature(fn).parameters
+    if "max_seqlen_q" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs.update(max_seqlen_q=max_len, max_seqlen_k=max_len)
+    out = fn(q[0], k[0], v[0], **kwargs)
+    return _first(out).unsqueeze(0)
+
+
+def flash_attn_2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlashAttention 2 (``flash_attn``; bf16/fp16 CUDA tensors), packed via ``flash_attn_varlen_func``."""
+    return _flash("flash_attn_2", q, k, v, causal, cu_seqlens, max_seqlen, scale)
+
+
+def flash_attn_3(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlashAttention 3 (``flash_attn_interface``, Hopper; bf16/fp16 CUDA tensors)."""
+    return _flash("flash_attn_3", q, k, v, causal, cu_seqlens, max_seqlen, scale)
+
+
+def flash_attn_4(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlashAttention 4 (``flash_attn.cute``, Hopper/Blackwell; bf16/fp16 CUDA tensors)."""
+    return _flash("flash_attn_4", q, k, v, causal, cu_seqlens, max_seqlen, scale)
+
+
+def available_attention_functions() -> dict[str, str]:
+    """Every attention function name -> ``"ok"`` or why it cannot run here. Imports no optional package.
+
+    ``flex`` is "ok" wherever torch has it, but on CPU it runs forward only (no backward).
+    """
+    status = {"eager": "ok", "sdpa": "ok"}
+    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    status["flex"] = "ok" if has_flex else f"torch {torch.__version__} has no flex_attention"
+    for name in ("varlen", *_FLASH_MODULES):
+        status[name] = _unavailable_reason(name) or "ok"
+    return status

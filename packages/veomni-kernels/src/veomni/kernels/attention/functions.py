@@ -1,0 +1,224 @@
+"""Attention on plain tensors, one calling convention for every backend.
+
+    fn(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, scale=None) -> out
+
+* ``q``: ``[B, S, Hq, D]``; ``k``, ``v``: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``. Grouped-query attention
+  shares each KV head among *consecutive* query heads (query head ``h`` uses KV head ``h // (Hq // Hkv)``),
+  the layout of HF's ``repeat_kv``.
+* Packed sequences: ``B == 1`` and ``cu_seqlens`` int32 ``[n + 1]`` (``0 = c_0 < ... < c_n = S``); token ``i``
+  attends only to tokens of its own segment (and, if causal, not to later ones). ``max_seqlen`` is the
+  longest segment; kernels that need it compute it (one host sync) when it is None.
+* ``scale`` defaults to ``1 / sqrt(D)``. ``out`` is ``[B, S, Hq, D]`` in ``q``'s dtype.
+
+These are the layouts `veomni.core.sp.ulysses_attention` hands over with ``seq_dim=1, head_dim=2``: full
+sequence, local heads; packed inputs pass their full-sequence ``cu_seqlens`` unchanged.
+
+This module holds the backends built on torch alone: ``eager`` (the oracle), ``sdpa`` and ``flex``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless q/k/v/cu_seqlens follow the convention above (no host sync)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"attention expects [B, S, H, D] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"k and v must have equal shapes and share B, S and D with q: q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed sequences (cu_seqlens given) need batch size 1, got B={q.shape[0]}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
+            raise ValueError(
+                f"cu_seqlens must be a 1-D int32 tensor [n + 1] with n >= 1, got dtype {cu_seqlens.dtype} "
+                f"shape {tuple(cu_seqlens.shape)}"
+            )
+
+
+def segment_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``cu_seqlens`` int32 ``[n + 1]`` -> int64 ``[seq_len]`` segment index of every position."""
+    positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
+def allowed_mask(
+    seq_len: int, causal: bool, cu_seqlens: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Bool ``[S, S]`` (True = query row may attend to key column), or None when everything is allowed."""
+    mask = None
+    if cu_seqlens is not None:
+        seg = segment_ids(cu_seqlens.to(device), seq_len)
+        mask = seg[:, None] == seg[None, :]
+    if causal:
+        tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def _check_cover(cu_seqlens: torch.Tensor, seq_len: int) -> None:
+    # The oracle pays for a host sync to reject segment tables that do not tile the sequence.
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != seq_len or any(b <= a for a, b in itertools.pairwise(offsets)):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to S={seq_len}, got {offsets}")
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference attention: scores, softmax and weighted sum in fp32, materialising ``[B, Hq, S, S]``.
+
+    Args:
+        q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]``; any float dtype.
+        cu_seqlens: optional int32 ``[n + 1]`` segment offsets (B == 1); validated against S.
+        max_seqlen: ignored (accepted for the common signature).
+    Returns:
+        ``[B, S, Hq, D]`` in q's dtype.
+    """
+    check_qkv(q, k, v, cu_seqlens)
+    if cu_seqlens is not None:
+        _check_cover(cu_seqlens, q.shape[1])
+    groups = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(groups, dim=2)
+    v = v.repeat_interleave(groups, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).to(q.dtype)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; packed inputs use a block-diagonal (causal) bool mask.
+
+    Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype. A mask rules out
+    the flash backend on CUDA, so packed sequences run on the memory-efficient or math backend.
+    """
+    check_qkv(q, k, v, cu_seqlens)
+    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device) if cu_seqlens is not None else None
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        # SDPA's GQA repeats KV heads with repeat_interleave: consecutive query heads share one.
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Built once per process: without torch.compile flex materialises the full score matrix.
+    return torch.compile(flex_attention)
+
+
+def _flex_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
+    if device.type == "cuda":
+        return _compiled_flex()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Off CUDA flex runs its unfused eager path (forward only on CPU); compiling it buys nothing here.
+    return flex_attention
+
+
+def flex_block_mask(
+    seq_len: int, causal: bool, cu_seqlens: torch.Tensor | None, device: torch.device
+) -> BlockMask | None:
+    """A flex ``BlockMask`` for the causal and/or document mask, or None when nothing is masked."""
+    if not causal and cu_seqlens is None:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = segment_ids(cu_seqlens.to(device), seq_len) if cu_seqlens is not None else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        if seg is None:
+            return q_idx >= kv_idx
+        same = seg[q_idx] == seg[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    # On CUDA a compiled mask builder avoids materialising an [S, S] bool tensor.
+    return create_block_mask(
+        mask_mod, None, None, seq_len, seq_len, device=device, _compile=device.type == "cuda"
+    )
+
+
+def flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``torch.nn.attention.flex_attention`` with a causal / document ``BlockMask`` built from cu_seqlens.
+
+    Compiled on CUDA; eager elsewhere. torch's flex attention has no CPU backward: with inputs that need
+    grad on CPU this raises ``NotImplementedError`` rather than silently switching backends.
+
+    Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype.
+    """
+    check_qkv(q, k, v, cu_seqlens)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if q.device.type == "cpu" and needs_grad:
+        raise NotImplementedError(
+            "attention 'flex' cannot run backward on CPU (torch's flex_attention has no CPU backward); "
+            "use 'sdpa' or 'eager' on CPU, or run on CUDA"
+        )
+    if q.device.type == "cpu":
+        # torch checks requires_grad, not grad mode: under no_grad, detached inputs keep the forward legal.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    block_mask = flex_block_mask(q.shape[1], causal, cu_seqlens, q.device)
+    out = _flex_kernel(q.device)(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,122 @@
+"""OpsConfig validation against the hardware, default remapping, registry errors and per-model resolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from veomni.kernels import (
+    DEFAULT_BACKENDS,
+    KERNELS,
+    Hardware,
+    KernelRegistry,
+    OpsConfig,
+    Requirement,
+    op_fields,
+    resolve_kernels,
+)
+from veomni.kernels.config import FIELD_OPS
+from veomni.kernels.hardware import ANYWHERE, TRITON
+
+H100 = Hardware(device_type="cuda", capability=(9, 0))
+A100 = Hardware(device_type="cuda", capability=(8, 0))
+CPU = Hardware(device_type="cpu")
+CPU_INTERPRET = Hardware(device_type="cpu", triton_interpret=True)
+NPU = Hardware(device_type="npu")
+
+
+def _toy_registry() -> KernelRegistry:
+    """Every op with eager + triton + a Hopper-only backend + an npu backend that needs torch_npu."""
+    reg = KernelRegistry()
+    ops = {FIELD_OPS[f] for f in op_fields()}
+    for op in sorted(ops):
+        for variant in ("a", "b"):
+            reg.register(op, variant, "eager", lambda: torch.add, ANYWHERE)
+            reg.register(op, variant, "triton", lambda: torch.mul, TRITON)
+            reg.register(op, variant, "npu", lambda: torch.sub, Requirement(device_types=("npu",), packages=("torch_npu",)))
+        reg.register(op, "a", "hopper", lambda: torch.div, Requirement(device_types=("cuda",), min_capability=(9, 0)))
+        reg.register(op, "a", "sdpa", lambda: torch.maximum, ANYWHERE)
+    return reg
+
+
+def test_unknown_backend_lists_choices_with_did_you_mean():
+    with pytest.raises(ValueError, match=r"rms_norm='trition' is not a known backend \(did you mean 'triton'\?\)"):
+        OpsConfig(rms_norm="trition", hardware=H100, registry=_toy_registry())
+    with pytest.raises(ValueError, match=r"allowed: \['eager', 'hopper', 'npu', 'sdpa', 'triton'\]"):
+        OpsConfig(rope="qqq", hardware=H100, registry=_toy_registry())
+
+
+def test_explicit_backend_the_hardware_cannot_run_is_an_error():
+    with pytest.raises(ValueError, match=r"cannot run here: .*needs cuda \(or any device with TRITON_INTERPRET=1\)"):
+        OpsConfig(swiglu="triton", hardware=CPU, registry=_toy_registry())
+    with pytest.raises(ValueError, match=r"needs compute capability >= sm_90; this GPU is cuda \(sm_80\)"):
+        OpsConfig(swiglu="hopper", hardware=A100, registry=_toy_registry())
+    with pytest.raises(ValueError, match=r"needs the package\(s\) \['torch_npu'\]"):
+        OpsConfig(swiglu="npu", hardware=NPU, registry=_toy_registry())
+    with pytest.raises(ValueError, match=r"Runnable here: \['eager', 'sdpa'\]"):
+        OpsConfig(swiglu="triton", hardware=CPU, registry=_toy_registry())
+    with pytest.raises(TypeError, match="must be a backend name"):
+        OpsConfig(swiglu=3, hardware=CPU, registry=_toy_registry())  # type: ignore[arg-type]
+
+
+def test_only_defaulted_fields_are_remapped():
+    reg = _toy_registry()
+    gpu = OpsConfig(rope="eager", hardware=H100, registry=reg)
+    assert gpu.rms_norm == "triton" and gpu.rope == "eager"
+    assert "rms_norm" in gpu.defaulted and "rope" not in gpu.defaulted
+    # No torch_npu here: the npu default cannot run, so unset fields fall back to the eager reference.
+    npu = OpsConfig(hardware=NPU, registry=reg)
+    assert all(getattr(npu, f) in ("eager",) for f in op_fields() if DEFAULT_BACKENDS[f]["npu"] == "npu")
+    assert npu.defaulted == frozenset(op_fields())
+    # The interpreter makes Triton runnable on CPU, but defaults stay on the fast path for the device.
+    cpu = OpsConfig(swiglu="triton", hardware=CPU_INTERPRET, registry=reg)
+    assert cpu.swiglu == "triton" and cpu.rms_norm == DEFAULT_BACKENDS["rms_norm"]["cpu"]
+
+
+def test_every_field_has_a_default_row_that_is_registered():
+    assert set(DEFAULT_BACKENDS) == set(op_fields())
+    for field in op_fields():
+        row = DEFAULT_BACKENDS[field]
+        assert set(row) == {"cuda", "npu", "cpu"}, field
+        op = FIELD_OPS[field]
+        backends = KERNELS.backends(op)
+        assert "eager" in backends, f"{op} has no eager reference"
+        for device, backend in row.items():
+            assert backend in backends, f"default {backend!r} for {field} on {device} is not registered"
+
+
+def test_two_models_resolve_different_kernels():
+    reg = _toy_registry()
+    fast = resolve_kernels(OpsConfig(hardware=H100, registry=reg))
+    ref = resolve_kernels(OpsConfig(rms_norm="eager", hardware=H100, registry=reg))
+    assert fast.get("rms_norm", "a") is torch.mul and ref.get("rms_norm", "a") is torch.add
+    assert fast.get("rope", "a") is ref.get("rope", "a") is torch.mul
+
+
+def test_missing_variant_and_unknown_names_raise_on_get():
+    reg = _toy_registry()
+    kernels = resolve_kernels(OpsConfig(rope="hopper", hardware=H100, registry=reg))
+    assert kernels.get("rope", "a") is torch.div
+    with pytest.raises(KeyError, match=r"OpsConfig.rope='hopper': rope/b has no 'hopper' implementation"):
+        kernels.get("rope", "b")
+    with pytest.raises(KeyError, match="no kernel rope/zzz"):
+        kernels.get("rope", "zzz")
+    with pytest.raises(KeyError, match=r"no kernel op 'rmsnorm' \(did you mean 'rms_norm'\?\)"):
+        reg.variants("rmsnorm")
+
+
+def test_registry_refuses_duplicates_and_third_party_backends_need_no_class_edit():
+    reg = _toy_registry()
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("swiglu", "a", "eager", lambda: torch.add, ANYWHERE)
+    for variant in ("a", "b"):
+        reg.register("swiglu", variant, "acme", lambda: torch.minimum, ANYWHERE)
+    config = OpsConfig(swiglu="acme", hardware=CPU, registry=reg)
+    assert resolve_kernels(config).get("swiglu", "b") is torch.minimum
+
+
+def test_global_config_builds_on_this_machine():
+    config = OpsConfig()
+    kernels = resolve_kernels(config)
+    assert kernels.config is config
+    assert config.hardware.device_type in ("cpu", "cuda")
