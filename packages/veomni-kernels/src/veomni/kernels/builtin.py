@@ -45,6 +45,11 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("swiglu", "standard", "triton", f"{_K}.swiglu.triton_impl:swiglu_triton", TRITON),
     ("load_balancing_loss", "switch", "eager", f"{_K}.moe_loss.eager:load_balancing_loss_eager", ANYWHERE),
     ("load_balancing_loss", "switch", "triton", f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton", TRITON),
+    ("rms_norm", "standard", "liger", f"{_K}.liger_backend:rms_norm_standard", LIGER),
+    ("rms_norm", "offset", "liger", f"{_K}.liger_backend:rms_norm_offset", LIGER),
+    ("rope", "full", "liger", f"{_K}.liger_backend:apply_rope", LIGER),
+    ("rope", "partial", "liger", f"{_K}.liger_backend:apply_rope", LIGER),
+    ("swiglu", "standard", "liger", f"{_K}.liger_backend:swiglu", LIGER),
     ("attention", "default", "eager", f"{_K}.attention.functions:eager_attention", ANYWHERE),
     ("attention", "default", "sdpa", f"{_K}.attention.functions:sdpa_attention", ANYWHERE),
     # Flex runs forward-only on CPU (torch has no CPU flex backward), so it is registered for CUDA.

@@ -1,0 +1,118 @@
+"""Every registered kernel against the others of its (op, variant), side by side in one run, fwd+bwd, JSON out.
+
+    python tools/bench/bench_kernels.py --out results.json [--ops rms_norm,rope]
+
+Walks veomni's kernel registry, so a new backend is benchmarked as soon as it registers. Shapes are those of a
+Qwen3-8B-class layer in bf16. Each row reports the median fwd+bwd time (triton.testing.do_bench), the peak memory
+above the inputs, and the time ratio against eager measured in the same run. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from veomni.kernels import KERNELS, detect_hardware
+
+DT = torch.bfloat16
+
+
+def _t(*shape: int, grad: bool = True) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=DT).requires_grad_(grad)
+
+
+def _rope(rotary: int) -> Callable[[], tuple[tuple, dict]]:
+    def build():
+        cos_sin = torch.randn(2, 1, 4096, rotary, device="cuda", dtype=DT)
+        q = _t(1, 4096, 32, 128).transpose(1, 2)  # HF's layout: a transposed view of the projection output
+        k = _t(1, 4096, 8, 128).transpose(1, 2)
+        return (q, k, cos_sin[0].cos(), cos_sin[1].sin()), {"rotary_dim": rotary}
+
+    return build
+
+
+SHAPES: dict[tuple[str, str], Callable[[], tuple[tuple, dict]]] = {
+    ("rms_norm", "standard"): lambda: ((_t(16384, 4096), _t(4096), 1e-6), {}),
+    ("rms_norm", "offset"): lambda: ((_t(16384, 4096), _t(4096), 1e-6), {}),
+    ("rms_norm", "unweighted"): lambda: ((_t(16384, 4096), 1e-6), {}),
+    ("rms_norm", "residual"): lambda: ((_t(16384, 4096), _t(16384, 4096), _t(4096), 1e-6), {}),
+    ("rope", "full"): _rope(128),
+    ("rope", "partial"): _rope(64),
+    ("swiglu", "standard"): lambda: ((_t(16384, 12288), _t(16384, 12288)), {}),
+    ("load_balancing_loss", "switch"): lambda: (([_t(16384, 128) for _ in range(4)], 128, 8), {}),
+    ("attention", "default"): lambda: ((_t(1, 8192, 32, 128), _t(1, 8192, 8, 128), _t(1, 8192, 8, 128)), {}),
+}
+
+
+def _outputs(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for item in obj for t in _outputs(item)]
+
+
+def _step(fn, args, kwargs) -> None:
+    outs = [o for o in _outputs(fn(*args, **kwargs)) if o.requires_grad]
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def bench_one(op: str, variant: str, backend: str) -> dict:
+    import triton.testing
+
+    spec = KERNELS.get(op, variant, backend)
+    problem = spec.requires.unmet(detect_hardware())
+    row: dict = {"op": op, "variant": variant, "backend": backend}
+    if problem:
+        return row | {"skipped": problem}
+    fn = spec.factory()
+    args, kwargs = SHAPES[(op, variant)]()
+    try:
+        _step(fn, args, kwargs)  # compile / autotune outside the timing
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _step(fn, args, kwargs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        ms = triton.testing.do_bench(lambda: _step(fn, args, kwargs), warmup=25, rep=100)
+    except Exception as err:  # noqa: BLE001 - a failing backend is a result to report, not a crash
+        return row | {"error": f"{type(err).__name__}: {err}"[:300]}
+    return row | {"ms": ms, "peak_extra_mib": peak / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ops", default="", help="comma-separated ops (default: all with a shape)")
+    cli = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels needs a CUDA GPU")
+    wanted = set(filter(None, cli.ops.split(",")))
+    rows = []
+    for op, variant in SHAPES:
+        if wanted and op not in wanted:
+            continue
+        for backend in KERNELS.backends(op):
+            if (op, variant, backend) in {(s.op, s.variant, s.backend) for s in KERNELS.specs()}:
+                rows.append(bench_one(op, variant, backend))
+                torch.cuda.empty_cache()
+    eager_ms = {(r["op"], r["variant"]): r["ms"] for r in rows if r["backend"] == "eager" and "ms" in r}
+    for r in rows:
+        if "ms" in r and (r["op"], r["variant"]) in eager_ms:
+            r["speedup_vs_eager"] = eager_ms[(r["op"], r["variant"])] / r["ms"]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(DT), "rows": rows}
+    with open(cli.out, "w") as f:
+        json.dump(result, f, indent=2)
+    for r in rows:
+        detail = (
+            f"{r['ms']:8.3f} ms  {r['peak_extra_mib']:9.1f} MiB  x{r.get('speedup_vs_eager', float('nan')):.2f}"
+            if "ms" in r
+            else r.get("skipped") or r.get("error")
+        )
+        print(f"{r['op']:20s} {r['variant']:10s} {r['backend']:13s} {detail}")
+
+
+if __name__ == "__main__":
+    main()
