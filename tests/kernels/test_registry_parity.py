@@ -15,16 +15,18 @@ import torch
 from veomni.kernels import KERNELS, detect_hardware
 
 Case = Callable[[torch.Generator], tuple[tuple, dict]]
+# Kernels run where the hardware is: CUDA when present, else CPU (Triton through its interpreter).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _t(gen: torch.Generator, *shape: int, grad: bool = True) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).requires_grad_(grad)
+    return torch.randn(*shape, generator=gen).to(DEVICE).requires_grad_(grad)
 
 
 def _rope_case(rotary_dim: int | None) -> Case:
     def build(gen):
         b, s, d = 2, 5, 8
-        cos_sin = torch.randn(2, b, s, rotary_dim or d, generator=gen)
+        cos_sin = torch.randn(2, b, s, rotary_dim or d, generator=gen).to(DEVICE)
         q = _t(gen, b, 4, s, d).transpose(1, 2).contiguous().transpose(1, 2)  # HF-style non-contiguous view
         return (q, _t(gen, b, 2, s, d), cos_sin[0].cos(), cos_sin[1].sin()), {"rotary_dim": rotary_dim}
 
@@ -41,8 +43,8 @@ CASES: dict[tuple[str, str], Case] = {
     ("swiglu", "standard"): lambda g: ((_t(g, 4, 3, 21), _t(g, 4, 3, 21)), {}),
     ("load_balancing_loss", "switch"): lambda g: (([_t(g, 9, 6), _t(g, 9, 6)], 6, 2), {}),
     ("attention", "default"): lambda g: ((_t(g, 1, 7, 4, 8), _t(g, 1, 7, 2, 8), _t(g, 1, 7, 2, 8)), {"causal": True}),
-    ("cross_entropy", "causal"): lambda g: ((_t(g, 2, 5, 11), torch.randint(0, 11, (2, 5), generator=g)), {}),
-    ("cross_entropy", "seq_cls"): lambda g: ((_t(g, 4, 3), torch.randint(0, 3, (4,), generator=g)), {}),
+    ("cross_entropy", "causal"): lambda g: ((_t(g, 2, 5, 11), torch.randint(0, 11, (2, 5), generator=g).to(DEVICE)), {}),
+    ("cross_entropy", "seq_cls"): lambda g: ((_t(g, 4, 3), torch.randint(0, 3, (4,), generator=g).to(DEVICE)), {}),
     ("moe_experts", "swiglu"): lambda g: ((_t(g, 7, 6), [3, 0, 4], _t(g, 3, 10, 6), _t(g, 3, 6, 5)), {}),
 }
 
@@ -73,7 +75,7 @@ def _run(fn, args, kwargs, seed: int):
     args = _clone(args)
     outs = _outputs(fn(*args, **kwargs))
     gen = torch.Generator().manual_seed(seed)
-    probes = [torch.randn(o.shape, generator=gen) for o in outs]
+    probes = [torch.randn(o.shape, generator=gen).to(o.device) for o in outs]
     floating = [(o, p) for o, p in zip(outs, probes, strict=True) if o.is_floating_point() and o.requires_grad]
     total = sum((o.float() * p).sum() for o, p in floating)
     leaves = _leaves(args)
