@@ -215,7 +215,9 @@ def test_cuda_real_shape_bf16(rotary_dim):
     args = (q, k, cos, sin, gq, gk, rotary_dim)
     got, want, ideal = fwd_bwd(apply_rope_triton, *args), fwd_bwd(apply_rope_eager, *args), reference64(*args)
     for name, g, w, i in zip(("q", "k", "dq", "dk"), got, want, ideal, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2, msg=lambda m, n=name: f"{n} vs eager: {m}")
+        # Eager rounds its intermediates to bf16 (as HF does), so it may sit two roundings from the truth;
+        # the strict bound is the one against the fp64 evaluation below.
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2, msg=lambda m, n=name: f"{n} vs eager: {m}")
         torch.testing.assert_close(
             g.double(), i, rtol=BF16_ONE_ROUNDING, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
