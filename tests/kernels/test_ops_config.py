@@ -120,3 +120,16 @@ def test_global_config_builds_on_this_machine():
     kernels = resolve_kernels(config)
     assert kernels.config is config
     assert config.hardware.device_type in ("cpu", "cuda")
+
+
+def test_two_models_in_one_process_keep_their_own_kernels():
+    # Real registrations: one model on the eager reference, another on torch's native RMSNorm.
+    model_a = resolve_kernels(OpsConfig(rms_norm="eager"))
+    model_b = resolve_kernels(OpsConfig(rms_norm="torch"))
+    fn_a, fn_b = model_a.get("rms_norm", "standard"), model_b.get("rms_norm", "standard")
+    assert fn_a is not fn_b
+    assert fn_a.__module__.endswith("rms_norm.eager") and fn_b.__module__.endswith("rms_norm.torch_native")
+    x, w = torch.randn(4, 16), torch.randn(16)
+    torch.testing.assert_close(fn_a(x, w, 1e-6), fn_b(x, w, 1e-6))
+    with pytest.raises(KeyError, match="no kernel op 'rmsnorm'"):
+        KERNELS.backends("rmsnorm")
