@@ -1,0 +1,14 @@
+"""The explicit list of patch-config modules that ``patchgen --list/--all/--check`` know about.
+
+Adapters append their config module names here (one line each) when they add a generated file. Keeping
+the list explicit means ``--check`` in CI covers exactly what is checked in, with no filesystem scan.
+"""
+
+from __future__ import annotations
+
+CONFIG_MODULES: list[str] = []
+
+
+def registered_configs() -> list[str]:
+    """The registered config module names, in registration order."""
+    return list(CONFIG_MODULES)
