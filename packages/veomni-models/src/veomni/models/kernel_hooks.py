@@ -1,0 +1,23 @@
+"""How a built model carries its kernel set: one `Kernels` object, attached to every submodule.
+
+Generated modeling files read ``self.veomni_kernels`` in their patched forwards; a module without one (or whose
+op is configured ``eager``) runs the untouched upstream code. Attaching per instance lets two models in one
+process use different kernels.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from veomni.kernels import Kernels
+
+ATTR = "veomni_kernels"
+
+
+def attach_kernels(model: nn.Module, kernels: Kernels) -> nn.Module:
+    """Give ``model`` and all its submodules the resolved kernel set; returns ``model``."""
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"attach_kernels expects veomni.kernels.Kernels, got {type(kernels).__name__}")
+    for module in model.modules():
+        setattr(module, ATTR, kernels)
+    return model

@@ -1,0 +1,1 @@
+"""Qwen3 (dense) adapter: the patch config and its generated modeling file."""

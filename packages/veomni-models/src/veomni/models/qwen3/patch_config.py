@@ -1,0 +1,98 @@
+"""Patches Qwen3's upstream modeling so that RMSNorm, SwiGLU and RoPE dispatch through the instance's kernels.
+
+Every patched forward keeps the upstream code as its ``eager`` branch, so a model without attached kernels (or
+with an op set to ``eager``) computes exactly what transformers computes. Regenerate with
+``uv run patchgen veomni.models.qwen3.patch_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from patchgen.config import PatchConfig
+from transformers.cache_utils import Cache
+from transformers.models.qwen3.modeling_qwen3 import (
+    ALL_ATTENTION_FUNCTIONS,
+    FlashAttentionKwargs,
+    Unpack,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+config = PatchConfig(
+    source_module="transformers.models.qwen3.modeling_qwen3",
+    target_file="patched_modeling_qwen3.py",
+    description="Qwen3 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
+)
+
+
+@config.override_method("Qwen3RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rms_norm != "eager":
+        # Same maths as below: normalise in fp32, cast to the input dtype, then scale by the weight.
+        return kernels.get("rms_norm", "standard")(hidden_states, self.weight, self.variance_epsilon)
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+@config.override_method("Qwen3MLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.swiglu != "eager":
+        if self.config.hidden_act != "silu":
+            raise ValueError(
+                f"OpsConfig.swiglu={kernels.config.swiglu!r} computes silu(gate) * up, but this model's "
+                f"hidden_act is {self.config.hidden_act!r}; set swiglu='eager'"
+            )
+        return self.down_proj(kernels.get("swiglu", "standard")(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@config.override_method("Qwen3Attention.forward", description="RoPE via kernels.get('rope', 'full')")
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rope != "eager":
+        query_states, key_states = kernels.get("rope", "full")(query_states, key_states, cos, sin)
+    else:
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=self.sliding_window,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights

@@ -1,0 +1,99 @@
+"""The generated Qwen3 adapter equals upstream transformers: bitwise in eager mode, within fp32 tolerance with
+veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and gradient norm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as UpstreamQwen3
+
+from veomni.kernels import OpsConfig, resolve_kernels
+from veomni.models.kernel_hooks import attach_kernels
+from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
+
+
+def tiny_config(**overrides) -> Qwen3Config:
+    # Qwen3-0.6B's ratios (GQA 2:1, intermediate 3x hidden, explicit head_dim), cut in width and depth.
+    values = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    values.update(overrides)
+    return Qwen3Config(**values)
+
+
+def build_pair(attn: str, **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    config = tiny_config(**overrides)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    upstream = UpstreamQwen3(config).eval()
+    ours = Qwen3ForCausalLM(config).eval()
+    missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
+    assert not missing and not unexpected
+    return upstream, ours
+
+
+def batch(seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (2, 24), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def loss_and_grad_norm(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+    return out.logits.detach(), out.loss.detach(), float(torch.cat(grads).norm())
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kernels", [None, "eager"], ids=["no-kernels", "eager-kernels"])
+def test_eager_paths_are_bitwise_upstream(attn, kernels):
+    upstream, ours = build_pair(attn)
+    if kernels:
+        attach_kernels(ours, resolve_kernels(OpsConfig(rms_norm="eager", rope="eager", swiglu="eager")))
+    ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch())
+    logits, loss, norm = loss_and_grad_norm(ours, batch())
+    assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss) and norm == ref_norm
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        {"rms_norm": "triton", "rope": "triton", "swiglu": "triton"},
+        {"rms_norm": "torch"},
+        {"rms_norm": "triton"},
+        {"rope": "triton"},
+        {"swiglu": "triton"},
+    ],
+    ids=lambda ops: "+".join(f"{k}={v}" for k, v in ops.items()),
+)
+def test_kernel_combinations_match_upstream(ops):
+    upstream, ours = build_pair("sdpa")
+    attach_kernels(ours, resolve_kernels(OpsConfig(**ops)))
+    ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch(2))
+    logits, loss, norm = loss_and_grad_norm(ours, batch(2))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+def test_swiglu_kernel_refuses_other_activations():
+    _, ours = build_pair("sdpa", hidden_act="gelu")
+    attach_kernels(ours, resolve_kernels(OpsConfig(swiglu="triton")))
+    with pytest.raises(ValueError, match="hidden_act is 'gelu'; set swiglu='eager'"):
+        ours(**batch())
+
+
+def test_two_instances_keep_their_own_kernels():
+    _, fast = build_pair("sdpa")
+    _, ref = build_pair("sdpa")
+    attach_kernels(fast, resolve_kernels(OpsConfig(rms_norm="torch")))
+    attach_kernels(ref, resolve_kernels(OpsConfig(rms_norm="eager")))
+    assert fast.model.norm.veomni_kernels.config.rms_norm == "torch"
+    assert ref.model.norm.veomni_kernels.config.rms_norm == "eager"
+    with pytest.raises(TypeError, match="expects veomni.kernels.Kernels"):
+        attach_kernels(ref, OpsConfig())  # type: ignore[arg-type]
