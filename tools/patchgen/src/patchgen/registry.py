@@ -7,6 +7,8 @@ the list explicit means ``--check`` in CI covers exactly what is checked in, wit
 from __future__ import annotations
 
 CONFIG_MODULES: list[str] = [
+    "veomni.models.llama.patch_config",
+    "veomni.models.qwen2.patch_config",
     "veomni.models.qwen3.patch_config",
 ]
 

@@ -1,35 +1,46 @@
-"""The generated Qwen3 adapter equals upstream transformers: bitwise in eager mode, within fp32 tolerance with
-veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and gradient norm."""
+"""The generated dense adapters (Llama, Qwen2, Qwen3) equal upstream transformers: bitwise in eager mode, within
+fp32 tolerance with veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and grad norm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers.models.llama.modeling_llama import LlamaForCausalLM as UpstreamLlama
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM as UpstreamQwen2
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as UpstreamQwen3
 
 from veomni.kernels import OpsConfig, resolve_kernels
 from veomni.models.kernel_hooks import attach_kernels
+from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalLM
+from veomni.models.qwen2.generated.patched_modeling_qwen2 import Qwen2ForCausalLM
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
 
+# model -> (config class, upstream class, generated class)
+MODELS = {
+    "llama": (LlamaConfig, UpstreamLlama, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, UpstreamQwen2, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, UpstreamQwen3, Qwen3ForCausalLM),
+}
 
-def tiny_config(**overrides) -> Qwen3Config:
-    # Qwen3-0.6B's ratios (GQA 2:1, intermediate 3x hidden, explicit head_dim), cut in width and depth.
+
+def tiny_config(model: str, **overrides):
+    # Real ratios (GQA 2:1, intermediate 3x hidden, explicit head_dim), cut in width and depth.
     values = dict(
         vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )  # fmt: skip
     values.update(overrides)
-    return Qwen3Config(**values)
+    return MODELS[model][0](**values)
 
 
-def build_pair(attn: str, **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
-    config = tiny_config(**overrides)
+def build_pair(attn: str, model: str = "qwen3", **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    config = tiny_config(model, **overrides)
     config._attn_implementation = attn
     torch.manual_seed(0)
-    upstream = UpstreamQwen3(config).eval()
-    ours = Qwen3ForCausalLM(config).eval()
+    upstream = MODELS[model][1](config).eval()
+    ours = MODELS[model][2](config).eval()
     missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
     assert not missing and not unexpected
     return upstream, ours
@@ -49,10 +60,11 @@ def loss_and_grad_norm(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tens
     return out.logits.detach(), out.loss.detach(), float(torch.cat(grads).norm())
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kernels", [None, "eager"], ids=["no-kernels", "eager-kernels"])
-def test_eager_paths_are_bitwise_upstream(attn, kernels):
-    upstream, ours = build_pair(attn)
+def test_eager_paths_are_bitwise_upstream(model, attn, kernels):
+    upstream, ours = build_pair(attn, model)
     if kernels:
         attach_kernels(ours, resolve_kernels(OpsConfig(rms_norm="eager", rope="eager", swiglu="eager")))
     ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch())
@@ -71,8 +83,9 @@ def test_eager_paths_are_bitwise_upstream(attn, kernels):
     ],
     ids=lambda ops: "+".join(f"{k}={v}" for k, v in ops.items()),
 )
-def test_kernel_combinations_match_upstream(ops):
-    upstream, ours = build_pair("sdpa")
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_kernel_combinations_match_upstream(model, ops):
+    upstream, ours = build_pair("sdpa", model)
     attach_kernels(ours, resolve_kernels(OpsConfig(**ops)))
     ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch(2))
     logits, loss, norm = loss_and_grad_norm(ours, batch(2))

@@ -1,0 +1,1 @@
+"""Llama adapter: the patch config and its generated modeling file."""

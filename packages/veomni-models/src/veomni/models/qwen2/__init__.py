@@ -1,0 +1,1 @@
+"""Qwen2 adapter: the patch config and its generated modeling file."""

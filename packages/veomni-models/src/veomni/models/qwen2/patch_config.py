@@ -1,0 +1,78 @@
+"""Patches Qwen2's upstream modeling: RMSNorm, SwiGLU and RoPE through the instance's kernels.
+
+RMSNorm and the MLP reuse the Qwen3 config's functions (same maths); the attention forward is Qwen2's own
+(biased q/k/v, sliding window) with the RoPE call dispatched. Regenerate with
+``uv run patchgen veomni.models.qwen2.patch_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from patchgen.config import PatchConfig
+from transformers.cache_utils import Cache
+from transformers.models.qwen2.modeling_qwen2 import (
+    ALL_ATTENTION_FUNCTIONS,
+    FlashAttentionKwargs,
+    Unpack,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
+
+config = PatchConfig(
+    source_module="transformers.models.qwen2.modeling_qwen2",
+    target_file="patched_modeling_qwen2.py",
+    description="Qwen2 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
+)
+config.override_method("Qwen2RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(
+    rms_norm_forward
+)
+config.override_method("Qwen2MLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(mlp_forward)
+
+
+@config.override_method("Qwen2Attention.forward", description="RoPE via kernels.get('rope', 'full')")
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rope != "eager":
+        query_states, key_states = kernels.get("rope", "full")(query_states, key_states, cos, sin)
+    else:
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=self.sliding_window,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
