@@ -16,6 +16,9 @@ from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalL
 from veomni.models.qwen2.generated.patched_modeling_qwen2 import Qwen2ForCausalLM
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
 
+# On a GPU runner the same checks run on CUDA (Triton compiled); on CPU, Triton runs through its interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # model -> (config class, upstream class, generated class)
 MODELS = {
     "llama": (LlamaConfig, UpstreamLlama, LlamaForCausalLM),
@@ -39,8 +42,8 @@ def build_pair(attn: str, model: str = "qwen3", **overrides) -> tuple[torch.nn.M
     config = tiny_config(model, **overrides)
     config._attn_implementation = attn
     torch.manual_seed(0)
-    upstream = MODELS[model][1](config).eval()
-    ours = MODELS[model][2](config).eval()
+    upstream = MODELS[model][1](config).eval().to(DEVICE)
+    ours = MODELS[model][2](config).eval().to(DEVICE)
     missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
     assert not missing and not unexpected
     return upstream, ours
@@ -48,7 +51,7 @@ def build_pair(attn: str, model: str = "qwen3", **overrides) -> tuple[torch.nn.M
 
 def batch(seed: int = 1) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (2, 24), generator=gen)
+    ids = torch.randint(0, 128, (2, 24), generator=gen).to(DEVICE)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
