@@ -20,6 +20,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     eager_attention_forward,
 )
 
+from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
 
 config = PatchConfig(
@@ -27,6 +28,7 @@ config = PatchConfig(
     target_file="patched_modeling_qwen2.py",
     description="Qwen2 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.override_method("Qwen2RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(
     rms_norm_forward
 )
@@ -50,11 +52,7 @@ def attention_forward(
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    kernels = getattr(self, "veomni_kernels", None)
-    if kernels is not None and kernels.config.rope != "eager":
-        query_states, key_states = kernels.get("rope", "full")(query_states, key_states, cos, sin)
-    else:
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)

@@ -20,11 +20,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
 )
 
+from veomni.models.kernel_hooks import apply_rope
+
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
     target_file="patched_modeling_qwen3.py",
     description="Qwen3 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+config.add_import("from veomni.models.kernel_hooks import apply_rope")
 
 
 @config.override_method("Qwen3RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")
@@ -70,11 +73,7 @@ def attention_forward(
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    kernels = getattr(self, "veomni_kernels", None)
-    if kernels is not None and kernels.config.rope != "eager":
-        query_states, key_states = kernels.get("rope", "full")(query_states, key_states, cos, sin)
-    else:
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)

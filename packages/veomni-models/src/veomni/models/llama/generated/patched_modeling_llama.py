@@ -9,6 +9,7 @@
 #   - override_method LlamaRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method LlamaMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method LlamaAttention.forward: RoPE via kernels.get('rope', 'full')
+#   - add_import: from veomni.models.kernel_hooks import apply_rope
 # ====================================================================================================
 
 # Copyright 2022 EleutherAI and the HuggingFace Inc. team. All rights reserved.
@@ -56,6 +57,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.configuration_llama import LlamaConfig
+from veomni.models.kernel_hooks import apply_rope
 
 
 logger = logging.get_logger(__name__)
@@ -272,11 +274,7 @@ class LlamaAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
-        kernels = getattr(self, "veomni_kernels", None)
-        if kernels is not None and kernels.config.rope != "eager":
-            query_states, key_states = kernels.get("rope", "full")(query_states, key_states, cos, sin)
-        else:
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)

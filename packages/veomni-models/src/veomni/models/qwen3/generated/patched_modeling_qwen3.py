@@ -9,6 +9,7 @@
 #   - override_method Qwen3RMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3Attention.forward: RoPE via kernels.get('rope', 'full')
+#   - add_import: from veomni.models.kernel_hooks import apply_rope
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -56,6 +57,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from veomni.models.kernel_hooks import apply_rope
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -277,11 +279,7 @@ class Qwen3Attention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
-        kernels = getattr(self, "veomni_kernels", None)
-        if kernels is not None and kernels.config.rope != "eager":
-            query_states, key_states = kernels.get("rope", "full")(query_states, key_states, cos, sin)
-        else:
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
