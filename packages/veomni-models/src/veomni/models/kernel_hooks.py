@@ -12,9 +12,35 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from veomni.kernels import Kernels
+from veomni.kernels import Kernels, OpsConfig, resolve_kernels
 
 ATTR = "veomni_kernels"
+
+
+def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
+    """Bind ``ops`` to ``model``: attach its resolved kernel set and route attention through ``ops.attention``.
+
+    The attention backend is registered in HF's attention interface under `hf_attention_name` and set as the
+    model's ``attn_implementation`` (packed sequences and Ulysses SP work through it). A model that is not an HF
+    ``PreTrainedModel`` gets the kernels only, and an error if ``ops.attention`` was set explicitly.
+
+    Returns:
+        the `Kernels` now attached to every submodule.
+    """
+    from veomni.models.hf_attention import hf_attention_name, register_hf_attention
+
+    kernels = attach_kernels(model, resolve_kernels(ops)).veomni_kernels
+    set_impl = getattr(model, "set_attn_implementation", None)
+    if set_impl is None:
+        if "attention" not in ops.defaulted:
+            raise TypeError(
+                f"OpsConfig.attention={ops.attention!r} needs an HF PreTrainedModel (set_attn_implementation), "
+                f"got {type(model).__name__}"
+            )
+        return kernels
+    register_hf_attention([ops.attention])
+    set_impl(hf_attention_name(ops.attention))
+    return kernels
 
 
 def attach_kernels(model: nn.Module, kernels: Kernels) -> nn.Module:
