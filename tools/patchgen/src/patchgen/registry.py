@@ -10,6 +10,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.llama.patch_config",
     "veomni.models.qwen2.patch_config",
     "veomni.models.qwen3.patch_config",
+    "veomni.models.qwen3_moe.patch_config",
 ]
 
 

@@ -18,7 +18,8 @@ ATTR = "veomni_kernels"
 
 
 def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
-    """Bind ``ops`` to ``model``: attach its resolved kernel set and route attention through ``ops.attention``.
+    """Bind ``ops`` to ``model``: attach its resolved kernel set, route attention through ``ops.attention`` and,
+    for MoE models, the experts through veomni's experts implementation (`veomni.models.hf_experts`).
 
     The attention backend is registered in HF's attention interface under `hf_attention_name` and set as the
     model's ``attn_implementation`` (packed sequences and Ulysses SP work through it). A model that is not an HF
@@ -40,7 +41,17 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         return kernels
     register_hf_attention([ops.attention])
     set_impl(hf_attention_name(ops.attention))
+    if _has_hf_experts(model):
+        from veomni.models.hf_experts import register_hf_experts
+
+        model.set_experts_implementation(register_hf_experts())
     return kernels
+
+
+def _has_hf_experts(model: nn.Module) -> bool:
+    # HF's own test: the modeling module uses @use_experts_implementation (so set_experts_implementation works).
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    return bool(can_set and can_set())
 
 
 def attach_kernels(model: nn.Module, kernels: Kernels) -> nn.Module:

@@ -1,6 +1,6 @@
-"""Patches Llama's upstream modeling: RMSNorm, SwiGLU and RoPE through the instance's kernels.
+"""Patches Llama's upstream modeling: RMSNorm, SwiGLU, RoPE and the LM loss through the instance's kernels.
 
-RMSNorm and the MLP reuse the Qwen3 config's functions (same maths); the attention forward is Llama's own with
+RMSNorm, the MLP and the causal-LM forward reuse the Qwen3 config's functions (same maths); the attention forward is Llama's own with
 the RoPE call dispatched. Regenerate with ``uv run patchgen veomni.models.llama.patch_config``.
 """
 
@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
+from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward, rms_norm_forward
 
 config = PatchConfig(
     source_module="transformers.models.llama.modeling_llama",
@@ -28,10 +28,17 @@ config = PatchConfig(
     description="Llama with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.override_method("LlamaRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(
     rms_norm_forward
 )
-config.override_method("LlamaMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(mlp_forward)
+config.override_method("LlamaMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
+    mlp_forward
+)
+config.override_method(
+    "LlamaForCausalLM.forward",
+    description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)",
+)(causal_lm_forward)
 
 
 @config.override_method("LlamaAttention.forward", description="RoPE via kernels.get('rope', 'full')")

@@ -1,6 +1,6 @@
-"""Patches Qwen2's upstream modeling: RMSNorm, SwiGLU and RoPE through the instance's kernels.
+"""Patches Qwen2's upstream modeling: RMSNorm, SwiGLU, RoPE and the LM loss through the instance's kernels.
 
-RMSNorm and the MLP reuse the Qwen3 config's functions (same maths); the attention forward is Qwen2's own
+RMSNorm, the MLP and the causal-LM forward reuse the Qwen3 config's functions (same maths); the attention forward is Qwen2's own
 (biased q/k/v, sliding window) with the RoPE call dispatched. Regenerate with
 ``uv run patchgen veomni.models.qwen2.patch_config``.
 """
@@ -21,7 +21,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
+from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward, rms_norm_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen2.modeling_qwen2",
@@ -29,10 +29,17 @@ config = PatchConfig(
     description="Qwen2 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.override_method("Qwen2RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(
     rms_norm_forward
 )
-config.override_method("Qwen2MLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(mlp_forward)
+config.override_method("Qwen2MLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
+    mlp_forward
+)
+config.override_method(
+    "Qwen2ForCausalLM.forward",
+    description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)",
+)(causal_lm_forward)
 
 
 @config.override_method("Qwen2Attention.forward", description="RoPE via kernels.get('rope', 'full')")

@@ -1,4 +1,4 @@
-"""Patches Qwen3's upstream modeling so that RMSNorm, SwiGLU and RoPE dispatch through the instance's kernels.
+"""Patches Qwen3's upstream modeling so that RMSNorm, SwiGLU, RoPE and the LM loss dispatch through the instance's kernels.
 
 Every patched forward keeps the upstream code as its ``eager`` branch, so a model without attached kernels (or
 with an op set to ``eager``) computes exactly what transformers computes. Regenerate with
@@ -14,12 +14,16 @@ from patchgen.config import PatchConfig
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import (
     ALL_ATTENTION_FUNCTIONS,
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
     FlashAttentionKwargs,
+    TransformersKwargs,
     Unpack,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
 
+from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.kernel_hooks import apply_rope
 
 config = PatchConfig(
@@ -28,6 +32,7 @@ config = PatchConfig(
     description="Qwen3 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 
 
 @config.override_method("Qwen3RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")
@@ -95,3 +100,40 @@ def attention_forward(
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+@config.override_method(
+    "Qwen3ForCausalLM.forward",
+    description="LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and "
+    "the LM-head weight (no [T, V] logits); eager runs the upstream head and loss",
+)
+def causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> CausalLMOutputWithPast:
+    outputs: BaseModelOutputWithPast = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    # logits_to_keep is applied before the loss; with a fused loss, logits stay None (never materialised).
+    logits, loss = lm_logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )

@@ -8,8 +8,10 @@
 # Patches applied:
 #   - override_method Qwen2RMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
+#   - override_method Qwen2ForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
 #   - override_method Qwen2Attention.forward: RoPE via kernels.get('rope', 'full')
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -37,13 +39,14 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 from veomni.models.kernel_hooks import apply_rope
+from veomni.models.causal_lm import lm_logits_and_loss
 
 
 class Qwen2MLP(nn.Module):
@@ -439,6 +442,7 @@ class Qwen2ForCausalLM(Qwen2PreTrainedModel, GenerationMixin):
         # Initialize weights and apply final processing
         self.post_init()
 
+    # [PATCHED] LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -453,23 +457,6 @@ class Qwen2ForCausalLM(Qwen2PreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        r"""
-        Example:
-
-        ```python
-        >>> from transformers import AutoTokenizer, Qwen2ForCausalLM
-
-        >>> model = Qwen2ForCausalLM.from_pretrained("meta-qwen2/Qwen2-2-7b-hf")
-        >>> tokenizer = AutoTokenizer.from_pretrained("meta-qwen2/Qwen2-2-7b-hf")
-
-        >>> prompt = "Hey, are you conscious? Can you talk to me?"
-        >>> inputs = tokenizer(prompt, return_tensors="pt")
-
-        >>> # Generate
-        >>> generate_ids = model.generate(inputs.input_ids, max_length=30)
-        >>> tokenizer.batch_decode(generate_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
-        "Hey, are you conscious? Can you talk to me?\nI'm not conscious, but I can talk to you."
-        ```"""
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -479,17 +466,8 @@ class Qwen2ForCausalLM(Qwen2PreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-
-        hidden_states = outputs.last_hidden_state
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
-            )
-
+        # logits_to_keep is applied before the loss; with a fused loss, logits stay None (never materialised).
+        logits, loss = lm_logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

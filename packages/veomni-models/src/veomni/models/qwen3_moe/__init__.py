@@ -1,0 +1,1 @@
+"""Qwen3-MoE adapter: the patch config and its generated modeling file."""
