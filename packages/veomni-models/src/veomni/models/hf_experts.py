@@ -43,7 +43,8 @@ def veomni_experts_forward(
         )
     backend = kernels.config.moe_experts
     shards = expert_shards(self)
-    if not shards:
+    shard = shards.get("gate_up_proj")
+    if shard is None or shard.ep_size == 1:
         if backend == "eager":
             upstream = type(self).forward.__wrapped__  # the class's own forward, under HF's dispatch wrapper
             return upstream(self, hidden_states, top_k_index, top_k_weights)
@@ -53,12 +54,10 @@ def veomni_experts_forward(
     if backend == "eager":
         raise ValueError(
             "OpsConfig.moe_experts='eager' runs the upstream per-expert loop, which indexes experts by global id "
-            f"and cannot run on expert-parallel shards ({type(self).__name__} holds "
-            f"{next(iter(shards.values())).local_experts} of {next(iter(shards.values())).num_experts} experts); "
-            "choose a grouped backend such as 'torch' or 'triton'"
+            f"and cannot run on expert-parallel shards ({type(self).__name__} holds {shard.local_experts} of "
+            f"{shard.num_experts} experts); choose a grouped backend such as 'torch' or 'triton'"
         )
-    shard = shards.get("gate_up_proj")
-    if shard is None or "down_proj" not in shards:
+    if "down_proj" not in shards:
         raise ValueError(
             f"{type(self).__name__}: both gate_up_proj and down_proj must be expert-sharded, found {sorted(shards)}"
         )

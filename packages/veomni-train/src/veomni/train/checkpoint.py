@@ -1,0 +1,287 @@
+"""Training checkpoints: model + optimizer through torch DCP (sharded, resharded on load), everything else beside.
+
+Layout of one checkpoint, ``<dir>/step_00000100/``:
+
+    dcp/                 model and optimizer state (torch.distributed.checkpoint), loadable at another world size
+    trainer.pt           rank 0: step counters, scheduler state, world/DP/SP/EP sizes, the resolved recipe
+    rank_00003.pt        per rank: RNG states (python, numpy, torch CPU, accelerator) and data-loader state
+    COMPLETE             written last, atomically (write + rename), by rank 0 after every rank finished
+
+`latest_complete` only ever returns directories with ``COMPLETE``: a process killed during a save leaves an
+incomplete directory that is ignored (and pruned by the next successful save), and the previous checkpoint
+stays loadable. Keep-last-K pruning runs only after the new checkpoint is complete.
+
+Expert parallelism: after `apply_expert_plan` and FSDP2, an expert tensor is a DTensor of *local* experts, the
+same FQN and global shape on every EP rank, which DCP would take for replicas and save once. Before saving and
+loading, such tensors are re-wrapped (no copy) as DTensors of the full ``[E, ...]`` tensor over the EP and
+EP-FSDP mesh dims, so DCP sees which experts each rank holds and can reshard them to another EP size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from veomni.core.ep import expert_shards
+from veomni.core.parallel_state import ParallelState
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+MARKER = "COMPLETE"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def latest_complete(root: str | os.PathLike) -> Path | None:
+    """The newest ``step_*`` directory under ``root`` that has a ``COMPLETE`` marker, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the loop touches: python, numpy, torch CPU and the current accelerator's."""
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---------------------------------------------------------------- EP-aware DCP views
+
+
+def _expert_mesh(state: ParallelState) -> DeviceMesh:
+    # The EP mesh is [ep_replicate, ep_fsdp, ep]; the global expert order is ep-major (apply_expert_plan slices
+    # by EP rank first, FSDP then shards each slice), so the view mesh orders the dims [ep_replicate, ep, ep_fsdp].
+    # No process groups: DCP only needs the coordinates to compute each rank's chunk offsets.
+    ep_mesh = state.ep_mesh
+    ranks = ep_mesh.mesh.permute(0, 2, 1).contiguous()
+    return DeviceMesh(
+        ep_mesh.device_type, ranks, mesh_dim_names=("ep_replicate", "ep", "ep_fsdp"), _init_backend=False
+    )
+
+
+def _global_expert_view(tensor: torch.Tensor, mesh: DeviceMesh, num_experts: int) -> DTensor:
+    if isinstance(tensor, DTensor):
+        (placement,) = tensor.placements[-1:]  # the ep_fsdp placement (HSDP adds Replicate before it)
+        local = tensor.to_local()
+        local_shape = tensor.shape
+    else:
+        placement, local, local_shape = Replicate(), tensor, tensor.shape
+    global_shape = (num_experts, *local_shape[1:])
+    placements = (Replicate(), Shard(0), placement)
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=global_shape, stride=_contiguous_stride(global_shape)
+    )
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _checkpoint_view(
+    model: nn.Module, state: ParallelState | None, model_sd: dict, optim_sd: dict
+) -> dict[str, Any]:
+    """The DCP payload: ``model_sd``/``optim_sd`` with expert tensors replaced by their global views.
+
+    Only new containers are modified (the optimizer's own state dicts are left alone); every tensor, view or
+    not, shares storage with the live one, so DCP loads in place.
+    """
+    shards = {fqn: s for fqn, s in expert_shards(model).items() if s.ep_size > 1}
+    if not shards:
+        return {"model": model_sd, "optim": optim_sd}
+    if state is None or state.ep_mesh is None:
+        raise ValueError("the model has expert-parallel shards: pass the ParallelState used to build it")
+    mesh = _expert_mesh(state)
+    model_view = dict(model_sd)
+    optim_state = dict(optim_sd.get("state", {}))
+    for fqn, shard in shards.items():
+        if fqn in model_view:
+            model_view[fqn] = _global_expert_view(model_view[fqn], mesh, shard.num_experts)
+        if fqn in optim_state:
+            optim_state[fqn] = {
+                key: _global_expert_view(v, mesh, shard.num_experts)
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+                else v
+                for key, v in optim_state[fqn].items()
+            }
+    return {"model": model_view, "optim": {**optim_sd, "state": optim_state}}
+
+
+# ---------------------------------------------------------------- save / load
+
+
+class CheckpointManager:
+    """Saves and restores training state under ``root``; every rank must call `save`/`load` together.
+
+    Args:
+        root: the checkpoint directory (shared by all ranks).
+        keep_last: complete checkpoints to keep (older ones are deleted after a new one completes); 0 keeps all.
+        async_save: stage the model/optimizer state to CPU and write it in a background thread; the step's
+            ``COMPLETE`` marker is written when the write finishes (at the next save, or `wait`).
+        parallel_state: the training topology (needed for expert-parallel models).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int = 0,
+        async_save: bool = False,
+        parallel_state: ParallelState | None = None,
+    ):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.state = parallel_state
+        self._pending: tuple[Future, Path] | None = None
+        self._async_group = None
+        if async_save and dist.is_initialized():
+            # Async DCP coordinates through a CPU-capable group; with NCCL training that must be a gloo group.
+            self._async_group = dist.new_group(backend="gloo")
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        trainer_state: Mapping[str, Any],
+        rank_state: Mapping[str, Any],
+    ) -> Path:
+        """Write checkpoint ``step``. ``trainer_state`` (rank 0's) and ``rank_state`` (each rank's) are torch-saved."""
+        self.wait()
+        path = step_dir(self.root, step)
+        if _rank() == 0:
+            if path.exists():
+                shutil.rmtree(path)  # a leftover of an interrupted save of the same step
+            path.mkdir(parents=True)
+        _barrier()
+        payload = _checkpoint_view(model, self.state, *get_state_dict(model, optimizer))
+        torch.save({**rank_state, "rng": rng_state()}, path / f"rank_{_rank():05d}.pt")
+        if _rank() == 0:
+            torch.save(dict(trainer_state), path / "trainer.pt")
+        if self.async_save:
+            future = dcp.async_save(payload, checkpoint_id=path / "dcp", process_group=self._async_group)
+            self._pending = (getattr(future, "upload_completion", future), path)
+        else:
+            dcp.save(payload, checkpoint_id=path / "dcp")
+            self._finish(path)
+        return path
+
+    def wait(self) -> None:
+        """Block until a pending async save is written, then mark it complete."""
+        if self._pending is None:
+            return
+        future, path = self._pending
+        self._pending = None
+        future.result()
+        self._finish(path)
+
+    def _finish(self, path: Path) -> None:
+        _barrier()  # every rank's files are written
+        if _rank() == 0:
+            tmp = path / (MARKER + ".tmp")
+            tmp.write_text(json.dumps({"step_dir": path.name}))
+            os.replace(tmp, path / MARKER)
+            self._prune(keep=path)
+        _barrier()
+        log.info("checkpoint %s complete", path)
+
+    def _prune(self, keep: Path) -> None:
+        current = int(STEP_DIR.match(keep.name).group(1))
+        complete, stale = [], []
+        for p in self.root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if not m:
+                continue
+            step = int(m.group(1))
+            if (p / MARKER).is_file():
+                complete.append((step, p))
+            elif step < current:
+                stale.append(p)  # an interrupted save: never loadable
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        if self.keep_last:
+            for _, p in sorted(complete)[: -self.keep_last]:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def load(
+        self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Restore model and optimizer in place from ``path`` (any world size); restore this rank's RNG.
+
+        Returns:
+            ``(trainer_state, rank_state)``; ``rank_state`` is None when the checkpoint has no file for this rank
+            (a larger world than was saved) — the caller decides what to do with its data state.
+        """
+        path = Path(path)
+        if not (path / MARKER).is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.load(_checkpoint_view(model, self.state, model_sd, optim_sd), checkpoint_id=path / "dcp")
+        set_state_dict(
+            model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+            options=StateDictOptions(strict=True),
+        )  # fmt: skip
+        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+        rank_file = path / f"rank_{_rank():05d}.pt"
+        rank_state = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
+        if rank_state is not None:
+            set_rng_state(rank_state.pop("rng"))
+        return trainer_state, rank_state

@@ -1,0 +1,151 @@
+"""Training FLOPs, MFU, the one console line per logging interval, and the optional TensorBoard / wandb sinks.
+
+MFU convention (the causal one; it counts only useful work):
+
+    step_flops = 6 * N_active * tokens + 6 * L * (H_q * D) * sum_i s_i**2
+    MFU        = step_flops / (step_seconds * world_size * peak_flops_per_device)
+
+``N_active`` counts the weights that multiply activations (every Linear / fused expert / LM-head weight; the
+embedding lookup is not a matmul, unless tied to the LM head), with routed experts scaled by ``top_k / E``.
+The attention term: per layer, per head and per sample of length ``s``, causal QK^T and PV cost ``2 * s**2 * D``
+forward (half of the full ``4 * s**2 * D``), and training triples the forward. Packed samples only attend
+inside themselves, so the sum runs over the samples, not the packed row. Recomputation from activation
+checkpointing is not useful work and is not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import attrs
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak (no sparsity), per device, by a substring of torch.cuda.get_device_name().
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989.4e12,
+    "H100": 989.4e12,
+    "H800": 989.4e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "B200": 2250e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where unknown (CPU, unlisted GPUs): MFU is then not reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def active_matmul_params(
+    model: nn.Module, expert_param_names: Iterable[str] = (), expert_fraction: float = 1.0
+) -> int:
+    """Weights multiplying activations per token (see the module docstring).
+
+    Args:
+        model: an unsharded (meta is fine) HF causal LM.
+        expert_param_names: FQNs of fused routed-expert tensors ``[E, ...]``.
+        expert_fraction: ``top_k / E`` for those tensors.
+    """
+    experts = set(expert_param_names)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embedding is not None and head is not None and embedding.weight is head.weight
+    total = 0.0
+    for name, param in model.named_parameters():
+        if param.dim() < 2:
+            continue
+        if embedding is not None and param is embedding.weight and not tied:
+            continue  # a lookup; when tied, the same tensor is counted once, as the LM head's matmul
+        total += param.numel() * (expert_fraction if name in experts else 1.0)
+    return int(total)
+
+
+def attention_flops(sample_lengths: Iterable[int], num_layers: int, query_width: int) -> float:
+    """Causal attention training FLOPs of packed samples: ``6 * L * (H_q * D) * sum(s_i ** 2)``."""
+    return 6.0 * num_layers * query_width * float(sum(s * s for s in sample_lengths))
+
+
+@attrs.frozen(kw_only=True)
+class StepMetrics:
+    """What one logging interval reports (averages over its steps; memory is the peak)."""
+
+    step: int
+    total_steps: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s_per_device: float
+    mfu: float | None
+    peak_memory_gib: float | None
+    data_wait_fraction: float
+
+
+def console_line(m: StepMetrics) -> str:
+    """``step 10/100 | loss 2.3456 | grad 1.234 | lr 3.00e-04 | tok/s/dev 12,345 | mfu 41.2% | mem 3.1 GiB | data 1.2%``"""
+    parts = [
+        f"step {m.step}/{m.total_steps}",
+        f"loss {m.loss:.4f}",
+        f"grad {m.grad_norm:.3f}",
+        f"lr {m.lr:.2e}",
+        f"tok/s/dev {m.tokens_per_s_per_device:,.0f}",
+        f"mfu {m.mfu * 100:.1f}%" if m.mfu is not None else "mfu n/a",
+        f"mem {m.peak_memory_gib:.1f} GiB" if m.peak_memory_gib is not None else "mem n/a",
+        f"data {m.data_wait_fraction * 100:.1f}%",
+    ]
+    return " | ".join(parts)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """Peak allocated accelerator memory since the last reset, in GiB (None on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return None
+
+
+class Sinks:
+    """TensorBoard and/or wandb, created on rank 0 only when configured; a configured sink that cannot be
+    imported is an error naming the extra to install, never silently skipped."""
+
+    def __init__(
+        self, *, tensorboard_dir: str | None, wandb_project: str | None, run_name: str, config: dict
+    ):
+        self._tb = None
+        self._wandb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError("log.tensorboard_dir is set but tensorboard is not installed: "
+                                  "install veomni-train[tensorboard]") from err  # fmt: skip
+            self._tb = SummaryWriter(tensorboard_dir)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("log.wandb_project is set but wandb is not installed: "
+                                  "install veomni-train[wandb]") from err  # fmt: skip
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config)
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

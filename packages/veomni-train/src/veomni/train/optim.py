@@ -1,0 +1,103 @@
+"""AdamW with one parameter group per (device mesh, weight-decay) pair, and the learning-rate schedules.
+
+FSDP2 makes every parameter a DTensor on its mesh: dense parameters on the FSDP mesh, EP experts on the
+``ep_fsdp`` mesh. Fused/foreach AdamW kernels batch tensors of a group together, and DTensor refuses to mix
+meshes in one multi-tensor op, so each mesh gets its own groups. Norm weights, biases and other 1-D tensors are
+not decayed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def _mesh_key(param: torch.Tensor) -> tuple:
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names or ())
+    return (param.device.type, (), ())
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters grouped by (mesh, decayed or not), in a deterministic order.
+
+    Returns:
+        ``[{"params": [...], "weight_decay": wd, "names": [...]}, ...]``; ``names`` is kept for logging.
+    """
+    groups: dict[tuple, dict] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = param.dim() >= 2
+        key = (_mesh_key(param), decay)
+        group = groups.setdefault(
+            key, {"params": [], "names": [], "weight_decay": weight_decay if decay else 0.0}
+        )
+        group["params"].append(param)
+        group["names"].append(name)
+    if not groups:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    return list(groups.values())
+
+
+def build_adamw(
+    model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; the fused implementation wherever torch has it (CUDA and CPU)."""
+    groups = param_groups(model, weight_decay)
+    device_types = {p.device.type for g in groups for p in g["params"]}
+    fused = device_types <= {"cuda", "cpu"}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+@attrs.frozen(kw_only=True)
+class Schedule:
+    """Linear warmup from 0 to the peak lr, then ``kind`` decay to ``min_lr_ratio * peak`` at ``total_steps``.
+
+    Attributes:
+        kind: ``cosine``, ``linear`` or ``constant`` (no decay after warmup).
+        warmup_steps: steps of linear warmup (step ``s < warmup`` uses ``(s + 1) / warmup``).
+        total_steps: the step count the decay ends at.
+        min_lr_ratio: the floor as a fraction of the peak lr.
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(SCHEDULES))
+    warmup_steps: int = attrs.field(validator=attrs.validators.ge(0))
+    total_steps: int = attrs.field(validator=attrs.validators.ge(1))
+    min_lr_ratio: float = attrs.field(
+        default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)]
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}")
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the peak lr for 0-based ``step``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        decay = 1.0 - progress if self.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:
+    """A ``LambdaLR`` applying ``schedule`` (its state_dict is the step counter, so DCP/torch.save resume it)."""
+
+    # A plain function: LambdaLR's state_dict skips functions, so only the step counter is saved (the schedule
+    # itself comes from the recipe on resume).
+    def factor(step: int) -> float:
+        return schedule.factor(step)
+
+    return LambdaLR(optimizer, factor)

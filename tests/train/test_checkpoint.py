@@ -1,0 +1,175 @@
+"""Checkpoints: exact round trip, keep-last-K and COMPLETE markers, a killed save, and resharding (FSDP2 + EP on real
+gloo ranks saved, loaded by one process without any parallelism)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import toy_models as toy
+from dist_harness import backend_params
+from torch.distributed.tensor import DTensor
+
+from veomni.core.fsdp import FSDPPolicy, apply_fsdp2
+from veomni.core.parallel_dims import ParallelDims
+from veomni.core.parallel_state import build_parallel_state
+from veomni.train.checkpoint import MARKER, CheckpointManager, latest_complete
+from veomni.train.optim import build_adamw
+
+ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _train_step(model, optimizer, seed: int) -> None:
+    ids, labels = toy.token_batch(seed, 2, 5)
+    ids, labels = ids.to(next(model.parameters()).device), labels.to(ids.device)
+    F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_round_trip_restores_model_optimizer_rng_and_states(tmp_path):
+    model = toy.build(0, moe=True)
+    optimizer = build_adamw(model, **ADAM)
+    _train_step(model, optimizer, 1)
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    torch.manual_seed(123)
+    manager.save(1, model, optimizer, trainer_state={"step": 1}, rank_state={"data": {"cursor": 7}})
+    expected_draw = torch.rand(3)
+
+    _train_step(model, optimizer, 2)  # diverge, then come back
+    want_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    fresh = toy.build(99, moe=True)
+    fresh_opt = build_adamw(fresh, **ADAM)
+    trainer_state, rank_state = manager.load(latest_complete(tmp_path), fresh, fresh_opt)
+    assert trainer_state == {"step": 1} and rank_state == {"data": {"cursor": 7}}
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG is where it was at save time
+    _train_step(fresh, fresh_opt, 2)
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, want_params[name]), name
+
+
+def test_keep_last_prunes_old_and_incomplete(tmp_path):
+    model = toy.build(0)
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    (tmp_path / "step_00000000").mkdir(parents=True)  # an interrupted save from an earlier run
+    for step in (1, 2, 3):
+        manager.save(step, model, optimizer, trainer_state={"step": step}, rank_state={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert latest_complete(tmp_path).name == "step_00000003"
+    (tmp_path / "step_00000003" / MARKER).unlink()
+    assert latest_complete(tmp_path).name == "step_00000002"
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        manager.load(tmp_path / "step_00000003", model, optimizer)
+    with pytest.raises(ValueError, match="keep_last must be >= 0"):
+        CheckpointManager(tmp_path, keep_last=-1)
+
+
+def test_async_save_marks_complete_after_the_write(tmp_path):
+    model = toy.build(0)
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(tmp_path, async_save=True)
+    path = manager.save(5, model, optimizer, trainer_state={"step": 5}, rank_state={})
+    manager.wait()
+    assert (path / MARKER).is_file()
+    fresh = toy.build(1)
+    manager.load(path, fresh, build_adamw(fresh, **ADAM))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+
+
+_SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+    from veomni.train.checkpoint import CheckpointManager
+    from veomni.train.optim import build_adamw
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])  # ~50 MB: a save takes a while
+    optimizer = build_adamw(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    manager = CheckpointManager(sys.argv[1])
+    step = 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(step)
+        manager.save(step, model, optimizer, trainer_state={"step": step}, rank_state={})
+        print(step, flush=True)
+    """
+)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "1"  # step 1 is complete
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "step_00000002" / "dcp").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-save of step 2 (or just after, if it was quick)
+    finally:
+        proc.kill()
+        proc.wait()
+    latest = latest_complete(tmp_path)
+    assert latest is not None
+    step = int(latest.name.split("_")[1])
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+    CheckpointManager(tmp_path).load(
+        latest, model, build_adamw(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    )
+    assert all(bool((p == step).all()) for p in model.parameters())
+
+
+# ---------------------------------------------------------------- resharding across world sizes and EP
+
+
+def _full(param: torch.Tensor, ep_group) -> torch.Tensor:
+    full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+    if ep_group is None:
+        return full
+    parts = [torch.empty_like(full) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, full.contiguous(), group=ep_group)
+    return torch.cat(parts)
+
+
+def _save_sharded(ctx, root: str, ep: int) -> dict:
+    state = build_parallel_state(ParallelDims.for_world(ctx.world_size, ep=ep), ctx.device_type)
+    model = toy.build(0, ctx.device, moe=True, num_experts=4)
+    apply_fsdp2(model, state, FSDPPolicy(block_patterns=("layers.*",)), toy.MOE_PLAN)
+    model.set_ep_group(state.ep_group if ep > 1 else None)
+    optimizer = build_adamw(model, **ADAM)
+    _train_step(model, optimizer, 10 + ctx.rank)
+    CheckpointManager(root, parallel_state=state).save(
+        1, model, optimizer, trainer_state={"step": 1}, rank_state={"rank": ctx.rank}
+    )
+    ep_group = state.ep_group if ep > 1 else None
+    params, moments = {}, {}
+    for name, param in model.named_parameters():
+        is_expert = ".experts." in name
+        params[name] = _full(param, ep_group if is_expert else None).cpu()
+        moments[name] = _full(optimizer.state[param]["exp_avg"], ep_group if is_expert else None).cpu()
+    return {"params": params, "moments": moments}
+
+
+@pytest.mark.parametrize("world_size, backend", backend_params(2, 4))
+def test_sharded_ep_checkpoint_loads_in_one_process(dist_pools, tmp_path, world_size, backend):
+    for ep in (2, world_size) if world_size == 4 else (2,):
+        root = tmp_path / f"ep{ep}"
+        saved = dist_pools.get(world_size, backend).run(_save_sharded, str(root), ep)[0]
+        model = toy.build(
+            7, moe=True, num_experts=4
+        )  # other weights: everything must come from the checkpoint
+        optimizer = build_adamw(model, **ADAM)
+        _, rank_state = CheckpointManager(root).load(latest_complete(root), model, optimizer)
+        assert rank_state == {"rank": 0}
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), saved["params"][name]), name
+            assert torch.equal(optimizer.state[param]["exp_avg"], saved["moments"][name]), name
