@@ -1,0 +1,60 @@
+"""``veomni-train RECIPE [--section.field=value ...]``: one process, or every rank under ``torchrun``.
+
+RECIPE is a YAML file or a built-in recipe name (``quickstart``). ``--help`` lists every recipe field with its
+default and meaning; ``--print`` shows the resolved recipe and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from veomni.train.recipe import RecipeError, builtin_recipes, dump_recipe, load_recipe, recipe_help
+
+USAGE = (
+    "usage: veomni-train RECIPE [--section.field=value ...] [--print]\n"
+    "       torchrun --nproc-per-node N -m veomni.train.cli RECIPE [...]\n"
+    f"RECIPE: a YAML file or one of the built-in recipes: {', '.join(builtin_recipes())}\n"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or "--help" in args or "-h" in args:
+        print(USAGE + "\nrecipe fields:\n" + recipe_help())
+        return 0 if args else 2
+    show = "--print" in args
+    args = [a for a in args if a != "--print"]
+    try:
+        recipe = load_recipe(args[0], args[1:])
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"veomni-train: {err}", file=sys.stderr)
+        return 2
+    if show:
+        print(dump_recipe(recipe))
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    from veomni.train.loop import train  # heavy imports only when training
+
+    result = train(recipe)
+    if rank == 0:
+        losses = result["loss"]
+        if losses:
+            print(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        for path in result["exports"]:
+            print(f"HF export: {path}", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
