@@ -1,0 +1,134 @@
+"""MoE experts on ``torch._grouped_mm`` (one grouped GEMM per projection, offsets on the device).
+
+Where this torch runs it (checked on torch 2.11 and 2.15):
+- CUDA, bf16 on sm_90 / sm_100: CUTLASS grouped GEMMs, no host sync. This is the training path.
+- CUDA, fp32 / fp16 (or other GPUs): torch's fallback, which copies the offsets to the host and loops over
+  experts: correct, but ONE HOST SYNC PER GEMM. Use the ``triton`` backend there.
+- CPU (fp32 / bf16 / fp16): torch's loop kernel.
+In every case the row strides must be multiples of 16 bytes (``H`` and ``I`` multiples of 8 in bf16, of 4 in
+fp32); other shapes are refused with an error. fp64 is not supported by ``_grouped_mm``.
+
+Each grouped GEMM has our autograd (`_GroupedMM`): dgrad and wgrad are grouped GEMMs too (the wgrad in the 2-D x
+2-D form, jagged along the reduction dim), and a frozen weight skips its wgrad. SwiGLU is plain torch. The routed
+variant permutes with gathers whose backward gathers through the inverse permutation and sums each token's ``k``
+rows (deterministic, no atomics), and scales ``silu(gate) * up`` by the routing weight before the down GEMM, so
+the combine is a sum over each token's ``k`` rows with an fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from veomni.kernels.moe_experts.common import (
+    check_grouped_inputs,
+    check_routed_inputs,
+    expert_major_order,
+    group_offsets,
+    inverse_permutation,
+)
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_layout(x: torch.Tensor, gate_up_proj: torch.Tensor) -> None:
+    if x.dtype not in _SUPPORTED:
+        raise TypeError(f"moe_experts 'torch' (torch._grouped_mm) supports {list(_SUPPORTED)}, got {x.dtype}")
+    hidden, inter = gate_up_proj.shape[2], gate_up_proj.shape[1] // 2
+    per_16_bytes = 16 // x.element_size()
+    if hidden % per_16_bytes or inter % per_16_bytes:
+        raise ValueError(
+            f"moe_experts 'torch': torch._grouped_mm needs 16-byte row strides, i.e. H and I multiples of "
+            f"{per_16_bytes} for {x.dtype}; got H={hidden}, I={inter}. Use the 'triton' or 'eager' backend"
+        )
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``x [N, K]`` (expert-major) times ``w[e]^T`` (``w [E, n_out, K]``) per group; ``ends [E]`` int32."""
+
+    @staticmethod
+    def forward(ctx, x, ends, w):  # type: ignore[override]
+        ctx.save_for_backward(x, ends, w)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, ends, w = ctx.saved_tensors
+        need_x, _, need_w = ctx.needs_input_grad
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, w, offs=ends) if need_x else None
+        # 2-D x 2-D form, jagged along the reduction (row) dim: [n_out, N] x [N, K] -> [E, n_out, K].
+        grad_w = torch._grouped_mm(grad.t(), x, offs=ends) if need_w else None
+        return grad_x, None, grad_w
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[index]``; backward gathers through ``inverse`` and sums each run of ``fold`` rows (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, fold):  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        ctx.fold, ctx.rows = fold, x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        grad_x = grad.index_select(0, inverse)
+        if ctx.fold > 1:
+            grad_x = grad_x.view(ctx.rows, ctx.fold, grad_x.shape[1]).sum(1)
+        return grad_x, None, None, None
+
+
+def _experts(x, offsets, gate_up_proj, down_proj, row_weights=None) -> torch.Tensor:
+    ends = offsets[1:]
+    gate, up = _GroupedMM.apply(x, ends, gate_up_proj).chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    if row_weights is not None:
+        # The routing weight scales h before the down GEMM (as in the triton backend), so the combine is a plain
+        # sum and no fp32 copy of the [N, H] rows is made.
+        h = h * row_weights.to(h.dtype).unsqueeze(-1)
+    return _GroupedMM.apply(h, ends, down_proj)
+
+
+def moe_experts_grouped_torch(
+    x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> torch.Tensor:
+    """`moe_experts_grouped_eager`'s contract on ``torch._grouped_mm`` (see the module doc for devices).
+
+    Args:
+        x: ``[N, H]`` expert-major rows. tokens_per_expert: ``[E]`` int32/int64 on x's device.
+        gate_up_proj: ``[E, 2I, H]``. down_proj: ``[E, H, I]`` (x's dtype; 16-byte row strides).
+    Returns:
+        ``[N, H]`` in x's dtype; differentiable w.r.t. x and the weights (frozen weights skip their wgrad).
+    """
+    check_grouped_inputs(x, tokens_per_expert, gate_up_proj, down_proj)
+    _check_layout(x, gate_up_proj)
+    return _experts(x, group_offsets(tokens_per_expert), gate_up_proj, down_proj)
+
+
+def moe_experts_routed_torch(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_experts_routed_eager`'s contract on ``torch._grouped_mm``.
+
+    Args:
+        hidden: ``[T, H]``. top_k_index: ``[T, k]`` int64. top_k_weights: ``[T, k]`` float.
+        gate_up_proj: ``[E, 2I, H]``. down_proj: ``[E, H, I]`` (hidden's dtype; 16-byte row strides).
+    Returns:
+        ``[T, H]`` in hidden's dtype, the ``k`` outputs of a token combined in fp32.
+    """
+    check_routed_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    _check_layout(hidden, gate_up_proj)
+    tokens, top_k = top_k_index.shape
+    order, offsets = expert_major_order(top_k_index, gate_up_proj.shape[0])
+    unsort = inverse_permutation(order)
+    x = _GatherRows.apply(hidden, order // top_k, unsort, top_k)
+    y = _experts(x, offsets, gate_up_proj, down_proj, top_k_weights.reshape(-1)[order])
+    # Back to (token, slot) order; torch sums low-precision rows with an fp32 accumulator and rounds once.
+    rows = _GatherRows.apply(y, unsort, order, 1).view(tokens, top_k, y.shape[1])
+    return rows.sum(1)
