@@ -14,6 +14,9 @@ from veomni.kernels.registry import KERNELS, KernelFn
 CUDA = Requirement(device_types=("cuda",))
 LIGER = Requirement(device_types=("cuda",), packages=("liger_kernel",))
 NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
+# torch._grouped_mm: CPU kernels (torch >= 2.9), and on CUDA the sync-free CUTLASS path exists for sm_90/sm_100
+# (older GPUs get a fallback that copies the offsets to the host). See moe_experts/torch_impl.py for dtypes.
+GROUPED_MM = Requirement(device_types=("cpu", "cuda"), min_capability=(9, 0))
 FLASH_2 = Requirement(device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",))
 FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
 FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
@@ -23,7 +26,16 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     # op, variant, backend, implementation, requirement
     ("cross_entropy", "causal", "eager", f"{_K}.cross_entropy.eager:causal_lm_cross_entropy", ANYWHERE),
     ("cross_entropy", "seq_cls", "eager", f"{_K}.cross_entropy.eager:sequence_classification_cross_entropy", ANYWHERE),
-    ("moe_experts", "swiglu", "eager", f"{_K}.moe_experts.eager:experts_swiglu", ANYWHERE),
+    ("cross_entropy", "causal", "triton", f"{_K}.cross_entropy.triton_impl:causal_lm_cross_entropy", TRITON),
+    ("cross_entropy", "seq_cls", "triton", f"{_K}.cross_entropy.triton_impl:sequence_classification_cross_entropy", TRITON),
+    ("cross_entropy", "causal", "liger", f"{_K}.cross_entropy.liger_impl:causal_lm_cross_entropy", LIGER),
+    ("cross_entropy", "seq_cls", "liger", f"{_K}.cross_entropy.liger_impl:sequence_classification_cross_entropy", LIGER),
+    ("moe_experts", "routed", "eager", f"{_K}.moe_experts.eager:moe_experts_routed_eager", ANYWHERE),
+    ("moe_experts", "grouped", "eager", f"{_K}.moe_experts.eager:moe_experts_grouped_eager", ANYWHERE),
+    ("moe_experts", "routed", "torch", f"{_K}.moe_experts.torch_impl:moe_experts_routed_torch", GROUPED_MM),
+    ("moe_experts", "grouped", "torch", f"{_K}.moe_experts.torch_impl:moe_experts_grouped_torch", GROUPED_MM),
+    ("moe_experts", "routed", "triton", f"{_K}.moe_experts.triton_impl:moe_experts_routed_triton", TRITON),
+    ("moe_experts", "grouped", "triton", f"{_K}.moe_experts.triton_impl:moe_experts_grouped_triton", TRITON),
     ("rms_norm", "standard", "eager", f"{_K}.rms_norm.eager:rms_norm_standard", ANYWHERE),
     ("rms_norm", "offset", "eager", f"{_K}.rms_norm.eager:rms_norm_offset", ANYWHERE),
     ("rms_norm", "unweighted", "eager", f"{_K}.rms_norm.eager:rms_norm_unweighted", ANYWHERE),

@@ -20,12 +20,12 @@ from veomni.kernels.registry import KERNELS, KernelFn, KernelRegistry
 # default that the hardware cannot run (a missing package, say) falls back to "eager", the reference.
 DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "attention": {"cuda": "sdpa", "npu": "npu", "cpu": "sdpa"},
-    "cross_entropy": {"cuda": "eager", "npu": "npu", "cpu": "eager"},
+    "cross_entropy": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rms_norm": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rope": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rope_vision": {"cuda": "eager", "npu": "eager", "cpu": "eager"},
     "swiglu": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
-    "moe_experts": {"cuda": "eager", "npu": "eager", "cpu": "eager"},
+    "moe_experts": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
     "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
 }
 # The registry op that each field selects for (rope_vision shares the rope kernels' registry entries).
