@@ -1,0 +1,192 @@
+"""`build_model`: construct on meta without init, bind kernels, apply EP + FSDP2, allocate, then load or init.
+
+Order matters: sharding happens on the meta device (no memory), each rank then allocates only its shards, and
+values arrive either from a checkpoint (each rank reading its own slices) or from the model's own
+``_init_weights`` — the latter is logged as a warning, so a model never trains from random weights by
+accident. Non-persistent buffers (rotary ``inv_freq``), which no checkpoint holds, are recomputed by the
+model's init in both cases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
+
+from veomni.core.ep.plan import ExpertPlan
+from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
+from veomni.core.parallel_state import ParallelState
+from veomni.kernels import OpsConfig
+from veomni.models.kernel_hooks import apply_ops
+from veomni.models.loading.loader import load_weights
+from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
+from veomni.models.registry import MODELS, ModelRegistry, ResolvedModel
+
+logger = logging.getLogger(__name__)
+
+
+def block_patterns(model: nn.Module) -> tuple[str, ...]:
+    """FSDP block globs from the model's ``_no_split_modules`` (e.g. ``("model.layers.*",)``).
+
+    Every module whose class name is listed becomes a block; numeric FQN components become ``*``.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules; pass fsdp_policy=FSDPPolicy(block_patterns=...)"
+        )
+    patterns = set()
+    for fqn, module in model.named_modules():
+        if fqn and type(module).__name__ in names:
+            patterns.add(".".join("*" if part.isdigit() else part for part in fqn.split(".")))
+    if not patterns:
+        raise ValueError(
+            f"no module of {type(model).__name__} has a class in its _no_split_modules {sorted(names)}; pass "
+            "fsdp_policy=FSDPPolicy(block_patterns=...)"
+        )
+    return tuple(sorted(patterns))
+
+
+def default_fsdp_policy(model: nn.Module) -> FSDPPolicy:
+    """Blocks from `block_patterns`, parameters kept in their stored dtype, gradients reduced in fp32."""
+    return FSDPPolicy(block_patterns=block_patterns(model), param_dtype=None, reduce_dtype=torch.float32)
+
+
+def _expert_plan(model: nn.Module, given: ExpertPlan | None, resolved: ResolvedModel, ep: int) -> ExpertPlan:
+    if given is not None:
+        if not isinstance(given, ExpertPlan):
+            raise TypeError(f"expert_plan must be a veomni.core.ExpertPlan, got {type(given).__name__}")
+        return given
+    getter = getattr(model, "get_parallel_plan", None)
+    if getter is None:
+        raise ValueError(
+            f"expert parallelism is on (ep={ep}) but {resolved.cls.__name__} has no get_parallel_plan() "
+            f"(its fast paths: {sorted(resolved.fast_paths)}); pass expert_plan=ExpertPlan(...) or use ep=1"
+        )
+    plan = getter()
+    if not isinstance(plan, ExpertPlan):
+        raise TypeError(
+            f"{resolved.cls.__name__}.get_parallel_plan() returned {type(plan).__name__}, not an ExpertPlan"
+        )
+    return plan
+
+
+def _retie(model: PreTrainedModel) -> None:
+    model.tie_weights()
+    for target, source in model.get_expanded_tied_weights_keys(all_submodels=True).items():
+        if model.get_parameter(target) is not model.get_parameter(source):
+            raise RuntimeError(f"build_model: {target} should be tied to {source} but is a separate tensor")
+
+
+def _device(
+    init_device: str | torch.device, state: ParallelState | None, device: str | torch.device | None
+) -> torch.device:
+    if state is not None:
+        if device is not None and torch.device(device) != state.device:
+            raise ValueError(f"device={device!r} contradicts parallel_state.device={state.device}")
+        return state.device
+    if device is not None:
+        return torch.device(device)
+    init = torch.device(init_device)
+    return torch.device("cpu") if init.type == "meta" else init
+
+
+def build_model(
+    config_or_path: PretrainedConfig | str | os.PathLike,
+    *,
+    weights: str | os.PathLike | None = None,
+    ops: OpsConfig,
+    parallel_state: ParallelState | None = None,
+    init_device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.float32,
+    task: str = "causal_lm",
+    fsdp_policy: FSDPPolicy | None = None,
+    expert_plan: ExpertPlan | None = None,
+    load_mode: str = "sharded",
+    ignore_unexpected: Sequence[str] = (),
+    config_overrides: Mapping[str, object] | None = None,
+    device: str | torch.device | None = None,
+    registry: ModelRegistry | None = None,
+) -> PreTrainedModel:
+    """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
+
+    Args:
+        config_or_path: a config, or a directory / ``config.json`` (read with the registered config class).
+        weights: a safetensors checkpoint (file, index or directory); None initialises with the model's
+            ``_init_weights`` and says so in the log (warning).
+        ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention).
+        parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
+        init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
+            construct on directly.
+        dtype: parameter dtype (fp32 master weights by default; checkpoint values are cast to it).
+        task: which class of the model type (``causal_lm``, ``base``, ...; see `registry.TASKS`).
+        fsdp_policy: default `default_fsdp_policy` (blocks from ``_no_split_modules``, no mixed precision).
+        expert_plan: overrides the model's ``get_parallel_plan()`` under EP.
+        load_mode: ``"sharded"`` or ``"rank0_broadcast"`` (see `load_weights`).
+        ignore_unexpected: regexes of checkpoint keys that may be skipped.
+        config_overrides: config attributes to set before construction.
+        device: the compute device without ``parallel_state`` (default: ``init_device``, or CPU for meta).
+        registry: where model types are resolved (default `MODELS`).
+    Returns:
+        the model: materialised, on the compute device, parameters as DTensors under FSDP.
+    """
+    if not isinstance(ops, OpsConfig):
+        raise TypeError(f"build_model: ops must be a veomni.kernels.OpsConfig, got {type(ops).__name__}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"build_model: dtype must be a floating torch.dtype, got {dtype!r}")
+    registry = MODELS if registry is None else registry
+    compute = _device(init_device, parallel_state, device)
+    on_meta = torch.device(init_device).type == "meta"
+    config = registry.load_config(config_or_path, **dict(config_overrides or {}))
+    resolved = registry.model_class(config, task)
+    with torch.device(init_device), no_init_weights():
+        model = resolved.cls._from_config(config, dtype=dtype)
+    # post_init ties inside init_weights, which no_init_weights skipped.
+    model.tie_weights()
+    if not on_meta and parallel_state is None:
+        model.to(compute)  # FSDP moves sharded models itself
+    apply_ops(model, ops)
+
+    policy = None
+    if parallel_state is not None:
+        plan = None
+        if parallel_state.ep_enabled:
+            plan = _expert_plan(model, expert_plan, resolved, parallel_state.dims.ep)
+        elif expert_plan is not None:
+            raise ValueError("build_model: expert_plan was given but parallel_state has ep=1")
+        policy = default_fsdp_policy(model) if fsdp_policy is None else fsdp_policy
+        apply_fsdp2(model, parallel_state, policy, plan)
+    elif expert_plan is not None:
+        raise ValueError("build_model: expert_plan needs a parallel_state with ep > 1")
+
+    name = resolved.cls.__name__
+    if on_meta:
+        init_fn = hf_init_fn(model) if weights is None else buffers_init_fn(model)
+        materialize_sharded(model, compute, init_fn, cpu_offload=bool(policy and policy.cpu_offload))
+    elif weights is None:
+        with torch.no_grad():
+            model.apply(hf_init_fn(model, check_buffers=False))
+    # to_empty (from meta) re-creates parameters module by module, which unties a plain (non-FSDP) model.
+    _retie(model)
+    if weights is None:
+        logger.warning(
+            "build_model: no weights given: the parameters of %s are initialised by its own _init_weights "
+            "(random, seed-dependent), not loaded from a checkpoint",
+            name,
+        )
+    else:
+        report = load_weights(model, weights, mode=load_mode, ignore_unexpected=ignore_unexpected)
+        logger.info(
+            "build_model: loaded %d tensors of %s from %s (%s, %.1f MiB read on this rank)",
+            len(report.loaded),
+            name,
+            weights,
+            report.mode,
+            report.bytes_read / 2**20,
+        )
+    return model

@@ -1,0 +1,397 @@
+"""Export to a plain HF checkpoint: sharded safetensors + index + config, in the model's original key layout.
+
+`export_hf` gathers an FSDP / EP sharded model one tensor at a time (every rank joins each gather; only the
+writer rank keeps the result, for as long as it takes to write it), converts it back to the layout
+transformers' ``save_pretrained`` writes (per-expert keys for Qwen3-MoE, chosen from the same conversion
+recipe the loader uses) and streams it into files whose headers were planned up front. `export_dcp_to_hf`
+does the same offline from a ``torch.distributed.checkpoint`` directory. The result loads with plain
+``transformers.AutoModelForCausalLM.from_pretrained``; nothing veomni-specific is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
+
+from veomni.core.parallel_state import ParallelState
+from veomni.models.converters import CheckpointConverter
+from veomni.models.loading.loader import DEFAULT_IGNORED_UNEXPECTED, CheckpointMismatchError, converters_for
+from veomni.models.loading.safetensors_io import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, SafetensorsStreamWriter
+from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+# Attributes veomni sets on a config for training that plain transformers must not read back.
+_RUNTIME_CONFIG_ATTRS = ("_attn_implementation", "_experts_implementation")
+
+
+@attrs.frozen
+class ExportReport:
+    """What an export wrote (on the writer rank; other ranks get the same names).
+
+    Attributes:
+        directory: the output directory.
+        files: safetensors file names, in order.
+        weight_map: ``{checkpoint key: file name}``.
+        total_bytes: tensor bytes written.
+    """
+
+    directory: Path
+    files: tuple[str, ...]
+    weight_map: dict[str, str]
+    total_bytes: int
+
+
+@attrs.frozen
+class LayoutItem:
+    """One model tensor in an export.
+
+    Attributes:
+        key: the model key whose value is written (for tied tensors, the tie source).
+        parts: ``(checkpoint key, shape, dtype)`` it is written as (several for split experts).
+        nbytes: the bytes of all parts.
+    """
+
+    key: str
+    parts: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    nbytes: int
+
+
+def _out_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    # Only floating tensors are cast: an integer buffer keeps its dtype.
+    return requested if requested is not None and stored.is_floating_point else stored
+
+
+def _natural(key: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
+
+
+def _revert(
+    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter]
+) -> list[tuple[str, torch.Tensor]]:
+    for conv in converters:
+        parts = conv.revert(key, tensor)
+        if parts is not None:
+            return parts
+    return [(key, tensor)]
+
+
+def plan_layout(
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], converters: Sequence[CheckpointConverter]
+) -> list[LayoutItem]:
+    """The checkpoint entries for ``{model key: (full shape, dtype)}``, in natural key order.
+
+    Converters' ``revert`` runs on meta tensors, so the layout costs no memory.
+    """
+    items, seen = [], {}
+    for key in sorted(shapes, key=_natural):
+        shape, dtype = shapes[key]
+        parts = _revert(key, torch.empty(shape, dtype=dtype, device="meta"), converters)
+        planned = tuple((name, tuple(t.shape), t.dtype) for name, t in parts)
+        for name, _, _ in planned:
+            if name in seen:
+                raise ValueError(
+                    f"export: checkpoint key {name!r} would be written for both {seen[name]} and {key}"
+                )
+            seen[name] = key
+        nbytes = sum(t.numel() * t.element_size() for _, t in parts)
+        items.append(LayoutItem(key, planned, nbytes))
+    return items
+
+
+def _group_files(items: list[LayoutItem], max_shard_bytes: int) -> list[list[LayoutItem]]:
+    files: list[list[LayoutItem]] = [[]]
+    size = 0
+    for item in items:
+        if files[-1] and size + item.nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += item.nbytes
+    return files
+
+
+def write_checkpoint(
+    out_dir: str | os.PathLike,
+    items: list[LayoutItem],
+    fetch: Callable[[str], torch.Tensor | None],
+    converters: Sequence[CheckpointConverter],
+    *,
+    is_writer: bool,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> ExportReport:
+    """Write ``items`` as HF safetensors shards (+ index when more than one), one tensor at a time.
+
+    ``fetch(key)`` is called for every item in order on every rank (so it may run collectives); it returns
+    the full tensor (in the planned dtype) on the writer and may return None elsewhere.
+    """
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    out = Path(out_dir)
+    groups = _group_files(items, max_shard_bytes)
+    names = (
+        [SAFE_WEIGHTS_NAME]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    if is_writer:
+        out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, group in zip(names, groups, strict=True):
+        entries = [part for item in group for part in item.parts]
+        writer = SafetensorsStreamWriter(out / name, entries) if is_writer else None
+        for item in group:
+            full = fetch(item.key)
+            if writer is not None:
+                if full is None:
+                    raise RuntimeError(f"export: the writer rank got no tensor for {item.key}")
+                for part_name, tensor in _revert(item.key, full, converters):
+                    writer.write(part_name, tensor)
+            del full
+        if writer is not None:
+            writer.close()
+            total += writer.total_bytes
+        weight_map.update({part[0]: name for item in group for part in item.parts})
+    if is_writer:
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (out / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        _remove_stale(out, set(names) | ({SAFE_INDEX_NAME} if len(names) > 1 else set()))
+    return ExportReport(out, tuple(names), weight_map, total)
+
+
+def _remove_stale(out: Path, written: set[str]) -> None:
+    # A previous export into the same directory may have had other shards (or an index): as transformers'
+    # save_pretrained does, drop those, so the directory holds exactly one checkpoint.
+    stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+    for path in out.iterdir():
+        if path.is_file() and stale.fullmatch(path.name) and path.name not in written:
+            path.unlink()
+
+
+def save_config(
+    config: PretrainedConfig, out_dir: str | os.PathLike, architecture: str, dtype: torch.dtype
+) -> None:
+    """Write ``config.json`` for plain transformers: ``architectures`` and ``dtype`` set, veomni's runtime
+    attention / experts implementation choices left out."""
+    config = copy.deepcopy(config)
+    for attr in _RUNTIME_CONFIG_ATTRS:
+        if hasattr(config, attr):
+            setattr(config, attr, None)
+    config.architectures = [architecture]
+    config.dtype = dtype
+    config.save_pretrained(str(out_dir))
+
+
+def _full_tensor(target: Target, state: ParallelState | None) -> torch.Tensor:
+    t = target.tensor
+    if isinstance(t, DTensor):
+        mesh, local = t.device_mesh, t.to_local()
+        if local.device.type != mesh.device_type:  # a CPU-offloaded shard: gather on the mesh's device
+            t = DTensor.from_local(
+                local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride()
+            )
+        full = t.full_tensor()
+    else:
+        full = t.detach()
+    shard = target.expert
+    if shard is None or shard.ep_size == 1:
+        return full
+    if state is None or not state.ep_enabled or state.dims.ep != shard.ep_size:
+        raise ValueError(
+            f"export: {target.key} holds experts [{shard.start}, {shard.stop}) of {shard.num_experts} (ep="
+            f"{shard.ep_size}); pass the parallel_state the model was sharded with"
+        )
+    gathered = torch.empty((shard.num_experts, *full.shape[1:]), dtype=full.dtype, device=full.device)
+    dist.all_gather_into_tensor(gathered, full.contiguous(), group=state.ep_group)
+    return gathered
+
+
+def _leaders(model: nn.Module, targets: dict[str, Target]) -> list[str]:
+    # transformers writes one key per tied group (the tie source); the others are re-tied on load.
+    return [keys[0] for keys in tie_groups(model, targets)]
+
+
+def export_hf(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    parallel_state: ParallelState | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> ExportReport:
+    """Write ``model`` (plain, FSDP2- and/or EP-sharded) as an HF checkpoint that plain transformers loads.
+
+    Collective when ``torch.distributed`` is initialised: call it on every rank. Global rank 0 writes; each
+    rank holds at most one full tensor at a time. Keys follow transformers' ``save_pretrained`` (tied
+    duplicates dropped, experts split back where the model's conversion recipe says the original checkpoint
+    has them split).
+
+    Args:
+        model: an HF ``PreTrainedModel`` (possibly FSDP-wrapped), materialised.
+        out_dir: the output directory (created).
+        parallel_state: required when experts are EP-sharded (their gather runs over ``ep_group``).
+        dtype: cast every tensor to this dtype (default: each tensor's own).
+        max_shard_bytes: safetensors file size limit (a single tensor larger than it gets its own file).
+    Returns:
+        an `ExportReport`.
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"export_hf needs an HF PreTrainedModel (with a config), got {type(model).__name__}")
+    targets = model_targets(model)
+    leaders = _leaders(model, targets)
+    shapes = {k: (targets[k].full_shape, _out_dtype(targets[k].tensor.dtype, dtype)) for k in leaders}
+    converters = converters_for(model, targets)
+    items = plan_layout(shapes, converters)
+    distributed = dist.is_available() and dist.is_initialized()
+    is_writer = not distributed or dist.get_rank() == 0
+
+    def fetch(key: str) -> torch.Tensor | None:
+        full = _full_tensor(targets[key], parallel_state)
+        return full.to(shapes[key][1]) if is_writer else None
+
+    with torch.no_grad():
+        report = write_checkpoint(
+            out_dir, items, fetch, converters, is_writer=is_writer, max_shard_bytes=max_shard_bytes
+        )
+    if is_writer:
+        first = next(iter(shapes.values()))[1] if shapes else torch.float32
+        save_config(config, out_dir, unwrapped_class(model).__name__, dtype or first)
+        logger.info(
+            "export_hf: wrote %d files, %.1f MiB to %s",
+            len(report.files),
+            report.total_bytes / 2**20,
+            out_dir,
+        )
+    if distributed:
+        dist.barrier()
+    return report
+
+
+def _dcp_accounting(
+    model: nn.Module, targets: dict[str, Target], stored: dict[str, object], prefix: str, where: str
+) -> dict[str, str]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ours = {k[len(prefix) :]: k for k in stored if k.startswith(prefix)}
+    ignore = [re.compile(p) for p in DEFAULT_IGNORED_UNEXPECTED]
+    chosen, missing, mismatched = {}, [], []
+    for keys in tie_groups(model, targets):
+        present = [k for k in keys if k in ours]
+        if not present:
+            missing.append(keys[0])
+            continue
+        meta = stored[ours[present[0]]]
+        want = targets[keys[0]].full_shape
+        got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else ("not a tensor",)
+        if got != want:
+            mismatched.append((ours[present[0]], want, got))
+        chosen[keys[0]] = ours[present[0]]
+    unexpected = sorted(ours[k] for k in ours if k not in targets and not any(p.search(k) for p in ignore))
+    if missing or unexpected or mismatched:
+        lines = [
+            f"the DCP checkpoint in {where} (keys under prefix {prefix!r}) does not match {unwrapped_class(model).__name__}:"
+        ]
+        if missing:
+            lines.append(f"  missing keys ({len(missing)}): {missing}")
+        if unexpected:
+            lines.append(f"  unexpected keys ({len(unexpected)}): {unexpected}")
+        for key, want, got in mismatched:
+            hint = ""
+            if len(want) == len(got) and want[1:] == got[1:] and got[0] and want[0] % got[0] == 0:
+                hint = " (an EP rank's local experts: save the global [E, ...] tensors)"
+            lines.append(
+                f"  {key}: the model expects shape {list(want)}, the checkpoint has {list(got)}{hint}"
+            )
+        if not ours:
+            sample = sorted(stored)[:5]
+            lines.append(f"  no key starts with {prefix!r}; the checkpoint's keys look like {sample}")
+        raise CheckpointMismatchError("\n".join(lines), missing, unexpected, mismatched)
+    return chosen
+
+
+def export_dcp_to_hf(
+    dcp_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    config: PretrainedConfig | str | os.PathLike,
+    prefix: str = "",
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    task: str = "causal_lm",
+    registry: object | None = None,
+) -> ExportReport:
+    """Convert a DCP checkpoint of a model's state (FQN keys, optionally under ``prefix``) to an HF checkpoint.
+
+    Runs in one process and reads one tensor at a time. Keys not starting with ``prefix`` (optimizer state,
+    ...) are ignored; under it, the keys must be exactly the model's ``state_dict()`` keys with full,
+    global shapes (tied duplicates optional).
+
+    Args:
+        dcp_dir: the ``torch.distributed.checkpoint`` directory.
+        out_dir: the output directory.
+        config: the model's config (object, directory or ``config.json``); it decides keys, shapes, layout.
+        prefix: the prefix of the model's keys in the checkpoint, e.g. ``"model."``.
+        dtype: cast to this dtype (default: as stored).
+        max_shard_bytes: safetensors file size limit.
+        task: the model class's task (see `veomni.models.registry.TASKS`).
+        registry: a `ModelRegistry` (default `veomni.models.registry.MODELS`).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers.initialization import no_init_weights
+
+    from veomni.models.registry import MODELS
+
+    registry = MODELS if registry is None else registry
+    cfg = registry.load_config(config)  # type: ignore[attr-defined]
+    resolved = registry.model_class(cfg, task)  # type: ignore[attr-defined]
+    with torch.device("meta"), no_init_weights():
+        model = resolved.cls._from_config(cfg)
+    model.tie_weights()
+    targets = model_targets(model)
+    stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    chosen = _dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
+    shapes = {
+        k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen
+    }
+    converters = converters_for(model, targets)
+    items = plan_layout(shapes, converters)
+
+    def fetch(key: str) -> torch.Tensor:
+        meta = stored[chosen[key]]
+        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_dir), no_dist=True)
+        return tensor.to(shapes[key][1])
+
+    report = write_checkpoint(
+        out_dir, items, fetch, converters, is_writer=True, max_shard_bytes=max_shard_bytes
+    )
+    first = next(iter(shapes.values()))[1] if shapes else torch.float32
+    save_config(cfg, out_dir, resolved.cls.__name__, dtype or first)
+    logger.info(
+        "export_dcp_to_hf: wrote %d files, %.1f MiB to %s",
+        len(report.files),
+        report.total_bytes / 2**20,
+        out_dir,
+    )
+    return report
