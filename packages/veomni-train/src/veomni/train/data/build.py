@@ -1,0 +1,118 @@
+"""Build the data pipeline of a recipe: row sources, the encoder, the exact index, train and eval iterators."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
+
+from veomni.train.data.encode import Encoder, build_encoder
+from veomni.train.data.loader import DataTopology, EvalData, TrainData
+from veomni.train.data.plan import DatasetIndex, index_dataset
+from veomni.train.data.sources import RowSource
+from veomni.train.recipe import DataSection, Recipe
+
+
+def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encoder:
+    """The `Encoder` the recipe's data section describes."""
+    return build_encoder(
+        tokenizer,
+        data.kind,
+        text_field=data.text_field,
+        messages_field=data.messages_field,
+        loss_mask_field=data.loss_mask_field,
+        assistant_only_loss=data.assistant_only_loss,
+        add_eos=data.add_eos,
+    )
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id used for SP padding (never trained): the pad token, else EOS, else 0."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def index_files(
+    data: DataSection,
+    files: Sequence[str],
+    encoder: Encoder,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[RowSource, DatasetIndex]:
+    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given)."""
+    source = RowSource(files, data.format, encoder.columns)
+    index = index_dataset(
+        source,
+        encoder,
+        max_seq_len=data.max_seq_len,
+        overlong=data.overlong,
+        num_workers=data.num_workers,
+        group=group,
+    )
+    return source, index
+
+
+def build_train_data(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    topology: DataTopology,
+    *,
+    group: dist.ProcessGroup | None = None,
+    pin_memory: bool = False,
+) -> TrainData:
+    """The resumable training iterator of this rank (indexes the training files first; every rank must call it
+    when ``group`` is given)."""
+    encoder = encoder_for(recipe.data, tokenizer)
+    source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group)
+    return TrainData(
+        source,
+        encoder,
+        index,
+        topology=topology,
+        tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
+        grad_accum=recipe.grad_accum(topology.dp_size),
+        seed=recipe.train.seed,
+        shuffle=recipe.data.shuffle,
+        max_seq_len=recipe.data.max_seq_len,
+        overlong=recipe.data.overlong,
+        num_workers=recipe.data.num_workers,
+        pad_id=pad_token_id(tokenizer),
+        pin_memory=pin_memory,
+    )
+
+
+def build_eval_data(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    topology: DataTopology,
+    *,
+    group: dist.ProcessGroup | None = None,
+    pin_memory: bool = False,
+) -> EvalData | None:
+    """The evaluation pass of this rank, or None when the recipe has no eval files."""
+    if not recipe.data.eval_files:
+        return None
+    encoder = encoder_for(recipe.data, tokenizer)
+    source, index = index_files(recipe.data, recipe.data.eval_files, encoder, group=group)
+    return EvalData(
+        source,
+        encoder,
+        index,
+        topology=topology,
+        tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
+        max_seq_len=recipe.data.max_seq_len,
+        overlong=recipe.data.overlong,
+        num_workers=recipe.data.num_workers,
+        pad_id=pad_token_id(tokenizer),
+        pin_memory=pin_memory,
+    )
+
+
+def total_steps(recipe: Recipe, train_data: TrainData) -> int:
+    """``train.steps``, or the steps of ``train.epochs`` whole epochs of the packed real data."""
+    if recipe.train.steps is not None:
+        return recipe.train.steps
+    return train_data.total_steps(int(recipe.train.epochs or 0))

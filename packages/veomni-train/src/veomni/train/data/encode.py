@@ -1,0 +1,223 @@
+"""Rows to token samples: ``text`` (pre-training) and ``conversation`` (chat template, per-message loss choice).
+
+A sample is ``(input_ids, trained)``: int64 token ids and a bool mask where ``trained[j]`` says that token j is a
+prediction target (predicted from position j - 1). ``trained[0]`` is always False: nothing precedes it. The packer
+turns the mask into shifted labels; the mask form keeps "which tokens does the model learn" visible.
+
+Conversations are rendered with the tokenizer's chat template and tokenised in one piece (so the ids are what
+the model sees at inference), then each token is attributed to the message its first character comes from. That
+needs a prefix-stable template (rendering the first k messages gives a prefix of rendering all of them); a
+template that is not is an error naming the row and the message. For an assistant message, the generation
+header (``<|im_start|>assistant\\n`` in ChatML) is never trained: only what the assistant writes, its end-of-turn
+token and what the template puts after it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from veomni.train.data.sources import DataError, RowRef, RowSource
+
+
+@attrs.frozen(eq=False)
+class Sample:
+    """One tokenised row.
+
+    Attributes:
+        input_ids: int64 ``[n]``, n >= 1.
+        trained: bool ``[n]``, ``trained[0]`` False.
+        index: the row's index in its `RowSource`.
+        truncated: whether the row was cut to ``max_seq_len``.
+    """
+
+    input_ids: np.ndarray
+    trained: np.ndarray
+    index: int
+    truncated: bool = False
+
+    @property
+    def num_trained(self) -> int:
+        """Tokens that are prediction targets, i.e. the sample's valid labels after the shift."""
+        return int(self.trained.sum())
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(path)`` for a local directory, with a clear error when it is missing."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise DataError(f"tokenizer directory {path} does not exist (model.tokenizer / model.weights)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+class TextEncoder:
+    """``row[field]`` is one text; every token but the first is trained.
+
+    The tokenizer's own special tokens are added (a BOS where its post-processor adds one); with ``add_eos``
+    its EOS token is appended.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, field: str, add_eos: bool) -> None:
+        if add_eos and tokenizer.eos_token_id is None:
+            raise DataError("data.add_eos is true but the tokenizer has no eos_token; set data.add_eos=false")
+        self.tokenizer, self.field, self.add_eos = tokenizer, field, add_eos
+        self.columns = (field,)
+
+    def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray]:
+        if self.field not in row:
+            raise DataError(f"{ref}: no field {self.field!r} (data.text_field); the row has {sorted(row)}")
+        text = row[self.field]
+        if not isinstance(text, str):
+            raise DataError(f"{ref}: field {self.field!r} must be a string, found {type(text).__name__}")
+        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        if self.add_eos:
+            ids.append(self.tokenizer.eos_token_id)
+        if not ids:
+            raise DataError(f"{ref}: the text is empty and produced no tokens")
+        trained = np.ones(len(ids), dtype=bool)
+        trained[0] = False
+        return np.asarray(ids, dtype=np.int64), trained
+
+
+class ConversationEncoder:
+    """``row[field]`` is a list of ``{"role", "content", ...}`` messages rendered by the tokenizer's chat template.
+
+    Which messages are trained: ``message[loss_mask_field]`` (0/1 or bool) when present, else assistant messages
+    only (``assistant_only``) or every message.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        field: str,
+        loss_mask_field: str | None,
+        assistant_only: bool,
+    ) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("data.kind is conversation but the tokenizer has no chat_template")
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError(
+                "conversation data needs a fast tokenizer (character offsets attribute tokens to messages)"
+            )
+        self.tokenizer, self.field = tokenizer, field
+        self.loss_mask_field, self.assistant_only = loss_mask_field, assistant_only
+        self.columns = (field,)
+
+    def _render(self, messages: list[dict[str, Any]], ref: RowRef, generation_prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as err:  # jinja raises TemplateError and friends for messages it rejects
+            raise DataError(f"{ref}: the chat template failed on this conversation: {err}") from None
+
+    def _messages(self, row: dict[str, Any], ref: RowRef) -> tuple[list[dict[str, Any]], list[bool]]:
+        if self.field not in row:
+            raise DataError(
+                f"{ref}: no field {self.field!r} (data.messages_field); the row has {sorted(row)}"
+            )
+        raw = row[self.field]
+        if not isinstance(raw, list) or not raw:
+            raise DataError(f"{ref}: {self.field!r} must be a non-empty list of messages, found {raw!r:.80}")
+        messages, flags = [], []
+        for i, message in enumerate(raw):
+            if not isinstance(message, dict):
+                raise DataError(f"{ref}: message {i} must be an object, found {type(message).__name__}")
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise DataError(
+                    f"{ref}: message {i} needs string 'role' and 'content'; found role={role!r}, "
+                    f"content of type {type(content).__name__}"
+                )
+            flag = role == "assistant" if self.assistant_only else True
+            if self.loss_mask_field is not None and self.loss_mask_field in message:
+                value = message[self.loss_mask_field]
+                if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+                    flag = bool(value)
+                else:
+                    raise DataError(
+                        f"{ref}: message {i} has {self.loss_mask_field}={value!r}; expected 0, 1, true or false"
+                    )
+            messages.append({k: v for k, v in message.items() if k != self.loss_mask_field})
+            flags.append(flag)
+        return messages, flags
+
+    def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray]:
+        messages, flags = self._messages(row, ref)
+        full = self._render(messages, ref)
+        # Character spans of the trained parts of each message.
+        char_trained = np.zeros(len(full) + 1, dtype=bool)
+        start_of_message = 0
+        for i, message in enumerate(messages):
+            end = self._render(messages[: i + 1], ref)
+            if not full.startswith(end):
+                raise DataError(
+                    f"{ref}: the chat template is not prefix-stable at message {i}: rendering the first {i + 1} "
+                    "messages is not a prefix of rendering them all, so tokens cannot be attributed to messages"
+                )
+            start = start_of_message
+            if message["role"] == "assistant":
+                # What the generation prompt and the rendered message share is template header, never trained.
+                header = self._render(messages[:i], ref, generation_prompt=True)
+                start = max(start, len(os.path.commonprefix([header, end])))
+            if flags[i]:
+                char_trained[start : len(end)] = True
+            start_of_message = len(end)
+        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids = np.asarray(encoding["input_ids"], dtype=np.int64)
+        if ids.size == 0:
+            raise DataError(f"{ref}: the conversation rendered to no tokens")
+        starts = np.asarray([s for s, _ in encoding["offset_mapping"]], dtype=np.int64)
+        trained = char_trained[np.clip(starts, 0, len(full))]
+        trained[0] = False
+        return ids, trained
+
+
+Encoder = TextEncoder | ConversationEncoder
+
+
+def build_encoder(
+    tokenizer: PreTrainedTokenizerBase,
+    kind: str,
+    *,
+    text_field: str = "text",
+    messages_field: str = "messages",
+    loss_mask_field: str | None = "loss_mask",
+    assistant_only_loss: bool = True,
+    add_eos: bool = True,
+) -> Encoder:
+    """The encoder for ``kind`` (``text`` or ``conversation``), configured like the recipe's data section."""
+    if kind == "text":
+        return TextEncoder(tokenizer, text_field, add_eos)
+    if kind == "conversation":
+        return ConversationEncoder(tokenizer, messages_field, loss_mask_field, assistant_only_loss)
+    raise DataError(f"data.kind must be text or conversation, found {kind!r}")
+
+
+def encode_row(
+    source: RowSource, encoder: Encoder, index: int, max_seq_len: int, overlong: str
+) -> Sample | None:
+    """Read and tokenise row ``index``; apply the over-length policy (None: the row is dropped).
+
+    Raises:
+        DataError: a bad row, or an over-long one under ``overlong="error"``, naming file and row.
+    """
+    ref = source.ref(index)
+    ids, trained = encoder(source[index], ref)
+    truncated = False
+    if len(ids) > max_seq_len:
+        if overlong == "error":
+            raise DataError(f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}")
+        if overlong == "drop":
+            return None
+        if overlong != "truncate":
+            raise DataError(f"data.overlong must be truncate, drop or error, found {overlong!r}")
+        ids, trained, truncated = ids[:max_seq_len], trained[:max_seq_len], True
+    return Sample(ids, trained, index, truncated)

@@ -1,0 +1,408 @@
+"""The training and evaluation data of one rank: DataLoader workers that read, tokenise and pack, plus state.
+
+`TrainData` yields one `Step` per optimizer step: this rank's ``grad_accum`` packed micro-batches (batch dicts, see
+`veomni.train.data.packing`) and the step's global token counts. It is deterministic (the plan in
+`veomni.train.data.plan`) and resumable:
+
+* ``state_dict()`` after consuming step k and ``load_state_dict`` into a fresh `TrainData` make it yield step
+  k + 1 onwards exactly as an uninterrupted run would (same world size: identical batches on every rank).
+* A different DP size (or grad_accum) continues at the same global micro-batch: no sample of the epoch is
+  repeated or skipped. When ``grad_accum * dp`` is unchanged (the recipe's token contract fixes it), every step
+  holds the same micro-batches as before, only dealt to other ranks. SP size may change freely (SP peers share
+  micro-batches).
+* A different seed, shuffle flag, micro-batch budget or dataset (token counts) is an error: the saved position
+  would mean something else.
+
+Rows that a worker reads again are checked against the index: a row whose token count changed since indexing
+(the file was edited during the run) is an error naming file and row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from veomni.train.data.encode import Encoder, encode_row
+from veomni.train.data.packing import collate, padding_batch
+from veomni.train.data.plan import (
+    DatasetIndex,
+    MicroBatches,
+    epoch_micro_batches,
+    pack_rows,
+    rank_schedule,
+    steps_in_epoch,
+)
+from veomni.train.data.sources import DataError, RowSource
+
+log = logging.getLogger(__name__)
+STATE_FORMAT = "veomni.train.data/1"
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class DataTopology:
+    """Where this rank sits for data: its DP rank/size (who reads what) and SP rank/size (which slice it keeps)."""
+
+    dp_rank: int = 0
+    dp_size: int = attrs.field(default=1, validator=_positive)
+    sp_rank: int = 0
+    sp_size: int = attrs.field(default=1, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.dp_rank < self.dp_size or not 0 <= self.sp_rank < self.sp_size:
+            raise ValueError(f"ranks out of range: {self}")
+
+    @classmethod
+    def from_parallel_state(cls, state: Any) -> DataTopology:
+        """From a `veomni.core.ParallelState` (DP over ``dp_replicate * dp_shard``, SP peers share data)."""
+        return cls(dp_rank=state.dp_rank, dp_size=state.dims.dp, sp_rank=state.sp_rank, sp_size=state.dims.sp)
+
+
+@attrs.frozen(eq=False)
+class Step:
+    """One optimizer step's data on this rank.
+
+    Attributes:
+        step: 0-based global step index.
+        epoch: the epoch it belongs to.
+        micro_batches: ``grad_accum`` batch dicts for this rank.
+        tokens: packed tokens of the whole step over all DP ranks (before SP padding).
+        valid_tokens: valid labels of the whole step over all DP ranks: the loss normaliser ``N_global``, known
+            here without communication (``veomni.core.global_token_count`` over the batches gives the same).
+    """
+
+    step: int
+    epoch: int
+    micro_batches: list[dict[str, Any]]
+    tokens: int
+    valid_tokens: int
+
+
+class _PackedRows(Dataset):
+    """Worker side: reads, tokenises and collates the rows a key names.
+
+    Keys: ``(epoch, j)`` for micro-batch j of an epoch's plan (rebuilt from ``order``, the seed/budget/shuffle
+    of `epoch_micro_batches`, and cached for the current epoch), ``("rows", array)`` for explicit rows, or
+    ``"padding"`` for a filler batch.
+    """
+
+    def __init__(
+        self,
+        source: RowSource,
+        encoder: Encoder,
+        index: DatasetIndex,
+        *,
+        max_seq_len: int,
+        overlong: str,
+        order: dict[str, Any] | None,
+        sp_rank: int,
+        sp_size: int,
+        pad_id: int,
+    ) -> None:
+        self.source, self.encoder, self.index = source, encoder, index
+        self.max_seq_len, self.overlong, self.order = max_seq_len, overlong, order
+        self.collate_args = dict(sp_rank=sp_rank, sp_size=sp_size, pad_id=pad_id)
+        self._plan: tuple[int, MicroBatches] | None = None
+
+    def rows(self, key: tuple[int, int] | tuple[str, np.ndarray]) -> np.ndarray:
+        if key[0] == "rows":
+            return key[1]
+        if self.order is None:
+            raise ValueError(f"key {key!r} names an epoch, but this dataset has no epoch order")
+        epoch, j = key
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, epoch_micro_batches(self.index, epoch=epoch, **self.order))
+        return self._plan[1][j]
+
+    def __getitem__(self, key: Any) -> dict[str, Any]:
+        if isinstance(key, str) and key == "padding":
+            return padding_batch(**self.collate_args)
+        samples = []
+        for row in self.rows(key).tolist():
+            sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
+            if sample is None or len(sample.input_ids) != self.index.lengths[row]:
+                raise DataError(
+                    f"{self.source.ref(row)}: now gives {0 if sample is None else len(sample.input_ids)} tokens, "
+                    f"but {self.index.lengths[row]} when the data was indexed; was the file changed during the run?"
+                )
+            samples.append(sample)
+        return collate(samples, **self.collate_args)
+
+
+class _Keys(Sampler):
+    def __init__(self, keys: Iterator[Any]) -> None:
+        self._keys = keys
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._keys
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class TrainData:
+    """This rank's training steps, forever (epoch after epoch); the loop stops after its step count.
+
+    Args:
+        source, encoder, index: the rows, how to tokenise them, and their exact `DatasetIndex`.
+        topology: this rank's DP/SP position.
+        tokens_per_micro_batch: packing budget of one micro-batch (per DP rank, before the SP split).
+        grad_accum: micro-batches per step on each DP rank (`veomni.train.recipe.Recipe.grad_accum`).
+        seed, shuffle: the per-epoch order.
+        max_seq_len, overlong: the length policy the index was built with.
+        num_workers: DataLoader workers (0: in process); pad_id: token id of SP padding.
+        pin_memory: pin the batches' host memory (for asynchronous copies to a GPU).
+    """
+
+    def __init__(
+        self,
+        source: RowSource,
+        encoder: Encoder,
+        index: DatasetIndex,
+        *,
+        topology: DataTopology,
+        tokens_per_micro_batch: int,
+        grad_accum: int,
+        seed: int,
+        shuffle: bool,
+        max_seq_len: int,
+        overlong: str,
+        num_workers: int = 0,
+        pad_id: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+        self.source, self.index, self.topology = source, index, topology
+        self.budget, self.grad_accum, self.seed, self.shuffle = (
+            tokens_per_micro_batch,
+            grad_accum,
+            seed,
+            shuffle,
+        )
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self._plan_args = dict(seed=seed, budget=tokens_per_micro_batch, shuffle=shuffle)
+        self._dataset = _PackedRows(
+            source,
+            encoder,
+            index,
+            max_seq_len=max_seq_len,
+            overlong=overlong,
+            order=self._plan_args,
+            sp_rank=topology.sp_rank,
+            sp_size=topology.sp_size,
+            pad_id=pad_id,
+        )
+        self._plans: dict[int, MicroBatches] = {}
+        self._epoch, self._cursor, self._step = 0, 0, 0
+        self._generation = 0
+        if self.steps_in_epoch(0) == 0:
+            raise DataError(
+                f"the training data makes {len(self.plan(0))} micro-batches of <= {self.budget} tokens, fewer than "
+                f"one step needs (grad_accum {grad_accum} x dp {topology.dp_size}); lower train.tokens_per_step"
+            )
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches per step over all DP ranks (``grad_accum * dp``)."""
+        return self.grad_accum * self.topology.dp_size
+
+    def plan(self, epoch: int) -> MicroBatches:
+        """Epoch ``epoch``'s micro-batches (the last two epochs' plans are cached)."""
+        if epoch not in self._plans:
+            self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
+            self._plans[epoch] = epoch_micro_batches(self.index, epoch=epoch, **self._plan_args)
+        return self._plans[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Optimizer steps in a whole epoch."""
+        return steps_in_epoch(len(self.plan(epoch)), 0, self.per_step)
+
+    def total_steps(self, epochs: int) -> int:
+        """Steps in ``epochs`` whole epochs, from the exact token counts (what ``train.epochs`` means)."""
+        return sum(self.steps_in_epoch(e) for e in range(epochs))
+
+    def _keys(self, epoch: int, cursor: int) -> Iterator[tuple[int, int]]:
+        while True:
+            plan = self.plan(epoch)
+            for _, _, j in rank_schedule(
+                len(plan), cursor, self.grad_accum, self.topology.dp_size, self.topology.dp_rank
+            ):
+                yield epoch, j
+            epoch, cursor = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[Step]:
+        self._generation += 1
+        generation = self._generation
+        loader = DataLoader(
+            self._dataset,
+            batch_size=None,
+            sampler=_Keys(self._keys(self._epoch, self._cursor)),
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            pin_memory=self.pin_memory,
+        )
+        batches = iter(loader)
+        while True:
+            plan = self.plan(self._epoch)
+            n_steps = steps_in_epoch(len(plan), self._cursor, self.per_step)
+            if n_steps == 0:
+                if self._cursor == 0:
+                    raise DataError(
+                        f"epoch {self._epoch} of the training data has fewer micro-batches than one step"
+                    )
+                self._epoch, self._cursor = self._epoch + 1, 0
+                continue
+            for _ in range(n_steps):
+                micro = [next(batches) for _ in range(self.grad_accum)]
+                if generation != self._generation:
+                    raise RuntimeError("TrainData was re-iterated or reloaded; this iterator is stale")
+                rows = plan.rows[plan.offsets[self._cursor] : plan.offsets[self._cursor + self.per_step]]
+                step = Step(
+                    step=self._step,
+                    epoch=self._epoch,
+                    micro_batches=micro,
+                    tokens=int(self.index.lengths[rows].sum()),
+                    valid_tokens=int(self.index.trained[rows].sum()),
+                )
+                # The state names the next step, so a checkpoint taken after this step resumes after it.
+                self._cursor += self.per_step
+                self._step += 1
+                yield step
+            self._epoch, self._cursor = self._epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last step handed out, plus what must match for it to mean the same data."""
+        return {
+            "format": STATE_FORMAT,
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+            "step": self._step,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "tokens_per_micro_batch": self.budget,
+            "index_digest": self.index.digest(),
+            "plan_digest": self.plan(self._epoch).digest(),
+            "dp_size": self.topology.dp_size,
+            "grad_accum": self.grad_accum,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (see the module docstring for what may differ); invalidates live iterators."""
+        if state.get("format") != STATE_FORMAT:
+            raise DataError(f"data state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        mine = {"seed": self.seed, "shuffle": self.shuffle, "tokens_per_micro_batch": self.budget}
+        mine["index_digest"] = self.index.digest()
+        bad = [f"{k}: saved {state[k]!r}, now {v!r}" for k, v in mine.items() if state[k] != v]
+        if bad:
+            raise DataError(
+                "cannot resume the data position, the data or its order changed: " + "; ".join(bad)
+            )
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if self.plan(epoch).digest() != state["plan_digest"]:
+            raise DataError(
+                f"cannot resume the data position: epoch {epoch}'s plan differs from the saved one "
+                "(same seed and data, so the shuffle or packing code changed, e.g. a numpy upgrade)"
+            )
+        if (state["dp_size"], state["grad_accum"]) != (self.topology.dp_size, self.grad_accum):
+            log.info(
+                "data: resuming with dp=%d grad_accum=%d (saved with dp=%d grad_accum=%d) at micro-batch %d of "
+                "epoch %d; no sample is repeated or skipped",
+                self.topology.dp_size,
+                self.grad_accum,
+                state["dp_size"],
+                state["grad_accum"],
+                cursor,
+                epoch,
+            )
+        self._epoch, self._cursor, self._step = epoch, cursor, int(state["step"])
+        self._generation += 1
+
+    def summary(self) -> dict[str, Any]:
+        """Numbers for the start-of-run log: rows, exact tokens, truncation, packing and steps per epoch."""
+        plan = self.plan(0)
+        used = steps_in_epoch(len(plan), 0, self.per_step) * self.per_step
+        return {
+            "rows": self.index.num_rows,
+            "samples": self.index.num_samples,
+            "tokens": self.index.total_tokens,
+            "trained_tokens": self.index.total_trained_tokens,
+            "truncated": self.index.truncated,
+            "dropped": self.index.dropped,
+            "micro_batches_per_epoch": len(plan),
+            "micro_batches_left_out_per_epoch": len(plan) - used,
+            "packing_efficiency": self.index.total_tokens / (len(plan) * self.budget),
+            "steps_per_epoch": self.steps_in_epoch(0),
+            "grad_accum": self.grad_accum,
+        }
+
+
+class EvalData:
+    """One pass over the evaluation data, in file order, dealt round-robin over the DP ranks.
+
+    Every rank yields the same number of batches (``len(self)``): ranks with fewer micro-batches get filler
+    batches (``is_padding`` True, no valid label), so collectives inside the forward stay matched.
+    """
+
+    def __init__(
+        self,
+        source: RowSource,
+        encoder: Encoder,
+        index: DatasetIndex,
+        *,
+        topology: DataTopology,
+        tokens_per_micro_batch: int,
+        max_seq_len: int,
+        overlong: str,
+        num_workers: int = 0,
+        pad_id: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        self.source, self.index, self.topology = source, index, topology
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.plan = pack_rows(np.flatnonzero(index.lengths > 0), index.lengths, tokens_per_micro_batch)
+        self._dataset = _PackedRows(
+            source,
+            encoder,
+            index,
+            max_seq_len=max_seq_len,
+            overlong=overlong,
+            order=None,
+            sp_rank=topology.sp_rank,
+            sp_size=topology.sp_size,
+            pad_id=pad_id,
+        )
+
+    def __len__(self) -> int:
+        return -(-len(self.plan) // self.topology.dp_size)
+
+    @property
+    def valid_tokens(self) -> int:
+        """Valid labels of the whole evaluation set over all ranks (the perplexity denominator)."""
+        return self.index.total_trained_tokens
+
+    def _keys(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            j = i * self.topology.dp_size + self.topology.dp_rank
+            yield ("rows", self.plan[j]) if j < len(self.plan) else "padding"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        loader = DataLoader(
+            self._dataset,
+            batch_size=None,
+            sampler=_Keys(self._keys()),
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            pin_memory=self.pin_memory,
+        )
+        yield from loader

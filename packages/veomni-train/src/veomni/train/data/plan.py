@@ -1,0 +1,242 @@
+"""The exact token index of a dataset and the deterministic plan of micro-batches built from it.
+
+`index_dataset` tokenises every row once (in DataLoader workers, and split over the ranks of a process group when
+one is given) and keeps two numbers per row: its token count after the over-length policy and its trained-token
+count. Everything else is arithmetic on those arrays, identical on every rank with no communication:
+
+* `epoch_micro_batches`: the epoch's sample order (a seeded shuffle of the kept rows, by ``(seed, epoch)``), cut
+  into micro-batches of at most ``budget`` tokens by first-fit over a few open micro-batches. The result does not
+  depend on the number of ranks.
+* Dealing (`rank_schedule`): step k of an epoch takes the next ``per_step = grad_accum * dp`` micro-batches;
+  micro-step g on DP rank r is micro-batch ``cursor + k * per_step + g * dp + r``. The epoch's last
+  ``M mod per_step`` micro-batches (fewer than one step) are left out; the next epoch reshuffles everything.
+
+Because the micro-batches are a property of the data and not of the world size, and ``per_step`` equals
+``tokens_per_step / tokens_per_micro_batch`` (independent of dp), a run resumed on another DP size continues at the
+same micro-batch and sees the same steps: the same samples per step, spread over different ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from veomni.train.data.encode import Encoder, encode_row
+from veomni.train.data.sources import DataError, RowSource
+
+INDEX_CHUNK = 256
+OPEN_BINS = 8
+
+
+@attrs.frozen(eq=False)
+class DatasetIndex:
+    """Per-row token counts of a dataset, exact (from tokenising every row).
+
+    Attributes:
+        lengths: int64 ``[rows]``, tokens of each row after the over-length policy; 0 for a dropped row.
+        trained: int64 ``[rows]``, trained tokens (valid labels) of each row.
+        truncated: rows cut to ``max_seq_len``.
+        dropped: rows left out for being longer than ``max_seq_len``.
+    """
+
+    lengths: np.ndarray
+    trained: np.ndarray
+    truncated: int
+    dropped: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_samples(self) -> int:
+        """Rows that take part in training (not dropped)."""
+        return int((self.lengths > 0).sum())
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def total_trained_tokens(self) -> int:
+        return int(self.trained.sum())
+
+    def digest(self) -> str:
+        """A fingerprint of the token counts (changes when the data, tokenizer or length policy do)."""
+        h = hashlib.sha256(self.lengths.astype(np.int64).tobytes())
+        h.update(self.trained.astype(np.int64).tobytes())
+        return h.hexdigest()[:16]
+
+
+class _IndexChunks(Dataset):
+    def __init__(
+        self,
+        source: RowSource,
+        encoder: Encoder,
+        max_seq_len: int,
+        overlong: str,
+        starts: list[int],
+        size: int,
+    ) -> None:
+        self.source, self.encoder, self.max_seq_len, self.overlong = source, encoder, max_seq_len, overlong
+        self.starts, self.size = starts, size
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        start = self.starts[i]
+        stop = min(start + self.size, len(self.source))
+        lengths = np.zeros(stop - start, dtype=np.int64)
+        trained = np.zeros(stop - start, dtype=np.int64)
+        truncated = np.zeros(stop - start, dtype=bool)
+        for k, row in enumerate(range(start, stop)):
+            sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
+            if sample is not None:
+                lengths[k], trained[k], truncated[k] = (
+                    len(sample.input_ids),
+                    sample.num_trained,
+                    sample.truncated,
+                )
+        return start, lengths, trained, truncated
+
+
+def _identity(x: object) -> object:
+    return x
+
+
+def index_dataset(
+    source: RowSource,
+    encoder: Encoder,
+    *,
+    max_seq_len: int,
+    overlong: str,
+    num_workers: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_rows: int = INDEX_CHUNK,
+) -> DatasetIndex:
+    """Tokenise every row once and return the exact `DatasetIndex`; the first bad row raises `DataError`.
+
+    Args:
+        num_workers: DataLoader workers for the tokenisation (0: in this process).
+        group: when given, each of its ranks tokenises a share of the rows and the counts are all-gathered
+            (``all_gather_object``; for NCCL the current CUDA device must be set). Every rank must call this.
+        chunk_rows: rows per work item (the unit split over workers and ranks).
+    """
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    starts = list(range(0, len(source), chunk_rows))[rank::world]
+    loader = DataLoader(
+        _IndexChunks(source, encoder, max_seq_len, overlong, starts, chunk_rows),
+        batch_size=None,
+        num_workers=num_workers,
+        collate_fn=_identity,
+    )
+    parts = list(loader)
+    if group is not None:
+        gathered: list[list | None] = [None] * world
+        dist.all_gather_object(gathered, parts, group=group)
+        parts = [p for rank_parts in gathered for p in (rank_parts or [])]
+    lengths = np.zeros(len(source), dtype=np.int64)
+    trained = np.zeros(len(source), dtype=np.int64)
+    truncated = np.zeros(len(source), dtype=bool)
+    for start, chunk_lengths, chunk_trained, chunk_truncated in parts:
+        stop = start + len(chunk_lengths)
+        lengths[start:stop], trained[start:stop], truncated[start:stop] = (
+            chunk_lengths,
+            chunk_trained,
+            chunk_truncated,
+        )
+    dropped = int((lengths == 0).sum())
+    if dropped == len(source):
+        raise DataError(
+            f"every one of the {len(source)} rows was dropped as longer than max_seq_len={max_seq_len}"
+        )
+    return DatasetIndex(lengths=lengths, trained=trained, truncated=int(truncated.sum()), dropped=dropped)
+
+
+@attrs.frozen(eq=False)
+class MicroBatches:
+    """An epoch's micro-batches in CSR form: micro-batch j holds rows ``rows[offsets[j]:offsets[j + 1]]``."""
+
+    rows: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        return self.rows[self.offsets[j] : self.offsets[j + 1]]
+
+    def digest(self) -> str:
+        h = hashlib.sha256(self.rows.astype(np.int64).tobytes())
+        h.update(self.offsets.astype(np.int64).tobytes())
+        return h.hexdigest()[:16]
+
+
+def epoch_order(index: DatasetIndex, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The kept rows of ``index`` in epoch ``epoch``'s order (int64; a permutation seeded by (seed, epoch))."""
+    kept = np.flatnonzero(index.lengths > 0)
+    if not shuffle:
+        return kept
+    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
+    return kept[rng.permutation(len(kept))]
+
+
+def pack_rows(
+    order: np.ndarray, lengths: np.ndarray, budget: int, open_bins: int = OPEN_BINS
+) -> MicroBatches:
+    """Cut ``order`` into micro-batches of at most ``budget`` tokens: first-fit over ``open_bins`` open ones.
+
+    Each row goes into the oldest open micro-batch with room; with none, a new one opens and, when more than
+    ``open_bins`` are open, the oldest is closed. Micro-batches are emitted in closing order.
+    """
+    closed: list[list[int]] = []
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in order.tolist():
+        n = int(lengths[row])
+        if n > budget:
+            raise DataError(f"row {row} has {n} tokens, more than the micro-batch budget {budget}")
+        for b, free in enumerate(room):
+            if free >= n:
+                bins[b].append(row)
+                room[b] -= n
+                break
+        else:
+            if len(bins) == open_bins:
+                closed.append(bins.pop(0))
+                room.pop(0)
+            bins.append([row])
+            room.append(budget - n)
+    closed.extend(bins)
+    sizes = np.fromiter((len(b) for b in closed), dtype=np.int64, count=len(closed))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    rows = np.fromiter((r for b in closed for r in b), dtype=np.int64, count=int(offsets[-1]))
+    return MicroBatches(rows=rows, offsets=offsets)
+
+
+def epoch_micro_batches(
+    index: DatasetIndex, seed: int, epoch: int, budget: int, shuffle: bool
+) -> MicroBatches:
+    """The micro-batches of epoch ``epoch`` (independent of the world size)."""
+    return pack_rows(epoch_order(index, seed, epoch, shuffle), index.lengths, budget)
+
+
+def steps_in_epoch(num_micro_batches: int, cursor: int, per_step: int) -> int:
+    """Whole steps left in an epoch of ``num_micro_batches`` from micro-batch ``cursor``."""
+    return max(0, (num_micro_batches - cursor) // per_step)
+
+
+def rank_schedule(
+    num_micro_batches: int, cursor: int, grad_accum: int, dp_size: int, dp_rank: int
+) -> Iterator[tuple[int, int, int]]:
+    """``(step_in_epoch_from_cursor, micro_step, micro_batch)`` for every micro-batch DP rank ``dp_rank`` runs."""
+    per_step = grad_accum * dp_size
+    for k in range(steps_in_epoch(num_micro_batches, cursor, per_step)):
+        for g in range(grad_accum):
+            yield k, g, cursor + k * per_step + g * dp_size + dp_rank

@@ -1,0 +1,185 @@
+"""``veomni-data-preview RECIPE [--section.field=value ...] [--n N]``: decoded packed batches, loss mask visible.
+
+Builds the recipe's data pipeline exactly as training does (same index, order, packing and dealing) and prints
+the dataset's exact token counts, the packing and step arithmetic, then the first N micro-batches of one DP rank:
+each sample decoded, with the tokens that are not trained shown dimmed (on a terminal) or inside ``[[ ]]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from veomni.train.data.build import build_eval_data, build_train_data, total_steps
+from veomni.train.data.encode import load_tokenizer
+from veomni.train.data.loader import DataTopology
+from veomni.train.data.packing import unpack
+from veomni.train.data.sources import DataError
+from veomni.train.recipe import RecipeError, load_recipe, recipe_help
+
+USAGE = """usage: veomni-data-preview RECIPE [--section.field=value ...] [options]
+
+RECIPE is a YAML file or a built-in recipe name (quickstart). Options:
+  --n N            micro-batches to print (default 2)
+  --samples K      samples to print per micro-batch (default 4; 0: all)
+  --eval           preview the evaluation data instead of the training data
+  --dp-size D      data-parallel size to deal for (default 1); --dp-rank R picks the rank shown (default 0)
+  --color WHEN     auto | always | never: dim the untrained tokens instead of bracketing them (default auto)
+  --help           this text and every recipe field
+"""
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+OPTIONS = {"--n": int, "--samples": int, "--dp-size": int, "--dp-rank": int, "--color": str}
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]]:
+    """``(recipe, overrides, options)``; recipe overrides are the dotted ``--a.b`` items."""
+    options: dict[str, Any] = {"--n": 2, "--samples": 4, "--dp-size": 1, "--dp-rank": 0, "--color": "auto"}
+    options["--eval"] = False
+    positional, overrides = [], []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        name, eq, value = item.partition("=")
+        if name in OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise RecipeError(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            try:
+                options[name] = OPTIONS[name](value)
+            except ValueError:
+                raise RecipeError(f"{name}: expected {OPTIONS[name].__name__}, found {value!r}") from None
+        elif item == "--eval":
+            options["--eval"] = True
+        elif item.startswith("--"):
+            overrides.append(item)
+            if not eq and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            positional.append(item)
+        i += 1
+    if len(positional) != 1:
+        raise RecipeError(f"expected exactly one RECIPE argument, found {positional}\n{USAGE}")
+    if options["--color"] not in ("auto", "always", "never"):
+        raise RecipeError(f"--color: expected auto, always or never, found {options['--color']!r}")
+    return positional[0], overrides, options
+
+
+def render_sample(tokenizer: Any, ids: np.ndarray, trained: np.ndarray, color: bool) -> str:
+    """Decode ``ids`` run by run: trained runs plain, the others dimmed (``color``) or inside ``[[ ]]``."""
+    parts = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or trained[end] != trained[start]:
+            text = tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=False)
+            if not trained[start]:
+                text = f"{DIM}{text}{RESET}" if color else f"[[{text}]]"
+            parts.append(text)
+            start = end
+    return "".join(parts)
+
+
+def _print_batch(
+    out: TextIO, label: str, batch: dict, budget: int, tokenizer: Any, source: Any, opts: dict
+) -> None:
+    if batch["is_padding"]:
+        out.write(f"\n=== {label}: a filler batch (no samples) that keeps this rank in step with its peers\n")
+        return
+    samples = unpack(batch)
+    trained = int(batch["num_valid_tokens"])
+    out.write(
+        f"\n=== {label}: {len(samples)} samples, {batch['seq_len']} tokens "
+        f"({100 * batch['seq_len'] / budget:.1f}% of {budget}), {trained} trained, "
+        f"max_seqlen {batch['max_seqlen']}, {len(batch['cu_seqlens']) - 1} attention segments\n"
+    )
+    limit = opts["--samples"] or len(samples)
+    color = opts["--color"] == "always" or (opts["--color"] == "auto" and out.isatty())
+    for k, ((ids, mask), row) in enumerate(zip(samples[:limit], batch["sample_index"], strict=False)):
+        out.write(f"--- sample {k}: {source.ref(row)}, {len(ids)} tokens, {int(mask.sum())} trained\n")
+        out.write(render_sample(tokenizer, ids, mask, color).rstrip("\n") + "\n")
+    if len(samples) > limit:
+        out.write(f"--- ... {len(samples) - limit} more samples (--samples 0 shows all)\n")
+
+
+def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
+    """Run the preview for command-line ``argv`` (without the program name), writing to ``out`` (stdout)."""
+    out = sys.stdout if out is None else out
+    if any(a in ("-h", "--help") for a in argv):
+        out.write(USAGE + "\n" + recipe_help())
+        return
+    source_name, overrides, opts = parse_args(argv)
+    recipe = load_recipe(source_name, overrides)
+    tokenizer = load_tokenizer(recipe.model.tokenizer_path)
+    topology = DataTopology(dp_rank=opts["--dp-rank"], dp_size=opts["--dp-size"])
+    budget = recipe.train.tokens_per_micro_batch
+    out.write(f"recipe: {source_name}\ntokenizer: {recipe.model.tokenizer_path} (vocab {len(tokenizer)})\n")
+    if opts["--eval"]:
+        data = build_eval_data(recipe, tokenizer, topology)
+        if data is None:
+            raise RecipeError("--eval: the recipe has no data.eval_files")
+        out.write(
+            f"eval data: {data.index.num_samples} samples, {data.index.total_tokens:,} tokens "
+            f"({data.valid_tokens:,} trained), {len(data.plan)} micro-batches, {len(data)} per rank\n"
+        )
+        batches = [
+            (f"eval micro-batch {i} (dp rank {topology.dp_rank})", b)
+            for i, b in zip(range(opts["--n"]), data, strict=False)
+        ]
+        source = data.source
+    else:
+        data = build_train_data(recipe, tokenizer, topology)
+        s = data.summary()
+        out.write(
+            f"train data: {s['rows']:,} rows, {s['samples']:,} samples, {s['tokens']:,} tokens "
+            f"({s['trained_tokens']:,} trained), {s['truncated']} truncated, {s['dropped']} dropped "
+            f"(max_seq_len {recipe.data.max_seq_len}, overlong: {recipe.data.overlong})\n"
+            f"packing: {s['micro_batches_per_epoch']} micro-batches per epoch of <= {budget:,} tokens "
+            f"({100 * s['packing_efficiency']:.1f}% full); grad_accum {s['grad_accum']} x dp {topology.dp_size} "
+            f"per step; {s['steps_per_epoch']} steps per epoch, {s['micro_batches_left_out_per_epoch']} "
+            f"micro-batch(es) left out at the epoch's end\n"
+            f"steps: {total_steps(recipe, data)}"
+            + (f" ({recipe.train.epochs} epochs)" if recipe.train.steps is None else " (train.steps)")
+            + "\n"
+        )
+        batches = []
+        steps = iter(data)
+        while len(batches) < opts["--n"]:
+            step = next(steps)
+            for g, b in enumerate(step.micro_batches):
+                label = f"step {step.step} micro-batch {g} (dp rank {topology.dp_rank}, epoch {step.epoch})"
+                batches.append((label, b))
+        batches = batches[: opts["--n"]]
+        source = data.source
+    if recipe.parallel.sp > 1:
+        out.write(
+            f"sequence parallel: each row is padded to a multiple of sp={recipe.parallel.sp} and split into "
+            f"{recipe.parallel.sp} contiguous slices (shown here unsplit)\n"
+        )
+    legend = (
+        "dimmed" if opts["--color"] == "always" or (opts["--color"] == "auto" and out.isatty()) else "[[ ]]"
+    )
+    out.write(f"legend: trained tokens as plain text, tokens without loss {legend}\n")
+    for label, batch in batches:
+        _print_batch(out, label, batch, budget, tokenizer, source, opts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; user errors print one message and exit with status 2."""
+    try:
+        preview(sys.argv[1:] if argv is None else list(argv))
+    except (RecipeError, DataError) as err:
+        print(f"veomni-data-preview: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # piped into head
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Row sources: random access to the rows of jsonl and parquet files, each row traceable to its file and row.
+
+A `RowSource` concatenates its files into one index space ``0 .. len - 1``. Rows are read on demand: jsonl files
+are indexed once (the byte offset of every non-blank line) and read with a seek; parquet files load only the
+columns a row needs, once per process. Objects pickle without their open handles, so DataLoader workers can
+receive them under any start method.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file and the row (or line)."""
+
+
+@attrs.frozen
+class RowRef:
+    """Where a row comes from. ``row`` is 0-based within the file; ``line`` is the 1-based jsonl line."""
+
+    file: str
+    row: int
+    line: int | None = None
+
+    def __str__(self) -> str:
+        if self.line is not None:
+            return f"{self.file} line {self.line}"
+        return f"{self.file} row {self.row} (0-based)"
+
+
+def detect_format(path: str, format: str) -> str:
+    """``jsonl`` or ``parquet`` for ``path``: ``format`` itself, or by extension when it is ``auto``."""
+    if format in ("jsonl", "parquet"):
+        return format
+    if format != "auto":
+        raise DataError(f"data format must be auto, jsonl or parquet; found {format!r}")
+    lower = path.lower()
+    if lower.endswith((".jsonl", ".json")):
+        return "jsonl"
+    if lower.endswith(".parquet"):
+        return "parquet"
+    raise DataError(
+        f"{path}: cannot tell the format from the extension (expected .jsonl, .json or .parquet); "
+        "set data.format to jsonl or parquet"
+    )
+
+
+class JsonlFile:
+    """One JSON object per line; blank lines are skipped (they are not rows)."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such data file")
+        self.path = path
+        offsets, lines = [], []
+        with open(path, "rb") as f:
+            pos = 0
+            for number, raw in enumerate(f, start=1):
+                if raw.strip():
+                    offsets.append(pos)
+                    lines.append(number)
+                pos += len(raw)
+        self._offsets = np.asarray(offsets, dtype=np.int64)
+        self._lines = np.asarray(lines, dtype=np.int64)
+        self._handle: Any = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handle": None, "_pid": -1}
+
+    def ref(self, row: int) -> RowRef:
+        return RowRef(self.path, row, int(self._lines[row]))
+
+    def read(self, row: int) -> dict[str, Any]:
+        # A handle opened before a fork would share its file position with the children; reopen per process.
+        if self._handle is None or self._pid != os.getpid():
+            self._handle = open(self.path, "rb")  # noqa: SIM115 - kept open for the life of the reader
+            self._pid = os.getpid()
+        self._handle.seek(int(self._offsets[row]))
+        raw = self._handle.readline()
+        try:
+            value = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(f"{self.ref(row)}: not valid JSON ({err})") from None
+        if not isinstance(value, dict):
+            raise DataError(f"{self.ref(row)}: expected a JSON object, found {type(value).__name__}")
+        return value
+
+
+class ParquetFile:
+    """A parquet file read column-wise: only ``columns`` are loaded, once per process, when first needed."""
+
+    def __init__(self, path: str, columns: Sequence[str]) -> None:
+        import pyarrow.parquet as pq
+
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such data file")
+        self.path = path
+        self.columns = list(columns)
+        try:
+            meta = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow raises several types for unreadable files
+            raise DataError(f"{path}: not a readable parquet file ({err})") from None
+        names = meta.schema_arrow.names
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise DataError(f"{path}: missing column(s) {missing}; the file has {names}")
+        self._num_rows = meta.metadata.num_rows
+        self._table: Any = None
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}
+
+    def ref(self, row: int) -> RowRef:
+        return RowRef(self.path, row)
+
+    def read(self, row: int) -> dict[str, Any]:
+        if self._table is None:
+            import pyarrow.parquet as pq
+
+            self._table = pq.read_table(self.path, columns=self.columns)
+        return {c: self._table.column(c)[row].as_py() for c in self.columns}
+
+
+class RowSource:
+    """Rows of several files as one sequence; ``source[i]`` is a dict, ``source.ref(i)`` says where it is from.
+
+    Args:
+        files: paths, read in this order.
+        format: ``auto``, ``jsonl`` or ``parquet`` (`detect_format`).
+        columns: the fields a row must provide (parquet loads only these; jsonl rows are checked when encoded).
+    """
+
+    def __init__(self, files: Sequence[str], format: str, columns: Sequence[str]) -> None:
+        if not files:
+            raise DataError("no data files given")
+        self.files: list[JsonlFile | ParquetFile] = []
+        for path in files:
+            kind = detect_format(path, format)
+            self.files.append(JsonlFile(path) if kind == "jsonl" else ParquetFile(path, columns))
+        self._starts = np.cumsum([0] + [len(f) for f in self.files]).tolist()
+        if self._starts[-1] == 0:
+            raise DataError(f"the data files hold no rows: {list(files)}")
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _locate(self, index: int) -> tuple[JsonlFile | ParquetFile, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} is out of range for {len(self)} rows")
+        file_no = bisect.bisect_right(self._starts, index) - 1
+        return self.files[file_no], index - self._starts[file_no]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        file, row = self._locate(index)
+        return file.read(row)
+
+    def ref(self, index: int) -> RowRef:
+        """Where row ``index`` lives (file and row/line)."""
+        file, row = self._locate(index)
+        return file.ref(row)
