@@ -83,7 +83,9 @@ def bench_one(op: str, variant: str, backend: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--ops", default="", help="comma-separated ops (default: all with a shape)")
     cli = parser.parse_args()
@@ -102,7 +104,12 @@ def main() -> None:
     for r in rows:
         if "ms" in r and (r["op"], r["variant"]) in eager_ms:
             r["speedup_vs_eager"] = eager_ms[(r["op"], r["variant"])] / r["ms"]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(DT), "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": str(DT),
+        "rows": rows,
+    }
     with open(cli.out, "w") as f:
         json.dump(result, f, indent=2)
     for r in rows:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
@@ -192,13 +193,10 @@ def veomni_attention_forward(
     for unsupported in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"{name} does not support {unsupported}={kwargs[unsupported]!r}")
-    if key.shape[2] != query.shape[2]:
-        raise NotImplementedError(
-            f"{name} needs keys as long as queries (training / full-sequence forward, no KV cache): "
-            f"query {tuple(query.shape)}, key {tuple(key.shape)}"
-        )
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if key.shape[2] != query.shape[2]:
+        return _cached_decode(name, query, key, value, attention_mask, causal, scaling, kwargs), None
     if attention_mask is not None:
         _check_padding_mask(attention_mask, causal, name)
 
@@ -238,6 +236,46 @@ def veomni_attention_forward(
         scale=scaling,
     )
     return out, None
+
+
+def _cached_decode(
+    name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Generation with a KV cache (keys longer than queries): torch SDPA with a bottom-right causal mask.
+
+    Not a training path, so every veomni backend shares this one: the queries are the last ``S_q`` of the
+    ``S_kv`` positions, and each attends to the keys up to its own position that the padding mask keeps.
+    Returns ``[B, S_q, Hq, D]``.
+    """
+    if _sp_state() is not None or kwargs.get("cu_seq_lens_q") is not None:
+        raise NotImplementedError(
+            f"{name}: keys longer than queries (KV-cache decoding) cannot be combined with sequence parallelism "
+            f"or packed sequences: query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if kv_len < q_len:
+        raise ValueError(f"{name}: fewer keys ({kv_len}) than queries ({q_len})")
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+    if causal:
+        allowed = torch.tril(allowed, diagonal=kv_len - q_len)
+    mask = allowed[None, None]
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != kv_len:
+            raise ValueError(
+                f"{name}: decoding needs a [B, {kv_len}] padding mask, got {tuple(attention_mask.shape)}"
+            )
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2)
 
 
 def padding_mask_passthrough(
