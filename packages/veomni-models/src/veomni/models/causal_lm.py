@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import slice_logits_to_keep
 
+from veomni.kernels.moe_loss import load_balancing_loss_global
+from veomni.models.hf_attention import _sp_state
 from veomni.models.kernel_hooks import ATTR
 
 IGNORE_INDEX = -100
@@ -125,7 +127,8 @@ def router_aux_loss(
     """The load-balancing loss over all MoE layers, or None when there are no router logits to score.
 
     Upstream returns the int 0 without router logits and then calls ``.to`` on it; returning None lets the
-    caller skip the aux term instead.
+    caller skip the aux term instead. Under Ulysses SP the router statistics are reduced over the SP group first
+    (see the body), so the SP ranks' values sum to the loss of the whole sequence.
 
     Args:
         model: the MoE ``*ForCausalLM`` (``num_experts``, ``num_experts_per_tok``).
@@ -138,6 +141,16 @@ def router_aux_loss(
     if not router_logits:
         return None
     kernels = getattr(model, ATTR, None)
+    sp_state = _sp_state()
+    if sp_state is not None:
+        # Each SP rank routes a slice of the sequence; the loss is a nonlinear function of the whole sequence's
+        # router statistics, so they are all-reduced over the SP group. The returned value is this rank's
+        # contribution: summed over the SP ranks it is the loss of the full sequence (veomni's convention).
+        use_triton = kernels is not None and kernels.config.load_balancing_loss == "triton"
+        return load_balancing_loss_global(
+            list(router_logits), model.num_experts, model.num_experts_per_tok, attention_mask,
+            group=sp_state.sp_group, impl="triton" if use_triton else "eager",
+        )  # fmt: skip
     if kernels is not None and kernels.config.load_balancing_loss != "eager":
         kernel = kernels.get("load_balancing_loss", "switch")
         return kernel(list(router_logits), model.num_experts, model.num_experts_per_tok, attention_mask)

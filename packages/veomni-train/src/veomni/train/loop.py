@@ -7,8 +7,9 @@ valid-token count ``N`` over every micro-batch and DP rank is known from the dat
 forward gets ``num_items_in_batch = N``, so the model's loss is this rank's token-loss sum over ``N``; backward
 runs on that times the world size, because FSDP averages gradients over the world (dense) and veomni's expert
 units divide by the world too. The logged loss is the all-reduced sum: the exact global token mean.
-MoE load balancing: the model's aux loss is per micro-batch, so it is added with weight ``coef / grad_accum``
-(the model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is the pure LM loss).
+MoE load balancing: the model's aux loss is per micro-batch, so it is added with weight
+``coef / (grad_accum * dp)`` -- the mean over the step's micro-batches once FSDP has averaged over the world (the
+model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is the pure LM loss).
 """
 
 from __future__ import annotations
@@ -242,7 +243,9 @@ def _forward_backward(
     loss = out.loss
     objective = loss
     if run.aux_loss_coef and out.aux_loss is not None:
-        objective = objective + run.aux_loss_coef * out.aux_loss / grad_accum
+        # The step's aux loss is the mean over its grad_accum * dp micro-batches (an SP group's ranks each hold
+        # a share of their micro-batch's value; see router_aux_loss).
+        objective = objective + run.aux_loss_coef * out.aux_loss / (grad_accum * run.state.dims.dp)
     # FSDP averages gradients over the world; the objective is a sum over ranks (veomni.core.loss).
     (objective * run.state.dims.world_size).backward()
     return loss.detach()
