@@ -21,6 +21,9 @@ from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalL
 # On a GPU runner the same checks run on CUDA (Triton compiled); on CPU, Triton runs through its interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# Every op eager: the hardware defaults (e.g. the fused cross-entropy on CUDA) must not sneak into a comparison.
+EAGER_OPS = dict(rms_norm="eager", rope="eager", swiglu="eager", cross_entropy="eager")
+
 # model -> (config class, upstream class, generated class)
 MODELS = {
     "llama": (LlamaConfig, UpstreamLlama, LlamaForCausalLM),
@@ -74,7 +77,7 @@ def loss_and_grad_norm(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tens
 def test_eager_paths_are_bitwise_upstream(model, attn, kernels):
     upstream, ours = build_pair(attn, model)
     if kernels:
-        attach_kernels(ours, resolve_kernels(OpsConfig(rms_norm="eager", rope="eager", swiglu="eager")))
+        attach_kernels(ours, resolve_kernels(OpsConfig(**EAGER_OPS)))
     ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch())
     logits, loss, norm = loss_and_grad_norm(ours, batch())
     assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss) and norm == ref_norm
@@ -95,7 +98,7 @@ def test_eager_paths_are_bitwise_upstream(model, attn, kernels):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_kernel_combinations_match_upstream(model, ops):
     upstream, ours = build_pair("sdpa", model)
-    attach_kernels(ours, resolve_kernels(OpsConfig(**ops)))
+    attach_kernels(ours, resolve_kernels(OpsConfig(**{**EAGER_OPS, **ops})))  # unnamed ops stay eager
     ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch(2))
     logits, loss, norm = loss_and_grad_norm(ours, batch(2))
     if ops.get("cross_entropy", "eager") == "eager":
