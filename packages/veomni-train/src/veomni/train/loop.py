@@ -14,6 +14,7 @@ model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is th
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -334,6 +335,8 @@ def train(
         config={},
     )  # fmt: skip
     history: dict[str, Any] = {"loss": [], "eval": [], "exports": []}
+    # One JSON line per step (appended, so a resumed run continues the same file): the run's loss curve.
+    metrics_file = Path(recipe.checkpoint.dir) / "metrics.jsonl"
     peak = peak_flops(run.device)
     progress = _progress(run, rank0)
     window: list[tuple[dict[str, float], float, float, int, float]] = []
@@ -352,6 +355,10 @@ def train(
         )
         window.append((stats, elapsed, t_data, step.tokens, flops))
         history["loss"].append(stats["loss"])
+        if rank0:
+            _append_jsonl(
+                metrics_file, {"step": run.step, **stats, "tokens": step.tokens, "seconds": elapsed}
+            )
         if on_step is not None:
             on_step(run.step, stats)
         if progress is not None:
@@ -366,6 +373,8 @@ def train(
         ):
             result = evaluate(run)
             history["eval"].append({"step": run.step, **result})
+            if rank0:
+                _append_jsonl(metrics_file, {"step": run.step, **result})
             sinks.write(run.step, result)
             if rank0:
                 _write(
@@ -387,6 +396,11 @@ def train(
             log.info("exported HF checkpoint to %s", history["exports"][-1])
     sinks.close()
     return history
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _sample_lengths(step: Step) -> list[int]:

@@ -1,0 +1,552 @@
+"""End-to-end training steps (T1): veomni against HF transformers (SDPA) and HF + Liger, side by side, JSON out.
+
+    python3 tools/bench/bench_e2e.py --out e2e.json [--contenders veomni,hf,hf_liger] [--seq-len 4096]
+    python3 tools/bench/bench_e2e.py --out smoke.json --tiny --seq-len 128 --steps 2 --warmup 1   # CPU smoke
+
+One process, one device (CUDA when present, else CPU). Every contender starts from the same weights (a seeded
+HF init of Qwen3-1.7B's config, saved once to a temporary directory and loaded by each) and trains on the same
+packed micro-batches: one row of ``--seq-len`` tokens holding several documents of seeded random lengths,
+``position_ids`` restarting per document, labels shifted per document (-100 at each document's last token).
+The loss of an optimizer step is the token mean over all its micro-batches (``num_items_in_batch``).
+
+Contenders run in a fixed order (veomni, hf, hf_liger): Liger patches transformers' Qwen3 module globals for
+the rest of the process, so it must come last. Each one: warm-up steps, then timed steps (synchronised per
+step); tokens/s per GPU, MFU, peak memory (allocator peak since the contender was built), per-step losses and
+grad norms. The model and optimizer are freed before the next contender.
+
+MFU follows veomni.train.metrics (causal convention, recomputation not counted):
+``(6 * active_matmul_params * tokens + 6 * L * Hq * D * sum(doc_len**2)) / (seconds * peak_flops)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from veomni.core.clip import clip_grad_norm
+from veomni.core.fsdp import set_grad_sync
+from veomni.core.parallel_dims import ParallelDims
+from veomni.core.parallel_state import build_parallel_state, use_parallel_state
+from veomni.kernels import OpsConfig
+from veomni.kernels.hardware import Hardware, detect_hardware
+from veomni.models.build import build_model, default_fsdp_policy
+from veomni.models.registry import MODELS
+from veomni.train.data import model_inputs
+from veomni.train.loop import setup_distributed
+from veomni.train.metrics import active_matmul_params, attention_flops, peak_flops
+from veomni.train.optim import build_adamw, param_groups
+
+CONTENDERS = ("veomni", "hf", "hf_liger")
+IGNORE_INDEX = -100
+GIB = 2**30
+
+# Qwen3-1.7B's published config, written out so that nothing is downloaded.
+QWEN3_1_7B: dict[str, Any] = {
+    "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40_960,
+    "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+    "use_sliding_window": False, "bos_token_id": 151_643, "eos_token_id": 151_645,
+}  # fmt: skip
+# The same architecture shrunk for CPU smoke runs (uneven sizes so nothing lines up by accident).
+TINY: dict[str, Any] = QWEN3_1_7B | {
+    "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- model and data
+
+
+def qwen3_config(tiny: bool) -> Qwen3Config:
+    """Qwen3-1.7B's config (or the tiny smoke config), with the KV cache off as in training."""
+    return Qwen3Config(**(TINY if tiny else QWEN3_1_7B), use_cache=False)
+
+
+def save_initial_weights(config: Qwen3Config, path: str, seed: int, device: torch.device) -> None:
+    """Initialise a plain HF model (fp32, seeded) and ``save_pretrained`` it to ``path`` for every contender."""
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialising 2B parameters is much faster on the GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    del model
+    _free(device)
+
+
+def packed_batches(
+    count: int, seq_len: int, vocab: int, min_doc: int, max_doc: int, seed: int
+) -> list[dict[str, Any]]:
+    """``count`` packed rows of ``seq_len`` random tokens, each split into documents of random lengths.
+
+    Returns:
+        dicts with ``input_ids``, ``position_ids``, ``labels`` int64 ``[1, S]`` (labels already shifted per
+        document, -100 at each document's last token), ``cu_seqlens`` int32 ``[n + 1]``, ``max_seqlen`` int,
+        ``doc_lens`` list[int] and ``num_valid`` int (labels != -100), all on the CPU.
+    """
+    if not 1 <= min_doc <= max_doc:
+        raise ValueError(
+            f"document lengths need 1 <= min_doc <= max_doc, got min_doc={min_doc}, max_doc={max_doc}"
+        )
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        lens: list[int] = []
+        while sum(lens) < seq_len:
+            lens.append(min(int(rng.integers(min_doc, max_doc + 1)), seq_len - sum(lens)))
+        ids = rng.integers(0, vocab, size=seq_len, dtype=np.int64)
+        labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+        positions = np.empty(seq_len, dtype=np.int64)
+        start = 0
+        for n in lens:
+            positions[start : start + n] = np.arange(n)
+            labels[start : start + n - 1] = ids[start + 1 : start + n]  # the last token has no next one
+            start += n
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        batches.append({
+            "input_ids": torch.from_numpy(ids).view(1, -1),
+            "position_ids": torch.from_numpy(positions).view(1, -1),
+            "labels": torch.from_numpy(labels).view(1, -1),
+            "cu_seqlens": torch.from_numpy(cu),
+            "max_seqlen": max(lens),
+            "doc_lens": lens,
+            "num_valid": int((labels != IGNORE_INDEX).sum()),
+        })  # fmt: skip
+    return batches
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- contenders
+
+
+@attrs.define
+class Settings:
+    """What every contender shares (from the command line)."""
+
+    device: torch.device
+    weights: str
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    precision: str  # "bf16": bf16 compute over fp32 master weights; "fp32": fp32 throughout
+    ac: str  # "none", "veomni" or "all"
+    hf_master: str  # "fp32" (autocast) or "bf16" (pure bf16 parameters and optimizer state)
+    veomni_ops: dict[str, str]
+
+
+class Contender:
+    """A model and its optimizer. ``info`` describes the setup for the JSON.
+
+    ``step(micro_batches, num_items)`` runs one optimizer step over the micro-batches (dicts of
+    `packed_batches`, on the device) with ``num_items`` (fp32 0-d) the step's valid-label count, and returns
+    ``(loss, grad_norm)`` as 0-d fp32 tensors: the token-mean loss before the update and the norm before clipping.
+    """
+
+    info: dict[str, Any]
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class Veomni(Contender):
+    """build_model with OpsConfig defaults for the device, FSDP2 on a one-rank mesh, veomni's AdamW and clip."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
+        # FSDP blocks come from the class veomni builds; a meta instance costs nothing.
+        config = MODELS.load_config(s.weights)
+        with torch.device("meta"):
+            probe = MODELS.model_class(config, "causal_lm").cls._from_config(config)
+        policy = attrs.evolve(
+            default_fsdp_policy(probe),
+            param_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+            reduce_dtype=torch.float32,
+            activation_checkpointing=s.ac in ("veomni", "all"),
+        )
+        # OpsConfig validates against the device we run on, not whatever CUDA the process could see.
+        hw = detect_hardware()
+        if s.device.type == "cpu":
+            hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
+        ops = OpsConfig(**s.veomni_ops, hardware=hw)
+        self.model = build_model(
+            s.weights, weights=s.weights, ops=ops, parallel_state=self.state, fsdp_policy=policy
+        )
+        self.model.train()
+        self.optimizer = build_adamw(
+            self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
+        )
+        self.info = {
+            "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+            "attn_implementation": self.model.config._attn_implementation,
+            "precision": (
+                "FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute (param_dtype), fp32 gradient reduce"
+                if s.precision == "bf16" else "FSDP2 on a 1-rank mesh, fp32 throughout"
+            ),
+            "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
+            "packing": "cu_seq_lens_q/k + max_length_q/k + position_ids (veomni.train.data.model_inputs)",
+            "activation_checkpointing": policy.activation_checkpointing,
+        }  # fmt: skip
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        world = self.state.dims.world_size
+        loss_sum = torch.zeros((), device=self.s.device)
+        for i, batch in enumerate(micro_batches):
+            set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
+            with use_parallel_state(self.state):
+                out = self.model(
+                    **model_inputs(batch),
+                    shift_labels=batch["labels"],
+                    num_items_in_batch=num_items,
+                    use_cache=False,
+                )
+            # veomni.train.loop's convention: FSDP averages over the world, the objective sums over ranks.
+            (out.loss * world).backward()
+            loss_sum += out.loss.detach().float()
+        norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+class HF(Contender):
+    """Plain transformers with SDPA; packing detected by HF from position_ids; optionally Liger on top."""
+
+    def __init__(self, s: Settings, liger: bool) -> None:
+        self.s = s
+        dtype = torch.bfloat16 if s.hf_master == "bf16" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(s.weights, attn_implementation="sdpa", dtype=dtype)
+        self.model.to(s.device)
+        self.model.train()
+        if liger:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+            apply_liger_kernel_to_qwen3(
+                rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True,
+                model=self.model,
+            )  # fmt: skip
+        if s.ac == "all":
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.autocast = s.precision == "bf16" and s.hf_master == "fp32"
+        groups = [
+            {k: v for k, v in g.items() if k != "names"} for g in param_groups(self.model, s.weight_decay)
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        if s.hf_master == "bf16":
+            precision = "bf16 parameters, gradients and AdamW state (no fp32 master copy)"
+        elif self.autocast:
+            precision = "fp32 master weights, torch.autocast(bfloat16)"
+        else:
+            precision = "fp32 throughout"
+        self.info = {
+            "attn_implementation": self.model.config._attn_implementation,
+            "precision": precision,
+            "optimizer": "torch.optim.AdamW(fused=True), same param groups and hyper-parameters as veomni",
+            "packing": "position_ids only (HF builds a packed causal mask for SDPA)",
+            "activation_checkpointing": s.ac == "all",
+        }
+        if liger:
+            self.info["liger"] = {
+                "version": importlib.metadata.version("liger-kernel"),
+                "patched": "apply_liger_kernel_to_qwen3(rope, rms_norm, swiglu, fused_linear_cross_entropy)",
+            }
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = torch.zeros((), device=self.s.device)
+        for batch in micro_batches:
+            with torch.autocast(self.s.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = self.model(
+                    input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                    shift_labels=batch["labels"], num_items_in_batch=num_items, use_cache=False,
+                )  # fmt: skip
+            out.loss.backward()
+            loss_sum += out.loss.detach().float()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+def _liger_problem(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"liger-kernel needs CUDA; this run is on {device.type}"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as err:
+        return f"liger_kernel does not import ({err}); install veomni-kernels[liger]"
+    return None
+
+
+BUILDERS: dict[str, Callable[[Settings], Contender]] = {
+    "veomni": Veomni,
+    "hf": lambda s: HF(s, liger=False),
+    "hf_liger": lambda s: HF(s, liger=True),
+}
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_contender(
+    name: str, s: Settings, steps: list[list[dict[str, Any]]], warmup: int, flops_per_step: list[float]
+) -> dict[str, Any]:
+    """Build ``name``, run ``steps`` (the first ``warmup`` untimed), free it; return its JSON record."""
+    device = s.device
+    _free(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    t0 = time.perf_counter()
+    contender = BUILDERS[name](s)
+    build_s = time.perf_counter() - t0
+    losses, norms, seconds = [], [], []
+    for micro_batches in steps:
+        num_items = torch.tensor(float(sum(b["num_valid"] for b in micro_batches)), device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss, norm = contender.step(micro_batches, num_items)
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(loss)
+        norms.append(norm)
+    record: dict[str, Any] = dict(contender.info)
+    if device.type == "cuda":
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        record["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        record["memory_before_build_gib"] = base / GIB
+    del contender
+    _free(device)
+    if device.type == "cuda":
+        record["memory_after_free_gib"] = torch.cuda.memory_allocated(device) / GIB
+    timed = seconds[warmup:]
+    tokens = sum(b["input_ids"].numel() for mb in steps[warmup:] for b in mb)
+    peak = peak_flops(device)
+    record |= {
+        "build_s": build_s,
+        "losses": [float(x) for x in losses],
+        "grad_norms": [float(x) for x in norms],
+        "final_loss": float(losses[-1]),
+        "step_s": timed,
+        "median_step_ms": statistics.median(timed) * 1e3,
+        "tokens_per_s_per_gpu": tokens / sum(timed),
+        "mfu": sum(flops_per_step[warmup:]) / sum(timed) / peak if peak else None,
+    }
+    return record
+
+
+def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    ours = results.get("veomni", {})
+    out = {}
+    for peer in ("hf", "hf_liger"):
+        theirs = results.get(peer, {})
+        if "tokens_per_s_per_gpu" not in ours or "tokens_per_s_per_gpu" not in theirs:
+            continue
+        ratio = {"tokens_per_s": ours["tokens_per_s_per_gpu"] / theirs["tokens_per_s_per_gpu"]}
+        if "peak_memory_gib" in ours and "peak_memory_gib" in theirs:
+            ratio["peak_memory"] = ours["peak_memory_gib"] / theirs["peak_memory_gib"]
+        out[f"veomni/{peer}"] = ratio
+    return out
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _parse_ops(text: str) -> dict[str, str]:
+    ops = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise SystemExit(f"--veomni-ops expects op=backend[,op=backend...], got {item!r} in {text!r}")
+        ops[key.strip()] = value.strip()
+    return ops
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line (see ``--help``)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--out", required=True, help="where to write the JSON results")
+    add("--contenders", default=",".join(CONTENDERS), help=f"comma-separated subset of {CONTENDERS}")
+    add("--tiny", action="store_true", help="a 2-layer toy Qwen3 instead of Qwen3-1.7B (CPU smoke)")
+    add("--seq-len", type=int, default=4096, help="tokens per packed micro-batch row")
+    add("--min-doc", type=int, default=None, help="shortest document (default seq_len // 16)")
+    add("--max-doc", type=int, default=None, help="longest document (default seq_len // 2)")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    add("--steps", type=int, default=10, help="timed optimizer steps")
+    add("--seed", type=int, default=0, help="weights use seed, data seed + 1")
+    add("--lr", type=float, default=1e-5)
+    add("--weight-decay", type=float, default=0.1)
+    add("--max-grad-norm", type=float, default=1.0)
+    add("--precision", choices=("bf16", "fp32"), default="bf16",
+        help="bf16: bf16 compute over fp32 master weights for everyone; fp32: fp32 throughout (parity)")  # fmt: skip
+    add("--hf-master", choices=("fp32", "bf16"), default="fp32",
+        help="the HF peers' parameters: fp32 with autocast (default) or pure bf16 parameters and optimizer "
+             "state (the setting of BENCHMARKS.md's peer baseline rows)")  # fmt: skip
+    add("--ac", choices=("none", "veomni", "all"), default="none",
+        help="activation checkpointing for veomni only, or for every contender")  # fmt: skip
+    add("--veomni-ops", default="", help="OpsConfig overrides, e.g. attention=varlen,rope=eager")
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    add("--tmpdir", default=None, help="where the initial weights are saved (default: system temp)")
+    args = p.parse_args(argv)
+    args.contenders = [c for c in filter(None, args.contenders.split(","))]
+    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    if unknown or not args.contenders:
+        p.error(f"--contenders: unknown {unknown} (choose from {CONTENDERS})" if unknown else "--contenders is empty")  # fmt: skip
+    for flag in ("seq_len", "grad_accum", "steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.hf_master == "bf16" and args.precision == "fp32":
+        p.error("--hf-master bf16 contradicts --precision fp32")
+    args.min_doc = args.min_doc or max(1, args.seq_len // 16)
+    args.max_doc = args.max_doc or max(args.min_doc, args.seq_len // 2)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, write ``--out`` and print a table; returns the JSON object."""
+    args = parse_args(argv)
+    created_group = not dist.is_initialized()
+    device = setup_distributed(args.device)
+    try:
+        if dist.get_world_size() != 1:
+            raise SystemExit(
+                f"bench_e2e runs in one process on one device; the world size is {dist.get_world_size()}"
+            )
+        return _run(args, device)
+    finally:
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    config = qwen3_config(args.tiny)
+    with torch.device("meta"):
+        probe = AutoModelForCausalLM.from_config(config)
+    n_active = active_matmul_params(probe)
+    del probe
+    n_steps = args.warmup + args.steps
+    cpu_batches = packed_batches(
+        n_steps * args.grad_accum, args.seq_len, config.vocab_size, args.min_doc, args.max_doc, args.seed + 1
+    )
+    batches = [_to(b, device) for b in cpu_batches]
+    steps = [batches[i * args.grad_accum : (i + 1) * args.grad_accum] for i in range(n_steps)]
+    q_width = config.num_attention_heads * config.head_dim
+    flops = [
+        sum(6.0 * n_active * b["input_ids"].numel() + attention_flops(b["doc_lens"], config.num_hidden_layers, q_width)
+            for b in mb)
+        for mb in steps
+    ]  # fmt: skip
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_", dir=args.tmpdir) as weights:
+        save_initial_weights(config, weights, args.seed, device)
+        settings = Settings(
+            device=device, weights=weights, lr=args.lr, weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm, precision=args.precision, ac=args.ac, hf_master=args.hf_master,
+            veomni_ops=_parse_ops(args.veomni_ops),
+        )  # fmt: skip
+        for name in CONTENDERS:  # the fixed order: Liger's global patches must come last
+            if name not in args.contenders:
+                continue
+            problem = _liger_problem(device) if name == "hf_liger" else None
+            if problem:
+                results[name] = {"skipped": problem}
+                continue
+            print(f"[bench_e2e] {name} ...", file=sys.stderr, flush=True)
+            try:
+                results[name] = run_contender(name, settings, steps, args.warmup, flops)
+            except Exception as err:  # noqa: BLE001 - a failing contender (OOM, say) is a result to report
+                traceback.print_exc()
+                results[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
+                _free(device)
+    peak = peak_flops(device)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "model": "tiny Qwen3 (smoke)" if args.tiny else "Qwen3-1.7B",
+        "config": {k: v for k, v in (TINY if args.tiny else QWEN3_1_7B).items()},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "data": {
+            "tokens_per_step": args.seq_len * args.grad_accum,
+            "docs_per_micro_batch": [len(b["doc_lens"]) for b in cpu_batches],
+            "valid_labels_per_step": [sum(b["num_valid"] for b in mb) for mb in steps],
+        },
+        "mfu": {
+            "formula": "(6 * active_matmul_params * tokens + 6 * layers * q_heads * head_dim * sum(doc_len**2)) "
+                       "/ (seconds * peak_flops); veomni.train.metrics, causal convention, recompute not counted",
+            "active_matmul_params": n_active,
+            "peak_flops": peak,
+            "flops_per_step": flops,
+        },  # fmt: skip
+        "contenders": results,
+        "ratios": _ratios(results),
+    }  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    _print_table(result)
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"{result['model']} on {result['device']}, {result['data']['tokens_per_step']} tokens/step")
+    print(
+        f"{'contender':10s} {'tok/s/gpu':>11s} {'MFU':>7s} {'peak GiB':>9s} {'step ms':>9s} {'loss[0]':>9s} {'final loss':>11s}"
+    )
+    for name, r in result["contenders"].items():
+        if "tokens_per_s_per_gpu" not in r:
+            print(f"{name:10s} {r.get('skipped') or r.get('error')}")
+            continue
+        mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] is not None else "    n/a"
+        mem = f"{r['peak_memory_gib']:9.2f}" if "peak_memory_gib" in r else "      n/a"
+        print(f"{name:10s} {r['tokens_per_s_per_gpu']:11,.0f} {mfu} {mem} {r['median_step_ms']:9.1f} "
+              f"{r['losses'][0]:9.5f} {r['final_loss']:11.5f}")  # fmt: skip
+    for pair, ratio in result["ratios"].items():
+        parts = [f"tok/s x{ratio['tokens_per_s']:.3f}"]
+        if "peak_memory" in ratio:
+            parts.append(f"memory x{ratio['peak_memory']:.3f}")
+        print(f"{pair}: " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
