@@ -136,12 +136,16 @@ def model_config(recipe: Recipe) -> PretrainedConfig | str:
     return config if config is not None else recipe.model.weights
 
 
-def _fsdp_policy(config: PretrainedConfig | str, dtype: torch.dtype) -> Any:
+def _fsdp_policy(recipe: Recipe, config: PretrainedConfig | str, dtype: torch.dtype) -> Any:
     # The block patterns come from the model class; a meta instance costs no memory.
     resolved = MODELS.model_class(MODELS.load_config(config), "causal_lm")
     with torch.device("meta"):
         probe = resolved.cls._from_config(MODELS.load_config(config))
-    policy = default_fsdp_policy(probe)
+    policy = attrs.evolve(
+        default_fsdp_policy(probe),
+        activation_checkpointing=recipe.parallel.activation_checkpointing,
+        reshard_after_forward=recipe.parallel.reshard_after_forward,
+    )
     if dtype != torch.float32:
         policy = attrs.evolve(policy, param_dtype=dtype, reduce_dtype=torch.float32)
     return policy
@@ -161,7 +165,7 @@ def build_run(recipe: Recipe) -> Run:
         weights=recipe.model.weights,
         ops=ops,
         parallel_state=state,
-        fsdp_policy=_fsdp_policy(config, dtype),
+        fsdp_policy=_fsdp_policy(recipe, config, dtype),
     )
     aux_coef = float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
     if hasattr(model, "router_aux_loss_coef"):

@@ -140,6 +140,13 @@ class ParallelSection:
     dp_shard: int | None = _field(None, "FSDP sharding degree (None: world size / (dp_replicate * sp))")
     sp: int = _field(1, "Ulysses sequence-parallel degree (SP peers read the same samples)")
     ep: int = _field(1, "expert-parallel degree (must divide dp_shard * sp)")
+    activation_checkpointing: bool = _field(
+        False,
+        "recompute each decoder layer's forward in backward (less activation memory, ~1/3 more compute)",
+    )
+    reshard_after_forward: bool = _field(
+        True, "free gathered layer parameters after forward and gather again in backward (less memory)"
+    )
 
     def __attrs_post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "sp", "ep"):
