@@ -24,6 +24,7 @@ import argparse
 import gc
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import sys
@@ -159,6 +160,10 @@ class Settings:
     ac: str  # "none", "veomni" or "all"
     hf_master: str  # "fp32" (autocast) or "bf16" (pure bf16 parameters and optimizer state)
     veomni_ops: dict[str, str]
+    veomni_reshard: bool = (
+        True  # FSDP2 reshard_after_forward (on one GPU, False skips the backward re-gather)
+    )
+    profile_dir: str | None = None  # write a torch.profiler table of 2 extra steps per contender
 
 
 class Contender:
@@ -192,6 +197,7 @@ class Veomni(Contender):
             param_dtype=torch.bfloat16 if s.precision == "bf16" else None,
             reduce_dtype=torch.float32,
             activation_checkpointing=s.ac in ("veomni", "all"),
+            reshard_after_forward=s.veomni_reshard,
         )
         # OpsConfig validates against the device we run on, not whatever CUDA the process could see.
         hw = detect_hardware()
@@ -215,6 +221,7 @@ class Veomni(Contender):
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
             "packing": "cu_seq_lens_q/k + max_length_q/k + position_ids (veomni.train.data.model_inputs)",
             "activation_checkpointing": policy.activation_checkpointing,
+            "reshard_after_forward": policy.reshard_after_forward,
         }  # fmt: skip
 
     def step(
@@ -325,6 +332,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _profile(name: str, contender: Contender, steps: list[list[dict[str, Any]]], s: Settings) -> None:
+    """Two more steps under torch.profiler; the top ops by device time go to ``<profile_dir>/<name>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for micro_batches in steps:
+            num_items = torch.tensor(float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
+            contender.step(micro_batches, num_items)
+        _sync(s.device)
+    sort = "cuda_time_total" if s.device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    os.makedirs(s.profile_dir, exist_ok=True)
+    with open(os.path.join(s.profile_dir, f"{name}.txt"), "w") as f:
+        f.write(table)
+    print(f"[bench_e2e] profile of {name}:\n" + "\n".join(table.splitlines()[:22]), flush=True)
+
+
 def run_contender(
     name: str, s: Settings, steps: list[list[dict[str, Any]]], warmup: int, flops_per_step: list[float]
 ) -> dict[str, Any]:
@@ -347,6 +372,8 @@ def run_contender(
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
         norms.append(norm)
+    if s.profile_dir:
+        _profile(name, contender, steps[-2:], s)
     record: dict[str, Any] = dict(contender.info)
     if device.type == "cuda":
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -421,6 +448,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--hf-master", choices=("fp32", "bf16"), default="fp32",
         help="the HF peers' parameters: fp32 with autocast (default) or pure bf16 parameters and optimizer "
              "state (the setting of BENCHMARKS.md's peer baseline rows)")  # fmt: skip
+    add(
+        "--veomni-no-reshard",
+        action="store_true",
+        help="FSDP2 reshard_after_forward=False for veomni (keeps gathered layers: one re-gather less)",
+    )
+    add(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after the timed steps, profile 2 more per contender; tables go to DIR/<name>.txt",
+    )
     add("--ac", choices=("none", "veomni", "all"), default="none",
         help="activation checkpointing for veomni only, or for every contender")  # fmt: skip
     add("--veomni-ops", default="", help="OpsConfig overrides, e.g. attention=varlen,rope=eager")
@@ -483,7 +521,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         settings = Settings(
             device=device, weights=weights, lr=args.lr, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, precision=args.precision, ac=args.ac, hf_master=args.hf_master,
-            veomni_ops=_parse_ops(args.veomni_ops),
+            veomni_ops=_parse_ops(args.veomni_ops), veomni_reshard=not args.veomni_no_reshard,
+            profile_dir=args.profile,
         )  # fmt: skip
         for name in CONTENDERS:  # the fixed order: Liger's global patches must come last
             if name not in args.contenders:
