@@ -38,3 +38,25 @@ def test_doctor_reports_backends_and_why_not():
     text = report()
     assert "kernel backends on" in text and "torch" in text
     assert "moe_experts" in text and "cross_entropy" in text
+
+
+def test_veomni_train_under_torchrun_on_two_cpu_ranks(tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "veomni.train.cli", "quickstart", "--train.steps=3", "--train.epochs=null",
+        "--train.eval_interval=null", "--data.eval_files=[]", "--optim.warmup_steps=1", f"--checkpoint.dir={out}",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 3 steps" in result.stdout
+    assert (out / "step_00000003" / "COMPLETE").is_file()
+    assert (out / "step_00000003" / "rank_00001.pt").is_file()  # both ranks wrote their state
+    AutoModelForCausalLM.from_pretrained(
+        out / "hf"
+    )  # the export of a 2-rank FSDP run loads in plain transformers
