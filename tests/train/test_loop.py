@@ -98,11 +98,15 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
             sp=sp,
             ep=ep,
         )
+        # On NCCL the same weights and data run on GPUs and are compared with the CPU reference (no TF32).
+        tol = {"loss": 2e-5, "grad_norm": 1e-4} if backend == "gloo" else {"loss": 1e-4, "grad_norm": 1e-3}
+        if backend == "nccl":
+            raw["train"]["device"] = "cuda"
         for rank_result in pool.run(_steps, raw, STEPS):
             for got, want in zip(rank_result, reference, strict=True):
                 layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep}"
-                assert got["loss"] == pytest.approx(want["loss"], rel=2e-5), layout
-                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), layout
+                assert got["loss"] == pytest.approx(want["loss"], rel=tol["loss"]), layout
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tol["grad_norm"]), layout
                 assert got["lr"] == want["lr"]
 
 
@@ -144,7 +148,9 @@ def test_quickstart_trains_saves_and_exports(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step " in result.stdout and "lr " in result.stdout
-    first, last = (float(x) for x in re.search(r"done: \d+ steps, loss (\S+) -> (\S+)", result.stdout).groups())
+    first, last = (
+        float(x) for x in re.search(r"done: \d+ steps, loss (\S+) -> (\S+)", result.stdout).groups()
+    )
     assert last < first * 0.5
     # The committed golden curve (tests/golden/quickstart_loss.json): same recipe, same data order and init.
     # CPU kernels may round differently across machines, so the later steps get a looser bound.

@@ -77,7 +77,9 @@ def setup_distributed(device_pref: str) -> torch.device:
         raise RuntimeError("train.device=cuda but torch sees no CUDA device")
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        # torchrun names the GPU; a caller that initialised the group itself has already picked one.
+        local = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
