@@ -271,7 +271,7 @@ def _rope_then_ulysses(ctx, case: dict) -> None:
     torch.testing.assert_close(out, slice_sequence(ref.detach(), 1, group), rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad((out * slice_sequence(probe, 1, group)).sum(), (q, k, v))
     for got, want in zip(grads, ref_grads, strict=True):
-        total = got.clone()
+        total = got.clone(memory_format=torch.contiguous_format)  # NCCL needs contiguous buffers
         torch.distributed.all_reduce(total, group=group)  # each rank's grad covers only its shard
         torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
 

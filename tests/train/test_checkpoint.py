@@ -29,7 +29,8 @@ ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def _train_step(model, optimizer, seed: int) -> None:
     ids, labels = toy.token_batch(seed, 2, 5)
-    ids, labels = ids.to(next(model.parameters()).device), labels.to(ids.device)
+    device = next(model.parameters()).device
+    ids, labels = ids.to(device), labels.to(device)
     F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
     optimizer.step()
     optimizer.zero_grad()

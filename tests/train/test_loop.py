@@ -133,6 +133,8 @@ def _resume(ctx, raw: dict, split: int, total: int) -> tuple[list[float], list[f
 @pytest.mark.parametrize("world_size, backend", backend_params(1, 2))
 def test_resume_is_exact(dist_pools, tmp_path, world_size, backend):
     raw = tiny_recipe(str(tmp_path), DENSE, steps=4)
+    if backend == "nccl":
+        raw["train"]["device"] = "cuda"
     for want, got in dist_pools.get(world_size, backend).run(_resume, raw, 2, 4):
         assert got == want  # bitwise: same data, same RNG, same optimizer state
 

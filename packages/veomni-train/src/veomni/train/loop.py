@@ -33,7 +33,7 @@ from veomni.core.clip import clip_grad_norm
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state, use_parallel_state
-from veomni.kernels import OpsConfig
+from veomni.kernels import Hardware, OpsConfig, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.registry import MODELS
 from veomni.train.checkpoint import CheckpointManager, latest_complete
@@ -161,7 +161,13 @@ def build_run(recipe: Recipe) -> Run:
     tokenizer = load_tokenizer(recipe.model.tokenizer_path)
     config = model_config(recipe)
     dtype = DTYPES[recipe.model.dtype]
-    ops = OpsConfig(**{f.name: getattr(recipe.ops, f.name) for f in attrs.fields(type(recipe.ops))})
+    # Kernels are validated against the device we train on (train.device=cpu on a GPU machine: CPU kernels).
+    hardware = detect_hardware()
+    if hardware.device_type != device.type:
+        hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
+    ops = OpsConfig(
+        **{f.name: getattr(recipe.ops, f.name) for f in attrs.fields(type(recipe.ops))}, hardware=hardware
+    )
     model = build_model(
         config,
         weights=recipe.model.weights,
