@@ -33,7 +33,7 @@ from veomni.core.clip import clip_grad_norm
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state, use_parallel_state
-from veomni.kernels import Hardware, OpsConfig, detect_hardware
+from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.registry import MODELS
 from veomni.train.checkpoint import CheckpointManager, latest_complete
@@ -138,11 +138,15 @@ def model_config(recipe: Recipe) -> PretrainedConfig | str:
     return config if config is not None else recipe.model.weights
 
 
-def _fsdp_policy(recipe: Recipe, config: PretrainedConfig | str, dtype: torch.dtype) -> Any:
-    # The block patterns come from the model class; a meta instance costs no memory.
-    resolved = MODELS.model_class(MODELS.load_config(config), "causal_lm")
+def _meta_instance(config: PretrainedConfig | str) -> nn.Module:
+    """The model class veomni builds for ``config``, on the meta device (no memory): for block patterns and
+    parameter counts, which the sharded model no longer shows whole."""
+    loaded = MODELS.load_config(config)
     with torch.device("meta"):
-        probe = resolved.cls._from_config(MODELS.load_config(config))
+        return MODELS.model_class(loaded, "causal_lm").cls._from_config(loaded)
+
+
+def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype) -> Any:
     policy = attrs.evolve(
         default_fsdp_policy(probe),
         activation_checkpointing=recipe.parallel.activation_checkpointing,
@@ -165,15 +169,14 @@ def build_run(recipe: Recipe) -> Run:
     hardware = detect_hardware()
     if hardware.device_type != device.type:
         hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
-    ops = OpsConfig(
-        **{f.name: getattr(recipe.ops, f.name) for f in attrs.fields(type(recipe.ops))}, hardware=hardware
-    )
+    ops = recipe.ops.to_ops_config(hardware=hardware)
+    probe = _meta_instance(config)
     model = build_model(
         config,
         weights=recipe.model.weights,
         ops=ops,
         parallel_state=state,
-        fsdp_policy=_fsdp_policy(recipe, config, dtype),
+        fsdp_policy=_fsdp_policy(recipe, probe, dtype),
     )
     aux_coef = float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
     if hasattr(model, "router_aux_loss_coef"):
@@ -200,22 +203,18 @@ def build_run(recipe: Recipe) -> Run:
     run = Run(
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
-        total_steps=steps, aux_loss_coef=aux_coef, flops_per_token=_flops_per_token(model),
+        total_steps=steps, aux_loss_coef=aux_coef, flops_per_token=_flops_per_token(probe),
     )  # fmt: skip
     _maybe_resume(run)
     return run
 
 
-def _flops_per_token(model: nn.Module) -> float:
+def _flops_per_token(probe: nn.Module) -> float:
     """``6 * N_active``: matmul FLOPs per trained token (the attention term is added per step)."""
-    cfg = model.config
+    cfg = probe.config
     experts = getattr(cfg, "num_experts", None)
     fraction = cfg.num_experts_per_tok / experts if experts else 1.0
-    expert_names = [n for n, _ in model.named_parameters() if ".experts." in n]
-    # Parameters are FSDP/EP shards here: count on a meta instance of the same config instead.
-    resolved = MODELS.model_class(cfg, "causal_lm")
-    with torch.device("meta"):
-        probe = resolved.cls._from_config(cfg)
+    expert_names = [n for n, _ in probe.named_parameters() if ".experts." in n]
     return 6.0 * active_matmul_params(probe, expert_names, fraction)
 
 
