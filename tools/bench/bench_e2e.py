@@ -54,7 +54,7 @@ from veomni.train.loop import setup_distributed
 from veomni.train.metrics import active_matmul_params, attention_flops, peak_flops
 from veomni.train.optim import build_adamw, param_groups
 
-CONTENDERS = ("veomni", "hf", "hf_liger")
+CONTENDERS = ("veomni", "veomni_plain", "hf", "hf_liger")  # run order; hf_liger last (global patches)
 IGNORE_INDEX = -100
 GIB = 2**30
 
@@ -317,8 +317,50 @@ def _liger_problem(device: torch.device) -> str | None:
     return None
 
 
+class VeomniPlain(Contender):
+    """veomni's model and kernels without FSDP2: parameters in the compute dtype (pure bf16 for ``--precision
+    bf16``, like BENCHMARKS.md's peer rows), torch clipping. Isolates the FSDP2 host overhead on one GPU."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        hw = detect_hardware()
+        if s.device.type == "cpu":
+            hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
+        ops = OpsConfig(**s.veomni_ops, hardware=hw)
+        dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
+        self.model = build_model(s.weights, weights=s.weights, ops=ops, dtype=dtype, device=s.device)
+        self.model.train()
+        self.optimizer = build_adamw(
+            self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
+        )
+        self.info = {
+            "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+            "precision": f"no FSDP: {dtype} parameters, gradients and AdamW state",
+            "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
+        }  # fmt: skip
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = torch.zeros((), device=self.s.device)
+        for batch in micro_batches:
+            out = self.model(
+                **model_inputs(batch),
+                shift_labels=batch["labels"],
+                num_items_in_batch=num_items,
+                use_cache=False,
+            )
+            out.loss.backward()
+            loss_sum += out.loss.detach().float()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
 BUILDERS: dict[str, Callable[[Settings], Contender]] = {
     "veomni": Veomni,
+    "veomni_plain": VeomniPlain,
     "hf": lambda s: HF(s, liger=False),
     "hf_liger": lambda s: HF(s, liger=True),
 }
