@@ -1,0 +1,248 @@
+"""The contenders of `bench_e2e.py`: one model + optimizer setup each, behind a common `step` interface.
+
+veomni (FSDP2 on a one-rank mesh, fp32 masters), veomni_plain (no FSDP2, parameters in the compute dtype),
+HF with SDPA, and HF + Liger. Each ``step`` runs one optimizer step; `bench_e2e.run_contender` times it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from veomni.core.clip import clip_grad_norm
+from veomni.core.fsdp import set_grad_sync
+from veomni.core.parallel_dims import ParallelDims
+from veomni.core.parallel_state import build_parallel_state, use_parallel_state
+from veomni.kernels import OpsConfig
+from veomni.kernels.hardware import Hardware, detect_hardware
+from veomni.models.build import build_model, default_fsdp_policy
+from veomni.models.registry import MODELS
+from veomni.train.data import model_inputs
+from veomni.train.optim import build_adamw, param_groups
+
+# ---------------------------------------------------------------- contenders
+
+
+@attrs.define
+class Settings:
+    """What every contender shares (from the command line)."""
+
+    device: torch.device
+    weights: str
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    precision: str  # "bf16": bf16 compute over fp32 master weights; "fp32": fp32 throughout
+    ac: str  # "none", "veomni" or "all"
+    hf_master: str  # "fp32" (autocast) or "bf16" (pure bf16 parameters and optimizer state)
+    veomni_ops: dict[str, str]
+    veomni_reshard: bool = (
+        True  # FSDP2 reshard_after_forward (on one GPU, False skips the backward re-gather)
+    )
+    profile_dir: str | None = None  # write a torch.profiler table of 2 extra steps per contender
+
+
+class Contender:
+    """A model and its optimizer. ``info`` describes the setup for the JSON.
+
+    ``step(micro_batches, num_items)`` runs one optimizer step over the micro-batches (dicts of
+    `packed_batches`, on the device) with ``num_items`` (fp32 0-d) the step's valid-label count, and returns
+    ``(loss, grad_norm)`` as 0-d fp32 tensors: the token-mean loss before the update and the norm before clipping.
+    """
+
+    info: dict[str, Any]
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class Veomni(Contender):
+    """build_model with OpsConfig defaults for the device, FSDP2 on a one-rank mesh, veomni's AdamW and clip."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
+        # FSDP blocks come from the class veomni builds; a meta instance costs nothing.
+        config = MODELS.load_config(s.weights)
+        with torch.device("meta"):
+            probe = MODELS.model_class(config, "causal_lm").cls._from_config(config)
+        policy = attrs.evolve(
+            default_fsdp_policy(probe),
+            param_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+            reduce_dtype=torch.float32,
+            activation_checkpointing=s.ac in ("veomni", "all"),
+            reshard_after_forward=s.veomni_reshard,
+        )
+        # OpsConfig validates against the device we run on, not whatever CUDA the process could see.
+        hw = detect_hardware()
+        if s.device.type == "cpu":
+            hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
+        ops = OpsConfig(**s.veomni_ops, hardware=hw)
+        self.model = build_model(
+            s.weights, weights=s.weights, ops=ops, parallel_state=self.state, fsdp_policy=policy
+        )
+        self.model.train()
+        self.optimizer = build_adamw(
+            self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
+        )
+        self.info = {
+            "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+            "attn_implementation": self.model.config._attn_implementation,
+            "precision": (
+                "FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute (param_dtype), fp32 gradient reduce"
+                if s.precision == "bf16" else "FSDP2 on a 1-rank mesh, fp32 throughout"
+            ),
+            "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
+            "packing": "cu_seq_lens_q/k + max_length_q/k + position_ids (veomni.train.data.model_inputs)",
+            "activation_checkpointing": policy.activation_checkpointing,
+            "reshard_after_forward": policy.reshard_after_forward,
+        }  # fmt: skip
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        world = self.state.dims.world_size
+        loss_sum = torch.zeros((), device=self.s.device)
+        for i, batch in enumerate(micro_batches):
+            set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
+            with use_parallel_state(self.state):
+                out = self.model(
+                    **model_inputs(batch),
+                    shift_labels=batch["labels"],
+                    num_items_in_batch=num_items,
+                    use_cache=False,
+                )
+            # veomni.train.loop's convention: FSDP averages over the world, the objective sums over ranks.
+            (out.loss * world).backward()
+            loss_sum += out.loss.detach().float()
+        norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+class HF(Contender):
+    """Plain transformers with SDPA; packing detected by HF from position_ids; optionally Liger on top."""
+
+    def __init__(self, s: Settings, liger: bool) -> None:
+        self.s = s
+        dtype = torch.bfloat16 if s.hf_master == "bf16" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(s.weights, attn_implementation="sdpa", dtype=dtype)
+        self.model.to(s.device)
+        self.model.train()
+        if liger:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+            apply_liger_kernel_to_qwen3(
+                rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True,
+                model=self.model,
+            )  # fmt: skip
+        if s.ac == "all":
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.autocast = s.precision == "bf16" and s.hf_master == "fp32"
+        groups = [
+            {k: v for k, v in g.items() if k != "names"} for g in param_groups(self.model, s.weight_decay)
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        if s.hf_master == "bf16":
+            precision = "bf16 parameters, gradients and AdamW state (no fp32 master copy)"
+        elif self.autocast:
+            precision = "fp32 master weights, torch.autocast(bfloat16)"
+        else:
+            precision = "fp32 throughout"
+        self.info = {
+            "attn_implementation": self.model.config._attn_implementation,
+            "precision": precision,
+            "optimizer": "torch.optim.AdamW(fused=True), same param groups and hyper-parameters as veomni",
+            "packing": "position_ids only (HF builds a packed causal mask for SDPA)",
+            "activation_checkpointing": s.ac == "all",
+        }
+        if liger:
+            self.info["liger"] = {
+                "version": importlib.metadata.version("liger-kernel"),
+                "patched": "apply_liger_kernel_to_qwen3(rope, rms_norm, swiglu, fused_linear_cross_entropy)",
+            }
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = torch.zeros((), device=self.s.device)
+        for batch in micro_batches:
+            with torch.autocast(self.s.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = self.model(
+                    input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                    shift_labels=batch["labels"], num_items_in_batch=num_items, use_cache=False,
+                )  # fmt: skip
+            out.loss.backward()
+            loss_sum += out.loss.detach().float()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+def _liger_problem(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"liger-kernel needs CUDA; this run is on {device.type}"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as err:
+        return f"liger_kernel does not import ({err}); install veomni-kernels[liger]"
+    return None
+
+
+class VeomniPlain(Contender):
+    """veomni's model and kernels without FSDP2: parameters in the compute dtype (pure bf16 for ``--precision
+    bf16``, like BENCHMARKS.md's peer rows), torch clipping. Isolates the FSDP2 host overhead on one GPU."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        hw = detect_hardware()
+        if s.device.type == "cpu":
+            hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
+        ops = OpsConfig(**s.veomni_ops, hardware=hw)
+        dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
+        self.model = build_model(s.weights, weights=s.weights, ops=ops, dtype=dtype, device=s.device)
+        self.model.train()
+        self.optimizer = build_adamw(
+            self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
+        )
+        self.info = {
+            "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+            "precision": f"no FSDP: {dtype} parameters, gradients and AdamW state",
+            "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
+        }  # fmt: skip
+
+    def step(
+        self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = torch.zeros((), device=self.s.device)
+        for batch in micro_batches:
+            out = self.model(
+                **model_inputs(batch),
+                shift_labels=batch["labels"],
+                num_items_in_batch=num_items,
+                use_cache=False,
+            )
+            out.loss.backward()
+            loss_sum += out.loss.detach().float()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+BUILDERS: dict[str, Callable[[Settings], Contender]] = {
+    "veomni": Veomni,
+    "veomni_plain": VeomniPlain,
+    "hf": lambda s: HF(s, liger=False),
+    "hf_liger": lambda s: HF(s, liger=True),
+}
