@@ -247,3 +247,35 @@ def test_bf16_layouts_on_four_gpus_match_one_gpu(dist_pools, tmp_path, model_nam
             assert deviations[0][0] <= BF16_TOL["loss0"], layout
             assert all(d[0] <= BF16_TOL["loss"] for d in deviations), layout
             assert all(d[1] <= BF16_TOL["grad_norm"] for d in deviations), layout
+
+
+def _pure_bf16_run(ctx, raw: dict) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    it = iter(run.train_data)
+    stats = [train_step(run, next(it)) for _ in range(STEPS)]
+    states = [s for group in run.optimizer.state.values() for s in group.values() if torch.is_tensor(s)]
+    return {
+        "fsdp": isinstance(run.model, FSDPModule),
+        "param_dtypes": sorted({str(p.dtype) for p in run.model.parameters()}),
+        "state_dtypes": sorted({str(s.dtype) for s in states if s.dim() > 0}),
+        "stats": stats,
+    }
+
+
+def test_one_rank_pure_bf16_trains_without_fsdp(dist_pools, references, tmp_path):
+    """param_dtype = dtype = bf16 on one rank: a plain module (no FSDP2 hooks), bf16 parameters and AdamW state,
+    and losses that follow the fp32 run to bf16 accuracy."""
+    weights, reference = references["dense"]
+    raw = tiny_recipe(str(tmp_path), DENSE, weights=weights)
+    raw["model"].update({"dtype": "bfloat16", "param_dtype": "bfloat16"})
+    got = dist_pools.get(1, "gloo").run(_pure_bf16_run, raw)[0]
+    assert not got["fsdp"]
+    assert got["param_dtypes"] == ["torch.bfloat16"]
+    assert got["state_dtypes"] == ["torch.bfloat16"]
+    for step, want in zip(got["stats"], reference, strict=True):
+        assert step["loss"] == pytest.approx(want["loss"], rel=2e-2)
+        assert step["lr"] == want["lr"]

@@ -98,6 +98,7 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["train"]["tokens_per_step"] = micro * draw(st.integers(1, 16))
     raw["data"]["max_seq_len"] = draw(st.integers(2, micro))
     raw["data"]["num_workers"] = draw(st.integers(0, 4))
+    raw["model"]["param_dtype"] = draw(st.sampled_from(["float32", raw["model"]["dtype"]]))
     kept, other = draw(st.sampled_from([("steps", "epochs"), ("epochs", "steps")]))
     raw["train"][kept], raw["train"][other] = draw(st.integers(1, 10_000)), None
     if raw["train"]["eval_interval"] is None:
@@ -240,6 +241,10 @@ def test_every_problem_is_reported_at_once(tmp_path):
         (lambda r: r["model"].update(config=None), "give model.config"),
         (lambda r: r["model"].update(config={"hidden_size": 8}), "needs a model_type"),
         (lambda r: r["model"].update(tokenizer=None), "model.tokenizer: needed"),
+        (
+            lambda r: r["model"].update(dtype="float16", param_dtype="bfloat16"),
+            "model.param_dtype: expected float32 or model.dtype (float16), found bfloat16",
+        ),
         (
             lambda r: r["optim"].update(betas=[0.9]) if "optim" in r else r.update(optim={"betas": [0.9]}),
             "list of 2",

@@ -1,6 +1,7 @@
 """The contenders of `bench_e2e.py`: one model + optimizer setup each, behind a common `step` interface.
 
-veomni (FSDP2 on a one-rank mesh, fp32 masters), veomni_plain (no FSDP2, parameters in the compute dtype),
+veomni (FSDP2 on a one-rank mesh, fp32 masters), veomni_plain (no FSDP2, parameters in the compute dtype: the
+trainer's one-rank path when ``model.param_dtype`` equals ``model.dtype``),
 HF with SDPA, and HF + Liger. Each ``step`` runs one optimizer step; `bench_e2e.run_contender` times it.
 """
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from veomni.core.clip import clip_grad_norm
-from veomni.core.fsdp import set_grad_sync
+from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
@@ -200,17 +201,22 @@ def _liger_problem(device: torch.device) -> str | None:
 
 
 class VeomniPlain(Contender):
-    """veomni's model and kernels without FSDP2: parameters in the compute dtype (pure bf16 for ``--precision
-    bf16``, like BENCHMARKS.md's peer rows), torch clipping. Isolates the FSDP2 host overhead on one GPU."""
+    """What veomni-train runs on one rank when ``model.param_dtype`` equals ``model.dtype``: veomni's model and
+    kernels as a plain module (no FSDP2), parameters, gradients and AdamW state in the compute dtype (pure bf16
+    for ``--precision bf16``, like BENCHMARKS.md's peer rows), veomni's AdamW and clipping."""
 
     def __init__(self, s: Settings) -> None:
         self.s = s
+        self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
         hw = detect_hardware()
         if s.device.type == "cpu":
             hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
         ops = OpsConfig(**s.veomni_ops, hardware=hw)
         dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
         self.model = build_model(s.weights, weights=s.weights, ops=ops, dtype=dtype, device=s.device)
+        ac = s.ac in ("veomni", "all")
+        if ac:
+            apply_activation_checkpointing(self.model, default_fsdp_policy(self.model).block_patterns)
         self.model.train()
         self.optimizer = build_adamw(
             self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
@@ -219,6 +225,7 @@ class VeomniPlain(Contender):
             "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
             "precision": f"no FSDP: {dtype} parameters, gradients and AdamW state",
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
+            "activation_checkpointing": ac,
         }  # fmt: skip
 
     def step(
@@ -226,15 +233,16 @@ class VeomniPlain(Contender):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), device=self.s.device)
         for batch in micro_batches:
-            out = self.model(
-                **model_inputs(batch),
-                shift_labels=batch["labels"],
-                num_items_in_batch=num_items,
-                use_cache=False,
-            )
+            with use_parallel_state(self.state):
+                out = self.model(
+                    **model_inputs(batch),
+                    shift_labels=batch["labels"],
+                    num_items_in_batch=num_items,
+                    use_cache=False,
+                )
             out.loss.backward()
             loss_sum += out.loss.detach().float()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
+        norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm

@@ -10,6 +10,7 @@ from veomni.core.ep import ExpertPlan, ExpertShard, apply_expert_plan, combine_t
 from veomni.core.fsdp import (
     FSDPPolicy,
     StateDictMismatchError,
+    apply_activation_checkpointing,
     apply_fsdp2,
     load_full_state_dict,
     materialize_sharded,
@@ -33,6 +34,7 @@ __all__ = [
     "ParallelState",
     "StateDictMismatchError",
     "apply_expert_plan",
+    "apply_activation_checkpointing",
     "apply_fsdp2",
     "build_parallel_state",
     "clip_grad_norm",

@@ -259,6 +259,24 @@ def _checkpoint_forward(module: nn.Module) -> None:
     object.__setattr__(module, _AC_MARK, True)
 
 
+def apply_activation_checkpointing(model: nn.Module, block_patterns: tuple[str, ...]) -> list[str]:
+    """Recompute each block's forward in backward, for a model trained without FSDP2 (`apply_fsdp2` does the
+    same through ``FSDPPolicy.activation_checkpointing``).
+
+    Args:
+        model: the module; its FQNs and checkpoint keys are unchanged (the blocks' ``forward`` is wrapped).
+        block_patterns: FQN patterns of the blocks, as in `FSDPPolicy.block_patterns`.
+    Returns:
+        the FQNs of the checkpointed blocks.
+    Raises:
+        ValueError: a pattern matching nothing, nested blocks, or a block already checkpointed.
+    """
+    blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [])
+    for fqn in blocks:
+        _checkpoint_forward(model.get_submodule(fqn))
+    return blocks
+
+
 def _set_prefetch(model: nn.Module, owned: dict[str, list[str]]) -> None:
     # Nested units blur FSDP2's implicit order (an expert's post-forward comes before its block's), so spell
     # it out, assuming modules run in registration order. Forward: a block gathers its experts and the next

@@ -27,10 +27,11 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from veomni.core.clip import clip_grad_norm
-from veomni.core.fsdp import set_grad_sync
+from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state, use_parallel_state
 from veomni.kernels import Hardware, detect_hardware
@@ -146,15 +147,40 @@ def _meta_instance(config: PretrainedConfig | str) -> nn.Module:
         return MODELS.model_class(loaded, "causal_lm").cls._from_config(loaded)
 
 
-def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype) -> Any:
-    policy = attrs.evolve(
+def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dtype: torch.dtype) -> Any:
+    # Mixed precision only when parameters are stored above the compute dtype; gradients are reduced in fp32
+    # either way (for pure bf16 too: FSDP casts them back to the parameter dtype after the reduction).
+    return attrs.evolve(
         default_fsdp_policy(probe),
         activation_checkpointing=recipe.parallel.activation_checkpointing,
         reshard_after_forward=recipe.parallel.reshard_after_forward,
+        param_dtype=dtype if dtype != param_dtype else None,
+        reduce_dtype=torch.float32,
     )
-    if dtype != torch.float32:
-        policy = attrs.evolve(policy, param_dtype=dtype, reduce_dtype=torch.float32)
-    return policy
+
+
+def _build_model(
+    recipe: Recipe, config: PretrainedConfig | str, probe: nn.Module, ops: Any, state: ParallelState,
+    device: torch.device,
+) -> nn.Module:  # fmt: skip
+    dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
+    policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
+    if state.dims.world_size == 1 and dtype == param_dtype:
+        # One rank and nothing to cast: FSDP2 would only add per-block hooks and parameter copies (42% of the
+        # step time of Qwen3-1.7B on one H100, docs/benchmarks.md), so the model stays a plain module.
+        log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
+        model = build_model(config, weights=recipe.model.weights, ops=ops, dtype=param_dtype, device=device)
+        if policy.activation_checkpointing:
+            apply_activation_checkpointing(model, policy.block_patterns)
+        return model
+    return build_model(
+        config,
+        weights=recipe.model.weights,
+        ops=ops,
+        parallel_state=state,
+        dtype=param_dtype,
+        fsdp_policy=policy,
+    )
 
 
 def build_run(recipe: Recipe) -> Run:
@@ -164,20 +190,13 @@ def build_run(recipe: Recipe) -> Run:
     state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
     tokenizer = load_tokenizer(recipe.model.tokenizer_path)
     config = model_config(recipe)
-    dtype = DTYPES[recipe.model.dtype]
     # Kernels are validated against the device we train on (train.device=cpu on a GPU machine: CPU kernels).
     hardware = detect_hardware()
     if hardware.device_type != device.type:
         hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
     ops = recipe.ops.to_ops_config(hardware=hardware)
     probe = _meta_instance(config)
-    model = build_model(
-        config,
-        weights=recipe.model.weights,
-        ops=ops,
-        parallel_state=state,
-        fsdp_policy=_fsdp_policy(recipe, probe, dtype),
-    )
+    model = _build_model(recipe, config, probe, ops, state, device)
     aux_coef = float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
     if hasattr(model, "router_aux_loss_coef"):
         model.router_aux_loss_coef = 0.0  # the loop adds the aux term itself, scaled per micro-batch
@@ -269,7 +288,8 @@ def train_step(run: Run, step: Step) -> dict[str, float]:
     num_items = torch.tensor(step.valid_tokens, device=run.device, dtype=torch.float32)
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
     for i, batch in enumerate(step.micro_batches):
-        set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
+        if isinstance(run.model, FSDPModule):
+            set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
         loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
     max_norm = run.recipe.optim.max_grad_norm
     grad_norm = clip_grad_norm(run.model, max_norm if max_norm is not None else math.inf, run.state)

@@ -69,7 +69,13 @@ class ModelSection:
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
     dtype: Literal["float32", "bfloat16", "float16"] = _field(
-        "bfloat16", "compute dtype of the forward and backward (master weights and optimizer state stay fp32)"
+        "bfloat16", "compute dtype of the forward and backward"
+    )
+    param_dtype: Literal["float32", "bfloat16", "float16"] = _field(
+        "float32",
+        "dtype the parameters, gradients and AdamW state are kept in: float32 (fp32 master weights, compute in "
+        "model.dtype) or model.dtype itself (pure low-precision training, as plain HF runs in bf16: half the "
+        "optimizer memory, gradients accumulated in that dtype)",
     )
 
     def __attrs_post_init__(self) -> None:
@@ -80,6 +86,11 @@ class ModelSection:
         if isinstance(self.config, dict) and "model_type" not in self.config:
             raise RecipeError(
                 f"model.config: an inline config needs a model_type key; found {sorted(self.config)}"
+            )
+        if self.param_dtype not in ("float32", self.dtype):
+            raise RecipeError(
+                f"model.param_dtype: expected float32 or model.dtype ({self.dtype}), found {self.param_dtype} "
+                "(parameters cannot be stored in a lower precision than the compute dtype)"
             )
         if self.tokenizer is None and self.weights is None:
             raise RecipeError(
