@@ -67,6 +67,8 @@ LAYOUTS = {  # world -> [(dp_replicate, sp, ep)] ; dp_shard fills the rest
     2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
     4: [(2, 2, 1), (2, 1, 2), (1, 2, 2)],
 }
+# Layouts also run with activation checkpointing: the recomputation in backward must see the same SP/EP state.
+CHECKPOINTED = {(1, 2, 1), (1, 2, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +104,14 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
         tol = {"loss": 2e-5, "grad_norm": 1e-4} if backend == "gloo" else {"loss": 1e-4, "grad_norm": 1e-3}
         if backend == "nccl":
             raw["train"]["device"] = "cuda"
-        for rank_result in pool.run(_steps, raw, STEPS):
-            for got, want in zip(rank_result, reference, strict=True):
-                layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep}"
-                assert got["loss"] == pytest.approx(want["loss"], rel=tol["loss"]), layout
-                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tol["grad_norm"]), layout
-                assert got["lr"] == want["lr"]
+        for ac in (False, True) if (dp_replicate, sp, ep) in CHECKPOINTED else (False,):
+            raw["parallel"]["activation_checkpointing"] = ac
+            for rank_result in pool.run(_steps, raw, STEPS):
+                for got, want in zip(rank_result, reference, strict=True):
+                    layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep} activation_checkpointing={ac}"
+                    assert got["loss"] == pytest.approx(want["loss"], rel=tol["loss"]), layout
+                    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tol["grad_norm"]), layout
+                    assert got["lr"] == want["lr"]
 
 
 def _resume(ctx, raw: dict, split: int, total: int) -> tuple[list[float], list[float]]:

@@ -22,6 +22,7 @@ from veomni.core.parallel_state import (
     ParallelState,
     build_parallel_state,
     current_parallel_state,
+    current_parallel_state_or_none,
     use_parallel_state,
 )
 from veomni.core.sp import gather_sequence, heads_to_seq, seq_to_heads, slice_sequence, ulysses_attention
@@ -41,6 +42,7 @@ __all__ = [
     "combine_tokens",
     "count_valid_tokens",
     "current_parallel_state",
+    "current_parallel_state_or_none",
     "dispatch_tokens",
     "gather_sequence",
     "global_token_count",

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from veomni.core.ep.plan import ExpertPlan, apply_expert_plan, expert_module_fqns, expert_shard_of
 from veomni.core.fqn import fqn_matches
 from veomni.core.fsdp_init import StateDictMismatchError, load_full_state_dict, materialize_sharded
-from veomni.core.parallel_state import ParallelState
+from veomni.core.parallel_state import ParallelState, current_parallel_state_or_none, use_parallel_state
 
 __all__ = [
     "FSDPPolicy",
@@ -253,7 +253,17 @@ def _checkpoint_forward(module: nn.Module) -> None:
     # recomputation and nested expert units gather themselves again during it.
     @functools.wraps(inner)
     def forward(*args: object, **kwargs: object) -> object:
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        # The recomputation runs in backward, outside the caller's `use_parallel_state` block (and on autograd's
+        # threads on CUDA): without the state captured here it would skip Ulysses and recompute other shapes.
+        state = current_parallel_state_or_none()
+
+        def run(*a: object, **k: object) -> object:
+            if state is None:
+                return inner(*a, **k)
+            with use_parallel_state(state):
+                return inner(*a, **k)
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
     object.__setattr__(module, _AC_MARK, True)

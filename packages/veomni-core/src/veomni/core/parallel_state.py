@@ -122,7 +122,9 @@ class ParallelState:
 # Keyed by the default process group, so that destroying it (and creating a new one) starts afresh instead of
 # handing out meshes whose groups are gone. Process groups are expensive, and asking twice for one topology must
 # not create them twice; this is the module's only mutable state.
-_STATE_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, ParallelState]] = weakref.WeakKeyDictionary()
+_STATE_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, ParallelState]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def build_parallel_state(dims: ParallelDims, device_type: str) -> ParallelState:
@@ -202,6 +204,11 @@ def use_parallel_state(state: ParallelState) -> Iterator[ParallelState]:
         yield state
     finally:
         _CURRENT_STATE.reset(token)
+
+
+def current_parallel_state_or_none() -> ParallelState | None:
+    """The state set by the innermost enclosing `use_parallel_state`, or None outside every such block."""
+    return _CURRENT_STATE.get()
 
 
 def current_parallel_state() -> ParallelState:

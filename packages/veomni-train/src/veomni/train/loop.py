@@ -270,7 +270,9 @@ def _forward_backward(
     labels = batch["labels"].to(run.device, non_blocking=True)
     extra = {"output_router_logits": True} if run.aux_loss_coef else {}
     with use_parallel_state(run.state):
-        out = run.model(**inputs, shift_labels=labels, num_items_in_batch=num_items, **extra)
+        # No KV cache in training: HF would otherwise fill one per forward (memory), and a checkpointed layer's
+        # recomputation would append its keys a second time.
+        out = run.model(**inputs, shift_labels=labels, num_items_in_batch=num_items, use_cache=False, **extra)
     loss = out.loss
     objective = loss
     if run.aux_loss_coef and out.aux_loss is not None:
@@ -314,7 +316,10 @@ def evaluate(run: Run) -> dict[str, float]:
         count = (labels != -100).sum()
         with use_parallel_state(run.state):
             out = run.model(
-                **inputs, shift_labels=labels, num_items_in_batch=torch.ones((), device=run.device)
+                **inputs,
+                shift_labels=labels,
+                num_items_in_batch=torch.ones((), device=run.device),
+                use_cache=False,
             )
         totals += torch.stack([out.loss.double(), count.double()])
     dist.all_reduce(totals, group=run.state.loss_group)
