@@ -139,7 +139,7 @@ def model_config(recipe: Recipe) -> PretrainedConfig | str:
     return config if config is not None else recipe.model.weights
 
 
-def _meta_instance(config: PretrainedConfig | str) -> nn.Module:
+def meta_instance(config: PretrainedConfig | str) -> nn.Module:
     """The model class veomni builds for ``config``, on the meta device (no memory): for block patterns and
     parameter counts, which the sharded model no longer shows whole."""
     loaded = MODELS.load_config(config)
@@ -159,7 +159,7 @@ def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dty
     )
 
 
-def _build_model(
+def build_recipe_model(
     recipe: Recipe, config: PretrainedConfig | str, probe: nn.Module, ops: Any, state: ParallelState,
     device: torch.device,
 ) -> nn.Module:  # fmt: skip
@@ -195,8 +195,8 @@ def build_run(recipe: Recipe) -> Run:
     if hardware.device_type != device.type:
         hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
     ops = recipe.ops.to_ops_config(hardware=hardware)
-    probe = _meta_instance(config)
-    model = _build_model(recipe, config, probe, ops, state, device)
+    probe = meta_instance(config)
+    model = build_recipe_model(recipe, config, probe, ops, state, device)
     aux_coef = float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
     if hasattr(model, "router_aux_loss_coef"):
         model.router_aux_loss_coef = 0.0  # the loop adds the aux term itself, scaled per micro-batch
@@ -222,13 +222,13 @@ def build_run(recipe: Recipe) -> Run:
     run = Run(
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
-        total_steps=steps, aux_loss_coef=aux_coef, flops_per_token=_flops_per_token(probe),
+        total_steps=steps, aux_loss_coef=aux_coef, flops_per_token=flops_per_token(probe),
     )  # fmt: skip
     _maybe_resume(run)
     return run
 
 
-def _flops_per_token(probe: nn.Module) -> float:
+def flops_per_token(probe: nn.Module) -> float:
     """``6 * N_active``: matmul FLOPs per trained token (the attention term is added per step)."""
     cfg = probe.config
     experts = getattr(cfg, "num_experts", None)
@@ -377,7 +377,7 @@ def train(
     progress = _progress(run, rank0)
     window: list[tuple[dict[str, float], float, float, int, float]] = []
     data_iter = iter(run.train_data)
-    q_width = _query_width(run.model.config)
+    q_width = query_width(run.model.config)
     while run.step < run.total_steps:
         t0 = time.perf_counter()
         step = next(data_iter)
@@ -447,7 +447,7 @@ def _sample_lengths(step: Step) -> list[int]:
     return lengths
 
 
-def _query_width(config: PretrainedConfig) -> int:
+def query_width(config: PretrainedConfig) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_attention_heads * head_dim
 

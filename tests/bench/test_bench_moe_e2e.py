@@ -1,0 +1,99 @@
+"""Smoke and parity test of tools/bench/bench_moe_e2e.py: the tiny Qwen3-MoE on 2 gloo ranks (EP=2), fp32.
+
+Both contenders load the same saved weights and train on the same per-rank packed batches, so the LM loss of
+step 0 (before any update) must agree to float rounding. Later steps and grad norms agree closely but not
+exactly: HF's Trainer convention scales the whole loss, aux term included, by the world size, while veomni's
+loop weights the aux loss by 1/dp. The timing columns are only checked for sanity; the numbers that matter come
+from the 4-GPU run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_moe_e2e.py"
+SMOKE = [
+    "--tiny",
+    "--device",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--tokens",
+    "256",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+]
+
+
+def _load_bench():
+    name = "bench_moe_e2e_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_bad_arguments_are_refused(capsys):
+    bench = _load_bench()
+    for bad in (["--layers", "49"], ["--contenders", "veomni,megatron"], ["--tokens", "4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--out", "x.json", *bad])
+    err = capsys.readouterr().err
+    assert "1..48" in err and "megatron" in err and "--tokens >= 16" in err
+    assert bench.parse_args(["--out", "x.json"]).layers == 16  # the documented default depth
+    config = bench.moe_config(tiny=False, layers=16)
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim, config.num_hidden_layers) == (
+        128, 8, 128, 16,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_smoke_two_gloo_ranks_veomni_and_hf_start_equal(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), "--out", str(out), *SMOKE]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "veomni/hf: tok/s/gpu x" in proc.stdout  # rank 0 printed the table
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["layers"] == 2 and result["config"]["num_experts"] == 8
+    assert {"torch", "transformers", "triton", "python"} <= set(result["versions"])
+    ours, hf = result["contenders"]["veomni"], result["contenders"]["hf"]
+    for r in (ours, hf):
+        assert "error" not in r, r.get("error")
+        assert len(r["losses"]) == len(r["grad_norms"]) == 3 and len(r["step_s"]) == 2
+        assert all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * 256 / sum(r["step_s"]))
+        assert r["mfu"] is None  # no peak FLOP/s on the CPU
+        assert len(r["step_s_per_rank"]) == 2
+    assert ours["parallel"]["ep"] == 2 and ours["ops"]["moe_experts"] == "torch"
+    assert ours["experts_implementation"].startswith("veomni") and ours["attn_implementation"].startswith(
+        "veomni"
+    )
+    assert hf["experts_implementation"] in ("grouped_mm", "batched_mm", "eager")  # HF's own, recorded
+    assert hf["attn_implementation"] == "sdpa"
+    # Same weights and data, fp32: step 0's LM loss agrees to float rounding (a wrong weight, label shift,
+    # per-rank batch or loss normalisation moves it far more).
+    assert ours["losses"][0] == pytest.approx(hf["losses"][0], rel=1e-5)
+    assert ours["grad_norms"][0] == pytest.approx(hf["grad_norms"][0], rel=1e-3)
+    assert ours["losses"] == pytest.approx(hf["losses"], rel=1e-4)
+    assert ours["losses"][-1] != ours["losses"][0]  # the optimizer did step
+    # The Switch load-balancing loss of near-uniform routing is about top_k (3 here): it was computed.
+    assert all(abs(a - 3.0) < 0.5 for a in hf["aux_losses_rank_mean"])
+    # Each step's global label count: 2 ranks x 256 tokens, minus each document's last token.
+    docs = result["data"]["docs_per_rank_per_step"]
+    assert result["data"]["valid_labels_per_step_all_ranks"] == [2 * 256 - sum(d) for d in docs]
+    assert result["ratios"]["veomni/hf"]["tokens_per_s_per_gpu"] == pytest.approx(
+        ours["tokens_per_s_per_gpu"] / hf["tokens_per_s_per_gpu"]
+    )
