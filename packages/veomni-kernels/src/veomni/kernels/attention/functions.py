@@ -126,13 +126,17 @@ def sdpa_attention(
     max_seqlen: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; packed inputs use a block-diagonal (causal) bool mask.
+    """``F.scaled_dot_product_attention``; packed inputs (two or more segments) use a block-diagonal (causal)
+    bool mask.
 
     Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype. A mask rules out
-    the flash backend on CUDA, so packed sequences run on the memory-efficient or math backend.
+    the flash and cuDNN backends on CUDA, so packed sequences run on the memory-efficient or math backend.
     """
     check_qkv(q, k, v, cu_seqlens)
-    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device) if cu_seqlens is not None else None
+    # One segment tiles the whole row ([0, S] by the convention): plain (causal) attention, which keeps SDPA's
+    # flash/cuDNN kernels -- the case of one long document per sequence (and per Ulysses group).
+    packed = cu_seqlens is not None and cu_seqlens.numel() > 2
+    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device) if packed else None
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
