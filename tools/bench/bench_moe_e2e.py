@@ -273,8 +273,10 @@ def run_contender(name: str, args: argparse.Namespace, weights: str, device: tor
             tag = "warm-up" if i < args.warmup else "timed"
             print(f"[bench_moe] {name} step {i + 1}/{len(steps)} ({tag}) {seconds[-1] * 1e3:9.1f} ms  "
                   f"loss {losses[-1]:.5f}  grad norm {norms[-1]:.4f}", flush=True)  # fmt: skip
-    record: dict[str, Any] = dict(contender.info)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    if args.profile:
+        _profile(name, contender, steps[-2:], args.profile, device)
+    record: dict[str, Any] = dict(contender.info)
     del contender  # the model and optimizer go with it
     _free(device)
     per_rank = [None] * world
@@ -295,6 +297,25 @@ def run_contender(name: str, args: argparse.Namespace, weights: str, device: tor
                    "peak_memory_gib_per_rank": [r["peak"] for r in per_rank],
                    "build_peak_memory_gib": max(r["build_peak"] for r in per_rank)}  # fmt: skip
     return record
+
+
+def _profile(name: str, contender: Any, steps: list[tuple[dict[str, Any], int]], out_dir: str,
+             device: torch.device) -> None:  # fmt: skip
+    """Two more steps on every rank under torch.profiler (after timing); rank 0 writes the top ops by device time
+    to ``<out_dir>/<name>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i, (batch, valid) in enumerate(steps):
+            contender.step(i, batch, valid)
+        _sync(device)
+    if dist.get_rank() == 0:
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+            f.write(table)
 
 
 def _agree(record: dict[str, Any]) -> dict[str, Any]:
@@ -336,6 +357,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="activation checkpointing for veomni only, or for both")  # fmt: skip
     add("--veomni-ops", default="", help="OpsConfig overrides, e.g. moe_experts=torch,attention=varlen")
     add("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    add("--profile", default=None, help="directory for a torch.profiler table of 2 extra steps per contender")
     add("--tmpdir", default=None, help="local-disk directory for the initial weights (default: system temp)")
     args = p.parse_args(argv)
     args.contenders = [c for c in filter(None, args.contenders.split(","))]
