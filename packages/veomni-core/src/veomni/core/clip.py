@@ -63,14 +63,15 @@ def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 def _power_sum(tensors: list[Tensor], p: float, device: torch.device) -> Tensor:
     """``sum |x|^p`` (or ``max |x|`` for p = inf) over ``tensors``, accumulated in fp32, as a 0-dim tensor."""
-    norms: dict[torch.device, list[Tensor]] = {}
+    by_device: dict[torch.device, list[Tensor]] = {}
     for t in tensors:
         # Empty shards exist (uneven FSDP sharding) and have no inf-norm; they contribute nothing anyway.
         if t.numel():
-            norms.setdefault(t.device, []).append(torch.linalg.vector_norm(t, p, dtype=torch.float32))
+            by_device.setdefault(t.device, []).append(t)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for per_device in norms.values():  # one copy per device (CPU-offloaded gradients), not one per tensor
-        stacked = torch.stack(per_device)
+    for group in by_device.values():  # one copy per device (CPU-offloaded gradients), not one per tensor
+        # One multi-tensor kernel per dtype instead of a launch per tensor (~300 for a 1.7B model).
+        stacked = torch.stack(torch._foreach_norm(group, p, dtype=torch.float32))
         total = _combine(total, (stacked.max() if math.isinf(p) else stacked.pow(p).sum()).to(device), p)
     return total
 
@@ -90,7 +91,7 @@ def clip_grad_norm(
     """Clip gradients in place to a global norm of ``max_norm``; return the global norm before clipping.
 
     Every rank must call this with the same parameters (it runs collectives on ``state``'s groups). The local
-    sums are taken over ``grad.to_local()`` with ``vector_norm(..., dtype=float32)``, so bf16 gradients are
+    sums are taken over ``grad.to_local()`` with ``_foreach_norm(..., dtype=float32)``, so bf16 gradients are
     accumulated in fp32 without an fp32 copy. One coefficient ``min(1, max_norm / (norm + 1e-6))`` multiplies
     every gradient, as in ``torch.nn.utils.clip_grad_norm_``.
 
@@ -161,10 +162,13 @@ def clip_grad_norm(
         )
 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensors in buckets.values():
         for t in tensors:
-            by_device.setdefault(t.device, []).append(t)
-    for dev, tensors in by_device.items():
-        torch._foreach_mul_(tensors, coef.to(dev))
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    for (dev, dtype), tensors in groups.items():
+        # The coefficient in the gradients' own dtype keeps `_foreach_mul_` on its multi-tensor kernel (a
+        # mismatched fp32 scalar fell back to one kernel per tensor on CUDA); for bf16 gradients it is rounded
+        # as each product is anyway.
+        torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
     return total
