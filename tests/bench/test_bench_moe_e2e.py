@@ -9,16 +9,15 @@ from the 4-GPU run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_loader import BENCH_DIR, load_bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_moe_e2e.py"
+SCRIPT = BENCH_DIR / "bench_moe_e2e.py"
 SMOKE = [
     "--tiny",
     "--device",
@@ -34,18 +33,8 @@ SMOKE = [
 ]
 
 
-def _load_bench():
-    name = "bench_moe_e2e_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def test_bad_arguments_are_refused(capsys):
-    bench = _load_bench()
+    bench = load_bench("bench_moe_e2e.py")
     for bad in (["--layers", "49"], ["--contenders", "veomni,megatron"], ["--tokens", "4"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", "x.json", *bad])

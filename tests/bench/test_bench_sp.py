@@ -11,32 +11,20 @@ rounding. With ``--same-data`` every dp rank trains dp rank 0's document, so the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_loader import BENCH_DIR, load_bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_sp.py"
+SCRIPT = BENCH_DIR / "bench_sp.py"
 SMOKE = ["--tiny", "--precision", "fp32", "--device", "cpu", "--steps", "2", "--warmup", "1"]
 
 
-def _load_bench():
-    name = "bench_sp_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_bench("bench_sp.py")
 
 
 def test_parse_sp_lengths_keeps_order_and_rejects_bad_items():
@@ -130,7 +118,7 @@ def test_torchrun_smoke_sp2_and_sp1_agree_on_dp_rank0_document(tmp_path):
 
 
 def _bench_task(ctx, argv: list[str]) -> dict:
-    return _load_bench().main(argv)
+    return load_bench("bench_sp.py").main(argv)
 
 
 @pytest.mark.slow

@@ -229,12 +229,13 @@ def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------- CLI
 
 
-def _parse_ops(text: str) -> dict[str, str]:
+def parse_ops(text: str) -> dict[str, str]:
+    """``"attention=varlen,rope=eager"`` -> OpsConfig overrides; ValueError on a malformed item."""
     ops = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise SystemExit(f"--veomni-ops expects op=backend[,op=backend...], got {item!r} in {text!r}")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"ops overrides expect op=backend[,op=backend...], got {item!r} in {text!r}")
         ops[key.strip()] = value.strip()
     return ops
 
@@ -289,6 +290,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.hf_master == "bf16" and args.precision == "fp32":
         p.error("--hf-master bf16 contradicts --precision fp32")
+    try:
+        args.veomni_ops = parse_ops(args.veomni_ops)
+    except ValueError as err:
+        p.error(f"--veomni-ops: {err}")
     args.min_doc = args.min_doc or max(1, args.seq_len // 16)
     args.max_doc = args.max_doc or max(args.min_doc, args.seq_len // 2)
     return args
@@ -334,7 +339,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         settings = Settings(
             device=device, weights=weights, lr=args.lr, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, precision=args.precision, ac=args.ac, hf_master=args.hf_master,
-            veomni_ops=_parse_ops(args.veomni_ops), veomni_reshard=not args.veomni_no_reshard,
+            veomni_ops=args.veomni_ops, veomni_reshard=not args.veomni_no_reshard,
             profile_dir=args.profile,
         )  # fmt: skip
         for name in CONTENDERS:  # the fixed order: Liger's global patches must come last

@@ -65,7 +65,7 @@ from veomni.train.optim import Schedule, build_adamw, build_scheduler, param_gro
 from veomni.train.recipe import Recipe, recipe_from_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
-from bench_e2e import _free, _parse_ops, _sync, packed_batches  # noqa: E402
+from bench_e2e import _free, _sync, packed_batches, parse_ops  # noqa: E402
 
 CONTENDERS = ("veomni", "hf")  # run order: veomni first, so that an HF OOM cannot cost its result
 GIB = 2**30
@@ -369,7 +369,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--layers must be in 1..48 (Qwen3-30B-A3B has 48), got {args.layers}")
     if args.tokens < 16 or args.steps < 1 or args.warmup < 0:
         p.error(f"need --tokens >= 16, --steps >= 1, --warmup >= 0; got {args.tokens}, {args.steps}, {args.warmup}")  # fmt: skip
-    args.veomni_ops = _parse_ops(args.veomni_ops)
+    try:
+        args.veomni_ops = parse_ops(args.veomni_ops)
+    except ValueError as err:
+        p.error(f"--veomni-ops: {err}")
     return args
 
 

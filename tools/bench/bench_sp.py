@@ -58,6 +58,9 @@ from veomni.train.data import Sample, Step, collate
 from veomni.train.metrics import attention_flops, peak_flops
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
+from bench_e2e import parse_ops  # noqa: E402
+
 GIB = 2**30
 DEFAULT_SP_LENGTHS = "4:32768,65536,131072;1:32768,65536,131072"
 SYNTHETIC = "(synthetic: random token ids, nothing is read)"  # the recipe's data/tokenizer are never opened
@@ -297,17 +300,6 @@ def parse_sp_lengths(text: str) -> list[tuple[int, list[int]]]:
     if not plan:
         raise ValueError(f"--sp-lengths is empty: {text!r}")
     return plan
-
-
-def parse_ops(text: str) -> dict[str, str]:
-    """``"attention=varlen,rope=eager"`` -> OpsConfig overrides."""
-    ops = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ValueError(f"--ops expects op=backend[,op=backend...], got {item!r} in {text!r}")
-        ops[key.strip()] = value.strip()
-    return ops
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
