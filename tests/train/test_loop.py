@@ -271,14 +271,15 @@ def _pure_bf16_run(ctx, raw: dict) -> dict:
     }
 
 
-def test_one_rank_pure_bf16_trains_without_fsdp(dist_pools, references, tmp_path):
-    """param_dtype = dtype = bf16 on one rank: a plain module (no FSDP2 hooks), bf16 parameters and AdamW state,
-    and losses that follow the fp32 run to bf16 accuracy."""
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_pure_bf16_trains_in_bf16(dist_pools, references, tmp_path, world_size):
+    """param_dtype = dtype = bf16: bf16 parameters and AdamW state, losses that follow the fp32 run to bf16
+    accuracy; one rank is a plain module (no FSDP2 hooks), two ranks shard without mixed precision."""
     weights, reference = references["dense"]
     raw = tiny_recipe(str(tmp_path), DENSE, weights=weights)
     raw["model"].update({"dtype": "bfloat16", "param_dtype": "bfloat16"})
-    got = dist_pools.get(1, "gloo").run(_pure_bf16_run, raw)[0]
-    assert not got["fsdp"]
+    got = dist_pools.get(world_size, "gloo").run(_pure_bf16_run, raw)[0]
+    assert got["fsdp"] == (world_size > 1)
     assert got["param_dtypes"] == ["torch.bfloat16"]
     assert got["state_dtypes"] == ["torch.bfloat16"]
     for step, want in zip(got["stats"], reference, strict=True):
