@@ -163,6 +163,9 @@ def build_recipe_model(
     recipe: Recipe, config: PretrainedConfig | str, probe: nn.Module, ops: Any, state: ParallelState,
     device: torch.device,
 ) -> nn.Module:  # fmt: skip
+    """The recipe's model as `build_run` builds it: FSDP2 (and EP) on ``state``'s meshes with the recipe's
+    precision, or a plain module on one rank when ``model.param_dtype == model.dtype`` (nothing to shard or
+    cast). ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
     if state.dims.world_size == 1 and dtype == param_dtype:
@@ -448,6 +451,7 @@ def _sample_lengths(step: Step) -> list[int]:
 
 
 def query_width(config: PretrainedConfig) -> int:
+    """Heads x head size of the attention queries (the width in the attention FLOPs term)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_attention_heads * head_dim
 
