@@ -17,6 +17,17 @@ def test_every_shipped_recipe_validates(name):
     assert recipe.grad_accum(dp) >= 1
 
 
+@pytest.mark.parametrize("name", [n for n in builtin_recipes() if n != "quickstart"])
+def test_shipped_gpu_recipes_choose_runnable_kernels_on_an_h100(name):
+    """The GPU recipes' explicit kernel choices (varlen attention for packed rows) validate on sm_90."""
+    from veomni.kernels.hardware import Hardware
+
+    recipe = load_recipe(name)
+    assert recipe.train.device == "cuda"
+    ops = recipe.ops.to_ops_config(hardware=Hardware(device_type="cuda", capability=(9, 0)))
+    assert ops.attention == "varlen"
+
+
 def test_help_lists_every_field(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
