@@ -85,6 +85,23 @@ def test_export_of_a_plain_model(ckpts, tmp_path):
         assert torch.equal(reloaded.state_dict()[key], value.to(torch.bfloat16).float()), key
 
 
+def test_generation_config_travels_from_checkpoint_to_export(ckpts, tmp_path):
+    import shutil
+
+    from transformers import GenerationConfig
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpts["dense_tied"], src)
+    GenerationConfig(do_sample=True, temperature=0.42, top_p=0.9, eos_token_id=[3, 5]).save_pretrained(src)
+    model = build_model(str(src), weights=str(src), ops=eager_ops())
+    export_hf(model, tmp_path / "out")
+    exported = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (exported.do_sample, exported.temperature, exported.top_p) == (True, 0.42, 0.9)
+    assert exported.eos_token_id == [3, 5]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.generation_config.temperature == 0.42
+
+
 def _save_dcp(ctx, src: str, dcp_dir: str, ep: int) -> None:
     model = build_model(src, weights=src, ops=eager_ops(), parallel_state=state(ctx, ep=ep))
     dcp.save({"model": model.state_dict(), "trainer": {"step": torch.tensor(7)}}, checkpoint_id=dcp_dir)

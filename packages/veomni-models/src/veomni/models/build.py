@@ -181,6 +181,7 @@ def build_model(
         )
     else:
         report = load_weights(model, weights, mode=load_mode, ignore_unexpected=ignore_unexpected)
+        _attach_generation_config(model, weights)
         logger.info(
             "build_model: loaded %d tensors of %s from %s (%s, %.1f MiB read on this rank)",
             len(report.loaded),
@@ -190,3 +191,12 @@ def build_model(
             report.bytes_read / 2**20,
         )
     return model
+
+
+def _attach_generation_config(model: PreTrainedModel, weights: str | os.PathLike) -> None:
+    # As from_pretrained does: the checkpoint's sampling defaults and stop tokens, which the model config does
+    # not hold (Qwen3 lists two EOS ids there), travel with the model and so into `export_hf`.
+    root = os.fspath(weights)
+    root = root if os.path.isdir(root) else os.path.dirname(root)
+    if model.can_generate() and os.path.isfile(os.path.join(root, "generation_config.json")):
+        model.generation_config = model.generation_config_class.from_pretrained(root)

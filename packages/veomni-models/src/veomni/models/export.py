@@ -274,6 +274,9 @@ def export_hf(
     if is_writer:
         first = next(iter(shapes.values()))[1] if shapes else torch.float32
         save_config(config, out_dir, unwrapped_class(model).__name__, dtype or first)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(str(out_dir))  # what from_pretrained's model.generate() will use
         logger.info(
             "export_hf: wrote %d files, %.1f MiB to %s",
             len(report.files),
