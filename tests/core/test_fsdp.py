@@ -23,6 +23,7 @@ from veomni.core.ep import expert_shard_of
 from veomni.core.fsdp import (
     FSDPPolicy,
     StateDictMismatchError,
+    apply_activation_checkpointing,
     apply_fsdp2,
     load_full_state_dict,
     materialize_sharded,
@@ -318,3 +319,25 @@ def test_documented_errors(dist_pools):
 def test_policy_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         FSDPPolicy(**kwargs)
+
+
+def test_activation_checkpointing_of_a_plain_model():
+    """Same loss and gradients with the blocks recomputed; the checkpoint keys stay; bad patterns and a second
+    application are refused."""
+    ids, labels = toy.token_batch(3, batch=2, seq=7)
+    ref = toy.build(seed=4)
+    model = copy.deepcopy(ref)
+    assert apply_activation_checkpointing(model, ("layers.*",)) == ["layers.0", "layers.1"]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    losses = []
+    for m in (ref, model):
+        loss = F.cross_entropy(m(ids).flatten(0, 1), labels.flatten())
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="apply_activation_checkpointing: block pattern"):
+        apply_activation_checkpointing(copy.deepcopy(ref), ("blocks.*",))
+    with pytest.raises(ValueError, match="already has a checkpointed forward"):
+        apply_activation_checkpointing(model, ("layers.*",))

@@ -63,14 +63,14 @@ def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 def _power_sum(tensors: list[Tensor], p: float, device: torch.device) -> Tensor:
     """``sum |x|^p`` (or ``max |x|`` for p = inf) over ``tensors``, accumulated in fp32, as a 0-dim tensor."""
-    by_device: dict[torch.device, list[Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
         # Empty shards exist (uneven FSDP sharding) and have no inf-norm; they contribute nothing anyway.
         if t.numel():
-            by_device.setdefault(t.device, []).append(t)
+            groups.setdefault((t.device, t.dtype), []).append(t)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group in by_device.values():  # one copy per device (CPU-offloaded gradients), not one per tensor
-        # One multi-tensor kernel per dtype instead of a launch per tensor (~300 for a 1.7B model).
+    for group in groups.values():  # one copy per group (e.g. CPU-offloaded gradients), not one per tensor
+        # One multi-tensor kernel per (device, dtype) instead of a launch per tensor (~300 for a 1.7B model).
         stacked = torch.stack(torch._foreach_norm(group, p, dtype=torch.float32))
         total = _combine(total, (stacked.max() if math.isinf(p) else stacked.pow(p).sum()).to(device), p)
     return total

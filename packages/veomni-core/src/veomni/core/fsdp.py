@@ -175,7 +175,9 @@ def _prepare_experts(model: nn.Module, state: ParallelState, plan: ExpertPlan | 
     return fqns
 
 
-def _match_blocks(model: nn.Module, patterns: tuple[str, ...], expert_fqns: list[str]) -> list[str]:
+def _match_blocks(
+    model: nn.Module, patterns: tuple[str, ...], expert_fqns: list[str], caller: str = "apply_fsdp2"
+) -> list[str]:
     hits = {p: 0 for p in patterns}
     blocks: list[str] = []
     for fqn, _ in model.named_modules():
@@ -188,20 +190,20 @@ def _match_blocks(model: nn.Module, patterns: tuple[str, ...], expert_fqns: list
     if missing:
         sample = [fqn for fqn, _ in model.named_modules() if fqn][:10]
         raise ValueError(
-            f"apply_fsdp2: block pattern(s) {missing} matched no module of {type(model).__name__} ('*' "
+            f"{caller}: block pattern(s) {missing} matched no module of {type(model).__name__} ('*' "
             f"matches within one FQN component); its modules include {sample}"
         )
     for i, outer in enumerate(blocks):
         for inner in blocks[i + 1 :]:
             if inner.startswith(outer + "."):
                 raise ValueError(
-                    f"apply_fsdp2: block {inner!r} is nested in block {outer!r}; blocks must not nest"
+                    f"{caller}: block {inner!r} is nested in block {outer!r}; blocks must not nest"
                 )
     for block in blocks:
         for expert in expert_fqns:
             if expert == block or block.startswith(expert + "."):
                 raise ValueError(
-                    f"apply_fsdp2: block pattern matched {block!r}, which is (inside) the expert module "
+                    f"{caller}: block pattern matched {block!r}, which is (inside) the expert module "
                     f"{expert!r}; blocks must contain expert modules, not be them"
                 )
     return blocks
@@ -245,7 +247,9 @@ def _fully_shard_keep_metadata(module: nn.Module, **kwargs: object) -> None:
 
 def _checkpoint_forward(module: nn.Module) -> None:
     if getattr(module, _AC_MARK, False):
-        raise ValueError(f"apply_fsdp2: {type(module).__name__} already has a checkpointed forward")
+        raise ValueError(
+            f"activation checkpointing: {type(module).__name__} already has a checkpointed forward"
+        )
     inner = module.forward
 
     # Patching the instance's forward (instead of wrapping the module in another module) keeps every FQN, and
@@ -281,7 +285,7 @@ def apply_activation_checkpointing(model: nn.Module, block_patterns: tuple[str, 
     Raises:
         ValueError: a pattern matching nothing, nested blocks, or a block already checkpointed.
     """
-    blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [])
+    blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [], "apply_activation_checkpointing")
     for fqn in blocks:
         _checkpoint_forward(model.get_submodule(fqn))
     return blocks
