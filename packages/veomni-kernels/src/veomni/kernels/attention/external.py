@@ -6,6 +6,7 @@ non-CUDA tensor is an error naming what is missing, never a fallback to another 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -76,6 +77,15 @@ def _first(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
+@functools.cache
+def _parameters(fn: Any) -> frozenset[str]:
+    """``fn``'s parameter names, plus ``"**"`` when it takes ``**kwargs``. inspect.signature costs tens of
+    microseconds: once per function, not once per layer and step."""
+    params = inspect.signature(fn).parameters
+    variadic = {"**"} if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set()
+    return frozenset(params) | variadic
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,12 +102,17 @@ def varlen_attention(
     Raises ``RuntimeError`` when torch lacks the module, there is no GPU or the tensors are not on CUDA.
     """
     check_qkv(q, k, v, cu_seqlens)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"attention backend varlen runs bf16/fp16 only, got {q.dtype}; train in bf16 (model.dtype) or pick "
+            "another attention backend (sdpa, flex, eager)"
+        )
     _require("varlen", q.device)
     from torch.nn.attention import varlen
 
     batch, seq, heads_q = q.shape[:3]
     cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
-    params = inspect.signature(varlen.varlen_attn).parameters
+    params = _parameters(varlen.varlen_attn)
     kwargs: dict[str, Any] = {}
     # torch 2.10 spelled causality ``is_causal``; later releases use flash-style window_size (-1, 0).
     if "window_size" in params:
@@ -145,8 +160,8 @@ def _flash(
         "causal": causal,
     }
     # Some FlashAttention 4 releases derive the maximum length themselves and take no max_seqlen_*.
-    params = inspect.signature(fn).parameters
-    if "max_seqlen_q" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    params = _parameters(fn)
+    if "max_seqlen_q" in params or "**" in params:
         kwargs.update(max_seqlen_q=max_len, max_seqlen_k=max_len)
     out = fn(q[0], k[0], v[0], **kwargs)
     return _first(out).unsqueeze(0)
