@@ -236,9 +236,13 @@ def test_gpu_backends_match_eager_bf16(name, causal, packed):
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.cuda
 def test_varlen_names_the_dtype_it_needs():
-    from veomni.kernels.attention.external import varlen_attention
-
-    q, k, v = _qkv(0, 1, 6, 2, 2, 4)  # fp32
+    why = available_attention_functions()["varlen"]
+    if why != "ok":
+        pytest.skip(why)
+    q, k, v = (t.cuda() for t in _qkv(0, 1, 6, 2, 2, 4))  # fp32
     with pytest.raises(ValueError, match="bf16/fp16 only, got torch.float32"):
-        varlen_attention(q, k, v, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32))
+        ATTENTION_FUNCTIONS["varlen"](
+            q, k, v, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device="cuda")
+        )

@@ -102,12 +102,12 @@ def varlen_attention(
     Raises ``RuntimeError`` when torch lacks the module, there is no GPU or the tensors are not on CUDA.
     """
     check_qkv(q, k, v, cu_seqlens)
+    _require("varlen", q.device)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"attention backend varlen runs bf16/fp16 only, got {q.dtype}; train in bf16 (model.dtype) or pick "
             "another attention backend (sdpa, flex, eager)"
         )
-    _require("varlen", q.device)
     from torch.nn.attention import varlen
 
     batch, seq, heads_q = q.shape[:3]
