@@ -63,6 +63,7 @@ from veomni.train.data import Step
 from veomni.train.metrics import active_matmul_params, attention_flops, peak_flops
 from veomni.train.optim import Schedule, build_adamw, build_scheduler, param_groups
 from veomni.train.recipe import Recipe, recipe_from_dict
+from veomni.train.tasks import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
 from bench_e2e import _free, _sync, packed_batches, parse_ops  # noqa: E402
@@ -123,8 +124,9 @@ class Veomni:
             hw = Hardware(device_type=device.type, triton_interpret=hw.triton_interpret)
         ops = recipe.ops.to_ops_config(hardware=hw)
         model = loop.build_recipe_model(recipe, config, probe, ops, state, device)  # build_run's own call
-        aux_coef = float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
-        model.router_aux_loss_coef = 0.0  # as build_run: the loop adds the aux term itself, per micro-batch
+        task = TextTask.for_model(probe)
+        aux_coef = task.aux_loss_coef
+        loop.hand_aux_loss_to_loop(model)  # as build_run: the loop adds the aux term itself, per micro-batch
         optimizer = build_adamw(
             model, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
             weight_decay=recipe.optim.weight_decay,
@@ -134,7 +136,7 @@ class Veomni:
         self.run = loop.Run(
             recipe=recipe, state=state, device=device, tokenizer=None, model=model, optimizer=optimizer,
             scheduler=scheduler, train_data=None, eval_data=None, checkpoints=None, total_steps=n,
-            aux_loss_coef=aux_coef, flops_per_token=loop.flops_per_token(probe),
+            task=task, config=probe.config,
         )  # fmt: skip
         self.tokens_per_step = args.tokens * state.dims.dp
         self.info = {

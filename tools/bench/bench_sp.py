@@ -57,6 +57,7 @@ from veomni.train import recipe as rc
 from veomni.train.data import Sample, Step, collate
 from veomni.train.metrics import attention_flops, peak_flops
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
+from veomni.train.tasks import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
 from bench_e2e import parse_ops  # noqa: E402
@@ -137,7 +138,7 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
     run = loop.Run(
         recipe=recipe, state=state, device=device, tokenizer=None, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=None, eval_data=None, checkpoints=None, total_steps=0,
-        aux_loss_coef=0.0, flops_per_token=loop.flops_per_token(probe),
+        task=TextTask.for_model(probe), config=probe.config,
     )  # fmt: skip
     info = {
         "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
@@ -145,7 +146,7 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
         "fsdp": {"mesh": "dp_shard*sp (all ranks)", "compute_dtype": recipe.model.dtype, "param_dtype":
                  recipe.model.param_dtype, "reduce_dtype": "float32",
                  "reshard_after_forward": recipe.parallel.reshard_after_forward},
-        "flops_per_token_matmul": run.flops_per_token,
+        "flops_per_token_matmul": run.task.flops_per_token,
         "query_width": loop.query_width(probe.config),
         "num_layers": probe.config.num_hidden_layers,
     }  # fmt: skip
@@ -250,7 +251,7 @@ def measure(
     seconds = _max_over_ranks(seconds, device)  # a step ends when its slowest rank does
     timed = seconds[args.warmup :]
     tokens = steps[0].tokens
-    flops = run.flops_per_token * tokens + attention_flops(
+    flops = run.task.flops_per_token * tokens + attention_flops(
         [seq_len] * state.dims.dp, info["num_layers"], info["query_width"]
     )
     world, peak = state.dims.world_size, peak_flops(device)

@@ -3,9 +3,15 @@
 Layout of one checkpoint, ``<dir>/step_00000100/``:
 
     dcp/                 model and optimizer state (torch.distributed.checkpoint), loadable at another world size
-    trainer.pt           rank 0: step counters, scheduler state, world/DP/SP/EP sizes, the resolved recipe
+    trainer.pt           rank 0: step counters, scheduler state, world/DP/SP/EP sizes, the resolved recipe and
+                         the model config (compared with the resuming run's, see `config_diff`)
     rank_00003.pt        per rank: RNG states (python, numpy, torch CPU, accelerator) and data-loader state
     COMPLETE             written last, atomically (write + rename), by rank 0 after every rank finished
+
+Loading is strict both ways: before any tensor is read, the checkpoint's tensor names and global shapes (DCP
+metadata) are compared with the model's and the optimizer's, and a difference is a `CheckpointMismatchError`
+listing it -- a checkpoint of a 4-layer model never silently fills 2 layers of another. Global shapes do not depend
+on the world size, so resharding onto another number of ranks (or EP degree) still loads.
 
 `latest_complete` only ever returns directories with ``COMPLETE``: a process killed during a save leaves an
 incomplete directory that is ignored (and pruned by the next successful save), and the previous checkpoint
@@ -45,6 +51,17 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
+# Config entries that describe how a model runs or where it came from, not what it is.
+RUNTIME_CONFIG_KEYS = frozenset(
+    {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache",
+     "output_attentions", "output_hidden_states", "return_dict", "output_router_logits",
+     "_attn_implementation", "_experts_implementation"}
+)  # fmt: skip
+SHOWN = 8  # names listed per kind of difference in an error
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not hold the state of the model (or optimizer) it is being loaded into."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -71,6 +88,85 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# ---------------------------------------------------------------- what a checkpoint holds
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``"key: saved X, now Y"`` for every config entry (nested sub-configs as dotted keys) that differs, leaving
+    out `RUNTIME_CONFIG_KEYS`; empty when the two configs describe the same model."""
+    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if key.rsplit(".", 1)[-1] in RUNTIME_CONFIG_KEYS:
+            continue
+        if key not in a:
+            lines.append(f"{key}: not in the checkpoint's config, now {b[key]!r}")
+        elif key not in b:
+            lines.append(f"{key}: saved {a[key]!r}, not in the current config")
+        elif a[key] != b[key]:
+            lines.append(f"{key}: saved {a[key]!r}, now {b[key]!r}")
+    return lines
+
+
+def _listing(names: list[str]) -> str:
+    more = f" ... and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
+    """Compare the tensors ``payload`` would load (names and global shapes) with what ``dcp_dir`` holds.
+
+    Raises:
+        CheckpointMismatchError: listing model tensors missing on either side and shape differences; only when
+            the model matches are optimizer differences reported (a new optimizer key is then the real story).
+    """
+    saved = {
+        key: tuple(md.size)
+        for key, md in dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata.items()
+        if hasattr(md, "size")
+    }
+    wanted = {k: tuple(v.shape) for k, v in _flatten(payload, "", {}).items() if isinstance(v, torch.Tensor)}
+    for namespace, what in (("model.", "model"), ("optim.state.", "optimizer state")):
+        mine = {k for k in wanted if k.startswith(namespace)}
+        theirs = {k for k in saved if k.startswith(namespace)}
+        problems = []
+        if missing := sorted(mine - theirs):
+            problems.append(f"{len(missing)} {what} tensors are not in the checkpoint: {_listing(missing)}")
+        if extra := sorted(theirs - mine):
+            problems.append(
+                f"the checkpoint holds {len(extra)} {what} tensors this run does not: {_listing(extra)}"
+            )
+        shapes = [f"{k} saved {list(saved[k])}, now {list(wanted[k])}" for k in sorted(mine & theirs)
+                  if saved[k] != wanted[k]]  # fmt: skip
+        if shapes:
+            problems.append(f"{len(shapes)} {what} tensors changed shape: {_listing(shapes)}")
+        if problems:
+            raise CheckpointMismatchError(
+                f"checkpoint {dcp_dir.parent} does not hold this run's {what}:\n  - "
+                + "\n  - ".join(problems)
+                + "\nIt was written by a different model or optimizer setup; resume it with the recipe it was "
+                "saved with (its recipe is in trainer.pt), or start fresh (another checkpoint.dir, or "
+                "checkpoint.resume=never)."
+            )
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Rank 0's ``trainer.pt`` of a complete checkpoint (step, schedule, data position, recipe, model config)."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    return torch.load(path / "trainer.pt", weights_only=False)
 
 
 # ---------------------------------------------------------------- RNG
@@ -266,6 +362,8 @@ class CheckpointManager:
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Restore model and optimizer in place from ``path`` (any world size); restore this rank's RNG.
 
+        Raises:
+            CheckpointMismatchError: the checkpoint's tensors are not this model's / optimizer's (nothing loaded).
         Returns:
             ``(trainer_state, rank_state)``; ``rank_state`` is None when the checkpoint has no file for this rank
             (a larger world than was saved) — the caller decides what to do with its data state.
@@ -274,7 +372,9 @@ class CheckpointManager:
         if not (path / MARKER).is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.load(_checkpoint_view(model, self.state, model_sd, optim_sd), checkpoint_id=path / "dcp")
+        payload = _checkpoint_view(model, self.state, model_sd, optim_sd)
+        check_payload_matches(path / "dcp", payload)
+        dcp.load(payload, checkpoint_id=path / "dcp")
         set_state_dict(
             model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
             options=StateDictOptions(strict=True),

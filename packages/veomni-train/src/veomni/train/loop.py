@@ -1,15 +1,9 @@
-"""The training loop as plain functions: distributed setup -> parallel state -> model -> optimizer -> data -> steps.
+"""The training loop as plain functions: distributed setup -> parallel state -> checks -> data -> model -> steps.
 
-`train(recipe)` runs a whole job; `build_run` and `train_step` are usable on their own (tests drive them).
-
-Loss bookkeeping per optimizer step (exact for any DP x SP x grad-accum; see `veomni.core.loss`): the step's
-valid-token count ``N`` over every micro-batch and DP rank is known from the data plan. Each micro-batch's
-forward gets ``num_items_in_batch = N``, so the model's loss is this rank's token-loss sum over ``N``; backward
-runs on that times the world size, because FSDP averages gradients over the world (dense) and veomni's expert
-units divide by the world too. The logged loss is the all-reduced sum: the exact global token mean.
-MoE load balancing: the model's aux loss is per micro-batch, so it is added with weight
-``coef / (grad_accum * dp)`` -- the mean over the step's micro-batches once FSDP has averaged over the world (the
-model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is the pure LM loss).
+`train(recipe)` runs a whole job; `build_run`, `veomni.train.step.train_step` and `veomni.train.step.evaluate`
+are usable on their own (tests and benchmarks drive them). What varies by model family -- inputs, loss, FLOPs,
+export -- is the run's `veomni.train.tasks.Task`; this module never looks at the model type. Everything that can
+be checked without the model (data, warmup, SP head layout, vocabulary) is checked before the model is built.
 """
 
 from __future__ import annotations
@@ -27,42 +21,42 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from veomni.core.clip import clip_grad_norm
-from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
+from veomni.core.fsdp import apply_activation_checkpointing
 from veomni.core.parallel_dims import ParallelDims
-from veomni.core.parallel_state import ParallelState, build_parallel_state, use_parallel_state
+from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.registry import MODELS
-from veomni.train.checkpoint import CheckpointManager, latest_complete
+from veomni.train.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatchError,
+    config_diff,
+    latest_complete,
+    read_trainer_state,
+)
 from veomni.train.data import (
     DataTopology,
     EvalData,
-    Step,
     TrainData,
     build_eval_data,
     build_train_data,
     load_tokenizer,
-    model_inputs,
     total_steps,
 )
-from veomni.train.metrics import (
-    Sinks,
-    StepMetrics,
-    active_matmul_params,
-    attention_flops,
-    console_line,
-    peak_flops,
-    peak_memory_gib,
-)
+from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_flops, peak_memory_gib
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
-from veomni.train.recipe import Recipe, save_recipe
+from veomni.train.preflight import check_sp_heads, check_vocab, check_warmup
+from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
+from veomni.train.step import evaluate, train_step
+from veomni.train.tasks import TASKS, Task, build_task, flops_per_token, query_width
 
 log = logging.getLogger("veomni.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Public names that moved to their own modules; kept importable from here.
+__all__ = ["Run", "build_recipe_model", "build_run", "evaluate", "flops_per_token", "meta_instance",
+           "model_config", "parallel_dims", "query_width", "setup_distributed", "train", "train_step"]  # fmt: skip
 
 
 # ---------------------------------------------------------------- distributed setup
@@ -116,35 +110,37 @@ class Run:
     recipe: Recipe
     state: ParallelState
     device: torch.device
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_data: TrainData
+    train_data: TrainData | None
     eval_data: EvalData | None
-    checkpoints: CheckpointManager
+    checkpoints: CheckpointManager | None
     total_steps: int
-    aux_loss_coef: float
-    flops_per_token: float
+    task: Task
+    config: PretrainedConfig | None = None
     step: int = 0
+    skipped_steps: int = 0
+    resumed_from: Path | None = None
 
 
-def model_config(recipe: Recipe) -> PretrainedConfig | str:
-    """The recipe's model config: an inline mapping (with model_type), a path, or the weights' config."""
+def model_config(recipe: Recipe) -> PretrainedConfig:
+    """The recipe's model config, resolved: an inline mapping (with model_type), a path, or the weights' config."""
     config = recipe.model.config
     if isinstance(config, dict):
         values = dict(config)
         model_type = values.pop("model_type")
         return AutoConfig.for_model(model_type, **values)
-    return config if config is not None else recipe.model.weights
+    return MODELS.load_config(config if config is not None else recipe.model.weights)
 
 
-def meta_instance(config: PretrainedConfig | str) -> nn.Module:
-    """The model class veomni builds for ``config``, on the meta device (no memory): for block patterns and
-    parameter counts, which the sharded model no longer shows whole."""
+def meta_instance(config: PretrainedConfig | str, task: str = "causal_lm") -> nn.Module:
+    """The model class veomni builds for ``config`` and registry ``task``, on the meta device (no memory): for
+    block patterns and parameter counts, which the sharded model no longer shows whole."""
     loaded = MODELS.load_config(config)
     with torch.device("meta"):
-        return MODELS.model_class(loaded, "causal_lm").cls._from_config(loaded)
+        return MODELS.model_class(loaded, task).cls._from_config(loaded)
 
 
 def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dtype: torch.dtype) -> Any:
@@ -168,11 +164,14 @@ def build_recipe_model(
     cast). ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
+    task = TASKS[recipe.model.task].model_task
     if state.dims.world_size == 1 and dtype == param_dtype:
         # One rank and nothing to cast: FSDP2 would only add per-block hooks and parameter copies (42% of the
         # step time of Qwen3-1.7B on one H100, docs/benchmarks.md), so the model stays a plain module.
         log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
-        model = build_model(config, weights=recipe.model.weights, ops=ops, dtype=param_dtype, device=device)
+        model = build_model(
+            config, weights=recipe.model.weights, ops=ops, dtype=param_dtype, device=device, task=task
+        )
         if policy.activation_checkpointing:
             apply_activation_checkpointing(model, policy.block_patterns)
         return model
@@ -183,36 +182,54 @@ def build_recipe_model(
         parallel_state=state,
         dtype=param_dtype,
         fsdp_policy=policy,
+        task=task,
     )
 
 
+def hand_aux_loss_to_loop(model: nn.Module) -> None:
+    """Zero the model's own MoE aux-loss coefficient: the loop adds the aux term itself, scaled per micro-batch
+    (`veomni.train.step`), so the model's returned loss must be the pure LM loss."""
+    if hasattr(model, "router_aux_loss_coef"):
+        model.router_aux_loss_coef = 0.0
+
+
+def _hardware(device: torch.device) -> Hardware:
+    # Kernels are validated against the device we train on (train.device=cpu on a GPU machine: CPU kernels).
+    hardware = detect_hardware()
+    if hardware.device_type != device.type:
+        hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
+    return hardware
+
+
 def build_run(recipe: Recipe) -> Run:
-    """Set up distributed state, model, optimizer, schedule, data and checkpoints; resume when asked."""
+    """Set up distributed state, check everything checkable, build data, model, optimizer, schedule and
+    checkpoints; resume when asked."""
     device = setup_distributed(recipe.train.device)
     torch.manual_seed(recipe.train.seed)
     state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
     tokenizer = load_tokenizer(recipe.model.tokenizer_path)
     config = model_config(recipe)
-    # Kernels are validated against the device we train on (train.device=cpu on a GPU machine: CPU kernels).
-    hardware = detect_hardware()
-    if hardware.device_type != device.type:
-        hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
-    ops = recipe.ops.to_ops_config(hardware=hardware)
-    probe = meta_instance(config)
-    model = build_recipe_model(recipe, config, probe, ops, state, device)
-    aux_coef = float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
-    if hasattr(model, "router_aux_loss_coef"):
-        model.router_aux_loss_coef = 0.0  # the loop adds the aux term itself, scaled per micro-batch
-    optimizer = build_adamw(
-        model, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
-        weight_decay=recipe.optim.weight_decay,
-    )  # fmt: skip
+    check_vocab(tokenizer, config, recipe.model.tokenizer_path)
+    check_sp_heads(config, state.dims.sp)
+    ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     topology = DataTopology.from_parallel_state(state)
     # Tokenising the index is split over all ranks (each then holds the whole index).
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
     train_data = build_train_data(recipe, tokenizer, topology, group=group, pin_memory=device.type == "cuda")
     eval_data = build_eval_data(recipe, tokenizer, topology, group=group, pin_memory=device.type == "cuda")
     steps = total_steps(recipe, train_data)
+    check_warmup(recipe.optim.warmup_steps, steps)
+
+    probe = meta_instance(config, TASKS[recipe.model.task].model_task)
+    task = build_task(recipe.model.task, probe)
+    # The initialisation depends on the seed alone, not on what building the data drew from the RNG.
+    torch.manual_seed(recipe.train.seed)
+    model = build_recipe_model(recipe, config, probe, ops, state, device)
+    hand_aux_loss_to_loop(model)
+    optimizer = build_adamw(
+        model, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
+        weight_decay=recipe.optim.weight_decay,
+    )  # fmt: skip
     schedule = Schedule(
         kind=recipe.optim.schedule, warmup_steps=recipe.optim.warmup_steps, total_steps=steps,
         min_lr_ratio=recipe.optim.min_lr_ratio,
@@ -225,19 +242,34 @@ def build_run(recipe: Recipe) -> Run:
     run = Run(
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
-        total_steps=steps, aux_loss_coef=aux_coef, flops_per_token=flops_per_token(probe),
+        total_steps=steps, task=task, config=config,
     )  # fmt: skip
     _maybe_resume(run)
     return run
 
 
-def flops_per_token(probe: nn.Module) -> float:
-    """``6 * N_active``: matmul FLOPs per trained token (the attention term is added per step)."""
-    cfg = probe.config
-    experts = getattr(cfg, "num_experts", None)
-    fraction = cfg.num_experts_per_tok / experts if experts else 1.0
-    expert_names = [n for n, _ in probe.named_parameters() if ".experts." in n]
-    return 6.0 * active_matmul_params(probe, expert_names, fraction)
+def _check_resumable(run: Run, path: Path, trainer_state: dict[str, Any]) -> None:
+    # The saved model config must describe this run's model; the tensors themselves are compared by the
+    # checkpoint manager before anything is read.
+    saved_config = trainer_state.get("model_config")
+    if saved_config is None:
+        log.warning("%s records no model config (an older checkpoint): only its tensors are compared", path)
+    elif diff := config_diff(saved_config, run.config.to_dict()):
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was saved by another model; its config differs from this run's:\n  - "
+            + "\n  - ".join(diff)
+            + "\nResume it with the recipe it was saved with, or start fresh (another checkpoint.dir, or "
+            "checkpoint.resume=never)."
+        )
+    saved_model = (trainer_state.get("recipe") or {}).get("model")
+    if saved_model is not None:
+        now = recipe_to_dict(run.recipe)["model"]
+        changed = [f"model.{k}: saved {saved_model.get(k)!r}, now {now[k]!r}" for k in now
+                   if k != "config" and saved_model.get(k) != now[k]]  # fmt: skip
+        if changed:
+            log.warning(
+                "resuming %s with a changed model section (same model, so allowed): %s", path, changed
+            )
 
 
 def _maybe_resume(run: Run) -> None:
@@ -248,9 +280,11 @@ def _maybe_resume(run: Run) -> None:
     if path is None:
         log.info("resume=auto: no complete checkpoint under %s; starting fresh", run.recipe.checkpoint.dir)
         return
+    _check_resumable(run, path, read_trainer_state(path))
     trainer_state, rank_state = run.checkpoints.load(path, run.model, run.optimizer)
     run.scheduler.load_state_dict(trainer_state["scheduler"])
     run.step = int(trainer_state["step"])
+    run.skipped_steps = int(trainer_state.get("skipped_steps", 0))
     # The data position is global (epoch, cursor), so it resumes at any DP size; see docs/train.md.
     run.train_data.load_state_dict(trainer_state["data"])
     if trainer_state["world_size"] != dist.get_world_size():
@@ -260,75 +294,8 @@ def _maybe_resume(run: Run) -> None:
             path, trainer_state["world_size"], dist.get_world_size(),
             "were restored" if rank_state is not None else "start fresh on ranks that did not exist",
         )  # fmt: skip
+    run.resumed_from = path
     log.info("resumed from %s at step %d", path, run.step)
-
-
-# ---------------------------------------------------------------- one step
-
-
-def _forward_backward(
-    run: Run, batch: dict[str, Any], num_items: torch.Tensor, grad_accum: int
-) -> torch.Tensor:
-    inputs = model_inputs(batch, run.device)
-    labels = batch["labels"].to(run.device, non_blocking=True)
-    extra = {"output_router_logits": True} if run.aux_loss_coef else {}
-    with use_parallel_state(run.state):
-        # No KV cache in training: HF would otherwise fill one per forward (memory), and a checkpointed layer's
-        # recomputation would append its keys a second time.
-        out = run.model(**inputs, shift_labels=labels, num_items_in_batch=num_items, use_cache=False, **extra)
-    loss = out.loss
-    objective = loss
-    if run.aux_loss_coef and out.aux_loss is not None:
-        # The step's aux loss is the mean over its grad_accum * dp micro-batches (an SP group's ranks each hold
-        # a share of their micro-batch's value; see router_aux_loss).
-        objective = objective + run.aux_loss_coef * out.aux_loss / (grad_accum * run.state.dims.dp)
-    # FSDP averages gradients over the world; the objective is a sum over ranks (veomni.core.loss).
-    (objective * run.state.dims.world_size).backward()
-    return loss.detach()
-
-
-def train_step(run: Run, step: Step) -> dict[str, float]:
-    """One optimizer step over ``step.micro_batches``; returns loss, grad_norm and lr (identical on all ranks)."""
-    grad_accum = len(step.micro_batches)
-    num_items = torch.tensor(step.valid_tokens, device=run.device, dtype=torch.float32)
-    loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
-    for i, batch in enumerate(step.micro_batches):
-        if isinstance(run.model, FSDPModule):
-            set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
-        loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
-    max_norm = run.recipe.optim.max_grad_norm
-    grad_norm = clip_grad_norm(run.model, max_norm if max_norm is not None else math.inf, run.state)
-    lr = run.scheduler.get_last_lr()[0]
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum, group=run.state.loss_group)
-    run.step = step.step + 1
-    return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
-
-
-@torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Mean token loss and perplexity over the eval data (every rank must call it)."""
-    assert run.eval_data is not None
-    run.model.eval()
-    totals = torch.zeros(2, device=run.device, dtype=torch.float64)
-    for batch in run.eval_data:
-        inputs = model_inputs(batch, run.device)
-        labels = batch["labels"].to(run.device)
-        count = (labels != -100).sum()
-        with use_parallel_state(run.state):
-            out = run.model(
-                **inputs,
-                shift_labels=labels,
-                num_items_in_batch=torch.ones((), device=run.device),
-                use_cache=False,
-            )
-        totals += torch.stack([out.loss.double(), count.double()])
-    dist.all_reduce(totals, group=run.state.loss_group)
-    run.model.train()
-    loss = float(totals[0] / totals[1].clamp(min=1))
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
 # ---------------------------------------------------------------- the job
@@ -340,19 +307,16 @@ def _save(run: Run) -> None:
         trainer_state={
             "step": run.step, "scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
             "world_size": dist.get_world_size(), "dims": attrs.asdict(run.state.dims),
+            "skipped_steps": run.skipped_steps, "recipe": recipe_to_dict(run.recipe),
+            "model_config": run.config.to_dict(),
         },
         rank_state={},
     )  # fmt: skip
 
 
 def _export(run: Run, name: str) -> Path:
-    from veomni.models.export import export_hf
-
     out = Path(run.recipe.checkpoint.dir) / name
-    export_hf(run.model, out, parallel_state=run.state)
-    if dist.get_rank() == 0:
-        run.tokenizer.save_pretrained(out)
-    dist.barrier()
+    run.task.export(run.model, out, run.tokenizer, run.state)
     return out
 
 
@@ -362,25 +326,28 @@ def train(
     """Run the job the recipe describes. Returns the per-step losses, eval results and output paths."""
     run = build_run(recipe)
     rank0 = dist.get_rank() == 0
+    # One JSON line per step (appended, so a resumed run continues the same file): the run's loss curve.
+    metrics_file = Path(recipe.checkpoint.dir) / "metrics.jsonl"
     if rank0:
         Path(recipe.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         save_recipe(recipe, Path(recipe.checkpoint.dir) / "recipe.yaml")
         log.info(
-            "training %d steps (%s); data: %s", run.total_steps, run.state.dims, run.train_data.summary()
-        )
+            "training %d steps (%s, task %s); data: %s",
+            run.total_steps, run.state.dims, run.task.name, run.train_data.summary(),
+        )  # fmt: skip
+        if run.resumed_from is not None:
+            # Lines after this marker supersede any with a step above it (those steps are trained again).
+            _append_jsonl(metrics_file, {"resumed_from": str(run.resumed_from), "step": run.step})
     sinks = Sinks(
         tensorboard_dir=recipe.log.tensorboard_dir if rank0 else None,
         wandb_project=recipe.log.wandb_project if rank0 else None, run_name=Path(recipe.checkpoint.dir).name,
         config={},
     )  # fmt: skip
-    history: dict[str, Any] = {"loss": [], "eval": [], "exports": []}
-    # One JSON line per step (appended, so a resumed run continues the same file): the run's loss curve.
-    metrics_file = Path(recipe.checkpoint.dir) / "metrics.jsonl"
+    history: dict[str, Any] = {"loss": [], "eval": [], "exports": [], "skipped": []}
     peak = peak_flops(run.device)
     progress = _progress(run, rank0)
     window: list[tuple[dict[str, float], float, float, int, float]] = []
     data_iter = iter(run.train_data)
-    q_width = query_width(run.model.config)
     while run.step < run.total_steps:
         t0 = time.perf_counter()
         step = next(data_iter)
@@ -389,16 +356,18 @@ def train(
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         elapsed = time.perf_counter() - t0
-        flops = run.flops_per_token * step.tokens + attention_flops(
-            _sample_lengths(step), run.model.config.num_hidden_layers, q_width
-        )
-        window.append((stats, elapsed, t_data, step.tokens, flops))
-        history["loss"].append(stats["loss"])
+        skipped = bool(stats.pop("skipped"))
+        window.append((stats, elapsed, t_data, step.tokens, 0.0 if skipped else run.task.step_flops(step)))
+        if skipped:
+            history["skipped"].append(run.step)
+        else:
+            history["loss"].append(stats["loss"])
         if rank0:
-            _append_jsonl(
-                metrics_file, {"step": run.step, **stats, "tokens": step.tokens, "seconds": elapsed}
+            record = (
+                {"step": run.step, "skipped": "no trained token"} if skipped else {"step": run.step, **stats}
             )
-        if on_step is not None:
+            _append_jsonl(metrics_file, {**record, "tokens": step.tokens, "seconds": elapsed})
+        if on_step is not None and not skipped:
             on_step(run.step, stats)
         if progress is not None:
             progress.update(1)
@@ -426,6 +395,11 @@ def train(
             history["exports"].append(str(_export(run, f"hf_step_{run.step:08d}")))
     if progress is not None:
         progress.close()
+    if run.skipped_steps and rank0:
+        log.warning(
+            "%d of %d steps held no trained token and were skipped (no optimizer or schedule step)",
+            run.skipped_steps, run.total_steps,
+        )  # fmt: skip
     if recipe.checkpoint.save_final:
         _save(run)
     run.checkpoints.wait()
@@ -440,20 +414,6 @@ def train(
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _sample_lengths(step: Step) -> list[int]:
-    lengths: list[int] = []
-    for batch in step.micro_batches:
-        cu = batch["cu_seqlens"].tolist()
-        lengths.extend(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
-    return lengths
-
-
-def query_width(config: PretrainedConfig) -> int:
-    """Heads x head size of the attention queries (the width in the attention FLOPs term)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads * head_dim
 
 
 def _progress(run: Run, rank0: bool):
@@ -474,18 +434,22 @@ def _write(progress, line: str) -> None:
 
 
 def _log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progress) -> None:
-    if not window:
+    trained = [w for w in window if not math.isnan(w[0]["loss"])]
+    skipped = len(window) - len(trained)
+    if not trained:
+        if skipped and dist.get_rank() == 0 and run.recipe.log.console:
+            _write(progress, f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token)")
         return
     world = run.state.dims.world_size
     seconds = sum(w[1] for w in window)
-    tokens = sum(w[3] for w in window)
-    flops = sum(w[4] for w in window)
-    last = window[-1][0]
+    tokens = sum(w[3] for w in trained)
+    flops = sum(w[4] for w in trained)
+    last = trained[-1][0]
     metrics = StepMetrics(
-        step=run.step, total_steps=run.total_steps, loss=sum(w[0]["loss"] for w in window) / len(window),
+        step=run.step, total_steps=run.total_steps, loss=sum(w[0]["loss"] for w in trained) / len(trained),
         grad_norm=last["grad_norm"], lr=last["lr"], tokens_per_s_per_device=tokens / seconds / world,
         mfu=(flops / seconds / world / peak) if peak else None, peak_memory_gib=peak_memory_gib(run.device),
-        data_wait_fraction=sum(w[2] for w in window) / seconds,
+        data_wait_fraction=sum(w[2] for w in window) / seconds, skipped=skipped,
     )  # fmt: skip
     if dist.get_rank() == 0:
         if run.recipe.log.console:

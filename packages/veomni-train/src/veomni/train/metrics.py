@@ -89,6 +89,7 @@ class StepMetrics:
     mfu: float | None
     peak_memory_gib: float | None
     data_wait_fraction: float
+    skipped: int = 0
 
 
 def console_line(m: StepMetrics) -> str:
@@ -103,6 +104,8 @@ def console_line(m: StepMetrics) -> str:
         f"mem {m.peak_memory_gib:.1f} GiB" if m.peak_memory_gib is not None else "mem n/a",
         f"data {m.data_wait_fraction * 100:.1f}%",
     ]
+    if m.skipped:
+        parts.append(f"skipped {m.skipped} (no trained token)")
     return " | ".join(parts)
 
 

@@ -68,6 +68,11 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
+    task: Literal["text"] = _field(
+        "text",
+        "training task: text (causal language modelling on packed documents); it decides the model class, the "
+        "inputs, the loss, the FLOPs and the export",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "bfloat16", "compute dtype of the forward and backward"
     )

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from veomni.train.data.encode import Encoder, build_encoder
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
 from veomni.train.data.plan import DatasetIndex, index_dataset
-from veomni.train.data.sources import RowSource
+from veomni.train.data.sources import DataError, RowSource
 from veomni.train.recipe import DataSection, Recipe
+
+log = logging.getLogger(__name__)
 
 
 def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encoder:
@@ -55,6 +59,24 @@ def index_files(
     return source, index
 
 
+def check_trained_tokens(source: RowSource, index: DatasetIndex, files: Sequence[str], what: str) -> None:
+    """Data whose every label is masked trains nothing: a `DataError` naming the files. Files holding no row or
+    no trained token beside others that do are named in a warning."""
+    starts = np.cumsum([0] + [len(f) for f in source.files]).tolist()
+    spans = list(zip(starts[:-1], starts[1:], strict=True))
+    per_file = [int(index.trained[a:b].sum()) for a, b in spans]
+    if sum(per_file) == 0:
+        raise DataError(
+            f"{what}: no trained token in {list(files)} ({index.num_rows} rows, {index.total_tokens} tokens, every "
+            "label masked); check data.kind, data.assistant_only_loss and the rows' loss-mask field"
+        )
+    for path, trained, (a, b) in zip(files, per_file, spans, strict=True):
+        if b == a:
+            log.warning("%s: %s holds no row", what, path)
+        elif trained == 0:
+            log.warning("%s: %s holds %d rows but no trained token (every label masked)", what, path, b - a)
+
+
 def build_train_data(
     recipe: Recipe,
     tokenizer: PreTrainedTokenizerBase,
@@ -67,6 +89,7 @@ def build_train_data(
     when ``group`` is given)."""
     encoder = encoder_for(recipe.data, tokenizer)
     source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group)
+    check_trained_tokens(source, index, recipe.data.train_files, "data.train_files")
     return TrainData(
         source,
         encoder,
@@ -97,6 +120,7 @@ def build_eval_data(
         return None
     encoder = encoder_for(recipe.data, tokenizer)
     source, index = index_files(recipe.data, recipe.data.eval_files, encoder, group=group)
+    check_trained_tokens(source, index, recipe.data.eval_files, "data.eval_files")
     return EvalData(
         source,
         encoder,

@@ -1,0 +1,53 @@
+"""Checks that need no model: run before the (possibly minutes-long) model build, so a bad recipe fails at once.
+
+Each raises `PreflightError` naming what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from veomni.core.sp.attention import kv_repeats_for_sp
+
+
+class PreflightError(ValueError):
+    """A recipe, its data or its model config cannot make a sensible run."""
+
+
+def check_warmup(warmup_steps: int, total_steps: int) -> None:
+    """The warmup must fit in the run (a longer one never reaches the peak learning rate)."""
+    if warmup_steps > total_steps:
+        raise PreflightError(
+            f"optim.warmup_steps={warmup_steps} is longer than the run ({total_steps} steps): the learning rate "
+            "would never reach optim.lr; lower the warmup or train longer"
+        )
+
+
+def check_sp_heads(config: PretrainedConfig, sp: int) -> None:
+    """Ulysses SP splits attention heads over ``sp`` ranks: the language model's head counts must allow it."""
+    if sp == 1:
+        return
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    try:
+        kv_repeats_for_sp(heads, kv_heads, sp)
+    except ValueError as err:
+        raise PreflightError(
+            f"parallel.sp={sp} does not fit the model ({type(config).__name__}): {err}"
+        ) from None
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, tokenizer_path: str) -> None:
+    """Every token id the tokenizer can produce must have an embedding row."""
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if vocab is None:
+        return
+    needed = len(tokenizer)
+    if needed > int(vocab):
+        raise PreflightError(
+            f"the tokenizer at {tokenizer_path} has {needed} tokens (ids up to {needed - 1}) but the model's "
+            f"vocab_size is {vocab}: ids >= {vocab} would index past the embedding; use a config with "
+            f"vocab_size >= {needed} or the model's own tokenizer"
+        )

@@ -1,0 +1,99 @@
+"""One optimizer step and one evaluation pass, on whatever `veomni.train.tasks.Task` the run trains.
+
+Loss bookkeeping per optimizer step (exact for any DP x SP x grad-accum; see `veomni.core.loss`): the step's
+trained-token count ``N`` over every micro-batch and DP rank is known from the data plan. Each micro-batch's
+forward gets ``num_items_in_batch = N``, so the model's loss is this rank's token-loss sum over ``N``; backward
+runs on that times the world size, because FSDP averages gradients over the world (dense) and veomni's expert
+units divide by the world too. The logged loss is the all-reduced sum: the exact global token mean.
+MoE load balancing: the model's aux loss is per micro-batch, so it is added with weight
+``coef / (grad_accum * dp)`` -- the mean over the step's micro-batches once FSDP has averaged over the world (the
+model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is the pure LM loss).
+
+A step whose data holds no trained token (every label masked, possible in mixed data) has no loss to normalise:
+it runs no forward, leaves the optimizer and the learning-rate schedule where they are, and is reported as
+skipped. ``N`` is global, so every rank skips the same steps and no collective is left waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from veomni.core.clip import clip_grad_norm
+from veomni.core.fsdp import set_grad_sync
+from veomni.core.parallel_state import use_parallel_state
+from veomni.train.data import Step
+
+if TYPE_CHECKING:
+    from veomni.train.loop import Run
+
+
+def _forward_backward(
+    run: Run, batch: dict[str, Any], num_items: torch.Tensor, grad_accum: int
+) -> torch.Tensor:
+    kwargs = run.task.model_kwargs(batch, run.device, num_items)
+    with use_parallel_state(run.state):
+        outputs = run.model(**kwargs)
+    # The step's aux loss is the mean over its grad_accum * dp micro-batches (an SP group's ranks each hold a
+    # share of their micro-batch's value; see router_aux_loss).
+    loss, objective = run.task.loss(outputs, 1.0 / (grad_accum * run.state.dims.dp))
+    # FSDP averages gradients over the world; the objective is a sum over ranks (veomni.core.loss).
+    (objective * run.state.dims.world_size).backward()
+    return loss.detach()
+
+
+def train_step(run: Run, step: Step) -> dict[str, float]:
+    """One optimizer step over ``step.micro_batches``.
+
+    Returns:
+        ``loss``, ``grad_norm``, ``lr`` (identical on all ranks) and ``skipped`` (1.0 when the step held no trained
+        token and so changed nothing; loss and grad norm are then NaN and never averaged into a log line).
+    """
+    run.step = step.step + 1
+    if step.valid_tokens == 0:
+        run.skipped_steps += 1
+        return {"loss": math.nan, "grad_norm": math.nan, "lr": run.scheduler.get_last_lr()[0], "skipped": 1.0}
+    grad_accum = len(step.micro_batches)
+    num_items = torch.tensor(step.valid_tokens, device=run.device, dtype=torch.float32)
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
+    for i, batch in enumerate(step.micro_batches):
+        if isinstance(run.model, FSDPModule):
+            set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
+        loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
+    max_norm = run.recipe.optim.max_grad_norm
+    grad_norm = clip_grad_norm(run.model, max_norm if max_norm is not None else math.inf, run.state)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum, group=run.state.loss_group)
+    return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0}
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Mean token loss and perplexity over the eval data (every rank must call it)."""
+    assert run.eval_data is not None
+    run.model.eval()
+    totals = torch.zeros(2, device=run.device, dtype=torch.float64)
+    one = torch.ones((), device=run.device)
+    for batch in run.eval_data:
+        kwargs = run.task.model_kwargs(batch, run.device, one)
+        kwargs.pop("output_router_logits", None)
+        with use_parallel_state(run.state):
+            outputs = run.model(**kwargs)
+        count = run.task.trained_tokens(batch).to(run.device)
+        totals += torch.stack([outputs.loss.double(), count.double()])
+    dist.all_reduce(totals, group=run.state.loss_group)
+    run.model.train()
+    if float(totals[1]) == 0:
+        raise ValueError(
+            f"evaluation: data.eval_files {list(run.recipe.data.eval_files)} hold no trained token (every label "
+            "is masked), so there is no loss to report"
+        )
+    loss = float(totals[0] / totals[1])
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

@@ -1,0 +1,174 @@
+"""Training tasks: what the loop asks of a model family, so that the loop itself never branches on model type.
+
+A task turns a packed batch into the model's keyword arguments, the model's outputs into the loss the loop
+back-propagates, a step into its FLOPs, and a finished model into an export. ``text`` (causal language modelling
+on packed documents) is the first; vision-language, omni and diffusion tasks implement the same protocol.
+
+Everything read from the model config goes through ``config.get_text_config()``: a composite model (a VLM, an
+omni thinker) keeps its language model's settings -- layers, heads, MoE router coefficient -- in a sub-config,
+and reading them from the root would silently drop them (the aux loss coefficient of a VLM-MoE, say).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig
+
+from veomni.core.parallel_state import ParallelState
+from veomni.train.data import Step, model_inputs
+from veomni.train.metrics import active_matmul_params, attention_flops
+
+IGNORE_INDEX = -100
+
+
+class Task(Protocol):
+    """The seams of one training task (see the module docstring).
+
+    Attributes:
+        name: the recipe's ``model.task`` value.
+        model_task: the registry task whose class is built (``causal_lm``, ``image_text_to_text``, ...).
+        aux_loss_coef: weight of the model's auxiliary (MoE load-balancing) loss; 0 when it has none.
+    """
+
+    name: str
+    model_task: str
+    aux_loss_coef: float
+
+    def model_kwargs(
+        self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> dict[str, Any]:
+        """The keyword arguments of ``model(**kwargs)`` for one micro-batch; ``num_items`` (0-d float32) is the
+        loss normaliser: the model returns its token-loss sum over it."""
+        ...
+
+    def trained_tokens(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Trained positions of one micro-batch on this rank, a 0-d int64 tensor (evaluation's denominator)."""
+        ...
+
+    def loss(self, outputs: Any, aux_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(reported, objective)`` from the model's outputs: the 0-d loss that is logged, and the 0-d term that
+        is back-propagated (the reported loss plus ``aux_loss_coef * aux_scale`` times the auxiliary loss)."""
+        ...
+
+    def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
+        """Write the trained model to ``out`` in its upstream format (every rank calls it)."""
+        ...
+
+    def step_flops(self, step: Step) -> float:
+        """Useful training FLOPs of a whole step over all ranks (the MFU numerator, `veomni.train.metrics`)."""
+        ...
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: ``config.get_text_config()`` (the root itself for a plain LM)."""
+    return config.get_text_config()
+
+
+def query_width(config: PretrainedConfig) -> int:
+    """Heads x head size of the language model's attention queries (the width in the attention FLOPs term)."""
+    text = text_config(config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_attention_heads * head_dim
+
+
+def flops_per_token(probe: nn.Module) -> float:
+    """``6 * N_active``: matmul FLOPs per trained token of ``probe`` (an unsharded or meta instance); routed
+    expert weights count ``top_k / E`` of their size."""
+    text = text_config(probe.config)
+    experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None)
+    fraction = text.num_experts_per_tok / experts if experts else 1.0
+    expert_names = [n for n, _ in probe.named_parameters() if ".experts." in n]
+    return 6.0 * active_matmul_params(probe, expert_names, fraction)
+
+
+def sample_lengths(step: Step) -> list[int]:
+    """Lengths of the packed samples of ``step``'s micro-batches on this rank (from their ``cu_seqlens``)."""
+    lengths: list[int] = []
+    for batch in step.micro_batches:
+        cu = batch["cu_seqlens"].tolist()
+        lengths.extend(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
+    return lengths
+
+
+@attrs.frozen(kw_only=True)
+class TextTask:
+    """Causal language modelling on packed documents (labels pre-shifted per document by the collator).
+
+    Attributes:
+        flops_per_token: `flops_per_token` of the model.
+        num_layers: decoder layers (attention FLOPs term).
+        query_width: `query_width` of the model.
+        aux_loss_coef: the model's ``router_aux_loss_coef`` (0 without one); the loop adds the aux term.
+    """
+
+    flops_per_token: float
+    num_layers: int
+    query_width: int
+    aux_loss_coef: float = 0.0
+    name: ClassVar[str] = "text"
+    model_task: ClassVar[str] = "causal_lm"
+
+    @classmethod
+    def for_model(cls, probe: nn.Module) -> TextTask:
+        """The task for ``probe`` (a meta instance of the model class that will be trained)."""
+        text = text_config(probe.config)
+        return cls(
+            flops_per_token=flops_per_token(probe),
+            num_layers=int(text.num_hidden_layers),
+            query_width=query_width(probe.config),
+            aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
+        )
+
+    def model_kwargs(
+        self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> dict[str, Any]:
+        kwargs = model_inputs(dict(batch), device)
+        kwargs["shift_labels"] = batch["labels"].to(device, non_blocking=True)
+        kwargs["num_items_in_batch"] = num_items
+        # No KV cache in training: HF would otherwise fill one per forward (memory), and a checkpointed layer's
+        # recomputation would append its keys a second time.
+        kwargs["use_cache"] = False
+        if self.aux_loss_coef:
+            kwargs["output_router_logits"] = True
+        return kwargs
+
+    def trained_tokens(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def loss(self, outputs: Any, aux_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = outputs.loss
+        aux = getattr(outputs, "aux_loss", None)
+        if self.aux_loss_coef and aux is not None:
+            return loss, loss + self.aux_loss_coef * aux_scale * aux
+        return loss, loss
+
+    def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
+        from veomni.models.export import export_hf
+
+        export_hf(model, out, parallel_state=parallel_state)
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(out)
+        dist.barrier()
+
+    def step_flops(self, step: Step) -> float:
+        return self.flops_per_token * step.tokens + attention_flops(
+            sample_lengths(step), self.num_layers, self.query_width
+        )
+
+
+TASKS = {"text": TextTask}
+"""Recipe ``model.task`` name -> task class (each has ``for_model(probe)``)."""
+
+
+def build_task(name: str, probe: nn.Module) -> Task:
+    """The task ``name`` for the model ``probe`` (a meta instance); an unknown name lists the known ones."""
+    if name not in TASKS:
+        raise ValueError(f"model.task: expected one of {sorted(TASKS)}, found {name!r}")
+    return TASKS[name].for_model(probe)
