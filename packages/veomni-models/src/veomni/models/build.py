@@ -129,7 +129,9 @@ def build_model(
         expert_plan: overrides the model's ``get_parallel_plan()`` under EP.
         load_mode: ``"sharded"`` or ``"rank0_broadcast"`` (see `load_weights`).
         ignore_unexpected: regexes of checkpoint keys that may be skipped.
-        config_overrides: config attributes to set before construction.
+        config_overrides: config attributes to set before construction; every key is checked against the
+            config class (an unknown key is an error with did-you-mean suggestions; ``text_config`` mappings or
+            dotted ``text_config.x`` keys for composite configs), see `veomni.models.registry.check_config_keys`.
         device: the compute device without ``parallel_state`` (default: ``init_device``, or CPU for meta).
         registry: where model types are resolved (default `MODELS`).
     Returns:

@@ -15,11 +15,14 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import attrs
 from transformers import AutoConfig, PretrainedConfig
+
+from veomni.models import config_keys
+from veomni.models.config_keys import apply_config_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -157,25 +160,29 @@ class ModelRegistry:
     ) -> PretrainedConfig:
         """A config from an object (copied) or a directory / ``config.json``, with ``overrides`` applied.
 
-        The class is the registered one for its ``model_type``, else transformers' ``AutoConfig``.
+        The class is the registered one for its ``model_type``, else transformers' ``AutoConfig``. Override keys
+        are checked first (`check_config_keys`, stage ``"override"``): an unknown key is an error with the
+        closest accepted keys, never an attribute nothing reads. A mapping or a dotted key under a sub-config
+        key (``text_config.num_hidden_layers``) sets that sub-config's attributes.
         """
         if isinstance(config_or_path, PretrainedConfig):
             config = copy.deepcopy(config_or_path)
-            for key, value in overrides.items():
-                setattr(config, key, value)
-            return config
-        path = Path(config_or_path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        raw = json.loads(file.read_text())
-        model_type = raw.get("model_type")
-        if not model_type:
-            raise ValueError(f"{file} has no 'model_type'; cannot tell which model it configures")
-        cls = self.config_class(model_type)
-        if cls is None:
-            return AutoConfig.from_pretrained(str(file.parent), **overrides)
-        return cls.from_pretrained(str(file.parent), **overrides)
+        else:
+            path = Path(config_or_path)
+            file = path / "config.json" if path.is_dir() else path
+            if not file.is_file():
+                raise FileNotFoundError(f"no config.json at {path}")
+            raw = json.loads(file.read_text())
+            model_type = raw.get("model_type")
+            if not model_type:
+                raise ValueError(f"{file} has no 'model_type'; cannot tell which model it configures")
+            cls = self.config_class(model_type)
+            loader = AutoConfig if cls is None else cls
+            config = loader.from_pretrained(str(file.parent))
+        if overrides:
+            check_config_keys(config, overrides, "config overrides", stage="override")
+            apply_config_overrides(config, overrides)
+        return config
 
     def model_class(self, config: PretrainedConfig, task: str = "causal_lm") -> ResolvedModel:
         """The modeling class for ``config.model_type`` and ``task``.
@@ -235,6 +242,42 @@ class ModelRegistry:
             "processor %r is not registered with veomni: using transformers.%s", class_name, class_name
         )
         return cls
+
+
+def check_config_keys(
+    config: str | type[PretrainedConfig] | PretrainedConfig,
+    keys: Mapping[str, object] | Iterable[str],
+    where: str,
+    *,
+    stage: config_keys.Stage = "init",
+    registry: ModelRegistry | None = None,
+) -> None:
+    """Raise a ValueError naming every key that ``config``'s class does not read, with did-you-mean suggestions.
+
+    Args:
+        config: a ``model_type`` (its registered config class, else transformers' ``CONFIG_MAPPING``), a config
+            class, or a config.
+        keys: a mapping (nested mappings under sub-config keys such as ``text_config`` are checked against the
+            sub-config class) or key names (dotted names address sub-configs).
+        where: the source, for the message (``"model.config"``).
+        stage: ``"init"`` for a mapping the config will be constructed from (``AutoConfig.for_model(type,
+            **mapping)``), ``"override"`` for attributes set on a built config (`ModelRegistry.load_config`).
+        registry: where ``model_type`` is looked up (default `MODELS`).
+    """
+    if isinstance(config, str):
+        registry = MODELS if registry is None else registry
+        cls = registry.config_class(config)
+        if cls is None:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if config not in CONFIG_MAPPING:
+                raise ValueError(
+                    f"{where}: unknown model_type {config!r}: neither registered with veomni "
+                    f"({registry.model_types()}) nor known to transformers"
+                )
+            cls = CONFIG_MAPPING[config]
+        config = cls
+    config_keys.check_config_keys(config, keys, where, stage=stage)
 
 
 def _register_builtin(registry: ModelRegistry) -> None:
