@@ -126,3 +126,32 @@ def test_each_difference_is_named(edit, expected):
     edit(module)
     problems = experts_mismatches(module)
     assert len(problems) == 1 and expected in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    "model_type, config_name, experts_name, expected",
+    [
+        ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeExperts", []),
+        ("mixtral", "MixtralConfig", "MixtralExperts", []),
+        ("deepseek_v3", "DeepseekV3Config", "DeepseekV3Experts", []),
+        ("gpt_oss", "GptOssConfig", "GptOssExperts", ["is_concatenated", "is_transposed", "has_bias", "_apply_gate"]),
+        ("nemotron_h", "NemotronHConfig", "NemotronHExperts", ["has_gate", "act_fn", "parameters"]),
+        ("deepseek_v4", "DeepseekV4Config", "DeepseekV4Experts", ["_apply_gate", "limit"]),
+        ("aria", "AriaTextConfig", "AriaExperts", ["is_transposed"]),
+        ("muse_spark", "MuseSparkTextConfig", "MuseSparkExperts", ["has_post_expert_norm", "submodules"]),
+    ],
+)  # fmt: skip
+def test_upstream_experts_classes(model_type, config_name, experts_name, expected):
+    # The installed transformers' own classes, built from their default configs on meta (no memory).
+    import importlib
+
+    config_cls = getattr(
+        importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}"), config_name
+    )
+    experts_cls = getattr(
+        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"), experts_name
+    )
+    with torch.device("meta"):
+        module = experts_cls(config_cls())
+    found = [line.split(":")[0] for line in experts_mismatches(module)]
+    assert set(expected) <= set(found) and bool(found) == bool(expected), found
