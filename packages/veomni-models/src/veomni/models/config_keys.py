@@ -26,6 +26,8 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
@@ -58,6 +60,19 @@ def _default_instance(cls: type[PretrainedConfig]) -> PretrainedConfig | None:
         return None
 
 
+def _quiet_hasattr(obj: object, name: str) -> bool:
+    # Deprecated aliases (torch_dtype) log a deprecation warning when read; probing them is not a use.
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return hasattr(obj, name)
+    finally:
+        logger.setLevel(level)
+
+
 @functools.cache
 def accepted_config_keys(cls: type[PretrainedConfig], stage: Stage = "init") -> frozenset[str]:
     """The top-level keys ``cls`` reads (see the module docstring); sub-config keys are not included."""
@@ -73,7 +88,7 @@ def accepted_config_keys(cls: type[PretrainedConfig], stage: Stage = "init") -> 
             # A setter whose getter fails on this class (rope_scaling without rope_parameters) writes a dead
             # attribute.
             settable = isinstance(value, property) and value.fset is not None
-            if settable and (default is None or hasattr(default, name)):
+            if settable and (default is None or _quiet_hasattr(default, name)):
                 keys.add(name)
     if stage == "init":
         params = inspect.signature(cls.__init__).parameters.values()
