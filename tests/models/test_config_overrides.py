@@ -8,7 +8,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen2_5_VLConfig, Qwen3Config,
 
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.config_keys import accepted_config_keys
+from veomni.models.config_keys import _modeling_reads, accepted_config_keys
 from veomni.models.registry import MODELS, check_config_keys
 
 
@@ -102,13 +102,25 @@ def test_composite_configs_take_sub_config_keys_nested_or_dotted():
 
 
 @pytest.mark.parametrize("cls", [Qwen3Config, Qwen3MoeConfig, LlamaConfig, GPT2Config, Qwen2_5_VLConfig])
-def test_every_override_key_is_an_attribute_the_config_has(cls):
-    # Accepting a key that a default config does not have would accept exactly the silent dead attribute.
+def test_every_override_key_is_an_attribute_or_read_by_the_model(cls):
+    # Accepting a key that a default config does not have, and that no model code reads, would accept exactly
+    # the silent dead attribute.
     default = cls()
     keys = accepted_config_keys(cls, "override")
     assert {"num_hidden_layers", "dtype"} & keys
-    missing = sorted(k for k in keys if not hasattr(default, k))
+    missing = sorted(k for k in keys if not hasattr(default, k) and k not in _modeling_reads(cls))
     assert not missing, missing
+
+
+def test_optional_keys_the_modeling_code_reads_are_accepted():
+    # Qwen3MoeConfig declares no head_dim; the attention reads getattr(config, "head_dim", hidden // heads).
+    assert "head_dim" not in vars(Qwen3MoeConfig())
+    check_config_keys("qwen3_moe", {"head_dim": 16, "num_experts": 4}, "model.config")
+    assert MODELS.load_config(Qwen3MoeConfig(), head_dim=16).head_dim == 16
+    with pytest.raises(
+        ValueError, match="'head_dims' is not a key of Qwen3MoeConfig; did you mean 'head_dim'"
+    ):
+        check_config_keys("qwen3_moe", {"head_dims": 16}, "model.config")
 
 
 def test_dtype_override_is_not_confused_with_the_build_dtype():

@@ -8,7 +8,9 @@ What a class accepts (`accepted_config_keys`):
 
 - ``stage="init"`` (a mapping the config is constructed from, e.g. a recipe's inline ``model.config``): its
   dataclass fields, its ``__init__`` parameters (classes with a hand-written ``__init__``), its
-  ``attribute_map`` aliases, its settable properties, the attributes of a default instance, the keywords
+  ``attribute_map`` aliases, its settable properties, the attributes of a default instance, the optional keys
+  its modeling file (and ``transformers.modeling_utils``) reads with ``getattr(config, "name", default)`` /
+  ``hasattr`` (Qwen3-MoE's ``head_dim``; the file is read as text, not imported), the keywords
   ``PreTrainedConfig.__post_init__`` consumes (``torch_dtype``, ``num_labels``, ``attn_implementation``, ...) and,
   for classes with ``rope_parameters``, the legacy RoPE keywords it folds into them (``rope_theta``, ...);
 - ``stage="override"`` (attributes set on a built config, as ``build_model(config_overrides=...)`` does): the
@@ -25,8 +27,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import inspect
 import logging
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Literal
@@ -73,6 +77,27 @@ def _quiet_hasattr(obj: object, name: str) -> bool:
         logger.setLevel(level)
 
 
+# ``getattr(config, "head_dim", ...)`` / ``hasattr(self.config, "x")``: optional keys that modeling code reads
+# without the config class declaring them (Qwen3-MoE's head_dim).
+_READ_PATTERN = re.compile(r"""\b(?:getattr|hasattr)\(\s*(?:self\.)?\w*config\s*,\s*["'](\w+)["']""")
+
+
+@functools.cache
+def _optional_reads(module_name: str) -> frozenset[str]:
+    spec = importlib.util.find_spec(module_name) if module_name else None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return frozenset()
+    with open(spec.origin, encoding="utf-8") as handle:
+        return frozenset(_READ_PATTERN.findall(handle.read()))
+
+
+def _modeling_reads(cls: type[PretrainedConfig]) -> frozenset[str]:
+    # The modeling file beside the configuration file (read as text, not imported) and the generic model code.
+    package, _, module = cls.__module__.rpartition(".")
+    modeling = f"{package}.{module.replace('configuration_', 'modeling_', 1)}" if package else ""
+    return _optional_reads(modeling) | _optional_reads("transformers.modeling_utils")
+
+
 @functools.cache
 def accepted_config_keys(cls: type[PretrainedConfig], stage: Stage = "init") -> frozenset[str]:
     """The top-level keys ``cls`` reads (see the module docstring); sub-config keys are not included."""
@@ -83,6 +108,7 @@ def accepted_config_keys(cls: type[PretrainedConfig], stage: Stage = "init") -> 
     if dataclasses.is_dataclass(cls):
         keys |= {f.name for f in dataclasses.fields(cls)}
     keys |= set(getattr(cls, "attribute_map", {}) or {})
+    keys |= _modeling_reads(cls)
     for klass in cls.__mro__:
         for name, value in vars(klass).items():
             # A setter whose getter fails on this class (rope_scaling without rope_parameters) writes a dead
