@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import sys
@@ -10,7 +11,7 @@ import pytest
 from transformers import GPT2Config, MistralConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
-from veomni.models.registry import FAST_PATHS, MODELS, ModelRegistry, resolve_target
+from veomni.models.registry import FAST_PATHS, MODELS, TASKS, DiffusersConfig, ModelRegistry, resolve_target
 
 
 def test_builtin_adapters_resolve_to_generated_classes():
@@ -52,7 +53,7 @@ def test_duplicates_and_malformed_entries_are_errors():
         reg.register_model("n", {"chat": "a:B"}, fast_paths=set())
     with pytest.raises(ValueError, match="unknown fast paths"):
         reg.register_model("n", {"causal_lm": "a:B"}, fast_paths={"turbo"})
-    with pytest.raises(ValueError, match="for tasks \\['causal_lm'\\], not 'base'"):
+    with pytest.raises(ValueError, match="'m' does not support task 'base': .* for tasks \\['causal_lm'\\]"):
         reg.model_class(type("C", (), {"model_type": "m"})(), "base")
 
 
@@ -86,7 +87,7 @@ def test_load_config_uses_the_registered_class_and_copies(tmp_path):
     assert copy.hidden_size == 64 and cfg.hidden_size == 32
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    with pytest.raises(ValueError, match="has no 'model_type'"):
+    with pytest.raises(ValueError, match="has neither 'model_type' \\(transformers\\) nor '_class_name'"):
         MODELS.load_config(tmp_path / "bad")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         MODELS.load_config(tmp_path / "nowhere")
@@ -101,3 +102,101 @@ def test_processors_by_class_name():
     assert reg.processor_class("Qwen2VLProcessor") is Qwen2VLProcessor
     with pytest.raises(ValueError, match="neither registered with veomni"):
         reg.processor_class("NoSuchProcessor")
+
+
+def test_tasks_cover_the_recipe_modalities():
+    assert {"causal_lm", "image_text_to_text", "any_to_any", "diffusion_transformer"} <= set(TASKS)
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2VLConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniThinkerForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
+
+    thinker = MODELS.model_class(Qwen2_5OmniThinkerConfig(), "any_to_any")
+    assert thinker.cls is Qwen2_5OmniThinkerForConditionalGeneration and not thinker.registered
+    assert MODELS.model_class(Qwen2VLConfig(), "image_text_to_text").cls is Qwen2VLForConditionalGeneration
+    assert {"any_to_any", "image_text_to_text"} <= set(MODELS.supported_tasks(Qwen2VLConfig()))
+
+
+def test_a_task_the_model_lacks_is_an_error_naming_its_tasks():
+    with pytest.raises(ValueError) as err:
+        MODELS.model_class(MistralConfig(), "image_text_to_text")
+    text = str(err.value)
+    assert (
+        "model_type 'mistral' is not registered with veomni and does not support task 'image_text_to_text'"
+        in text
+    )
+    assert "it supports ['base', 'causal_lm', 'question_answering', 'sequence_classification'" in text
+    with pytest.raises(
+        ValueError, match="model_type 'qwen3' does not support task 'diffusion_transformer'; it "
+    ):
+        MODELS.model_class(Qwen3Config(), "diffusion_transformer")
+    with pytest.raises(
+        ValueError, match="diffusion_transformer' models are diffusers classes keyed by _class_name"
+    ):
+        ModelRegistry().register_model("x", {"diffusion_transformer": "a:B"}, fast_paths=set())
+
+
+def test_backend_hf_takes_transformers_class_even_when_registered(caplog):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+
+    with caplog.at_level(logging.WARNING, logger="veomni.models.registry"):
+        resolved = MODELS.model_class(Qwen3Config(), "causal_lm", backend="hf")
+    assert resolved.cls is Qwen3ForCausalLM and not resolved.registered and resolved.fast_paths == frozenset()
+    assert caplog.text == ""  # build_model reports what is off, once
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        MODELS.model_class(Qwen3Config(), "causal_lm", backend="fast")
+
+
+def _diffusers_dir(tmp_path, class_name: str):
+    folder = tmp_path / class_name
+    folder.mkdir()
+    values = {
+        "_class_name": class_name,
+        "_diffusers_version": "0.35.0",
+        "num_layers": 2,
+        "patch_size": [1, 2, 2],
+    }
+    (folder / "config.json").write_text(json.dumps(values))
+    return folder
+
+
+def test_diffusers_configs_resolve_by_class_name_lazily(tmp_path):
+    reg = ModelRegistry()
+    reg.register_diffusers("TinyDiT", "veomni_no_such_dit_module:TinyDiT", fast_paths={"sp"})
+    reg.register_diffusers("JsonDiT", "json:JSONDecoder", fast_paths=set())  # a stand-in class
+    assert "veomni_no_such_dit_module" not in sys.modules
+    with pytest.raises(ValueError, match="_class_name 'TinyDiT' is already registered"):
+        reg.register_diffusers("TinyDiT", "a:B", fast_paths=set())
+
+    config = reg.load_config(_diffusers_dir(tmp_path, "JsonDiT"))
+    assert (
+        isinstance(config, DiffusersConfig)
+        and config.class_name == "JsonDiT"
+        and config.values["num_layers"] == 2
+    )
+    resolved = reg.model_class(config, "diffusion_transformer")
+    assert resolved.cls is json.JSONDecoder and resolved.registered
+    assert reg.supported_tasks(config) == ["diffusion_transformer"]
+    with pytest.raises(
+        ValueError, match="_class_name 'JsonDiT' does not support task 'causal_lm'; it supports "
+    ):
+        reg.model_class(config, "causal_lm")
+
+    assert reg.load_config(config, num_layers=4).values["num_layers"] == 4
+    with pytest.raises(
+        ValueError, match="'num_layer' \\(did you mean 'num_layers'\\?\\) not in the diffusers config"
+    ):
+        reg.load_config(config, num_layer=4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is not None, reason="diffusers is installed")
+def test_diffusers_entries_name_the_missing_package(tmp_path):
+    reg = ModelRegistry()
+    reg.register_diffusers("TinyDiT", "veomni_no_such_dit_module:TinyDiT", fast_paths=set())
+    for name in ("TinyDiT", "WanTransformer3DModel"):  # registered, and the diffusers fallback
+        config = reg.load_config(_diffusers_dir(tmp_path, name))
+        with pytest.raises(
+            ImportError, match="is a diffusers model and diffusers is not installed.*\\[diffusers\\]"
+        ):
+            reg.model_class(config, "diffusion_transformer")

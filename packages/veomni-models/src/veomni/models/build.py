@@ -1,5 +1,8 @@
 """`build_model`: construct on meta without init, bind kernels, apply EP + FSDP2, allocate, then load or init.
 
+``backend="hf"`` is the escape hatch for a model veomni's adapters get wrong or do not cover: transformers' own
+class, nothing bound, FSDP2 only (sequence and expert parallelism, which need veomni's code paths, are refused).
+
 Order matters: sharding happens on the meta device (no memory), each rank then allocates only its shards, and
 values arrive either from a checkpoint (each rank reading its own slices) or from the model's own
 ``_init_weights`` — the latter is logged as a warning, so a model never trains from random weights by
@@ -25,7 +28,7 @@ from veomni.kernels import OpsConfig
 from veomni.models.kernel_hooks import apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
-from veomni.models.registry import MODELS, ModelRegistry, ResolvedModel
+from veomni.models.registry import MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,27 @@ def _retie(model: PreTrainedModel) -> None:
             raise RuntimeError(f"build_model: {target} should be tied to {source} but is a separate tensor")
 
 
+def _check_hf_backend(
+    ops: OpsConfig | None, state: ParallelState | None, expert_plan: ExpertPlan | None
+) -> None:
+    # Everything the unpatched class cannot honour is refused, not ignored.
+    if ops is not None:
+        raise ValueError(
+            "build_model(backend='hf') binds no veomni kernels, so it takes no OpsConfig; pass ops=None (or use "
+            "backend='veomni')"
+        )
+    if expert_plan is not None or (state is not None and state.ep_enabled):
+        raise ValueError(
+            "build_model(backend='hf') has no expert parallelism (it needs veomni's experts path); use ep=1 or "
+            "backend='veomni'"
+        )
+    if state is not None and state.sp_enabled:
+        raise ValueError(
+            f"build_model(backend='hf') has no Ulysses sequence parallelism (sp={state.dims.sp}: it needs veomni's "
+            "attention); use sp=1 or backend='veomni'"
+        )
+
+
 def _device(
     init_device: str | torch.device, state: ParallelState | None, device: str | torch.device | None
 ) -> torch.device:
@@ -100,7 +124,7 @@ def build_model(
     config_or_path: PretrainedConfig | str | os.PathLike,
     *,
     weights: str | os.PathLike | None = None,
-    ops: OpsConfig,
+    ops: OpsConfig | None = None,
     parallel_state: ParallelState | None = None,
     init_device: str | torch.device = "meta",
     dtype: torch.dtype = torch.float32,
@@ -112,6 +136,7 @@ def build_model(
     config_overrides: Mapping[str, object] | None = None,
     device: str | torch.device | None = None,
     registry: ModelRegistry | None = None,
+    backend: str = "veomni",
 ) -> PreTrainedModel:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
@@ -119,23 +144,35 @@ def build_model(
         config_or_path: a config, or a directory / ``config.json`` (read with the registered config class).
         weights: a safetensors checkpoint (file, index or directory); None initialises with the model's
             ``_init_weights`` and says so in the log (warning).
-        ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention).
+        ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention); required
+            with ``backend="veomni"``, refused with ``backend="hf"``.
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
         init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
             construct on directly.
         dtype: parameter dtype (fp32 master weights by default; checkpoint values are cast to it).
-        task: which class of the model type (``causal_lm``, ``base``, ...; see `registry.TASKS`).
+        task: which class of the model type (``causal_lm``, ``image_text_to_text``, ``any_to_any``, ``base``,
+            ...; see `registry.TASKS`); a task the model lacks is an error naming the tasks it has.
         fsdp_policy: default `default_fsdp_policy` (blocks from ``_no_split_modules``, no mixed precision).
         expert_plan: overrides the model's ``get_parallel_plan()`` under EP.
         load_mode: ``"sharded"`` or ``"rank0_broadcast"`` (see `load_weights`).
         ignore_unexpected: regexes of checkpoint keys that may be skipped.
-        config_overrides: config attributes to set before construction.
+        config_overrides: config attributes to set before construction; every key is checked against the
+            config class (an unknown key is an error with did-you-mean suggestions; ``text_config`` mappings or
+            dotted ``text_config.x`` keys for composite configs), see `veomni.models.registry.check_config_keys`.
         device: the compute device without ``parallel_state`` (default: ``init_device``, or CPU for meta).
         registry: where model types are resolved (default `MODELS`).
+        backend: ``"veomni"`` (registered adapters, veomni kernels and attention) or ``"hf"``: the escape hatch
+            that trains transformers' own Auto class for ``task``, unpatched, even for a registered model type:
+            no veomni kernels, no veomni attention (so no Ulysses SP or packed varlen), no expert parallelism;
+            FSDP2 only. A warning names what is off.
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
-    if not isinstance(ops, OpsConfig):
+    if backend == "hf":
+        _check_hf_backend(ops, parallel_state, expert_plan)
+    elif backend != "veomni":
+        raise ValueError(f"build_model: backend must be 'veomni' or 'hf', got {backend!r}")
+    elif not isinstance(ops, OpsConfig):
         raise TypeError(f"build_model: ops must be a veomni.kernels.OpsConfig, got {type(ops).__name__}")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"build_model: dtype must be a floating torch.dtype, got {dtype!r}")
@@ -143,14 +180,29 @@ def build_model(
     compute = _device(init_device, parallel_state, device)
     on_meta = torch.device(init_device).type == "meta"
     config = registry.load_config(config_or_path, **dict(config_overrides or {}))
-    resolved = registry.model_class(config, task)
+    resolved = registry.model_class(config, task, backend=backend)
+    if isinstance(config, DiffusersConfig):
+        raise NotImplementedError(
+            f"build_model: {config.class_name!r} ({config.source}) resolves to {resolved.cls.__module__}."
+            f"{resolved.cls.__name__}, but building diffusers models (meta init, weights, FSDP2) is not "
+            "implemented yet"
+        )
     with torch.device(init_device), no_init_weights():
         model = resolved.cls._from_config(config, dtype=dtype)
     # post_init ties inside init_weights, which no_init_weights skipped.
     model.tie_weights()
     if not on_meta and parallel_state is None:
         model.to(compute)  # FSDP moves sharded models itself
-    apply_ops(model, ops)
+    if backend == "veomni":
+        apply_ops(model, ops)  # type: ignore[arg-type]
+    else:
+        logger.warning(
+            "build_model(backend='hf'): training transformers' own %s, unpatched. Off: veomni kernels (no "
+            "OpsConfig: HF's RMSNorm/RoPE/SwiGLU/loss/experts code runs), veomni attention (HF's %r: no Ulysses "
+            "SP, no packed varlen attention), expert parallelism. Only FSDP2 (given a parallel_state) is applied.",
+            resolved.cls.__name__,
+            model.config._attn_implementation,
+        )
 
     policy = None
     if parallel_state is not None:

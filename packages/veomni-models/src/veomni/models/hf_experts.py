@@ -9,13 +9,21 @@ HF experts classes decorated with ``@use_experts_implementation`` (Qwen3-MoE's `
 - with expert parallelism (the module's parameters were sharded by ``apply_expert_plan``): veomni-core's
   ``dispatch_tokens`` -> the ``moe_experts/grouped`` kernel on the local experts -> ``combine_tokens``. The
   upstream eager loop is refused there: it indexes experts by global id and would run on the wrong weights.
+
+The non-eager kernels compute one thing: SwiGLU experts in HF's default layout. Experts classes declare other
+layouts through the decorator's flags (gpt_oss: biases, transposed and interleaved weights, a clamped gate;
+nemotron_h: no gate; deepseek_v4: a clamp in ``_apply_gate``), so `check_experts_modules` refuses, naming the
+flag, every experts module that differs, before a kernel could silently drop a bias or a clamp.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
 from veomni.core.ep import combine_tokens, dispatch_tokens, expert_shards
 from veomni.core.parallel_state import current_parallel_state
@@ -48,6 +56,7 @@ def veomni_experts_forward(
         if backend == "eager":
             upstream = type(self).forward.__wrapped__  # the class's own forward, under HF's dispatch wrapper
             return upstream(self, hidden_states, top_k_index, top_k_weights)
+        _recheck(self, backend)
         routed = kernels.get("moe_experts", "routed")
         return routed(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
@@ -61,11 +70,24 @@ def veomni_experts_forward(
         raise ValueError(
             f"{type(self).__name__}: both gate_up_proj and down_proj must be expert-sharded, found {sorted(shards)}"
         )
+    _recheck(self, backend)
     group = current_parallel_state().ep_group
     rows, _, handle = dispatch_tokens(hidden_states, top_k_index, shard.num_experts, group)
     grouped = kernels.get("moe_experts", "grouped")
     out = grouped(rows, handle.local_expert_counts, self.gate_up_proj, self.down_proj)
     return combine_tokens(out, top_k_weights, handle)
+
+
+def _recheck(module: nn.Module, backend: str) -> None:
+    # A module that reached this forward without apply_ops (set_experts_implementation by hand, or kernels
+    # re-attached with another backend) is checked here, once per backend change.
+    if getattr(module, _CHECKED, None) != backend:
+        problems = experts_mismatches(module)
+        if problems:
+            raise ValueError(
+                f"OpsConfig.moe_experts={backend!r} cannot run {type(module).__name__}: "
+                + "; ".join(problems)
+            )
 
 
 def register_hf_experts() -> str:
@@ -77,3 +99,109 @@ def register_hf_experts() -> str:
         )
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, veomni_experts_forward)
     return EXPERTS_IMPLEMENTATION
+
+
+# The contract of the ``moe_experts`` op (both variants, every non-eager backend), in the flags that HF's
+# ``@use_experts_implementation`` sets on an experts instance: gated SwiGLU, ``[gate; up]`` concatenated rows,
+# ``[E, out, in]`` weights, no biases, no norm after each expert.
+MOE_EXPERTS_CONTRACT: Mapping[str, bool] = {
+    "has_gate": True,
+    "is_concatenated": True,
+    "is_transposed": False,
+    "has_bias": False,
+    "has_post_expert_norm": False,
+}
+_CLAMP_ATTRS = ("limit", "alpha", "swiglu_limit", "swiglu_alpha")
+_CHECKED = "_veomni_experts_checked"  # the backend an instance was last accepted for
+_MISSING = "<not set>"
+
+
+def is_hf_experts_module(module: nn.Module) -> bool:
+    """True for instances of a class decorated with HF's ``@use_experts_implementation``."""
+    return hasattr(module, "is_concatenated") and hasattr(type(module).forward, "__wrapped__")
+
+
+def experts_mismatches(module: nn.Module) -> list[str]:
+    """How ``module`` differs from `MOE_EXPERTS_CONTRACT`: one ``"what: expected X, found Y"`` line each.
+
+    Besides the decorator's flags this looks at what the flags do not say: HF's own expert-parallel flag, a
+    class-level ``_apply_gate`` (gpt_oss, deepseek_v4: clamps, scaled sigmoids), the activation (the kernels
+    compute SiLU), clamp attributes, the weight shapes, and parameters or submodules a kernel would ignore.
+    """
+    found = []
+    for flag, expected in MOE_EXPERTS_CONTRACT.items():
+        value = getattr(module, flag, _MISSING)
+        if value is not expected:
+            found.append(f"{flag}: expected {expected}, found {value}")
+    if getattr(module, "_is_expert_parallel", False):
+        found.append(
+            "_is_expert_parallel: expected False (veomni shards experts with apply_expert_plan), found True "
+            "(transformers' own expert parallelism)"
+        )
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not _default_apply_gate:
+        owner = getattr(gate, "__qualname__", repr(gate))
+        found.append(
+            f"_apply_gate: expected transformers' default act_fn(gate) * up, found {owner} (a custom gate, e.g. "
+            "a clamp or a scaled sigmoid)"
+        )
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, (SiLUActivation, nn.SiLU)):
+        found.append(f"act_fn: expected SiLU, found {type(act).__name__ if act is not None else 'none'}")
+    for name in _CLAMP_ATTRS:
+        value = getattr(module, name, None)
+        if value is not None:
+            found.append(f"{name}: expected none (the kernels neither clamp nor scale), found {value!r}")
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"gate_up_proj", "down_proj"}:
+        found.append(
+            f"parameters: expected exactly ['down_proj', 'gate_up_proj'], found {sorted(params)} (a kernel would "
+            "ignore the others)"
+        )
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if gate_up is not None and down is not None:
+        g, d = tuple(gate_up.shape), tuple(down.shape)
+        if not (len(g) == 3 and len(d) == 3 and g[1] == 2 * d[2] and g[2] == d[1] and g[0] == d[0]):
+            found.append(
+                f"weight shapes: expected gate_up_proj [E, 2I, H] and down_proj [E, H, I], found {g} and {d}"
+            )
+    children = sorted(name for name, _ in module.named_children() if name != "act_fn")
+    if children:
+        found.append(f"submodules: expected only act_fn, found also {children} (a kernel would skip them)")
+    return found
+
+
+def check_experts_modules(model: nn.Module, backend: str) -> int:
+    """Refuse a model whose HF experts modules the ``moe_experts`` ``backend`` does not implement exactly.
+
+    ``eager`` runs each module's own forward (any layout) and accepts everything; expert parallelism refuses it
+    at run time. Every other backend computes `MOE_EXPERTS_CONTRACT`. Accepted modules are marked so the
+    forward need not check again.
+
+    Returns:
+        the number of experts modules accepted.
+    Raises:
+        ValueError: naming each module class that differs, how (flag, expected, found), and the ways out.
+    """
+    experts = [(fqn, m) for fqn, m in model.named_modules() if is_hf_experts_module(m)]
+    refused: dict[type, tuple[str, int, list[str]]] = {}
+    for fqn, module in experts:
+        problems = [] if backend == "eager" else experts_mismatches(module)
+        if problems:
+            first, count, _ = refused.get(type(module), (fqn, 0, problems))
+            refused[type(module)] = (first, count + 1, problems)
+    if refused:
+        parts = []
+        for cls, (first, count, problems) in refused.items():
+            more = f" and {count - 1} more" if count > 1 else ""
+            lines = "\n".join(f"  - {p}" for p in problems)
+            parts.append(f"{cls.__name__} at {first or '<root>'}{more}:\n{lines}")
+        raise ValueError(
+            f"OpsConfig.moe_experts={backend!r} computes HF-layout SwiGLU experts (no bias, no clamp, "
+            "[E, 2I, H] / [E, H, I] weights); these experts modules differ, and running them through it would "
+            "silently change the model:\n" + "\n".join(parts) + "\nUse OpsConfig(moe_experts='eager') to run "
+            "the modules' own forward (no expert parallelism), or build_model(..., backend='hf')."
+        )
+    for _, module in experts:
+        setattr(module, _CHECKED, backend)
+    return len(experts)

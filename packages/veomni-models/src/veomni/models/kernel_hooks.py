@@ -25,12 +25,23 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
     model's ``attn_implementation`` (packed sequences and Ulysses SP work through it). A model that is not an HF
     ``PreTrainedModel`` gets the kernels only, and an error if ``ops.attention`` was set explicitly.
 
+    An HF experts module that the ``moe_experts`` backend does not implement exactly (a bias, a transposed or
+    interleaved layout, no gate, a custom gate or activation, a clamp) is refused with a ValueError naming the
+    flag, before anything is attached (`veomni.models.hf_experts.check_experts_modules`).
+
     Returns:
         the `Kernels` now attached to every submodule.
     """
     from veomni.models.hf_attention import hf_attention_name, register_hf_attention
 
-    kernels = attach_kernels(model, resolve_kernels(ops)).veomni_kernels
+    resolved = resolve_kernels(ops)
+    experts = _has_hf_experts(model)
+    if experts:
+        from veomni.models.hf_experts import check_experts_modules
+
+        # Before anything is attached: a refused model is left as it was.
+        check_experts_modules(model, resolved.config.moe_experts)
+    kernels = attach_kernels(model, resolved).veomni_kernels
     set_impl = getattr(model, "set_attn_implementation", None)
     if set_impl is None:
         if "attention" not in ops.defaulted:
@@ -41,7 +52,7 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         return kernels
     register_hf_attention([ops.attention])
     set_impl(hf_attention_name(ops.attention))
-    if _has_hf_experts(model):
+    if experts:
         from veomni.models.hf_experts import register_hf_experts
 
         model.set_experts_implementation(register_hf_experts())
