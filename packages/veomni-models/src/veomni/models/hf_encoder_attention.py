@@ -11,6 +11,8 @@ config's ``attn_implementation`` names, and no ``**kwargs``, so the language mod
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,12 +88,18 @@ _HF_IMPLEMENTATIONS = {
 }
 
 
+@functools.cache
+def _veomni_names() -> dict[str, str]:
+    # KERNELS is filled at import time only; the map is built once, not per layer call.
+    return {hf_attention_name(b): b for b in KERNELS.backends(OP)}
+
+
 def backend_for_implementation(implementation: str | None) -> str:
     """The ``KERNELS`` attention backend behind an HF ``attn_implementation`` name (veomni_fa2 -> flash_attn_2).
 
     Raises ``ValueError`` for names with no veomni kernel (the message lists the accepted ones).
     """
-    ours = {hf_attention_name(b): b for b in KERNELS.backends(OP)}
+    ours = _veomni_names()
     backend = ours.get(implementation or "", _HF_IMPLEMENTATIONS.get(implementation or ""))
     if backend is None:
         raise ValueError(
