@@ -350,3 +350,114 @@ def test_gpu_sdpa_bf16_matches_hf_sdpa():
     ref = build_model("llama", "sdpa", dtype=torch.bfloat16).cuda()(ids).logits.float()
     got = build_model("llama", "veomni_sdpa", dtype=torch.bfloat16).cuda()(ids).logits.float()
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- cross-attention vs KV-cache decoding
+
+
+class CrossAttention(torch.nn.Module):
+    """The two attributes HF's BERT-family (and diffusers') cross-attention modules carry."""
+
+    is_causal = False
+    is_cross_attention = True
+
+
+def _cross_qkv(seed: int, sq: int, sk: int, batch: int = 2, heads: int = 4, kv_heads: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, sq, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k = torch.randn(batch, kv_heads, sk, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    v = torch.randn(batch, kv_heads, sk, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    return q, k, v
+
+
+def _cross_oracle(q, k, v, scaling: float) -> torch.Tensor:
+    """``[B, S_q, H, D]``: SDPA with every key visible, GQA by repetition."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2)
+
+
+@pytest.mark.parametrize("attn", ["veomni_eager", "veomni_sdpa"])
+@pytest.mark.parametrize("sq, sk", [(7, 5), (5, 12), (6, 6)])
+def test_cross_attention_matches_oracle(attn, sq, sk):
+    register_hf_attention()
+    q, k, v = _cross_qkv(0, sq, sk)
+    out, weights = ALL_ATTENTION_FUNCTIONS[attn](CrossAttention(), q, k, v, None, scaling=0.3)
+    assert weights is None
+    torch.testing.assert_close(out, _cross_oracle(q, k, v, 0.3), **FP32)
+    # An unmarked module can declare a call cross-attention through the kwarg.
+    plain = torch.nn.Module()
+    plain.is_causal = False
+    again, _ = ALL_ATTENTION_FUNCTIONS[attn](plain, q, k, v, None, scaling=0.3, is_cross_attention=True)
+    torch.testing.assert_close(again, out)
+
+
+def test_cross_attention_ambiguous_or_unsupported_calls_raise():
+    register_hf_attention()
+    fn = ALL_ATTENTION_FUNCTIONS["veomni_sdpa"]
+    q, k, v = _cross_qkv(1, 4, 6)
+    causal = CrossAttention()
+    causal.is_causal = True
+    with pytest.raises(ValueError, match="marked as cross-attention but attends causally"):
+        fn(causal, q, k, v, None)
+    with pytest.raises(ValueError, match="marked as cross-attention but attends causally"):
+        fn(CrossAttention(), q, k, v, None, is_causal=True)
+    with pytest.raises(NotImplementedError, match="cross-attention takes no attention mask"):
+        fn(CrossAttention(), q, k, v, torch.ones(2, 6, dtype=torch.bool))
+    with pytest.raises(
+        NotImplementedError, match="packed sequences \\(cu_seq_lens_q\\) reached a cross-attention"
+    ):
+        fn(CrossAttention(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 4], dtype=torch.int32))
+
+
+def test_kv_cache_decoding_still_matches_hf():
+    # Causal keys longer than queries stay KV-cache decoding: greedy generation equals HF's sdpa.
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(8))
+    settings_ = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    ref = build_model("qwen3", "sdpa").generate(prompt, **settings_)
+    got = build_model("qwen3", "veomni_sdpa").generate(prompt, **settings_)
+    assert torch.equal(got, ref)
+
+
+def _sp_cross_case(ctx, attn: str, sq: int, sk: int) -> None:
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    group = state.sp_group
+    register_hf_attention()
+    fn = ALL_ATTENTION_FUNCTIONS[attn]
+    q, k, v = _cross_qkv(sq * 31 + sk, sq, sk)
+    probe = torch.randn(2, sq, 4, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ref = _cross_oracle(q, k, v, 0.3)
+    (ref * probe).sum().backward()
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+
+    with use_parallel_state(state):
+        # HF layout [B, H, S, D]: the queries are this rank's shard, the keys/values the full condition.
+        out, _ = fn(CrossAttention(), slice_sequence(q, 2, group), k, v, None, scaling=0.3)
+    full = gather_sequence(out.detach(), group, dim=1, equal_sizes=True)[:, :sq]
+    torch.testing.assert_close(full, ref.detach(), **FP32)  # veomni_eager computes in fp32
+    (out * slice_sequence(probe, 1, group)).sum().backward()
+    for t, want in zip((q, k, v), ref_grads, strict=True):
+        summed = t.grad.clone()
+        dist.all_reduce(summed, group=group)
+        torch.testing.assert_close(summed, want, **FP32)
+
+    # Unmarked and bidirectional with another key length: ambiguous under SP, so it names the flag.
+    # (Keys as long as the local shard would be read as self-attention: the module flag is what tells them apart.)
+    q_local = slice_sequence(q, 2, group).detach()
+    other = torch.zeros(2, 2, q_local.shape[2] + 2, 8, dtype=q.dtype)
+    plain = torch.nn.Module()
+    plain.is_causal = False
+    with use_parallel_state(state), pytest.raises(NotImplementedError, match="is_cross_attention = True"):
+        fn(plain, q_local, other, other, None)
+    plain.is_causal = True
+    with use_parallel_state(state), pytest.raises(NotImplementedError, match=r"KV-cache decoding.*\)$"):
+        fn(plain, q_local, other, other, None)
+
+
+@pytest.mark.parametrize(
+    "attn, sq, sk", [("veomni_sdpa", 9, 5), ("veomni_eager", 4, 4), ("veomni_sdpa", 3, 11)]
+)
+def test_cross_attention_sp2_matches_single_process(dist_pools, attn, sq, sk):
+    dist_pools.get(2).run(_sp_cross_case, attn, sq, sk)

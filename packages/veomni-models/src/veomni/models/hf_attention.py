@@ -32,6 +32,23 @@ its sequence shard (``S_local`` tokens; the full sequence zero-padded to ``P * S
 segments of its own), unless the caller also passes ``sp_unpadded_len=L`` (python int): then it covers the
 first L tokens and attention never sees the padding. Without ``cu_seq_lens_q`` the local ``position_ids``
 are all-gathered over the SP group (one collective and one host sync per layer).
+
+Keys of another length than the queries. Two cases, told apart explicitly:
+
+* cross-attention: the module says so (``module.is_cross_attention = True``, as HF's BERT-family and diffusers
+  attention modules do, or an ``is_cross_attention=True`` kwarg) and is non-causal. Keys/values come from a
+  condition encoder and are replicated on every SP rank, so the local queries attend to them with no
+  all-to-all (`veomni.core.sp.sp_cross_attention`); the kernel is the selected backend. A causal
+  cross-attention module, a padding mask or packing kwargs on a cross-attention call raise.
+* KV-cache decoding: anything else with ``S_kv != S_q``; it runs as before (torch SDPA, bottom-right causal),
+  refused under SP, where a bidirectional one is told to declare itself a cross-attention.
+
+Encoder towers. HF's vision towers pass their packing to the attention function only when the implementation
+name contains "flash", so with ``veomni_*`` they loop over images with a host sync per layer, and under SP each
+per-image call would be taken for a sequence shard. `veomni.models.hf_encoder_attention.encoder_attention` is the explicit entry a tower's
+attention calls instead (a model adapter's job): packed ``[T, H, D]`` tokens, the tower's own ``cu_seqlens``,
+the backend of the tower config's implementation, and no ``**kwargs``, so the language model's packing kwargs
+cannot reach it (`veomni.models.hf_encoder_attention`).
 """
 
 from __future__ import annotations
@@ -48,7 +65,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from veomni.core.parallel_state import ParallelState, current_parallel_state
-from veomni.core.sp import gather_sequence, ulysses_attention
+from veomni.core.sp import gather_sequence, sp_cross_attention, ulysses_attention
 from veomni.kernels import KERNELS, detect_hardware
 
 PREFIX = "veomni_"
@@ -180,8 +197,10 @@ def veomni_attention_forward(
         attention_mask: None, or the bool ``[B, S_kv]`` padding mask (right padding only, causal only).
         scaling: softmax scale (``1/sqrt(D)`` when None). dropout: must be 0 (no backend implements it).
         kwargs: HF's attention kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``,
-            ``is_causal`` (overrides ``module.is_causal``), ``sp_unpadded_len``; ``sliding_window``,
-            ``softcap`` and ``s_aux`` raise unless None; unrelated ones are ignored.
+            ``is_causal`` (overrides ``module.is_causal``), ``is_cross_attention`` (overrides
+            ``module.is_cross_attention``), ``sp_unpadded_len``; ``sliding_window``, ``softcap`` and ``s_aux``
+            raise unless None; unrelated ones are ignored. Cross-attention: key, value ``[B, Hkv, S_kv, D]``
+            with any ``S_kv``, replicated across SP ranks.
     Returns:
         ``(out [B, S, Hq, D] in query's dtype, None)``; attention weights are never materialised.
     """
@@ -195,6 +214,11 @@ def veomni_attention_forward(
             raise NotImplementedError(f"{name} does not support {unsupported}={kwargs[unsupported]!r}")
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    cross = kwargs.get("is_cross_attention")
+    if bool(getattr(module, "is_cross_attention", False) if cross is None else cross):
+        return _cross_attention(
+            name, kernel, query, key, value, attention_mask, causal, scaling, kwargs
+        ), None
     if key.shape[2] != query.shape[2]:
         return _cached_decode(name, query, key, value, attention_mask, causal, scaling, kwargs), None
     if attention_mask is not None:
@@ -255,9 +279,16 @@ def _cached_decode(
     Returns ``[B, S_q, Hq, D]``.
     """
     if _sp_state() is not None or kwargs.get("cu_seq_lens_q") is not None:
+        hint = (
+            ""
+            if causal
+            else "; if this is cross-attention to keys/values replicated on every rank, mark the module "
+            "(module.is_cross_attention = True) or pass is_cross_attention=True"
+        )
         raise NotImplementedError(
-            f"{name}: keys longer than queries (KV-cache decoding) cannot be combined with sequence parallelism "
-            f"or packed sequences: query {tuple(query.shape)}, key {tuple(key.shape)}"
+            f"{name}: keys of another length than the queries are read as KV-cache decoding, which cannot be "
+            f"combined with sequence parallelism or packed sequences: query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)}{hint}"
         )
     q_len, kv_len = query.shape[2], key.shape[2]
     if kv_len < q_len:
@@ -276,6 +307,45 @@ def _cached_decode(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )
     return out.transpose(1, 2)
+
+
+def _cross_attention(
+    name: str,
+    kernel: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Bidirectional attention of (under SP: sequence-sharded) queries to full, replicated keys/values.
+
+    ``query [B, Hq, S_q, D]``, ``key``/``value [B, Hkv, S_kv, D]`` -> ``[B, S_q, Hq, D]``.
+    """
+    if causal:
+        raise ValueError(
+            f"{name}: the module is marked as cross-attention but attends causally (is_causal=True); that is "
+            "ambiguous (KV-cache decoding is causal self-attention, cross-attention is bidirectional). Set "
+            "module.is_causal = False for cross-attention, or unmark is_cross_attention for decoding"
+        )
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"{name}: cross-attention takes no attention mask (got {tuple(attention_mask.shape)}); pad the "
+            "condition with tokens the model can attend to, or use HF's sdpa implementation"
+        )
+    for packing in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(packing) is not None:
+            raise NotImplementedError(
+                f"{name}: packed sequences ({packing}) reached a cross-attention call; the queries' packing says "
+                "nothing about the condition keys. Strip the packing kwargs before the cross-attention modules"
+            )
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    run = dict(kernel=kernel, causal=False, cu_seqlens=None, max_seqlen=None, scale=scaling)
+    if _sp_state() is None:
+        return _run_kernel(q, k, v, **run)
+    return sp_cross_attention(q, k, v, _run_kernel, seq_dim=1, head_dim=2, **run)
 
 
 def padding_mask_passthrough(

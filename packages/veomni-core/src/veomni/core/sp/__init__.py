@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism: padding/slicing, all-to-all and gather collectives, the attention wrapper."""
 
-from veomni.core.sp.attention import kv_repeats_for_sp, ulysses_attention
+from veomni.core.sp.attention import kv_repeats_for_sp, sp_cross_attention, ulysses_attention
 from veomni.core.sp.comm import (
     all_reduce_sum,
     all_to_all,
@@ -33,6 +33,7 @@ __all__ = [
     "seq_to_heads",
     "slice_for_rank",
     "slice_sequence",
+    "sp_cross_attention",
     "ulysses_attention",
     "unpad",
 ]

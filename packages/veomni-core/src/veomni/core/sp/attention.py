@@ -8,6 +8,10 @@ GQA: query heads must split evenly (``H_q % P == 0``). Key/value heads either sp
 (``H_kv % P == 0``) or, when there are fewer KV heads than ranks, are repeated to ``P`` heads before the exchange
 (``P % H_kv == 0``), so each rank receives exactly the KV head its query heads use; autograd sums the copies'
 gradients back. Anything else cannot be laid out and raises.
+
+Cross-attention (`sp_cross_attention`): the queries are this rank's sequence shard, the keys/values (a condition
+encoder's output, e.g. a DiT's text tokens) are replicated on every rank. Each local query attends to all keys
+on its own rank, so no exchange is needed at all.
 """
 
 from __future__ import annotations
@@ -106,3 +110,51 @@ def ulysses_attention(
     out_seq = seq_dim if out_seq_dim is None else _norm_dim(out, out_seq_dim)
     out_head = head_dim if out_head_dim is None else _norm_dim(out, out_head_dim)
     return heads_to_seq(out, group, seq_dim=out_seq, head_dim=out_head)
+
+
+def sp_cross_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_fn: AttentionFn,
+    *,
+    seq_dim: int,
+    head_dim: int,
+    **attn_kwargs: Any,
+) -> torch.Tensor:
+    """Cross-attention of sequence-sharded queries to replicated keys/values under SP: no collective.
+
+    Args:
+        q: ``[..., S_q/P, ..., H_q, D]`` this rank's query shard (tail padding rows, if any, give rows the
+            caller drops).
+        k, v: ``[..., S_k, ..., H_kv, D]`` the *full* keys/values, identical on every SP rank (``S_k`` is
+            unrelated to ``S_q``; ``H_q % H_kv == 0``; v may have another head size).
+        attn_fn: ``attn_fn(q, k, v, **attn_kwargs)`` on these very tensors; it must be non-causal.
+    Returns:
+        ``attn_fn``'s output for the local queries.
+
+    Gradients: each rank's k/v gradient holds only its own queries' share; the full gradient is their sum over
+    the SP group (what data-parallel gradient reduction over the SP ranks computes for a trainable encoder).
+    """
+    seq_dim, head_dim = _norm_dim(q, seq_dim), _norm_dim(q, head_dim)
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v must have the same rank, got shapes {q.shape}, {k.shape}, {v.shape}")
+    if attn_kwargs.get("causal") or attn_kwargs.get("is_causal"):
+        raise ValueError(
+            "cross-attention under SP must be non-causal: the keys are not the queries' sequence"
+        )
+    other = [d for d in range(q.dim()) if d not in (seq_dim, head_dim)]
+    batch_like = [d for d in other if d != q.dim() - 1]  # the last dim is the head size, free for v
+    for t, name in ((k, "k"), (v, "v")):
+        if any(t.shape[d] != q.shape[d] for d in batch_like):
+            raise ValueError(
+                f"{name} {tuple(t.shape)} must match q {tuple(q.shape)} outside the sequence, head and "
+                f"head-size dims (seq_dim={seq_dim}, head_dim={head_dim})"
+            )
+    if k.shape[seq_dim] != v.shape[seq_dim] or k.shape[head_dim] != v.shape[head_dim]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have equal lengths and heads")
+    if k.shape[head_dim] < 1 or q.shape[head_dim] % k.shape[head_dim] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[head_dim]}) must be a multiple of KV heads ({k.shape[head_dim]})"
+        )
+    return attn_fn(q, k, v, **attn_kwargs)

@@ -2,6 +2,7 @@
 
 ``ATTENTION_FUNCTIONS`` maps each name to its function; `available_attention_functions` says which can run
 here. Importing this package imports no optional backend (flash-attn is imported on first call).
+`encoder_varlen_attention` is the packed ``[T, H, D]`` entry for bidirectional encoder towers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from veomni.kernels.attention.encoder import encoder_varlen_attention
 from veomni.kernels.attention.external import (
     available_attention_functions,
     flash_attn_2,
@@ -36,6 +38,7 @@ __all__ = [
     "AttentionFunction",
     "available_attention_functions",
     "eager_attention",
+    "encoder_varlen_attention",
     "flash_attn_2",
     "flash_attn_3",
     "flash_attn_4",

@@ -101,7 +101,7 @@ def varlen_attention(
     Args / Returns: the ``functions.py`` convention; out ``[B, S, Hq, D]`` in q's dtype (bf16/fp16 inputs).
     Raises ``RuntimeError`` when torch lacks the module, there is no GPU or the tensors are not on CUDA.
     """
-    check_qkv(q, k, v, cu_seqlens)
+    check_qkv(q, k, v, cu_seqlens, causal=causal)
     _require("varlen", q.device)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
@@ -112,6 +112,8 @@ def varlen_attention(
 
     batch, seq, heads_q = q.shape[:3]
     cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
+    # Unpacked cross-attention (Sk != S): B equal key segments of their own length.
+    cu_k, max_len_k = (cu, max_len) if k.shape[1] == seq else _packed_layout(k, None, None)
     params = _parameters(varlen.varlen_attn)
     kwargs: dict[str, Any] = {}
     # torch 2.10 spelled causality ``is_causal``; later releases use flash-style window_size (-1, 0).
@@ -130,7 +132,7 @@ def varlen_attention(
             k = k.repeat_interleave(heads_q // k.shape[2], dim=2)
             v = v.repeat_interleave(heads_q // v.shape[2], dim=2)
     out = varlen.varlen_attn(
-        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, max_len, max_len, **kwargs
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, max_len, max_len_k, **kwargs
     )
     return _first(out).unflatten(0, (batch, seq))
 
@@ -145,7 +147,7 @@ def _flash(
     max_seqlen: int | None,
     scale: float | None,
 ) -> torch.Tensor:
-    check_qkv(q, k, v, cu_seqlens)
+    check_qkv(q, k, v, cu_seqlens, causal=causal)
     _require(name, q.device)
     mod = importlib.import_module(_FLASH_MODULES[name][0])
     # FlashAttention maps query head h to KV head h // (Hq // Hkv): our GQA layout, no repeat needed.

@@ -5,6 +5,9 @@
 * ``q``: ``[B, S, Hq, D]``; ``k``, ``v``: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``. Grouped-query attention
   shares each KV head among *consecutive* query heads (query head ``h`` uses KV head ``h // (Hq // Hkv)``),
   the layout of HF's ``repeat_kv``.
+* Cross-attention: ``k``, ``v`` may have another length ``Sk`` (``[B, Sk, Hkv, D]``) when ``causal=False`` and
+  nothing is packed; every query attends to every key. Causal or packed attention needs ``Sk == S`` (a
+  bottom-right causal mask, as in KV-cache decoding, is not a training kernel's business).
 * Packed sequences: ``B == 1`` and ``cu_seqlens`` int32 ``[n + 1]`` (``0 = c_0 < ... < c_n = S``); token ``i``
   attends only to tokens of its own segment (and, if causal, not to later ones). ``max_seqlen`` is the
   longest segment; kernels that need it compute it (one host sync) when it is None.
@@ -31,17 +34,29 @@ if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+def check_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    causal: bool = False,
+) -> None:
     """Raise ``ValueError`` unless q/k/v/cu_seqlens follow the convention above (no host sync)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects [B, S, H, D] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"k and v must have equal shapes and share B, S and D with q: q {tuple(q.shape)}, "
+            f"k and v must have equal shapes and share B and D with q: q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[1] != q.shape[1] and (causal or cu_seqlens is not None):
+        raise ValueError(
+            f"keys ({k.shape[1]}) and queries ({q.shape[1]}) differ in length: cross-attention must be "
+            f"non-causal and unpacked, got causal={causal}, cu_seqlens {'given' if cu_seqlens is not None else None}"
         )
     if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
@@ -95,13 +110,13 @@ def eager_attention(
     """Reference attention: scores, softmax and weighted sum in fp32, materialising ``[B, Hq, S, S]``.
 
     Args:
-        q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]``; any float dtype.
+        q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (or ``[B, Sk, Hkv, D]``, non-causal); any float dtype.
         cu_seqlens: optional int32 ``[n + 1]`` segment offsets (B == 1); validated against S.
         max_seqlen: ignored (accepted for the common signature).
     Returns:
         ``[B, S, Hq, D]`` in q's dtype.
     """
-    check_qkv(q, k, v, cu_seqlens)
+    check_qkv(q, k, v, cu_seqlens, causal=causal)
     if cu_seqlens is not None:
         _check_cover(cu_seqlens, q.shape[1])
     groups = q.shape[2] // k.shape[2]
@@ -132,7 +147,7 @@ def sdpa_attention(
     Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype. A mask rules out
     the flash and cuDNN backends on CUDA, so packed sequences run on the memory-efficient or math backend.
     """
-    check_qkv(q, k, v, cu_seqlens)
+    check_qkv(q, k, v, cu_seqlens, causal=causal)
     # One segment tiles the whole row ([0, S] by the convention): plain (causal) attention, which keeps SDPA's
     # flash/cuDNN kernels -- the case of one long document per sequence (and per Ulysses group).
     packed = cu_seqlens is not None and cu_seqlens.numel() > 2
@@ -206,7 +221,7 @@ def flex_attention(
 
     Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype.
     """
-    check_qkv(q, k, v, cu_seqlens)
+    check_qkv(q, k, v, cu_seqlens, causal=causal)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.device.type == "cpu" and needs_grad:
         raise NotImplementedError(
