@@ -88,10 +88,12 @@ class ModelSection:
             raise RecipeError(
                 "model: give model.config (path or inline mapping) or model.weights; both are null"
             )
-        if isinstance(self.config, dict) and "model_type" not in self.config:
-            raise RecipeError(
-                f"model.config: an inline config needs a model_type key; found {sorted(self.config)}"
-            )
+        if isinstance(self.config, dict):
+            if "model_type" not in self.config:
+                raise RecipeError(
+                    f"model.config: an inline config needs a model_type key; found {sorted(self.config)}"
+                )
+            _check_inline_config(self.config)
         if self.param_dtype not in ("float32", self.dtype):
             raise RecipeError(
                 f"model.param_dtype: expected float32 or model.dtype ({self.dtype}), found {self.param_dtype} "
@@ -106,6 +108,18 @@ class ModelSection:
     def tokenizer_path(self) -> str:
         """The directory the tokenizer is loaded from."""
         return typing.cast(str, self.tokenizer if self.tokenizer is not None else self.weights)
+
+
+def _check_inline_config(config: dict) -> None:
+    # A key the config class does not read would be stored and ignored by transformers: the default model would
+    # train. Imported here, not at the top: reading a recipe should not import the modeling stack otherwise.
+    from veomni.models.registry import check_config_keys
+
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        check_config_keys(config["model_type"], values, "model.config")
+    except (ValueError, KeyError) as err:
+        raise RecipeError(str(err).strip("'\"")) from None
 
 
 @attrs.frozen(kw_only=True)
