@@ -2,8 +2,8 @@
 
 `export_hf` gathers an FSDP / EP sharded model one tensor at a time (every rank joins each gather; only the
 writer rank keeps the result, for as long as it takes to write it), converts it back to the layout
-transformers' ``save_pretrained`` writes (per-expert keys for Qwen3-MoE, chosen from the same conversion
-recipe the loader uses) and streams it into files whose headers were planned up front. `export_dcp_to_hf`
+transformers' ``save_pretrained`` writes (per-expert keys for Qwen3-MoE, ``visual.`` / ``model.`` for
+Qwen2-VL: the inverses of the conversion recipes the loader applies, sub-models included) and streams it into files whose headers were planned up front. `export_dcp_to_hf`
 does the same offline from a ``torch.distributed.checkpoint`` directory. The result loads with plain
 ``transformers.AutoModelForCausalLM.from_pretrained``; nothing veomni-specific is written.
 """
@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
-from veomni.models.converters import CheckpointConverter
+from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
+from veomni.models.key_transforms import unrename_key
 from veomni.models.loading.loader import DEFAULT_IGNORED_UNEXPECTED, CheckpointMismatchError, converters_for
 from veomni.models.loading.safetensors_io import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
@@ -82,17 +83,22 @@ def _natural(key: str) -> list:
 
 
 def _revert(
-    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter]
+    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter | KeyTransform]
 ) -> list[tuple[str, torch.Tensor]]:
-    for conv in converters:
+    # save_pretrained's order: at most one tensor converter (the last listed first), then every rename's
+    # inverse, last rename first, on each key it produced.
+    renames, tensor_converters = split_transforms(converters)
+    parts = None
+    for conv in reversed(tensor_converters):
         parts = conv.revert(key, tensor)
         if parts is not None:
-            return parts
-    return [(key, tensor)]
+            break
+    return [(unrename_key(name, renames), t) for name, t in (parts if parts is not None else [(key, tensor)])]
 
 
 def plan_layout(
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], converters: Sequence[CheckpointConverter]
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    converters: Sequence[CheckpointConverter | KeyTransform],
 ) -> list[LayoutItem]:
     """The checkpoint entries for ``{model key: (full shape, dtype)}``, in natural key order.
 
@@ -130,7 +136,7 @@ def write_checkpoint(
     out_dir: str | os.PathLike,
     items: list[LayoutItem],
     fetch: Callable[[str], torch.Tensor | None],
-    converters: Sequence[CheckpointConverter],
+    converters: Sequence[CheckpointConverter | KeyTransform],
     *,
     is_writer: bool,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -258,7 +264,7 @@ def export_hf(
     targets = model_targets(model)
     leaders = _leaders(model, targets)
     shapes = {k: (targets[k].full_shape, _out_dtype(targets[k].tensor.dtype, dtype)) for k in leaders}
-    converters = converters_for(model, targets)
+    converters = converters_for(model, targets, for_export=True)
     items = plan_layout(shapes, converters)
     distributed = dist.is_available() and dist.is_initialized()
     is_writer = not distributed or dist.get_rank() == 0
@@ -375,7 +381,7 @@ def export_dcp_to_hf(
     shapes = {
         k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen
     }
-    converters = converters_for(model, targets)
+    converters = converters_for(model, targets, for_export=True)
     items = plan_layout(shapes, converters)
 
     def fetch(key: str) -> torch.Tensor:
