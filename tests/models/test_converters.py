@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from transformers.core_model_loading import Concatenate, MergeModulelist
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightRenaming
 
 from veomni.models.conversion_recipes import UnsupportedTransform, select_converters
 from veomni.models.converters import (
@@ -300,3 +300,30 @@ def test_transforms_we_do_not_implement_guard_only_the_keys_they_touch():
 
 def test_selection_skips_recipes_the_model_has_no_parameter_for():
     assert select_converters({"model.norm.weight": (8,)}, model_type="qwen3_moe") == []
+
+
+def test_apply_converters_follows_from_pretrained_on_prefixes():
+    t = torch.zeros(2)
+    model_keys = {"model.layers.0.w", "model.norm.weight", "a.x"}
+    # A rename that leads away from the model is dropped when the original key is a model key.
+    away = KeyRename(WeightRenaming(r"^a\.", "b."), "test")
+    out, origin = apply_converters(
+        {"layers.0.w": t, "model.norm.weight": t, "a.x": t},
+        [away],
+        model_keys=model_keys,
+        base_model_prefix="model",
+    )
+    assert set(out) == model_keys  # `layers.0.w` (a base model's checkpoint) gets the base prefix
+    assert origin["model.layers.0.w"] == "layers.0.w"
+    # ... and a base model loads from a checkpoint of the model with a head (prefix dropped).
+    out, _ = apply_converters(
+        {"model.norm.weight": t}, [], model_keys={"norm.weight"}, base_model_prefix="model"
+    )
+    assert set(out) == {"norm.weight"}
+    # Without model_keys nothing is guessed.
+    assert set(apply_converters({"layers.0.w": t}, [away])[0]) == {"layers.0.w"}
+
+
+def test_converter_lists_must_hold_converters_or_key_transforms():
+    with pytest.raises(TypeError, match="neither a CheckpointConverter nor a KeyTransform"):
+        apply_converters({"x": torch.zeros(1)}, [object()])
