@@ -136,3 +136,23 @@ def test_a_missing_sub_model_says_its_weights_are_absent(composite, tmp_path):
     model = build_model(qwen2_vl_config(), ops=eager_ops(), task=TASK)
     with pytest.raises(CheckpointMismatchError, match=r"sub-model model.visual .*weights are absent"):
         load_weights(model, text_only)
+
+
+def test_the_text_model_loads_from_the_composite_checkpoint(composite):
+    # Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text) from the VLM's checkpoint: its root recipe drops the
+    # `language_model.` level (PrefixChange) and merges the experts; the class itself declares the vision
+    # tower's keys ignorable (`_keys_to_ignore_on_load_unexpected`).
+    from transformers import Qwen3_5MoeForCausalLM
+
+    path = composite["qwen3_5_moe"]
+    vlm = Qwen3_5MoeForConditionalGeneration.from_pretrained(path)
+    model = build_model(vlm.config.text_config, weights=path, ops=eager_ops())
+    assert isinstance(model, Qwen3_5MoeForCausalLM)
+    theirs = vlm.state_dict()
+    for key, value in model.state_dict().items():
+        source = key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
+        assert torch.equal(value, theirs[source]), key
+    report = load_weights(model, path)
+    assert report.ignored and all(k.startswith("model.visual.") for k in report.ignored)
+    assert report.sources["model.layers.0.mlp.experts.down_proj"].startswith("ExpertMergeConverter")
+    assert report.sources["model.norm.weight"] == "model.language_model.norm.weight"

@@ -113,7 +113,10 @@ def _check_model_type(model: nn.Module, files: CheckpointFiles) -> None:
     ours = getattr(getattr(model, "config", None), "model_type", None)
     if ckpt is None or ours is None or "model_type" not in ckpt:
         return
-    if ckpt["model_type"] != ours:
+    # A sub-model of a composite checkpoint (the text model of a VLM) is loaded from it, as transformers does;
+    # its recipe maps the keys (e.g. qwen3_5_text's PrefixChange) and the other towers' keys stay unexpected.
+    parts = [v.get("model_type") for v in ckpt.values() if isinstance(v, dict)]
+    if ckpt["model_type"] != ours and ours not in parts:
         raise WrongModelError(
             f"the checkpoint in {files.directory} is a {ckpt['model_type']!r} model "
             f"(architectures {ckpt.get('architectures')}), but the model being loaded is {ours!r} "
@@ -303,7 +306,8 @@ def load_weights(
             reads, broadcasts tensor by tensor; collective over ``group``).
         converters: checkpoint converters; None chooses them from transformers' recipe for the model.
         ignore_unexpected: extra regexes (``re.search``) of checkpoint keys to skip.
-        check_config: refuse a checkpoint whose ``config.json`` has another ``model_type``.
+        check_config: refuse a checkpoint whose ``config.json`` has another ``model_type`` (and no sub-config,
+            such as ``text_config``, of the model's type).
         group: the group of ``"rank0_broadcast"`` (default: the world).
     Returns:
         a `LoadReport`.
