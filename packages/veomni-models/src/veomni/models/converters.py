@@ -395,6 +395,11 @@ def apply_converters(
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     renames, tensor_converters = split_transforms(converters)
+    if renames:
+        # transformers renames keys in its natural order, and a few of its renames depend on it (GroupWeightRename).
+        from transformers.core_model_loading import dot_natural_key
+
+        items = sorted(items, key=lambda kv: dot_natural_key(kv[0]))
     out: dict[str, TensorLike] = {}
     origin: dict[str, str] = {}
     for key, tensor in items:

@@ -82,18 +82,24 @@ def _natural(key: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
 
 
-def _revert(
-    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter | KeyTransform]
+def _tensor_parts(
+    key: str, tensor: torch.Tensor, tensor_converters: Sequence[CheckpointConverter]
 ) -> list[tuple[str, torch.Tensor]]:
-    # save_pretrained's order: at most one tensor converter (the last listed first), then every rename's
-    # inverse, last rename first, on each key it produced.
-    renames, tensor_converters = split_transforms(converters)
-    parts = None
+    # save_pretrained applies at most one reversed tensor converter, trying the last listed first.
     for conv in reversed(tensor_converters):
         parts = conv.revert(key, tensor)
         if parts is not None:
-            break
-    return [(unrename_key(name, renames), t) for name, t in (parts if parts is not None else [(key, tensor)])]
+            return parts
+    return [(key, tensor)]
+
+
+def _revert(
+    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter | KeyTransform]
+) -> list[tuple[str, torch.Tensor]]:
+    # save_pretrained's order: the tensor converter, then every rename's inverse (last rename first) on each
+    # key it produced.
+    renames, tensor_converters = split_transforms(converters)
+    return [(unrename_key(name, renames), t) for name, t in _tensor_parts(key, tensor, tensor_converters)]
 
 
 def plan_layout(
@@ -159,6 +165,7 @@ def write_checkpoint(
         out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
+    _, tensor_converters = split_transforms(converters)
     for name, group in zip(names, groups, strict=True):
         entries = [part for item in group for part in item.parts]
         writer = SafetensorsStreamWriter(out / name, entries) if is_writer else None
@@ -167,7 +174,13 @@ def write_checkpoint(
             if writer is not None:
                 if full is None:
                     raise RuntimeError(f"export: the writer rank got no tensor for {item.key}")
-                for part_name, tensor in _revert(item.key, full, converters):
+                # Names come from the plan: renames run once per export (some of transformers' are stateful).
+                tensors = [t for _, t in _tensor_parts(item.key, full, tensor_converters)]
+                if len(tensors) != len(item.parts):
+                    raise RuntimeError(
+                        f"export: {item.key} split into {len(tensors)} tensors, planned {item.parts}"
+                    )
+                for (part_name, _, _), tensor in zip(item.parts, tensors, strict=True):
                     writer.write(part_name, tensor)
             del full
         if writer is not None:
