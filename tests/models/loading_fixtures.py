@@ -90,3 +90,71 @@ class Qwen3WithOpaqueBuffer(HFQwen3):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         self.register_buffer("opaque", torch.arange(4.0), persistent=False)
+
+
+def qwen2_vl_config():
+    """A tiny Qwen2-VL: 2 text layers, 2 vision blocks; hidden sizes distinct from the vision tower's."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2,
+            temporal_patch_size=2, in_channels=3,
+        ),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+
+
+def qwen3_5_moe_config(num_experts: int = 4):
+    """A tiny Qwen3.5-MoE VLM: one linear-attention and one full-attention MoE layer, a 1-block vision tower."""
+    from transformers import Qwen3_5MoeConfig
+
+    return Qwen3_5MoeConfig(
+        text_config=dict(
+            vocab_size=96, hidden_size=32, moe_intermediate_size=12, shared_expert_intermediate_size=16,
+            num_experts=num_experts, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"], bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+            spatial_merge_size=2, temporal_patch_size=2,
+        ),
+    )  # fmt: skip
+
+
+def save_composite(kind: str, path: str, seed: int = 0, max_shard_size: str | None = None) -> nn.Module:
+    """Build the upstream composite (``"qwen2_vl"`` / ``"qwen3_5_moe"``) with ``seed``; ``save_pretrained`` it.
+
+    transformers 5.23 writes both in their original Hub layout: Qwen2-VL as ``model.layers.*`` / ``visual.*``
+    (reverting its recipe's renames), Qwen3.5-MoE with per-expert keys under ``model.language_model.``.
+    """
+    from transformers import Qwen2VLForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+    cls, config = {
+        "qwen2_vl": (Qwen2VLForConditionalGeneration, qwen2_vl_config),
+        "qwen3_5_moe": (Qwen3_5MoeForConditionalGeneration, qwen3_5_moe_config),
+    }[kind]
+    torch.manual_seed(seed)
+    model = cls(config()).eval()
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **extra)
+    return model
+
+
+def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a (sharded) safetensors checkpoint directory, read with safetensors itself."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from transformers.core_model_loading import Concatenate, MergeModulelist
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightRenaming
 
 from veomni.models.conversion_recipes import UnsupportedTransform, select_converters
 from veomni.models.converters import (
@@ -21,6 +21,7 @@ from veomni.models.converters import (
     UnsupportedRecipeError,
     apply_converters,
 )
+from veomni.models.key_transforms import KeyRename
 from veomni.models.loading.lazy import Concatenated, InMemory, LazyTensor, Stacked, Transposed, full_region
 
 GATE_UP = ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight")
@@ -258,18 +259,71 @@ def test_selection_follows_the_upstream_recipe_not_the_family_name():
     assert select_converters(_shapes(), model_type="qwen3_5_moe") == []  # fused-direct: no converter
 
 
+def test_renames_run_before_the_merge_as_in_transformers():
+    # mixtral's recipe renames block_sparse_moe -> mlp, then merges w1/w3 and w2: an original checkpoint loads.
+    e, h, i = 4, 8, 3
+    convs = select_converters(_shapes(e, h, i), model_type="mixtral")
+    assert isinstance(convs[0], KeyRename) and "block_sparse_moe" in convs[0].description
+    g = torch.Generator().manual_seed(0)
+    original = {}
+    for x in range(e):
+        for w, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+            original[f"model.layers.0.block_sparse_moe.experts.{x}.{w}.weight"] = torch.randn(
+                shape, generator=g
+            )
+    out, origin = apply_converters(original, convs)
+    gate_up = out["model.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (e, 2 * i, h)
+    assert torch.equal(gate_up[2, :i], original["model.layers.0.block_sparse_moe.experts.2.w1.weight"])
+    assert torch.equal(gate_up[2, i:], original["model.layers.0.block_sparse_moe.experts.2.w3.weight"])
+    assert "ExpertMergeConverter" in origin["model.layers.0.mlp.experts.down_proj"]
+    # ... and a checkpoint already in the model's layout passes untouched.
+    ours = {k: torch.zeros(v) for k, v in _shapes(e, h, i).items()}
+    assert set(apply_converters(ours, select_converters(_shapes(e, h, i), model_type="mixtral"))[0]) == set(
+        ours
+    )
+
+
 def test_transforms_we_do_not_implement_guard_only_the_keys_they_touch():
-    # mixtral's recipe renames block_sparse_moe -> mlp before merging w1/w3/w2: original checkpoints are refused
-    # with the reason, a checkpoint already in the model's layout passes.
-    convs = select_converters(_shapes(), model_type="mixtral")
-    assert isinstance(convs[0], UnsupportedTransform) and "WeightRenaming" in convs[0].description
-    original = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": torch.zeros(3, 8)}
-    with pytest.raises(UnsupportedRecipeError, match="block_sparse_moe.*save_original_format=False"):
+    # bailing_hybrid concatenates q/k/v conv kernels (a Concatenate without a module-list merge): not ours.
+    shapes = {**_shapes(), "model.layers.0.self_attn.conv1d.weight": (6, 1, 4)}
+    convs = select_converters(shapes, model_type="bailing_hybrid")
+    guards = [c for c in convs if isinstance(c, UnsupportedTransform)]
+    assert len(guards) == 1 and "Concatenate" in guards[0].description
+    original = {"model.layers.0.self_attn.q_conv1d.weight": torch.zeros(2, 1, 4)}
+    with pytest.raises(UnsupportedRecipeError, match="q_conv1d.*bailing_hybrid.*save_original_format=False"):
         apply_converters(original, convs)
-    ours = {k: torch.zeros(v) for k, v in _shapes().items()}
-    out, _ = apply_converters(ours, select_converters(_shapes(), model_type="mixtral"))
+    ours = {k: torch.zeros(v) for k, v in shapes.items()}
+    out, _ = apply_converters(ours, select_converters(shapes, model_type="bailing_hybrid"))
     assert set(out) == set(ours)
 
 
 def test_selection_skips_recipes_the_model_has_no_parameter_for():
     assert select_converters({"model.norm.weight": (8,)}, model_type="qwen3_moe") == []
+
+
+def test_apply_converters_follows_from_pretrained_on_prefixes():
+    t = torch.zeros(2)
+    model_keys = {"model.layers.0.w", "model.norm.weight", "a.x"}
+    # A rename that leads away from the model is dropped when the original key is a model key.
+    away = KeyRename(WeightRenaming(r"^a\.", "b."), "test")
+    out, origin = apply_converters(
+        {"layers.0.w": t, "model.norm.weight": t, "a.x": t},
+        [away],
+        model_keys=model_keys,
+        base_model_prefix="model",
+    )
+    assert set(out) == model_keys  # `layers.0.w` (a base model's checkpoint) gets the base prefix
+    assert origin["model.layers.0.w"] == "layers.0.w"
+    # ... and a base model loads from a checkpoint of the model with a head (prefix dropped).
+    out, _ = apply_converters(
+        {"model.norm.weight": t}, [], model_keys={"norm.weight"}, base_model_prefix="model"
+    )
+    assert set(out) == {"norm.weight"}
+    # Without model_keys nothing is guessed.
+    assert set(apply_converters({"layers.0.w": t}, [away])[0]) == {"layers.0.w"}
+
+
+def test_converter_lists_must_hold_converters_or_key_transforms():
+    with pytest.raises(TypeError, match="neither a CheckpointConverter nor a KeyTransform"):
+        apply_converters({"x": torch.zeros(1)}, [object()])

@@ -271,3 +271,15 @@ def _init_on_shards(ctx) -> bool:
 
 def test_init_without_weights_on_fsdp_and_ep_shards(dist_pools):
     assert all(dist_pools.get(2).run(_init_on_shards))
+
+
+def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+    # As from_pretrained: Qwen3Model's keys (`layers.*`, no `model.` prefix) fill Qwen3ForCausalLM; the tied
+    # lm_head follows the embedding.
+    from transformers import Qwen3Model
+
+    torch.manual_seed(7)
+    Qwen3Model(dense_config(tie=True)).save_pretrained(tmp_path)
+    model = build_model(dense_config(tie=True), weights=tmp_path, ops=eager_ops())
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
@@ -328,42 +328,107 @@ class FusedTransposeConverter:
         return [(name, tensor.transpose(*self.dims).contiguous() if self.transpose_on_export else tensor)]
 
 
+@runtime_checkable
+class KeyTransform(Protocol):
+    """A key-only transform (`veomni.models.key_transforms.KeyRename`): renames checkpoint keys on load and
+    model keys back on export; no tensor is touched."""
+
+    def apply(self, key: str) -> str:
+        """The checkpoint key after this transform (unchanged when it does not fire)."""
+        ...
+
+    def revert(self, key: str) -> str:
+        """The checkpoint key a (renamed) model key is written as."""
+        ...
+
+
+def split_transforms(
+    converters: Sequence[CheckpointConverter | KeyTransform],
+) -> tuple[list[KeyTransform], list[CheckpointConverter]]:
+    """``(key renames, tensor converters)`` of a converter list, each in its original order."""
+    renames, tensor_converters = [], []
+    for conv in converters:
+        if isinstance(conv, CheckpointConverter):
+            tensor_converters.append(conv)
+        elif isinstance(conv, KeyTransform):
+            renames.append(conv)
+        else:
+            raise TypeError(f"{conv!r} is neither a CheckpointConverter nor a KeyTransform")
+    return renames, tensor_converters
+
+
+def _prefix_fix(name: str, model_keys: Collection[str] | None, base: str | None) -> str:
+    # transformers loads a model with a head from its base model's checkpoint and the other way round by
+    # adding / dropping the base model prefix when that, and only that, names a model key.
+    if model_keys is None or not base or name in model_keys:
+        return name
+    dot = base + "."
+    if name.startswith(dot) and name[len(dot) :] in model_keys:
+        return name[len(dot) :]
+    return dot + name if dot + name in model_keys else name
+
+
 def apply_converters(
     tensors: Mapping[str, TensorLike] | Sequence[tuple[str, TensorLike]],
-    converters: Sequence[CheckpointConverter],
+    converters: Sequence[CheckpointConverter | KeyTransform],
+    *,
+    model_keys: Collection[str] | None = None,
+    base_model_prefix: str | None = None,
 ) -> tuple[dict[str, TensorLike], dict[str, str]]:
-    """Run checkpoint tensors through ``converters`` (the first that can handle a key takes it).
+    """Run checkpoint tensors through ``converters``, in transformers' order.
+
+    Each key goes through every key rename in turn, then to the first tensor converter that can handle the
+    renamed key (others pass through). Given ``model_keys``, a rename that leads away from the model while the
+    original key is one of its keys is dropped, and ``base_model_prefix`` is added or removed where that names
+    a model key, as ``from_pretrained`` does.
 
     Args:
         tensors: checkpoint ``(key, tensor)`` pairs (or a mapping), in any order.
-        converters: fresh converters (they keep state); each is finalized at the end.
+        converters: fresh converters and key renames (converters keep state); each is finalized at the end.
+        model_keys: the model's keys (enables the two rules above).
+        base_model_prefix: the model's ``base_model_prefix``.
     Returns:
-        ``(by model key: tensor, by model key: the checkpoint key or "<n keys merged>" it came from)``.
+        ``(by model key: tensor, by model key: the checkpoint key or "<converter> (completed by <key>)")``.
     Raises:
         ValueError: two checkpoint entries produce the same model key (e.g. both per-expert and fused copies
             of one layer); whatever the converters raise (shape errors, `IncompleteCheckpointError`).
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    renames, tensor_converters = split_transforms(converters)
+    if renames:
+        # transformers renames keys in its natural order, and a few of its renames depend on it (GroupWeightRename).
+        from transformers.core_model_loading import dot_natural_key
+
+        items = sorted(items, key=lambda kv: dot_natural_key(kv[0]))
     out: dict[str, TensorLike] = {}
     origin: dict[str, str] = {}
     for key, tensor in items:
-        conv = next((c for c in converters if c.can_handle(key)), None)
+        renamed = key
+        for rename in renames:
+            renamed = rename.apply(renamed)
+        conv = next((c for c in tensor_converters if c.can_handle(renamed)), None)
         if conv is None:
-            result: Converted | _Buffering = Converted(key, tensor)
+            if model_keys is not None and renamed not in model_keys and key in model_keys:
+                renamed = key
+            result: Converted | _Buffering = Converted(renamed, tensor)
+            source = key
         else:
-            result = conv.convert(key, tensor)
+            result = conv.convert(renamed, tensor)
             if result is BUFFERING:
                 continue
-        assert isinstance(result, Converted)
-        source = key if result.name == key else f"{type(conv).__name__} (completed by {key})"
-        if result.name in out:
-            raise ValueError(
-                f"the checkpoint provides {result.name!r} twice: from {origin[result.name]} and from {source}"
+            source = (
+                key
+                if result.name == renamed
+                else f"{type(getattr(conv, 'inner', conv)).__name__} (completed by {key})"
             )
-        out[result.name] = result.tensor
-        origin[result.name] = source
+        assert isinstance(result, Converted)
+        name = _prefix_fix(result.name, model_keys, base_model_prefix)
+        if name in out:
+            raise ValueError(f"the checkpoint provides {name!r} twice: from {origin[name]} and from {source}")
+        out[name] = result.tensor
+        origin[name] = source
     problems = []
-    for conv in converters:  # finalize all, so one error lists every incomplete layer
+    for conv in tensor_converters:  # finalize all, so one error lists every incomplete layer
         try:
             conv.finalize()
         except IncompleteCheckpointError as err:

@@ -2,8 +2,8 @@
 
 `export_hf` gathers an FSDP / EP sharded model one tensor at a time (every rank joins each gather; only the
 writer rank keeps the result, for as long as it takes to write it), converts it back to the layout
-transformers' ``save_pretrained`` writes (per-expert keys for Qwen3-MoE, chosen from the same conversion
-recipe the loader uses) and streams it into files whose headers were planned up front. `export_dcp_to_hf`
+transformers' ``save_pretrained`` writes (per-expert keys for Qwen3-MoE, ``visual.`` / ``model.`` for
+Qwen2-VL: the inverses of the conversion recipes the loader applies, sub-models included) and streams it into files whose headers were planned up front. `export_dcp_to_hf`
 does the same offline from a ``torch.distributed.checkpoint`` directory. The result loads with plain
 ``transformers.AutoModelForCausalLM.from_pretrained``; nothing veomni-specific is written.
 """
@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
-from veomni.models.converters import CheckpointConverter
+from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
+from veomni.models.key_transforms import unrename_key
 from veomni.models.loading.loader import DEFAULT_IGNORED_UNEXPECTED, CheckpointMismatchError, converters_for
 from veomni.models.loading.safetensors_io import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
@@ -81,18 +82,29 @@ def _natural(key: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
 
 
-def _revert(
-    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter]
+def _tensor_parts(
+    key: str, tensor: torch.Tensor, tensor_converters: Sequence[CheckpointConverter]
 ) -> list[tuple[str, torch.Tensor]]:
-    for conv in converters:
+    # save_pretrained applies at most one reversed tensor converter, trying the last listed first.
+    for conv in reversed(tensor_converters):
         parts = conv.revert(key, tensor)
         if parts is not None:
             return parts
     return [(key, tensor)]
 
 
+def _revert(
+    key: str, tensor: torch.Tensor, converters: Sequence[CheckpointConverter | KeyTransform]
+) -> list[tuple[str, torch.Tensor]]:
+    # save_pretrained's order: the tensor converter, then every rename's inverse (last rename first) on each
+    # key it produced.
+    renames, tensor_converters = split_transforms(converters)
+    return [(unrename_key(name, renames), t) for name, t in _tensor_parts(key, tensor, tensor_converters)]
+
+
 def plan_layout(
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], converters: Sequence[CheckpointConverter]
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    converters: Sequence[CheckpointConverter | KeyTransform],
 ) -> list[LayoutItem]:
     """The checkpoint entries for ``{model key: (full shape, dtype)}``, in natural key order.
 
@@ -130,7 +142,7 @@ def write_checkpoint(
     out_dir: str | os.PathLike,
     items: list[LayoutItem],
     fetch: Callable[[str], torch.Tensor | None],
-    converters: Sequence[CheckpointConverter],
+    converters: Sequence[CheckpointConverter | KeyTransform],
     *,
     is_writer: bool,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -153,6 +165,7 @@ def write_checkpoint(
         out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
+    _, tensor_converters = split_transforms(converters)
     for name, group in zip(names, groups, strict=True):
         entries = [part for item in group for part in item.parts]
         writer = SafetensorsStreamWriter(out / name, entries) if is_writer else None
@@ -161,7 +174,13 @@ def write_checkpoint(
             if writer is not None:
                 if full is None:
                     raise RuntimeError(f"export: the writer rank got no tensor for {item.key}")
-                for part_name, tensor in _revert(item.key, full, converters):
+                # Names come from the plan: renames run once per export (some of transformers' are stateful).
+                tensors = [t for _, t in _tensor_parts(item.key, full, tensor_converters)]
+                if len(tensors) != len(item.parts):
+                    raise RuntimeError(
+                        f"export: {item.key} split into {len(tensors)} tensors, planned {item.parts}"
+                    )
+                for (part_name, _, _), tensor in zip(item.parts, tensors, strict=True):
                     writer.write(part_name, tensor)
             del full
         if writer is not None:
@@ -258,7 +277,7 @@ def export_hf(
     targets = model_targets(model)
     leaders = _leaders(model, targets)
     shapes = {k: (targets[k].full_shape, _out_dtype(targets[k].tensor.dtype, dtype)) for k in leaders}
-    converters = converters_for(model, targets)
+    converters = converters_for(model, targets, for_export=True)
     items = plan_layout(shapes, converters)
     distributed = dist.is_available() and dist.is_initialized()
     is_writer = not distributed or dist.get_rank() == 0
@@ -375,7 +394,7 @@ def export_dcp_to_hf(
     shapes = {
         k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen
     }
-    converters = converters_for(model, targets)
+    converters = converters_for(model, targets, for_export=True)
     items = plan_layout(shapes, converters)
 
     def fetch(key: str) -> torch.Tensor:

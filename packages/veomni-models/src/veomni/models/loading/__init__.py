@@ -12,11 +12,12 @@ from veomni.models.loading.loader import (
     converters_for,
     load_weights,
 )
-from veomni.models.loading.safetensors_io import CheckpointFiles, SafetensorsStreamWriter
+from veomni.models.loading.safetensors_io import CheckpointFileError, CheckpointFiles, SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, model_targets, tie_groups
 
 __all__ = [
     "DEFAULT_IGNORED_UNEXPECTED",
+    "CheckpointFileError",
     "CheckpointFiles",
     "CheckpointMismatchError",
     "LazyTensor",

@@ -26,15 +26,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.models.conversion_recipes import select_converters
+from veomni.models.conversion_recipes import model_converters
 from veomni.models.converters import (
     CheckpointConverter,
     IncompleteCheckpointError,
+    KeyTransform,
     UnsupportedRecipeError,
     apply_converters,
 )
+from veomni.models.loading.diagnosis import submodel_diagnosis
 from veomni.models.loading.lazy import LazyTensor, TensorLike, as_lazy, shape_of
-from veomni.models.loading.safetensors_io import CheckpointFiles
+from veomni.models.loading.safetensors_io import CheckpointFileError, CheckpointFiles
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
 
 logger = logging.getLogger(__name__)
@@ -95,17 +97,15 @@ class _Plan:
     ignored: list[str]
 
 
-def converters_for(model: nn.Module, targets: dict[str, Target] | None = None) -> list[CheckpointConverter]:
-    """Fresh converters for ``model``, chosen from transformers' recipe for its class / ``model_type``."""
-    config = getattr(model, "config", None)
-    if config is None:
+def converters_for(
+    model: nn.Module, targets: dict[str, Target] | None = None, *, for_export: bool = False
+) -> list[CheckpointConverter | KeyTransform]:
+    """Fresh converters and key renames for ``model``, from transformers' recipes for it and its sub-models
+    (see `veomni.models.conversion_recipes.model_converters`; ``for_export`` picks what export reverts)."""
+    if getattr(model, "config", None) is None:
         return []
     targets = model_targets(model) if targets is None else targets
-    return select_converters(
-        {k: t.full_shape for k, t in targets.items()},
-        model_type=getattr(config, "model_type", None),
-        class_name=unwrapped_class(model).__name__,
-    )
+    return model_converters(model, {k: t.full_shape for k, t in targets.items()}, for_export=for_export)
 
 
 def _check_model_type(model: nn.Module, files: CheckpointFiles) -> None:
@@ -113,7 +113,10 @@ def _check_model_type(model: nn.Module, files: CheckpointFiles) -> None:
     ours = getattr(getattr(model, "config", None), "model_type", None)
     if ckpt is None or ours is None or "model_type" not in ckpt:
         return
-    if ckpt["model_type"] != ours:
+    # A sub-model of a composite checkpoint (the text model of a VLM) is loaded from it, as transformers does;
+    # its recipe maps the keys (e.g. qwen3_5_text's PrefixChange) and the other towers' keys stay unexpected.
+    parts = [v.get("model_type") for v in ckpt.values() if isinstance(v, dict)]
+    if ckpt["model_type"] != ours and ours not in parts:
         raise WrongModelError(
             f"the checkpoint in {files.directory} is a {ckpt['model_type']!r} model "
             f"(architectures {ckpt.get('architectures')}), but the model being loaded is {ours!r} "
@@ -134,14 +137,19 @@ def _make_plan(
     model: nn.Module,
     files: CheckpointFiles,
     targets: dict[str, Target],
-    converters: Sequence[CheckpointConverter] | None,
+    converters: Sequence[CheckpointConverter | KeyTransform] | None,
     ignore: list[re.Pattern[str]],
     check_config: bool,
 ) -> _Plan:
     if check_config:
         _check_model_type(model, files)
     convs = converters_for(model, targets) if converters is None else list(converters)
-    tensors, origin = apply_converters(files.tensors.items(), convs)
+    tensors, origin = apply_converters(
+        files.tensors.items(),
+        convs,
+        model_keys=targets,
+        base_model_prefix=getattr(model, "base_model_prefix", None) or None,
+    )
     groups, missing, mismatched = [], [], []
     for keys in tie_groups(model, targets):
         present = [k for k in keys if k in tensors]
@@ -156,10 +164,12 @@ def _make_plan(
     unexpected = [k for k in extra if k not in ignored]
     if missing or unexpected or mismatched:
         lines = [f"the checkpoint in {files.directory} does not match {unwrapped_class(model).__name__}:"]
+        lines += submodel_diagnosis(model, targets, tensors, origin, unexpected, convs)
         if missing:
             lines.append(f"  missing keys ({len(missing)}): {missing}")
         if unexpected:
-            lines.append(f"  unexpected keys ({len(unexpected)}): {unexpected}")
+            named = [k if origin.get(k, k) == k else f"{k} (checkpoint key {origin[k]})" for k in unexpected]
+            lines.append(f"  unexpected keys ({len(unexpected)}): {named}")
         for key, want, got in mismatched:
             lines.append(f"  {key}: the model expects shape {list(want)}, the checkpoint has {list(got)}")
         if unexpected:
@@ -201,6 +211,7 @@ _REMOTE_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         CheckpointMismatchError,
+        CheckpointFileError,
         WrongModelError,
         IncompleteCheckpointError,
         UnsupportedRecipeError,
@@ -277,7 +288,7 @@ def load_weights(
     weights: str | os.PathLike,
     *,
     mode: str = "sharded",
-    converters: Sequence[CheckpointConverter] | None = None,
+    converters: Sequence[CheckpointConverter | KeyTransform] | None = None,
     ignore_unexpected: Sequence[str] = (),
     check_config: bool = True,
     group: dist.ProcessGroup | None = None,
@@ -295,7 +306,8 @@ def load_weights(
             reads, broadcasts tensor by tensor; collective over ``group``).
         converters: checkpoint converters; None chooses them from transformers' recipe for the model.
         ignore_unexpected: extra regexes (``re.search``) of checkpoint keys to skip.
-        check_config: refuse a checkpoint whose ``config.json`` has another ``model_type``.
+        check_config: refuse a checkpoint whose ``config.json`` has another ``model_type`` (and no sub-config,
+            such as ``text_config``, of the model's type).
         group: the group of ``"rank0_broadcast"`` (default: the world).
     Returns:
         a `LoadReport`.

@@ -1,7 +1,8 @@
 """Safetensors checkpoints on disk: resolving and reading (headers first, data by region) and streaming writes.
 
-Reading: `CheckpointFiles` opens one file or a sharded index (``model.safetensors.index.json``), reads only
-the headers, and hands out `FileTensor`s; data is read when a region of one is asked for, and the bytes read
+Reading: `CheckpointFiles` opens one file or a sharded index (``model.safetensors.index.json``, or diffusers'
+``diffusion_pytorch_model.safetensors.index.json``), checks that each file is complete, reads only the
+headers, and hands out `FileTensor`s; data is read when a region of one is asked for, and the bytes read
 are counted. Writing: `SafetensorsStreamWriter` writes a file whose header is planned up front (names, shapes,
 dtypes), so tensors can be written one by one and dropped; nothing but the current tensor is held in memory.
 """
@@ -22,6 +23,8 @@ from veomni.models.loading.lazy import FileTensor
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
+# The file name stems of a checkpoint's weights, as transformers and diffusers write them.
+WEIGHT_PREFIXES = ("model", "diffusion_pytorch_model")
 
 # safetensors' dtype names (the header's "dtype" field) and torch's.
 DTYPES: dict[str, torch.dtype] = {
@@ -41,42 +44,113 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint file is unreadable: a truncated or corrupt safetensors file, a malformed index."""
+
+
+def _find_in_directory(p: Path) -> Path:
+    # transformers' names first, then diffusers'; a directory holding both kinds is ambiguous.
+    found = {
+        prefix: [
+            p / n for n in (f"{prefix}.safetensors", f"{prefix}.safetensors.index.json") if (p / n).is_file()
+        ]
+        for prefix in WEIGHT_PREFIXES
+    }
+    kinds = [prefix for prefix, files in found.items() if files]
+    if len(kinds) > 1:
+        both = sorted(f.name for files in found.values() for f in files)
+        raise CheckpointFileError(
+            f"{p} holds both a transformers and a diffusers checkpoint ({both}); pass the file or index to load"
+        )
+    if kinds:
+        return found[kinds[0]][0]
+    names = sorted(x.name for x in p.iterdir())
+    hint = ""
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        hint = " (PyTorch pickle checkpoints are not read: convert them to safetensors first)"
+    expected = [f"{prefix}.safetensors[.index.json]" for prefix in WEIGHT_PREFIXES]
+    raise FileNotFoundError(f"no {' or '.join(expected)} in {p}{hint}; the directory holds {names[:20]}")
+
+
+def _read_index(p: Path) -> dict[str, Path]:
+    try:
+        index = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointFileError(f"the checkpoint index {p} is not valid JSON ({err})") from None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        found = sorted(index) if isinstance(index, dict) else type(index).__name__
+        raise CheckpointFileError(
+            f"the checkpoint index {p} has no 'weight_map' object (key -> shard file name); it holds {found}"
+        )
+    bad = [k for k, v in index["weight_map"].items() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointFileError(f"the checkpoint index {p}: 'weight_map' entries {bad[:8]} name no file")
+    weight_map = {key: p.parent / name for key, name in index["weight_map"].items()}
+    missing = sorted({f.name for f in weight_map.values() if not f.is_file()})
+    if missing:
+        raise FileNotFoundError(f"the checkpoint index {p} names shard files that do not exist: {missing}")
+    return weight_map
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Raise `CheckpointFileError` naming ``path`` unless its header parses and its data is all there.
+
+    Reads the header only. safetensors itself reports a truncated file without naming it.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointFileError(f"{path} is truncated: {size} bytes, not even the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise CheckpointFileError(
+                f"{path} is truncated: its header needs bytes 8..{8 + n}, the file has {size} bytes"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointFileError(
+            f"{path} is not a safetensors file: its header is not JSON ({err})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointFileError(f"{path} is not a safetensors file: its header is not a JSON object")
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets", ())) == 2
+    ]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise CheckpointFileError(
+            f"{path} is truncated: its header describes {need} bytes of tensors, the file has {size} bytes"
+        )
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, list[Path], dict[str, Path] | None]:
     """Find the safetensors files of a checkpoint.
 
     Args:
         path: a ``.safetensors`` file, an index ``.json`` file, or a directory holding ``model.safetensors``
-            or ``model.safetensors.index.json`` (checked in that order, as transformers does).
+            or ``model.safetensors.index.json`` (checked in that order, as transformers does), or their
+            diffusers counterparts ``diffusion_pytorch_model.safetensors[.index.json]``.
     Returns:
         ``(directory, files, weight_map)``; ``weight_map`` (key -> file) is None for a single file.
+    Raises:
+        FileNotFoundError: nothing to load, or an index naming shards that do not exist.
+        CheckpointFileError: a malformed index (not JSON, no ``weight_map``).
     """
     p = Path(path)
     if p.is_dir():
-        if (p / SAFE_WEIGHTS_NAME).is_file():
-            return p, [p / SAFE_WEIGHTS_NAME], None
-        if (p / SAFE_INDEX_NAME).is_file():
-            p = p / SAFE_INDEX_NAME
-        else:
-            found = sorted(x.name for x in p.iterdir())
-            hint = ""
-            if any(n.endswith((".bin", ".pt", ".pth")) for n in found):
-                hint = " (PyTorch pickle checkpoints are not read: convert them to safetensors first)"
-            raise FileNotFoundError(
-                f"no {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME} in {p}{hint}; the directory holds {found[:20]}"
-            )
+        p = _find_in_directory(p)
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint {p} does not exist")
     if p.suffix == ".safetensors":
         return p.parent, [p], None
     if p.suffix != ".json":
         raise ValueError(f"checkpoint {p}: expected a .safetensors file, an index .json or a directory")
-    index = json.loads(p.read_text())
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        raise ValueError(f"{p} is not a safetensors index: it has no 'weight_map' object")
-    weight_map = {key: p.parent / name for key, name in index["weight_map"].items()}
-    missing = sorted({str(f) for f in weight_map.values() if not f.is_file()})
-    if missing:
-        raise FileNotFoundError(f"{p} names shard files that do not exist: {missing}")
+    weight_map = _read_index(p)
     return p.parent, sorted(set(weight_map.values())), weight_map
 
 
@@ -103,8 +177,8 @@ class CheckpointFiles(contextlib.AbstractContextManager):
                     listed = {k for k, f in weight_map.items() if f == file}
                     absent = sorted(listed - set(keys))
                     if absent:
-                        raise ValueError(
-                            f"the index lists {absent[:8]} in {file.name}, which does not hold them"
+                        raise CheckpointFileError(
+                            f"the checkpoint index lists {absent[:8]} in {file}, which does not hold them"
                         )
                     keys = [k for k in keys if k in listed]
                 for key in keys:
@@ -129,9 +203,12 @@ class CheckpointFiles(contextlib.AbstractContextManager):
 
     def _open(self, file: Path) -> object:
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(
-                safe_open(str(file), framework="pt", device="cpu")
-            )
+            check_safetensors_file(file)
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as err:  # noqa: BLE001 - safetensors' own errors do not name the file
+                raise CheckpointFileError(f"{file} cannot be read as safetensors: {err}") from None
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def _count(self, nbytes: int) -> None:
