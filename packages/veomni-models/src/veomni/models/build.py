@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 
 from veomni.core.ep.plan import ExpertPlan
+from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig
@@ -137,6 +138,7 @@ def build_model(
     device: str | torch.device | None = None,
     registry: ModelRegistry | None = None,
     backend: str = "veomni",
+    freeze: Sequence[str] = (),
 ) -> PreTrainedModel:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
@@ -165,6 +167,8 @@ def build_model(
             that trains transformers' own Auto class for ``task``, unpatched, even for a registered model type:
             no veomni kernels, no veomni attention (so no Ulysses SP or packed varlen), no expert parallelism;
             FSDP2 only. A warning names what is off.
+        freeze: module-name globs (`veomni.core.freeze.freeze_modules`) whose parameters are frozen before
+            FSDP2 wraps the model: no gradient, no reduction; a pattern matching nothing is an error.
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
@@ -191,6 +195,9 @@ def build_model(
         model = resolved.cls._from_config(config, dtype=dtype)
     # post_init ties inside init_weights, which no_init_weights skipped.
     model.tie_weights()
+    if freeze:
+        frozen = freeze_modules(model, freeze, where="build_model(freeze=...)")
+        logger.info("build_model: froze %d parameter tensors of %s", len(frozen), freeze)
     if not on_meta and parallel_state is None:
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":

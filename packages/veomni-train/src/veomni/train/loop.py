@@ -164,26 +164,25 @@ def build_recipe_model(
     cast). ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
-    task = TASKS[recipe.model.task].model_task
     if state.dims.world_size == 1 and dtype == param_dtype:
         # One rank and nothing to cast: FSDP2 would only add per-block hooks and parameter copies (42% of the
         # step time of Qwen3-1.7B on one H100, docs/benchmarks.md), so the model stays a plain module.
         log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
-        model = build_model(
-            config, weights=recipe.model.weights, ops=ops, dtype=param_dtype, device=device, task=task
-        )
+        model = build_model(config, dtype=param_dtype, device=device, **_build_args(recipe, ops))
         if policy.activation_checkpointing:
             apply_activation_checkpointing(model, policy.block_patterns)
         return model
     return build_model(
-        config,
-        weights=recipe.model.weights,
-        ops=ops,
-        parallel_state=state,
-        dtype=param_dtype,
-        fsdp_policy=policy,
-        task=task,
+        config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
     )
+
+
+def _build_args(recipe: Recipe, ops: Any) -> dict[str, Any]:
+    hf = recipe.model.backend == "hf"
+    return {
+        "weights": recipe.model.weights, "ops": None if hf else ops, "backend": recipe.model.backend,
+        "task": TASKS[recipe.model.task].model_task, "freeze": recipe.model.freeze,
+    }  # fmt: skip
 
 
 def hand_aux_loss_to_loop(model: nn.Module) -> None:
@@ -211,6 +210,13 @@ def build_run(recipe: Recipe) -> Run:
     config = model_config(recipe)
     check_vocab(tokenizer, config, recipe.model.tokenizer_path)
     check_sp_heads(config, state.dims.sp)
+    # backend=hf binds no kernels: the ops section must then stay unset rather than be silently ignored.
+    if recipe.model.backend == "hf" and any(v is not None for v in attrs.asdict(recipe.ops).values()):
+        raise ValueError(
+            "model.backend=hf trains transformers' own model without veomni kernels, but ops sets "
+            f"{ {k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None} }; remove them or use "
+            "model.backend=veomni"
+        )
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     topology = DataTopology.from_parallel_state(state)
     # Tokenising the index is split over all ranks (each then holds the whole index).
@@ -228,7 +234,7 @@ def build_run(recipe: Recipe) -> Run:
     hand_aux_loss_to_loop(model)
     optimizer = build_adamw(
         model, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
-        weight_decay=recipe.optim.weight_decay,
+        weight_decay=recipe.optim.weight_decay, lr_multipliers=recipe.optim.lr_multipliers,
     )  # fmt: skip
     schedule = Schedule(
         kind=recipe.optim.schedule, warmup_steps=recipe.optim.warmup_steps, total_steps=steps,

@@ -1,20 +1,28 @@
-"""AdamW with one parameter group per (device mesh, weight-decay) pair, and the learning-rate schedules.
+"""AdamW with one parameter group per (device mesh, weight decay, lr multiplier), and the learning-rate schedules.
 
 FSDP2 makes every parameter a DTensor on its mesh: dense parameters on the FSDP mesh, EP experts on the
 ``ep_fsdp`` mesh. Fused/foreach AdamW kernels batch tensors of a group together, and DTensor refuses to mix
 meshes in one multi-tensor op, so each mesh gets its own groups. Norm weights, biases and other 1-D tensors are
-not decayed.
+not decayed. Frozen parameters (``requires_grad=False``) are left out.
+
+Learning-rate multipliers (``optim.lr_multipliers``, e.g. ``{"model.visual": 0.1}``) are keyed by
+`veomni.core.fqn` globs of module or parameter names; a parameter takes the multiplier of the deepest name on its
+path that a pattern matches (its own name first, then its module, its parent module, ...). The schedule scales
+every group alike, so a group's lr is always ``multiplier x`` the scheduled lr.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+
+from veomni.core.fqn import fqn_matches
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -26,33 +34,83 @@ def _mesh_key(param: torch.Tensor) -> tuple:
     return (param.device.type, (), ())
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Trainable parameters grouped by (mesh, decayed or not), in a deterministic order.
+def lr_multiplier(name: str, multipliers: Mapping[str, float]) -> float:
+    """The multiplier of parameter ``name``: the pattern matching the deepest name on its path, else 1.0.
 
+    Raises:
+        ValueError: two patterns with different multipliers match the same name.
+    """
+    parts = name.split(".")
+    for depth in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:depth])
+        hits = {pattern: m for pattern, m in multipliers.items() if fqn_matches(pattern, prefix)}
+        if len(set(hits.values())) > 1:
+            raise ValueError(
+                f"optim.lr_multipliers: {sorted(hits)} all match {prefix!r} with different values"
+            )
+        if hits:
+            return next(iter(hits.values()))
+    return 1.0
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, lr: float | None = None, lr_multipliers: Mapping[str, float] = {}
+) -> list[dict]:
+    """Trainable parameters grouped by (mesh, decayed or not, lr multiplier), in a deterministic order.
+
+    Args:
+        lr: the peak lr; with it each group gets ``lr * multiplier`` (without it, groups carry no lr).
+        lr_multipliers: see the module docstring; a pattern matching no trainable parameter is an error.
     Returns:
-        ``[{"params": [...], "weight_decay": wd, "names": [...]}, ...]``; ``names`` is kept for logging.
+        ``[{"params": [...], "weight_decay": wd, "names": [...], "lr_multiplier": m (, "lr")}, ...]``;
+        ``names`` is kept for logging.
     """
     groups: dict[tuple, dict] = {}
+    used: set[str] = set()
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decay = param.dim() >= 2
-        key = (_mesh_key(param), decay)
+        scale = lr_multiplier(name, lr_multipliers) if lr_multipliers else 1.0
+        parts = name.split(".")
+        used |= {
+            p for p in lr_multipliers for d in range(1, len(parts) + 1) if fqn_matches(p, ".".join(parts[:d]))
+        }
+        key = (_mesh_key(param), decay, scale)
         group = groups.setdefault(
-            key, {"params": [], "names": [], "weight_decay": weight_decay if decay else 0.0}
+            key,
+            {
+                "params": [],
+                "names": [],
+                "weight_decay": weight_decay if decay else 0.0,
+                "lr_multiplier": scale,
+            },
         )
+        if lr is not None:
+            group["lr"] = lr * scale
         group["params"].append(param)
         group["names"].append(name)
     if not groups:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        raise ValueError(f"{type(model).__name__} has no trainable parameters (all frozen?)")
+    if unused := sorted(set(lr_multipliers) - used):
+        raise ValueError(
+            f"optim.lr_multipliers: {unused} match no trainable parameter or module of {type(model).__name__} "
+            "(frozen parameters are not counted)"
+        )
     return list(groups.values())
 
 
 def build_adamw(
-    model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    model: nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    lr_multipliers: Mapping[str, float] = {},
 ) -> torch.optim.AdamW:
     """AdamW over `param_groups`; the fused implementation wherever torch has it (CUDA and CPU)."""
-    groups = param_groups(model, weight_decay)
+    groups = param_groups(model, weight_decay, lr, lr_multipliers)
     device_types = {p.device.type for g in groups for p in g["params"]}
     fused = device_types <= {"cuda", "cpu"}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)

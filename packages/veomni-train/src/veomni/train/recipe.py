@@ -73,6 +73,16 @@ class ModelSection:
         "training task: text (causal language modelling on packed documents); it decides the model class, the "
         "inputs, the loss, the FLOPs and the export",
     )
+    backend: Literal["veomni", "hf"] = _field(
+        "veomni",
+        "veomni: our adapters, kernels and attention; hf: transformers' own model class, unpatched, with FSDP2 "
+        "only (no kernels, Ulysses SP or expert parallelism; the escape hatch for a model our adapter gets wrong)",
+    )
+    freeze: tuple[str, ...] = _field(
+        (),
+        "module names to freeze (globs, * = one name component, e.g. [model.visual]): no gradient, no optimizer "
+        "state, no gradient reduction; a name matching nothing is an error",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "bfloat16", "compute dtype of the forward and backward"
     )
@@ -219,6 +229,12 @@ class OptimSection:
     warmup_steps: int = _field(0, "linear warmup from 0 to lr over this many steps")
     min_lr_ratio: float = _field(0.1, "final lr as a fraction of lr (cosine and linear)")
     max_grad_norm: float | None = _field(1.0, "clip the global gradient norm to this (None: no clipping)")
+    lr_multipliers: dict = _field(
+        dict,
+        "lr multiplier per module or parameter name glob, e.g. {model.visual: 0.1}; the deepest matching name "
+        "on a parameter's path wins; a name matching no trainable parameter is an error",
+        factory=True,
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.lr <= 0:
@@ -231,6 +247,10 @@ class OptimSection:
             raise RecipeError(f"optim.min_lr_ratio: expected a value in [0, 1], found {self.min_lr_ratio}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise RecipeError(f"optim.max_grad_norm: expected > 0 or None, found {self.max_grad_norm}")
+        bad = {k: v for k, v in self.lr_multipliers.items()
+               if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}  # fmt: skip
+        if bad:
+            raise RecipeError(f"optim.lr_multipliers: expected numbers >= 0 per name, found {bad}")
 
 
 @attrs.frozen(kw_only=True)

@@ -46,6 +46,14 @@ def _forward_backward(
     return loss.detach()
 
 
+def current_lr(run: Run) -> float:
+    """The scheduled learning rate (before any per-group `lr_multipliers`)."""
+    for lr, group in zip(run.scheduler.get_last_lr(), run.optimizer.param_groups, strict=True):
+        if group.get("lr_multiplier", 1.0):
+            return lr / group.get("lr_multiplier", 1.0)
+    return 0.0  # every group has multiplier 0
+
+
 def train_step(run: Run, step: Step) -> dict[str, float]:
     """One optimizer step over ``step.micro_batches``.
 
@@ -56,7 +64,7 @@ def train_step(run: Run, step: Step) -> dict[str, float]:
     run.step = step.step + 1
     if step.valid_tokens == 0:
         run.skipped_steps += 1
-        return {"loss": math.nan, "grad_norm": math.nan, "lr": run.scheduler.get_last_lr()[0], "skipped": 1.0}
+        return {"loss": math.nan, "grad_norm": math.nan, "lr": current_lr(run), "skipped": 1.0}
     grad_accum = len(step.micro_batches)
     num_items = torch.tensor(step.valid_tokens, device=run.device, dtype=torch.float32)
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
@@ -66,7 +74,7 @@ def train_step(run: Run, step: Step) -> dict[str, float]:
         loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
     max_norm = run.recipe.optim.max_grad_norm
     grad_norm = clip_grad_norm(run.model, max_norm if max_norm is not None else math.inf, run.state)
-    lr = run.scheduler.get_last_lr()[0]
+    lr = current_lr(run)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)

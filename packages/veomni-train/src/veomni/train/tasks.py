@@ -130,7 +130,10 @@ class TextTask:
         self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
     ) -> dict[str, Any]:
         kwargs = model_inputs(dict(batch), device)
-        kwargs["shift_labels"] = batch["labels"].to(device, non_blocking=True)
+        shifted = batch["labels"].to(device, non_blocking=True)
+        # Both: HF computes a loss only when ``labels`` is given, and then takes ``shift_labels`` (already aligned
+        # per packed document) over shifting ``labels`` itself; veomni's fused path reads the same pair.
+        kwargs["labels"] = kwargs["shift_labels"] = shifted
         kwargs["num_items_in_batch"] = num_items
         # No KV cache in training: HF would otherwise fill one per forward (memory), and a checkpointed layer's
         # recomputation would append its keys a second time.

@@ -1,0 +1,196 @@
+"""Tasks, freezing, lr multipliers and the hf backend: the trainer's seams for composite models.
+
+Freezing and per-module learning rates run on real gloo ranks and must give the one-process result; frozen tensors
+must come out of training bit-identical, with no optimizer state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from test_loop import DENSE, MOE, initial_weights, tiny_recipe
+
+from veomni.core.freeze import freeze_modules
+from veomni.train.optim import lr_multiplier, param_groups
+from veomni.train.recipe import RecipeError, recipe_from_dict
+from veomni.train.tasks import TextTask, build_task, query_width
+
+FROZEN = ["model.embed_tokens", "model.layers.0.self_attn"]
+SCALED = {"model.layers.1": 0.5}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _train_frozen(ctx, raw: dict, n: int) -> dict:
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    params = dict(run.model.named_parameters())
+    frozen = {k for k, p in params.items() if not p.requires_grad}
+    before = {k: _full(p) for k, p in params.items()}
+    it = iter(run.train_data)
+    stats = [train_step(run, next(it)) for _ in range(n)]
+    after = {k: _full(p) for k, p in params.items()}
+    state_names = {name for g in run.optimizer.param_groups for name, p in zip(g["names"], g["params"], strict=True)
+                   if p in run.optimizer.state}  # fmt: skip
+    lrs = {g["lr_multiplier"]: g["lr"] for g in run.optimizer.param_groups}
+    return {
+        "stats": stats, "frozen": sorted(frozen), "with_state": sorted(state_names), "lrs": lrs,
+        "unchanged": sorted(k for k in params if torch.equal(before[k], after[k])),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def frozen_weights(tmp_path_factory):
+    return initial_weights(DENSE, str(tmp_path_factory.mktemp("frozen_init")))
+
+
+def _frozen_recipe(tmp: str, weights: str) -> dict:
+    raw = tiny_recipe(tmp, DENSE, weights=weights, steps=2)
+    raw["model"]["freeze"] = list(FROZEN)
+    raw["optim"]["lr_multipliers"] = dict(SCALED)
+    return raw
+
+
+def test_freezing_and_lr_multipliers_on_two_ranks_match_one_process(dist_pools, tmp_path, frozen_weights):
+    one = dist_pools.get(1, "gloo").run(
+        _train_frozen, _frozen_recipe(str(tmp_path / "a"), frozen_weights), 2
+    )[0]
+    two = dist_pools.get(2, "gloo").run(_train_frozen, _frozen_recipe(str(tmp_path / "b"), frozen_weights), 2)
+    expected_frozen = sorted(
+        ["model.embed_tokens.weight"]
+        + [
+            f"model.layers.0.self_attn.{m}.weight"
+            for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        ]
+    )
+    for result in (one, *two):
+        assert result["frozen"] == expected_frozen
+        assert result["unchanged"] == expected_frozen  # frozen: bit-identical; everything else moved
+        assert not set(result["with_state"]) & set(expected_frozen)
+        assert result["lrs"][0.5] == pytest.approx(0.5 * result["lrs"][1.0])
+        for got, want in zip(result["stats"], one["stats"], strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=2e-5)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+            assert got["lr"] == want["lr"]  # the scheduled lr, not a multiplied group's
+
+
+def _meta_model(config: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+
+
+def test_a_freeze_pattern_matching_nothing_names_it_and_the_modules():
+    model = _meta_model(DENSE)
+    with pytest.raises(
+        ValueError,
+        match=r"model\.freeze: \['visual'\] match no module.*top-level modules: \['model', 'lm_head'\]",
+    ):
+        freeze_modules(model, ["model.layers.0", "visual"], where="model.freeze")
+    assert all(p.requires_grad for p in model.parameters())  # nothing frozen when a pattern is bad
+
+
+def test_freeze_by_module_glob_and_tied_weights():
+    model = _meta_model({**DENSE, "tie_word_embeddings": True})
+    frozen = freeze_modules(model, ["lm_head", "model.layers.*.mlp"])
+    assert "model.embed_tokens.weight" in frozen  # tied to lm_head: one tensor, frozen under its name
+    assert {n for n in frozen if ".mlp." in n} == {
+        f"model.layers.{i}.mlp.{m}_proj.weight" for i in range(2) for m in ("gate", "up", "down")
+    }
+
+
+def test_lr_multipliers_deepest_match_wins_and_errors_name_the_patterns():
+    assert (
+        lr_multiplier("model.layers.1.mlp.up_proj.weight", {"model.layers.*": 0.5, "model.layers.1.mlp": 2.0})
+        == 2.0
+    )
+    assert lr_multiplier("model.norm.weight", {"model.layers.*": 0.5}) == 1.0
+    with pytest.raises(ValueError, match="all match 'model.layers.1' with different values"):
+        lr_multiplier("model.layers.1.mlp.up_proj.weight", {"model.layers.1": 0.5, "model.layers.*": 2.0})
+    model = _meta_model(DENSE)
+    with pytest.raises(ValueError, match=r"\['model.visual'\] match no trainable parameter"):
+        param_groups(model, 0.1, 1e-3, {"model.visual": 0.1})
+    freeze_modules(model, ["model.norm"])
+    with pytest.raises(ValueError, match=r"\['model.norm'\] match no trainable parameter"):
+        param_groups(model, 0.1, 1e-3, {"model.norm": 0.1})
+
+
+def test_recipe_rejects_bad_multipliers_and_unknown_tasks(tmp_path):
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["optim"]["lr_multipliers"] = {"model.visual": "fast"}
+    with pytest.raises(RecipeError, match=r"optim.lr_multipliers: expected numbers >= 0.*'fast'"):
+        recipe_from_dict(raw)
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["model"]["task"] = "vlm"
+    with pytest.raises(RecipeError, match="model.task"):
+        recipe_from_dict(raw)
+
+
+def test_text_task_reads_the_language_model_config_of_a_composite():
+    """A VLM-MoE keeps layers, heads and the router coefficient in text_config: the task must find them there."""
+    from transformers import AutoConfig
+
+    from veomni.train.loop import meta_instance
+
+    config = AutoConfig.for_model(
+        "qwen3_vl_moe",
+        text_config={"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+                     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.03},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "deepstack_visual_indexes": []},
+    )  # fmt: skip
+    probe = meta_instance(config, "image_text_to_text")
+    task = build_task("text", probe)
+    assert isinstance(task, TextTask)
+    assert (
+        task.aux_loss_coef == 0.03 and task.num_layers == 3 and task.query_width == query_width(config) == 64
+    )
+    assert not hasattr(config, "router_aux_loss_coef") or config.router_aux_loss_coef != 0.03
+    dense = build_task("text", meta_instance(_meta_model(DENSE).config))
+    assert dense.aux_loss_coef == 0.0
+    moe = build_task("text", meta_instance(_meta_model(MOE).config))
+    assert moe.aux_loss_coef == 0.01
+    with pytest.raises(ValueError, match=r"model.task: expected one of \['text'\], found 'dit'"):
+        build_task("dit", probe)
+
+
+def _first_losses(ctx, raw: dict, n: int) -> list[float]:
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    it = iter(run.train_data)
+    return [train_step(run, next(it))["loss"] for _ in range(n)], type(run.model).__module__
+
+
+def test_hf_backend_trains_upstream_class_with_the_same_loss(dist_pools, tmp_path, frozen_weights):
+    pool = dist_pools.get(1, "gloo")
+    raw = tiny_recipe(str(tmp_path / "v"), DENSE, weights=frozen_weights, steps=2)
+    raw["model"].update({"dtype": "float32", "param_dtype": "float32"})
+    raw["ops"] = {
+        "attention": "eager",
+        "cross_entropy": "eager",
+        "rms_norm": "eager",
+        "rope": "eager",
+        "swiglu": "eager",
+    }
+    ours, ours_module = pool.run(_first_losses, raw, 2)[0]
+    hf = copy.deepcopy(raw)
+    hf["model"]["backend"] = "hf"
+    hf["ops"] = {}
+    hf["checkpoint"]["dir"] = str(tmp_path / "h")
+    theirs, their_module = pool.run(_first_losses, hf, 2)[0]
+    assert ours_module.startswith("veomni.") and their_module.startswith("transformers.")
+    assert all(math.isfinite(x) for x in theirs)
+    assert theirs == pytest.approx(ours, rel=1e-5)  # packed documents: HF masks them from position_ids
+    hf["ops"] = {"rms_norm": "eager"}
+    with pytest.raises(Exception, match=r"model.backend=hf .* ops sets \{'rms_norm': 'eager'\}"):
+        pool.run(_first_losses, hf, 1)
