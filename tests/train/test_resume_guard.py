@@ -10,8 +10,10 @@ hundreds of examples cost seconds. The full loop's world-size change (2 ranks ->
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -58,7 +60,12 @@ def payload_of(structure: Structure) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-_ROOT = Path(tempfile.mkdtemp(prefix="veomni-resume-guard-"))
+@functools.cache
+def _root() -> Path:
+    # Cached across hypothesis examples (a fixture's tmp_path would be per test call); removed at exit.
+    path = Path(tempfile.mkdtemp(prefix="veomni-resume-guard-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.cache
@@ -66,7 +73,7 @@ def checkpoint_of(structure: Structure) -> Path:
     """A real DCP checkpoint of ``structure`` (written once per structure and test session)."""
     import torch.distributed.checkpoint as dcp
 
-    path = _ROOT / "_".join(str(int(v)) for v in structure) / "dcp"
+    path = _root() / "_".join(str(int(v)) for v in structure) / "dcp"
     dcp.save(payload_of(structure), checkpoint_id=path)
     return path
 
