@@ -76,11 +76,13 @@ def _value(tp: typing.Any) -> st.SearchStrategy:
         dict: st.fixed_dictionaries(
             {"model_type": st.sampled_from(["qwen3", "llama"])},
             optional={
+                # Real keys of both config classes (unknown keys are refused at load); the string values
+                # look like YAML scalars of other types and must survive dump -> load as strings.
                 "hidden_size": st.integers(1, 4096),
                 "rope_scaling": st.none(),
-                "tie": st.booleans(),
-                "note": st.sampled_from(["1e4", "true", "null", "1.5", "x: y"]),
-                "theta": st.floats(1e-9, 1e9),
+                "tie_word_embeddings": st.booleans(),
+                "hidden_act": st.sampled_from(["1e4", "true", "null", "1.5", "x: y"]),
+                "initializer_range": st.floats(1e-9, 1e9),
             },
         ),
     }[tp]
@@ -134,31 +136,44 @@ def test_dump_load_round_trip(tmp_path_factory, raw):
     assert yaml.safe_load(dump_recipe(recipe)) == recipe_to_dict(recipe)
 
 
-# Fields whose value constrains another one; the override test leaves them alone.
-COUPLED = {
-    "train.steps",
-    "train.epochs",
-    "train.tokens_per_step",
-    "train.tokens_per_micro_batch",
-    "data.max_seq_len",
-    "data.eval_files",
-    "train.eval_interval",
-}
+# Fields whose values constrain each other (cross-field rules of the recipe): overriding one of them alone could
+# make a valid recipe invalid, so the override test sets every field of the drawn key's group to the target's.
+COUPLED = [
+    {"train.steps", "train.epochs"},
+    {"train.tokens_per_step", "train.tokens_per_micro_batch", "data.max_seq_len"},
+    {"data.eval_files", "train.eval_interval"},
+    {"model.dtype", "model.param_dtype"},
+    {"model.config", "model.weights", "model.tokenizer"},
+]
+
+
+def coupled_with(key: str) -> list[str]:
+    """``key`` and the fields its value is checked against, in schema order."""
+    group = next((g for g in COUPLED if key in g), {key})
+    return [k for k in LEAVES if k in group]
+
+
+def test_coupled_groups_name_real_fields():
+    assert all(g <= set(LEAVES) for g in COUPLED)
 
 
 @settings(max_examples=60)
 @given(raw=recipes(), other=recipes(), data=st.data())
 def test_overrides_parse_to_the_typed_value(tmp_path_factory, raw, other, data):
     target = recipe_from_dict(raw)
-    key = data.draw(st.sampled_from([k for k in LEAVES if k not in COUPLED]))
-    section, leaf = key.split(".")
-    value = getattr(getattr(target, section), leaf)
+    key = data.draw(st.sampled_from(sorted(LEAVES)))
+    keys = coupled_with(key)
+    values = {k: getattr(getattr(target, k.split(".")[0]), k.split(".")[1]) for k in keys}
     path = save_recipe(recipe_from_dict(other), tmp_path_factory.mktemp("ov") / "r.yaml")
-    for form in ([f"--{key}={cli_text(value)}"], [f"--{key}", cli_text(value)]):
+    joined = [f"--{k}={cli_text(v)}" for k, v in values.items()]
+    split = [item for k, v in values.items() for item in (f"--{k}", cli_text(v))]
+    for form in (joined, split):
         loaded = load_recipe(path, form)
-        assert getattr(getattr(loaded, section), leaf) == value, form
-    tp = field_type(Recipe, key)
-    assert convert(parse_cli_value(cli_text(value), tp, key), tp, key) == value
+        for k, v in values.items():
+            assert getattr(getattr(loaded, k.split(".")[0]), k.split(".")[1]) == v, form
+    for k, v in values.items():
+        tp = field_type(Recipe, k)
+        assert convert(parse_cli_value(cli_text(v), tp, k), tp, k) == v
 
 
 def _typo(leaf: str, data: st.DataObject) -> str:

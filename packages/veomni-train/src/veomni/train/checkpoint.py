@@ -124,12 +124,20 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + more
 
 
+def _trained_params(tensors: Mapping[str, Any]) -> set[str]:
+    # Optimizer state keys are ``optim.state.<parameter fqn>.<statistic>``.
+    prefix = "optim.state."
+    return {k[len(prefix) :].rsplit(".", 1)[0] for k in tensors if k.startswith(prefix)}
+
+
 def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
     """Compare the tensors ``payload`` would load (names and global shapes) with what ``dcp_dir`` holds.
 
     Raises:
         CheckpointMismatchError: listing model tensors missing on either side and shape differences; only when
-            the model matches are optimizer differences reported (a new optimizer key is then the real story).
+            the model matches are optimizer differences reported (a new optimizer key is then the real story). A
+            tensor that is a parameter of its own on one side and tied (or frozen) on the other -- an untied
+            ``lm_head`` -- is a model difference.
     """
     saved = {
         key: tuple(md.size)
@@ -137,6 +145,20 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
         if hasattr(md, "size")
     }
     wanted = {k: tuple(v.shape) for k, v in _flatten(payload, "", {}).items() if isinstance(v, torch.Tensor)}
+    # A tied lm_head is in the state dict under both names but is one trained parameter: the model tensors of a
+    # tied and an untied model match, and only the optimizer state shows it. That is a model difference.
+    trained_now, trained_then = _trained_params(wanted), _trained_params(saved)
+    sharing = []
+    if new := sorted(f"model.{p}" for p in trained_now - trained_then if f"model.{p}" in saved):
+        sharing.append(
+            f"{len(new)} model tensors are trained parameters of their own in this run but were not in the "
+            f"checkpoint's run (tied to another tensor, e.g. tie_word_embeddings, or frozen): {_listing(new)}"
+        )
+    if gone := sorted(f"model.{p}" for p in trained_then - trained_now if f"model.{p}" in wanted):
+        sharing.append(
+            f"{len(gone)} model tensors were trained parameters of their own in the checkpoint's run but are not "
+            f"in this run (tied to another tensor, e.g. tie_word_embeddings, or frozen): {_listing(gone)}"
+        )
     for namespace, what in (("model.", "model"), ("optim.state.", "optimizer state")):
         mine = {k for k in wanted if k.startswith(namespace)}
         theirs = {k for k in saved if k.startswith(namespace)}
@@ -151,6 +173,8 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
                   if saved[k] != wanted[k]]  # fmt: skip
         if shapes:
             problems.append(f"{len(shapes)} {what} tensors changed shape: {_listing(shapes)}")
+        if namespace == "model.":
+            problems += sharing
         if problems:
             raise CheckpointMismatchError(
                 f"checkpoint {dcp_dir.parent} does not hold this run's {what}:\n  - "
