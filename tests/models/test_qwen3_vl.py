@@ -12,6 +12,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import Qwen3VLConfig
 from transformers.models.qwen3_vl import modeling_qwen3_vl as upstream
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
@@ -225,16 +227,24 @@ def test_tower_through_encoder_attention_equals_per_image_path_without_host_sync
         torch.testing.assert_close(g, w, **FP32)
 
 
-@pytest.mark.parametrize(
-    "grid", [[(1, 4, 4)], [(1, 2, 6), (2, 4, 2)], [(3, 2, 2), (1, 6, 4), (1, 2, 2)], [(1, 8, 10)]]
+@settings(max_examples=60, deadline=None)
+@given(
+    grid=st.lists(
+        st.tuples(
+            st.integers(1, 3), st.integers(1, 5).map(lambda n: 2 * n), st.integers(1, 5).map(lambda n: 2 * n)
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    side=st.integers(2, 5),
 )
-def test_vision_geometry_equals_upstream_helpers(grid):
+def test_vision_geometry_equals_upstream_helpers(grid, side):
     grid_thw = torch.tensor(grid)
     total = int(grid_thw.prod(-1).sum())
-    positions, indices, weights = vision_geometry(grid_thw, 2, 4, total)
+    positions, indices, weights = vision_geometry(grid_thw, 2, side, total)
     assert torch.equal(positions, get_vision_position_ids(grid_thw, 2))
     want_indices, want_weights = get_vision_interpolation_indices_and_weights(
-        grid_thw, 4, mode="bilinear", align_corners=True, spatial_merge_size=2
+        grid_thw, side, mode="bilinear", align_corners=True, spatial_merge_size=2
     )
     assert torch.equal(indices, want_indices) and torch.equal(weights, want_weights)
 
