@@ -11,6 +11,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.qwen2.patch_config",
     "veomni.models.qwen3.patch_config",
     "veomni.models.qwen3_moe.patch_config",
+    "veomni.models.qwen3_vl.patch_config",
 ]
 
 

@@ -462,6 +462,17 @@ def _register_builtin(registry: ModelRegistry) -> None:
             },
             fast_paths=fast_paths,
         )
+    # Qwen3-VL: a VLM (no causal_lm entry: its class is the image-text-to-text one); no SP yet (refused in forward).
+    qwen3_vl = "veomni.models.qwen3_vl.generated.patched_modeling_qwen3_vl"
+    registry.register_config("qwen3_vl", "transformers.models.qwen3_vl.configuration_qwen3_vl:Qwen3VLConfig")
+    registry.register_model(
+        "qwen3_vl",
+        {
+            "image_text_to_text": f"{qwen3_vl}:Qwen3VLForConditionalGeneration",
+            "base": f"{qwen3_vl}:Qwen3VLModel",
+        },
+        fast_paths={"fused_kernels"},
+    )
 
 
 MODELS = ModelRegistry()

@@ -1,0 +1,520 @@
+"""Patches Qwen3-VL's upstream modeling for veomni: text layers on veomni's kernels, the vision tower on the encoder
+varlen entry without host syncs, a dummy tower forward for ranks without images, and the fused LM loss.
+
+* Text model: RMSNorm, SwiGLU and RoPE dispatch through the instance's kernel set as in the Qwen3 adapter. Qwen3-VL's
+  interleaved mrope is folded into ``cos``/``sin`` by the text rotary embedding (eager, unchanged), so the
+  attention applies an ordinary ``[B, S, D]`` rotation and the ``rope`` kernel covers it.
+* Vision attention: with a ``veomni_*`` implementation it calls `veomni.models.hf_encoder_attention.encoder_attention`
+  on the packed tokens and the tower's own ``cu_seqlens`` (no per-image split); with HF's own names (``eager``,
+  ``sdpa``, ``flash_attention_*``) upstream's code runs unchanged, so no-kernel models equal transformers bitwise.
+* Vision tower: rotary positions and learned-position taps computed without ``.tolist()`` (`vision.vision_geometry`);
+  ``max_seqlen`` read once per forward and only for backends that need it; ``dummy_forward`` for ranks whose
+  micro-batch has no image or video.
+* ``Qwen3VLModel`` builds these patched sub-models (upstream's ``AutoModel.from_config`` would build transformers'
+  own classes), runs the tower once over all images and videos of the micro-batch and scatters the features
+  without per-image splits; under a parallel state with world > 1 a rank without any runs the dummy forward so
+  that FSDP's collectives match across ranks. Sequence parallelism is refused with a clear error (not yet done).
+
+Regenerate with ``uv run patchgen veomni.models.qwen3_vl.patch_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from patchgen.config import PatchConfig
+from transformers.cache_utils import Cache
+from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+    ALL_ATTENTION_FUNCTIONS,
+    BaseModelOutputWithDeepstackFeatures,
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPooling,
+    CausalLMOutputWithPast,
+    FlashAttentionKwargs,
+    Qwen3VLConfig,
+    Qwen3VLTextModel,
+    Qwen3VLVisionModel,
+    TransformersKwargs,
+    Unpack,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_vision,
+    eager_attention_forward,
+    get_max_seqlen,
+    get_vision_attention_seqlens,
+    is_flash_attention_requested,
+)
+
+from veomni.models.hf_attention import PREFIX
+from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.kernel_hooks import apply_rope
+from veomni.models.qwen3_vl.vision import (
+    dummy_vision_inputs,
+    parallel_world_size,
+    refuse_sequence_parallel,
+    scatter_visual,
+    vision_geometry,
+    vlm_logits_and_loss,
+)
+
+config = PatchConfig(
+    source_module="transformers.models.qwen3_vl.modeling_qwen3_vl",
+    target_file="patched_modeling_qwen3_vl.py",
+    description="Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, "
+    "a dummy tower forward for ranks without images, and the fused LM loss",
+)
+config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf_attention import PREFIX")
+config.add_import(
+    "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention"
+)
+config.add_import(
+    "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, "
+    "refuse_sequence_parallel, scatter_visual, vision_geometry, vlm_logits_and_loss"
+)
+
+config.add_post_import_block(
+    """
+    # veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
+    # unless given, so the tower computes it once per forward for them.
+    _NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
+    """
+)
+_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
+
+
+# ------------------------------------------------------------------------------------------------ text model
+
+
+@config.override_method(
+    "Qwen3VLTextRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
+)
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rms_norm != "eager":
+        # Same maths as below: normalise in fp32, cast to the input dtype, then scale by the weight.
+        return kernels.get("rms_norm", "standard")(hidden_states, self.weight, self.variance_epsilon)
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+@config.override_method("Qwen3VLTextMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.swiglu != "eager":
+        if self.config.hidden_act != "silu":
+            raise ValueError(
+                f"OpsConfig.swiglu={kernels.config.swiglu!r} computes silu(gate) * up, but this model's "
+                f"hidden_act is {self.config.hidden_act!r}; set swiglu='eager'"
+            )
+        return self.down_proj(kernels.get("swiglu", "standard")(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@config.override_method(
+    "Qwen3VLTextAttention.forward",
+    description="RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)",
+)
+def text_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+@config.override_method(
+    "Qwen3VLTextModel._deepstack_process",
+    description="deepstack add as a gather + where (no boolean indexing: no host sync); also takes features "
+    "already laid out over all B*S positions",
+)
+def deepstack_process(
+    self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor
+) -> torch.Tensor:
+    # visual_embeds: [N_visual, H] in sequence order (upstream's contract), or [B*S, H] over every position.
+    # The two coincide when every position is visual, so the row count tells them apart.
+    mask = visual_pos_masks.to(hidden_states.device)
+    visual_embeds = visual_embeds.to(hidden_states.device, hidden_states.dtype)
+    if visual_embeds.shape[0] != mask.numel():
+        index = (mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0)
+        visual_embeds = visual_embeds.index_select(0, index)
+    visual_embeds = visual_embeds.reshape(hidden_states.shape)
+    return torch.where(mask[..., None], hidden_states + visual_embeds, hidden_states)
+
+
+# ------------------------------------------------------------------------------------------------ vision tower
+
+
+@config.override_method(
+    "Qwen3VLVisionAttention.forward",
+    description="veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens "
+    "(no per-image split, no host sync, no outer kwargs); HF implementations: upstream code",
+)
+def vision_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_seqlen: int | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    seq_length = hidden_states.shape[0]
+    query_states, key_states, value_states = (
+        self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    )
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+
+    if (self.config._attn_implementation or "").startswith(PREFIX):
+        attn_output = encoder_attention(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+        )
+        return self.proj(attn_output.reshape(seq_length, -1).contiguous())
+
+    query_states = query_states.transpose(0, 1).unsqueeze(0)
+    key_states = key_states.transpose(0, 1).unsqueeze(0)
+    value_states = value_states.transpose(0, 1).unsqueeze(0)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    if is_flash_attention_requested(self.config):
+        max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs={"max_seqlen": max_seqlen})
+        attn_output, _ = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask=None,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+            is_causal=False,
+            **kwargs,
+        )
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        splits = [
+            torch.split(tensor, lengths.tolist(), dim=2)
+            for tensor in (query_states, key_states, value_states)
+        ]
+        attn_outputs = [
+            attention_interface(
+                self,
+                q,
+                k,
+                v,
+                attention_mask=None,
+                scaling=self.scaling,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                is_causal=False,
+                **kwargs,
+            )[0]
+            for q, k, v in zip(*splits, strict=True)
+        ]
+        attn_output = torch.cat(attn_outputs, dim=1)
+
+    attn_output = attn_output.reshape(seq_length, -1).contiguous()
+    attn_output = self.proj(attn_output)
+    return attn_output
+
+
+@config.override_method(
+    "Qwen3VLVisionModel.forward",
+    description="rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen "
+    "read once per forward, only for veomni backends that need it",
+)
+def vision_forward(
+    self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Unpack[TransformersKwargs]
+) -> tuple | BaseModelOutputWithDeepstackFeatures:
+    """
+    Args:
+        hidden_states (`torch.Tensor` of shape `(seq_len, C * T_patch * P * P)`): the packed pixel rows.
+        grid_thw (`torch.Tensor` of shape `(num_images_or_videos, 3)`): (t, h, w) patches per image/clip.
+    """
+    position_ids, interp_indices, interp_weights = vision_geometry(
+        grid_thw, self.spatial_merge_size, self.num_grid_per_side, hidden_states.shape[0]
+    )
+    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
+    implementation = self.config._attn_implementation or ""
+    needs_max = implementation.startswith(PREFIX) and (
+        backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
+    )
+    if max_seqlen is None and needs_max:
+        # One host sync per tower forward instead of one per block.
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+    hidden_states = self.patch_embed(hidden_states)
+    pos_embeds = (self.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
+    hidden_states = hidden_states + pos_embeds.to(hidden_states.dtype)
+    position_embeddings = self.rotary_pos_emb(hidden_states, position_ids)
+
+    seq_len, _ = hidden_states.size()
+    hidden_states = hidden_states.reshape(seq_len, -1)
+
+    deepstack_feature_lists = []
+    for layer_num, blk in enumerate(self.blocks):
+        hidden_states = blk(
+            hidden_states,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if layer_num in self.deepstack_visual_indexes:
+            deepstack_feature = self.deepstack_merger_list[self.deepstack_visual_indexes.index(layer_num)](
+                hidden_states
+            )
+            deepstack_feature_lists.append(deepstack_feature)
+
+    merged_hidden_states = self.merger(hidden_states)
+
+    return BaseModelOutputWithDeepstackFeatures(
+        last_hidden_state=hidden_states,
+        pooler_output=merged_hidden_states,
+        deepstack_features=deepstack_feature_lists,
+    )
+
+
+@config.override_method(
+    "Qwen3VLVisionModel.dummy_forward",
+    description="injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or "
+    "video (FSDP collectives must match across ranks)",
+)
+def vision_dummy_forward(self) -> torch.Tensor:
+    """Run the tower on the smallest valid input and return a 0-d tensor that is 0 but depends on every output
+    (merger and deepstack mergers), so that adding it to the loss graph gives every tower parameter a gradient.
+
+    Shapes come from the config, dtype and device from a live weight; nothing is cached.
+    """
+    pixels, grid = dummy_vision_inputs(self.config, self.patch_embed.proj.weight)
+    out = self(pixels, grid_thw=grid, return_dict=True)
+    total = out.pooler_output.sum()
+    for feature in out.deepstack_features:
+        total = total + feature.sum()
+    return total * 0.0
+
+
+# ------------------------------------------------------------------------------------------------ composite model
+
+
+@config.override_method(
+    "Qwen3VLModel.__init__",
+    description="build the patched vision and text sub-models (upstream's AutoModel.from_config would build "
+    "transformers' own, unpatched classes)",
+)
+def model_init(self, config: Qwen3VLConfig):
+    super().__init__(config)
+    self.visual = Qwen3VLVisionModel._from_config(config.vision_config)
+    self.language_model = Qwen3VLTextModel._from_config(config.text_config)
+    self.rope_deltas = None  # cache rope_deltas here
+
+    # Initialize weights and apply final processing
+    self.post_init()
+
+
+@config.override_method(
+    "Qwen3VLModel.forward",
+    description="one tower pass over all images and videos (no per-image split), features scattered without "
+    "host syncs, dummy tower forward on ranks without visual input under world > 1, SP refused",
+)
+def model_forward(
+    self,
+    input_ids: torch.LongTensor = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.LongTensor | None = None,
+    video_grid_thw: torch.LongTensor | None = None,
+    mm_token_type_ids: torch.IntTensor | None = None,
+    mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple | BaseModelOutputWithPast:
+    refuse_sequence_parallel()
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
+        raise ValueError(
+            "You cannot specify both pixel_values/pixel_values_videos and mm_encoder_outputs at the same time"
+        )
+    for name, pixels, grid in (
+        ("pixel_values", pixel_values, image_grid_thw),
+        ("pixel_values_videos", pixel_values_videos, video_grid_thw),
+    ):
+        if pixels is not None and grid is None:
+            raise ValueError(f"{name} was given without its grid_thw ([n, 3] (t, h, w) per image/clip)")
+
+    if inputs_embeds is None:
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+
+    # Per modality: (embeds [N, H], deepstack [N, H] per deepstack layer). Precomputed encoder outputs come in
+    # upstream's per-image tuples.
+    features = {}
+    for modality in ("image", "video"):
+        given = (mm_encoder_outputs or {}).get(modality)
+        if given is not None:
+            features[modality] = (
+                torch.cat(given.pooler_output, dim=0),
+                [torch.cat(feat, dim=0) for feat in given.deepstack_features],
+            )
+    runs = [(m, p, g) for m, p, g in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos,
+            video_grid_thw)) if p is not None]  # fmt: skip
+    if runs:
+        # One tower pass over every image and clip: frames attend only within themselves, so this equals
+        # separate passes, and every rank runs the tower exactly once per step.
+        pixels = torch.cat([p for _, p, _ in runs], dim=0).type(self.visual.dtype)
+        grids = torch.cat([g for _, _, g in runs], dim=0)
+        out = self.visual(pixels, grid_thw=grids, return_dict=True)
+        merge = self.visual.spatial_merge_size**2
+        start = 0
+        for modality, p, _ in runs:
+            stop = start + p.shape[0] // merge
+            features[modality] = (
+                out.pooler_output[start:stop],
+                [feat[start:stop] for feat in out.deepstack_features],
+            )
+            start = stop
+    elif not features and parallel_world_size() > 1:
+        # This rank has no visual input but others may: run the tower anyway so FSDP's all-gathers and
+        # reduce-scatters of its parameters match across ranks; the 0-valued result keeps it in the graph.
+        inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)
+
+    visual_pos_masks = None
+    deepstack_visual_embeds = None
+    if features:
+        image_mask, video_mask = self.get_placeholder_mask(
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            image_features=features["image"][0] if "image" in features else None,
+            video_features=features["video"][0] if "video" in features else None,
+        )
+        masks = {"image": image_mask[..., 0], "video": video_mask[..., 0]}
+        order = [m for m in ("image", "video") if m in features]
+        inputs_embeds, visual_pos_masks, index = scatter_visual(
+            inputs_embeds, [masks[m] for m in order], [features[m][0] for m in order]
+        )
+        layers = zip(*[features[m][1] for m in order], strict=True)
+        if len(order) == 1:
+            deepstack_visual_embeds = [feat for (feat,) in layers]
+        else:
+            # Both modalities: lay the features out over every position (no data-dependent sizes).
+            deepstack_visual_embeds = [torch.cat(feats, dim=0).index_select(0, index) for feats in layers]
+
+    if position_ids is None:
+        position_ids = self.compute_3d_position_ids(
+            input_ids=input_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            mm_token_type_ids=mm_token_type_ids,
+        )
+
+    outputs = self.language_model(
+        input_ids=None,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        visual_pos_masks=visual_pos_masks,
+        deepstack_visual_embeds=deepstack_visual_embeds,
+        **kwargs,
+    )
+
+    return outputs
+
+
+@config.override_method(
+    "Qwen3VLForConditionalGeneration.forward",
+    description="LM head + loss via vlm_logits_and_loss: a fused linear cross-entropy gets the hidden states and "
+    "the LM-head weight (no [T, V] logits); eager runs the upstream head and loss",
+)
+def conditional_generation_forward(
+    self,
+    input_ids: torch.LongTensor = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.LongTensor | None = None,
+    video_grid_thw: torch.LongTensor | None = None,
+    mm_token_type_ids: torch.IntTensor | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple | CausalLMOutputWithPast:
+    outputs = self.model(
+        input_ids=input_ids,
+        pixel_values=pixel_values,
+        pixel_values_videos=pixel_values_videos,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        mm_token_type_ids=mm_token_type_ids,
+        mm_encoder_outputs=mm_encoder_outputs,
+        **kwargs,
+    )
+    # logits_to_keep is applied before the loss; with a fused loss, logits stay None (never materialised).
+    logits, loss = vlm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
