@@ -88,12 +88,21 @@ def _value(tp: typing.Any) -> st.SearchStrategy:
     }[tp]
 
 
+# Fields whose values are checked beyond their type: drawn from what the check accepts.
+_module_globs = st.from_regex(r"[a-z_]{1,8}(\.([a-z_]{1,8}|\*|[0-9]{1,2})){0,3}", fullmatch=True)
+FIELD_VALUES = {
+    "optim.lr_multipliers": st.dictionaries(_module_globs, st.floats(0.0, 10.0), max_size=3),
+    "model.freeze": st.lists(_module_globs, max_size=3).map(tuple),
+}
+
+
 @st.composite
 def recipes(draw: st.DrawFn) -> dict:
     raw: dict = {}
     for key, _ in iter_fields(Recipe):
         section, leaf = key.split(".")
-        raw.setdefault(section, {})[leaf] = draw(_value(field_type(Recipe, key)))
+        strategy = FIELD_VALUES[key] if key in FIELD_VALUES else _value(field_type(Recipe, key))
+        raw.setdefault(section, {})[leaf] = draw(strategy)
     raw["model"]["weights"] = draw(_paths)  # config/tokenizer may then be anything, null included
     micro = draw(st.integers(2, 4096))
     raw["train"]["tokens_per_micro_batch"] = micro
