@@ -225,15 +225,20 @@ def test_gpu_backends_match_eager_bf16(name, causal, packed):
     if packed:
         kwargs["cu_seqlens"] = torch.tensor([0, 100, 101, 230, 256], dtype=torch.int32, device="cuda")
         kwargs["max_seqlen"] = 129
-    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
     # The oracle runs in fp32 on the same bf16-rounded inputs: a bf16 eager reference carries its own
     # rounding error, which would make the tolerance measure two kernels' noise instead of one.
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref, ref_grads = _run(eager, q32, k32, v32, grad_out.float(), **kwargs)
     out, grads = _run(ATTENTION_FUNCTIONS[name], q, k, v, grad_out, **kwargs)
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
+    # Gradients sum up to 129 bf16 products per element, so a fixed absolute tolerance is either loose or flaky
+    # (varlen's dV once missed 2e-2 by 5e-3 on one of 32k elements). The yardstick is the error of eager
+    # attention run in bf16 on the same inputs: a kernel may be at most twice as far from the fp32 oracle.
+    _, bf16_grads = _run(eager, *(t.detach().clone().requires_grad_() for t in (q, k, v)), grad_out, **kwargs)
+    for which, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, bf16_grads, strict=True):
+        err, yardstick = (g.float() - r).abs().max().item(), (b.float() - r).abs().max().item()
+        assert err <= 2 * yardstick + 1e-3, f"{name} {which}: max error {err:.4f}, bf16 eager's {yardstick:.4f}"
 
 
 @pytest.mark.cuda
