@@ -103,3 +103,28 @@ def test_hf_backend_trains_under_fsdp2_and_refuses_sp(dist_pools, tmp_path, worl
         assert result["loss"] == pytest.approx(want, rel=1e-5)
     for result in pool.run(_hf_fsdp_step, str(tmp_path), 2):
         assert "no Ulysses sequence parallelism (sp=2" in result["error"]
+
+
+def _fallback_vlm_under_sp(ctx) -> str | None:
+    from transformers import Qwen2VLConfig
+
+    from veomni.kernels import OpsConfig
+
+    state = build_parallel_state(ParallelDims(dp_shard=1, sp=ctx.world_size), ctx.device_type)
+    config = Qwen2VLConfig(
+        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 2},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2},
+    )  # fmt: skip
+    try:
+        build_model(config, ops=OpsConfig(), parallel_state=state, task="image_text_to_text")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("world_size, backend", backend_params(2))
+def test_a_fallback_vlm_is_refused_under_sp(dist_pools, world_size, backend):
+    for error in dist_pools.get(world_size, backend).run(_fallback_vlm_under_sp):
+        assert error is not None and "Qwen2VLForConditionalGeneration" in error
+        assert "does not support Ulysses sequence parallelism" in error and "sp=2" in error

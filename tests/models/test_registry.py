@@ -200,3 +200,12 @@ def test_diffusers_entries_name_the_missing_package(tmp_path):
             ImportError, match="is a diffusers model and diffusers is not installed.*\\[diffusers\\]"
         ):
             reg.model_class(config, "diffusion_transformer")
+
+
+def test_the_auto_fallback_grants_sp_to_text_decoders_only():
+    """A composite's vision tower calls attention per image on unsliced data: under SP it would be taken for a
+    sequence shard, so a fallback VLM must not claim the SP fast path (build_model then refuses sp > 1)."""
+    from transformers import Qwen2VLConfig
+
+    assert "sp" in MODELS.model_class(MistralConfig(), "causal_lm").fast_paths
+    assert "sp" not in MODELS.model_class(Qwen2VLConfig(), "image_text_to_text").fast_paths

@@ -213,6 +213,12 @@ def build_model(
 
     policy = None
     if parallel_state is not None:
+        if parallel_state.dims.sp > 1 and "sp" not in resolved.fast_paths:
+            raise ValueError(
+                f"build_model: parallel_state has sp={parallel_state.dims.sp} but {resolved.cls.__name__} "
+                f"(model_type {getattr(config, 'model_type', None)!r}, task {task!r}) does not support Ulysses "
+                f"sequence parallelism (its fast paths: {sorted(resolved.fast_paths)}); train it with sp=1"
+            )
         plan = None
         if parallel_state.ep_enabled:
             plan = _expert_plan(model, expert_plan, resolved, parallel_state.dims.ep)

@@ -302,7 +302,10 @@ class ModelRegistry:
             cls = self._auto_class(config, task)
         if backend == "hf":
             return ResolvedModel(cls, False, frozenset())
-        fast = {"sp"} if getattr(cls, "_supports_attention_backend", False) else set()
+        # Ulysses SP through HF's attention interface is right only when every attention call sees the sliced
+        # token sequence: a text decoder. A composite's towers (a ViT's per-image calls) would be taken for shards.
+        text_only = task in ("causal_lm", "base") and not isinstance(config, DiffusersConfig)
+        fast = {"sp"} if text_only and getattr(cls, "_supports_attention_backend", False) else set()
         off = [FAST_PATHS[p] for p in FAST_PATHS if p not in fast]
         logger.warning(
             "%s %r is not registered with veomni: using %s.%s (%s). Off for this model: %s.%s",
