@@ -71,3 +71,13 @@ def test_veomni_train_under_torchrun_on_two_cpu_ranks(tmp_path):
     AutoModelForCausalLM.from_pretrained(
         out / "hf"
     )  # the export of a 2-rank FSDP run loads in plain transformers
+
+
+def test_bad_input_found_before_the_build_exits_2_without_a_traceback(tmp_path, capsys):
+    # A freeze pattern that names no module is found on the meta model, before data or weights are touched.
+    code = main(["quickstart", "--model.freeze=[model.visual]", f"--checkpoint.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "PreflightError: model.freeze: ['model.visual'] match no module" in err and "top-level modules" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "metrics.jsonl").exists()

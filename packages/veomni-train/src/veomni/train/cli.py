@@ -40,20 +40,36 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    from veomni.train.loop import train  # heavy imports only when training
+    # Heavy imports only when training.
+    from veomni.models.loading import CheckpointFileError
+    from veomni.train.checkpoint import CheckpointMismatchError
+    from veomni.train.data.sources import DataError
+    from veomni.train.loop import train
+    from veomni.train.preflight import PreflightError
 
-    result = train(recipe)
+    try:
+        result = train(recipe)
+    except (PreflightError, DataError, CheckpointMismatchError, CheckpointFileError) as err:
+        # Bad input, explained by the message itself: no traceback to wade through.
+        where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"veomni-train{where}: {type(err).__name__}: {err}", file=sys.stderr)
+        _close_process_group()
+        return 2
     if rank == 0:
         losses = result["loss"]
         if losses:
             print(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         for path in result["exports"]:
             print(f"HF export: {path}", flush=True)
+    _close_process_group()
+    return 0
+
+
+def _close_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

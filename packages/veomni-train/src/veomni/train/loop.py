@@ -47,7 +47,7 @@ from veomni.train.data import (
 )
 from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_flops, peak_memory_gib
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
-from veomni.train.preflight import check_sp_heads, check_vocab, check_warmup
+from veomni.train.preflight import check_sp_heads, check_trainable, check_vocab, check_warmup
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.step import evaluate, train_step
 from veomni.train.tasks import TASKS, Task, build_task, flops_per_token, query_width
@@ -218,6 +218,9 @@ def build_run(recipe: Recipe) -> Run:
             "model.backend=veomni"
         )
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
+    probe = meta_instance(config, TASKS[recipe.model.task].model_task)
+    check_trainable(probe, recipe.model.freeze, recipe.optim.lr_multipliers)
+    task = build_task(recipe.model.task, probe)
     topology = DataTopology.from_parallel_state(state)
     # Tokenising the index is split over all ranks (each then holds the whole index).
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
@@ -226,8 +229,6 @@ def build_run(recipe: Recipe) -> Run:
     steps = total_steps(recipe, train_data)
     check_warmup(recipe.optim.warmup_steps, steps)
 
-    probe = meta_instance(config, TASKS[recipe.model.task].model_task)
-    task = build_task(recipe.model.task, probe)
     # The initialisation depends on the seed alone, not on what building the data drew from the RNG.
     torch.manual_seed(recipe.train.seed)
     model = build_recipe_model(recipe, config, probe, ops, state, device)

@@ -5,8 +5,12 @@ Each raises `PreflightError` naming what was expected and what was found.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from veomni.core.freeze import freeze_modules
 from veomni.core.sp.attention import kv_repeats_for_sp
 
 
@@ -51,3 +55,18 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, to
             f"vocab_size is {vocab}: ids >= {vocab} would index past the embedding; use a config with "
             f"vocab_size >= {needed} or the model's own tokenizer"
         )
+
+
+def check_trainable(probe: nn.Module, freeze: Sequence[str], lr_multipliers: Mapping[str, float]) -> None:
+    """``model.freeze`` and ``optim.lr_multipliers`` name modules of the model and leave something to train.
+
+    Args:
+        probe: a meta instance of the model (its ``requires_grad`` flags are set as the run will set them).
+    """
+    from veomni.train.optim import param_groups
+
+    try:
+        freeze_modules(probe, freeze, where="model.freeze")
+        param_groups(probe, 0.0, 1.0, lr_multipliers)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
