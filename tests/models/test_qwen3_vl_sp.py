@@ -76,7 +76,8 @@ def _sp_case(ctx, case: str, rows: int) -> dict:
         loss = model(
             **{**inputs, "input_ids": local_ids},
             position_ids=slice_sequence(position_ids, 2, group),
-            shift_labels=slice_sequence(shift, 1, group, pad_value=IGNORE),
+            # contiguous, as the collator hands them over (HF's loss views the labels flat)
+            shift_labels=slice_sequence(shift, 1, group, pad_value=IGNORE).contiguous(),
             num_items_in_batch=items,
         ).loss
         loss.backward()
