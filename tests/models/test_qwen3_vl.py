@@ -264,7 +264,7 @@ def test_registry_resolves_the_adapter_for_image_text_to_text():
     config = tiny_config()
     resolved = MODELS.model_class(config, "image_text_to_text")
     assert resolved.cls is ours.Qwen3VLForConditionalGeneration and resolved.registered
-    assert "sp" not in resolved.fast_paths
+    assert resolved.fast_paths == {"sp", "fused_kernels"}
     assert MODELS.model_class(config, "base").cls is ours.Qwen3VLModel
     with pytest.raises(ValueError, match="does not support task 'causal_lm'.*image_text_to_text"):
         MODELS.model_class(config, "causal_lm")

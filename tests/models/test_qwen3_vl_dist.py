@@ -1,4 +1,5 @@
-"""Qwen3-VL through veomni's build path: checkpoints in and out, FSDP2 with images on one rank only, SP refused.
+"""Qwen3-VL through veomni's build path: checkpoints in and out, FSDP2 with images on one rank only (Ulysses SP:
+test_qwen3_vl_sp.py).
 
 Checkpoints are written by plain transformers ``save_pretrained`` and read back by ``from_pretrained`` (the oracle).
 The dummy-forward test runs FSDP2 on 2 gloo ranks where rank 1's micro-batch has no image: without the tower's
@@ -14,8 +15,7 @@ from test_qwen3_vl import IMAGES, TEXT_ONLY, tiny_config, vlm_batch
 from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration as Upstream
 
-from veomni.core.parallel_dims import ParallelDims
-from veomni.core.parallel_state import build_parallel_state, use_parallel_state
+from veomni.core.parallel_state import use_parallel_state
 from veomni.models.build import build_model
 from veomni.models.export import export_hf
 from veomni.models.qwen3_vl.generated import patched_modeling_qwen3_vl as ours
@@ -86,20 +86,3 @@ def test_fsdp2_with_images_on_one_rank_matches_single_process(dist_pools, checkp
     # Rank 1 saw no image, yet its tower gradients are the same averaged ones (a real reduce-scatter ran).
     for name in grads:
         assert torch.equal(results[1]["grads"][name], grads[name]), name
-
-
-def _sp_refused(ctx) -> str:
-    pstate = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    torch.manual_seed(0)
-    model = ours.Qwen3VLForConditionalGeneration(tiny_config())
-    with use_parallel_state(pstate):
-        try:
-            model(**vlm_batch(IMAGES))
-        except NotImplementedError as err:
-            return str(err)
-    return "no error"
-
-
-def test_sequence_parallel_is_refused_with_a_clear_error(dist_pools):
-    for message in dist_pools.get(2).run(_sp_refused):
-        assert "qwen3_vl does not support Ulysses sequence parallelism yet" in message and "sp=2" in message

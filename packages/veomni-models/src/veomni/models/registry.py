@@ -474,7 +474,7 @@ def _register_builtin(registry: ModelRegistry) -> None:
             "image_text_to_text": f"{qwen3_vl}:Qwen3VLForConditionalGeneration",
             "base": f"{qwen3_vl}:Qwen3VLModel",
         },
-        fast_paths={"fused_kernels"},
+        fast_paths={"sp", "fused_kernels"},
     )
 
 

@@ -17,6 +17,7 @@ from transformers.vision_utils import _interpolation_axis_taps_weights
 from veomni.core.parallel_state import current_parallel_state_or_none
 from veomni.models.causal_lm import IGNORE_INDEX, fused_causal_lm_loss
 from veomni.models.kernel_hooks import ATTR
+from veomni.models.qwen3_vl.sp import visual_index
 
 
 def patch_coordinates(
@@ -93,17 +94,6 @@ def parallel_world_size() -> int:
     return 1 if state is None else state.dims.world_size
 
 
-def refuse_sequence_parallel() -> None:
-    """Qwen3-VL has no ViT/LM sequence parallelism yet: refuse it instead of computing something wrong."""
-    state = current_parallel_state_or_none()
-    if state is not None and state.dims.sp > 1:
-        raise NotImplementedError(
-            f"qwen3_vl does not support Ulysses sequence parallelism yet (current parallel state has "
-            f"sp={state.dims.sp}); the vision tower and the visual-token scatter run on the full sequence. "
-            "Use sp=1 for this model"
-        )
-
-
 def scatter_visual(
     inputs_embeds: torch.Tensor, masks: list[torch.Tensor], features: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,15 +111,7 @@ def scatter_visual(
         ``(embeds [B, S, H], visual mask bool [B, S], gather index int64 [B * S])``: the index maps each
         position to its row in ``torch.cat(features)`` (0 at non-visual positions).
     """
-    offset = torch.zeros((), dtype=torch.int64, device=inputs_embeds.device)
-    index = torch.zeros(inputs_embeds.shape[:2], dtype=torch.int64, device=inputs_embeds.device)
-    visual = torch.zeros_like(index, dtype=torch.bool)
-    for mask, feats in zip(masks, features, strict=True):
-        flat = mask.reshape(-1)
-        rank = flat.long().cumsum(0).reshape(mask.shape) - 1 + offset
-        index = torch.where(mask, rank, index)
-        visual = visual | mask
-        offset = offset + feats.shape[0]
+    visual, index = visual_index(masks, [f.shape[0] for f in features])
     index = index.reshape(-1)
     joined = torch.cat(features, dim=0).to(inputs_embeds.device, inputs_embeds.dtype)
     gathered = joined.index_select(0, index).reshape(inputs_embeds.shape)

@@ -11,15 +11,16 @@
 #   - override_method Qwen3VLTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
 #   - override_method Qwen3VLTextModel._deepstack_process: deepstack add as a gather + where (no boolean indexing: no host sync); also takes features already laid out over all B*S positions
 #   - override_method Qwen3VLVisionAttention.forward: veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens (no per-image split, no host sync, no outer kwargs); HF implementations: upstream code
-#   - override_method Qwen3VLVisionModel.forward: rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen read once per forward, only for veomni backends that need it
+#   - override_method Qwen3VLVisionModel.forward: rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its patch slice and the merged and deepstack features are gathered once
 #   - override_method Qwen3VLVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
 #   - override_method Qwen3VLModel.__init__: build the patched vision and text sub-models (upstream's AutoModel.from_config would build transformers' own, unpatched classes)
-#   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1, SP refused
+#   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
 #   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via vlm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
-#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, refuse_sequence_parallel, scatter_visual, vision_geometry, vlm_logits_and_loss
+#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry, vlm_logits_and_loss
+#   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
@@ -92,10 +93,17 @@ from veomni.models.hf_encoder_attention import backend_for_implementation, encod
 from veomni.models.qwen3_vl.vision import (
     dummy_vision_inputs,
     parallel_world_size,
-    refuse_sequence_parallel,
     scatter_visual,
     vision_geometry,
     vlm_logits_and_loss,
+)
+from veomni.models.qwen3_vl.sp import (
+    check_sp_inputs,
+    gather_merged,
+    scatter_visual_sp,
+    slice_patches,
+    sp_group_or_none,
+    sp_world_size,
 )
 
 # [PATCHED] add_post_import_block
@@ -310,6 +318,8 @@ class Qwen3VLVisionAttention(nn.Module):
         cu_seqlens: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         max_seqlen: int | None = None,
+        sp_group=None,
+        sp_unpadded_len: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
         seq_length = hidden_states.shape[0]
@@ -319,7 +329,9 @@ class Qwen3VLVisionAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
 
-        if (self.config._attn_implementation or "").startswith(PREFIX):
+        # Under SP (sp_group from the tower's forward) every implementation name goes through the encoder entry:
+        # only it runs the Ulysses exchange over this rank's slice of the packed tokens.
+        if sp_group is not None or (self.config._attn_implementation or "").startswith(PREFIX):
             attn_output = encoder_attention(
                 self,
                 query_states,
@@ -329,6 +341,8 @@ class Qwen3VLVisionAttention(nn.Module):
                 max_seqlen=max_seqlen,
                 scaling=self.scaling,
                 dropout=0.0 if not self.training else self.attention_dropout,
+                sp_group=sp_group,
+                sp_unpadded_len=sp_unpadded_len,
             )
             return self.proj(attn_output.reshape(seq_length, -1).contiguous())
 
@@ -738,7 +752,7 @@ class Qwen3VLVisionModel(Qwen3VLPreTrainedModel):
 
         self.post_init()
 
-    # [PATCHED] rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen read once per forward, only for veomni backends that need it
+    # [PATCHED] rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its patch slice and the merged and deepstack features are gathered once
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -746,11 +760,16 @@ class Qwen3VLVisionModel(Qwen3VLPreTrainedModel):
     ) -> tuple | BaseModelOutputWithDeepstackFeatures:
         """
         Args:
-            hidden_states (`torch.Tensor` of shape `(seq_len, C * T_patch * P * P)`): the packed pixel rows.
+            hidden_states (`torch.Tensor` of shape `(seq_len, C * T_patch * P * P)`): the packed pixel rows (all of
+                them on every rank, also under sequence parallelism).
             grid_thw (`torch.Tensor` of shape `(num_images_or_videos, 3)`): (t, h, w) patches per image/clip.
+
+        Under Ulysses SP ``pooler_output`` and ``deepstack_features`` are the full features (gathered, identical on
+        every rank) and ``last_hidden_state`` is this rank's zero-padded slice of the patch rows.
         """
+        total = hidden_states.shape[0]
         position_ids, interp_indices, interp_weights = vision_geometry(
-            grid_thw, self.spatial_merge_size, self.num_grid_per_side, hidden_states.shape[0]
+            grid_thw, self.spatial_merge_size, self.num_grid_per_side, total
         )
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
@@ -760,6 +779,24 @@ class Qwen3VLVisionModel(Qwen3VLPreTrainedModel):
         if max_seqlen is None and needs_max:
             # One host sync per tower forward instead of one per block.
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+        sp_group = sp_group_or_none()
+        if sp_group is not None:
+            # Every per-patch input is sliced by the same rule, so the slices stay aligned; the padded rows get
+            # zero position-embedding weights.
+            units = self.spatial_merge_size**2
+            hidden_states, position_ids, interp_indices, interp_weights = (
+                slice_patches(rows, units, sp_group)
+                for rows in (hidden_states, position_ids, interp_indices, interp_weights)
+            )
+            # The padding (up to sp * merge**2 - 1 rows, more than sp_unpadded_len can cut) attends as a sequence
+            # of its own: one more cu_seqlens entry, so no real patch sees it.
+            padded = hidden_states.shape[0] * sp_world_size(sp_group)
+            if padded > total:
+                cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded)])
+                if max_seqlen is not None:
+                    max_seqlen = max(max_seqlen, padded - total)
+            kwargs = {**kwargs, "sp_group": sp_group}
 
         hidden_states = self.patch_embed(hidden_states)
         pos_embeds = (self.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
@@ -785,6 +822,12 @@ class Qwen3VLVisionModel(Qwen3VLPreTrainedModel):
                 deepstack_feature_lists.append(deepstack_feature)
 
         merged_hidden_states = self.merger(hidden_states)
+        if sp_group is not None:
+            merged_total = total // self.spatial_merge_size**2
+            merged_hidden_states = gather_merged(merged_hidden_states, merged_total, sp_group)
+            deepstack_feature_lists = [
+                gather_merged(f, merged_total, sp_group) for f in deepstack_feature_lists
+            ]
 
         return BaseModelOutputWithDeepstackFeatures(
             last_hidden_state=hidden_states,
@@ -1227,7 +1270,7 @@ class Qwen3VLModel(Qwen3VLPreTrainedModel):
             position_ids = None
         return position_ids
 
-    # [PATCHED] one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1, SP refused
+    # [PATCHED] one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1245,7 +1288,6 @@ class Qwen3VLModel(Qwen3VLPreTrainedModel):
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | BaseModelOutputWithPast:
-        refuse_sequence_parallel()
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
@@ -1261,6 +1303,10 @@ class Qwen3VLModel(Qwen3VLPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
+        # Under SP the text inputs are this rank's slice of the sequence; the pixels are the whole micro-batch's.
+        sp_group = sp_group_or_none()
+        if sp_group is not None:
+            check_sp_inputs(self.config, position_ids, inputs_embeds, sp_group)
 
         # Per modality: (embeds [N, H], deepstack [N, H] per deepstack layer). Precomputed encoder outputs come in
         # upstream's per-image tuples.
@@ -1297,22 +1343,29 @@ class Qwen3VLModel(Qwen3VLPreTrainedModel):
         visual_pos_masks = None
         deepstack_visual_embeds = None
         if features:
+            # Under SP the counts are checked over the full sequence, inside scatter_visual_sp.
+            checked = sp_group is None
             image_mask, video_mask = self.get_placeholder_mask(
                 input_ids,
                 inputs_embeds=inputs_embeds,
-                image_features=features["image"][0] if "image" in features else None,
-                video_features=features["video"][0] if "video" in features else None,
+                image_features=features["image"][0] if checked and "image" in features else None,
+                video_features=features["video"][0] if checked and "video" in features else None,
             )
             masks = {"image": image_mask[..., 0], "video": video_mask[..., 0]}
             order = [m for m in ("image", "video") if m in features]
-            inputs_embeds, visual_pos_masks, index = scatter_visual(
-                inputs_embeds, [masks[m] for m in order], [features[m][0] for m in order]
-            )
+            local_masks, feats = [masks[m] for m in order], [features[m][0] for m in order]
+            if sp_group is None:
+                inputs_embeds, visual_pos_masks, index = scatter_visual(inputs_embeds, local_masks, feats)
+            else:
+                inputs_embeds, visual_pos_masks, index = scatter_visual_sp(
+                    inputs_embeds, local_masks, feats, sp_group
+                )
             layers = zip(*[features[m][1] for m in order], strict=True)
-            if len(order) == 1:
+            if len(order) == 1 and sp_group is None:
                 deepstack_visual_embeds = [feat for (feat,) in layers]
             else:
-                # Both modalities: lay the features out over every position (no data-dependent sizes).
+                # Both modalities, or this rank's slice of the sequence: lay the features out over every (local)
+                # position, which also cuts them to this rank's token range (no data-dependent sizes).
                 deepstack_visual_embeds = [torch.cat(feats, dim=0).index_select(0, index) for feats in layers]
 
         if position_ids is None:
