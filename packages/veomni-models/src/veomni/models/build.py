@@ -26,10 +26,11 @@ from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig
+from veomni.models.diffusers_build import build_diffusers_model, check_checkpoint_kind
 from veomni.models.kernel_hooks import apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
-from veomni.models.registry import MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
+from veomni.models.registry import DIFFUSERS_TASK, MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def build_model(
     parallel_state: ParallelState | None = None,
     init_device: str | torch.device = "meta",
     dtype: torch.dtype = torch.float32,
-    task: str = "causal_lm",
+    task: str | None = None,
     fsdp_policy: FSDPPolicy | None = None,
     expert_plan: ExpertPlan | None = None,
     load_mode: str = "sharded",
@@ -139,13 +140,17 @@ def build_model(
     registry: ModelRegistry | None = None,
     backend: str = "veomni",
     freeze: Sequence[str] = (),
-) -> PreTrainedModel:
+) -> PreTrainedModel | nn.Module:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
     Args:
-        config_or_path: a config, or a directory / ``config.json`` (read with the registered config class).
-        weights: a safetensors checkpoint (file, index or directory); None initialises with the model's
-            ``_init_weights`` and says so in the log (warning).
+        config_or_path: a config, or a directory / ``config.json`` (read with the registered config class). A
+            diffusers ``config.json`` (``_class_name``) or `DiffusersConfig` builds that diffusers class through
+            `veomni.models.diffusers_build.build_diffusers_model` (no ``ops``, no SP/EP yet).
+        weights: a safetensors checkpoint (file, index or directory) of the same library as the config (a
+            transformers checkpoint for a diffusers model, or the reverse, is a `CheckpointKindError`); None
+            initialises with the model's ``_init_weights`` (diffusers: its ``__init__``) and says so in the
+            log (warning).
         ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention); required
             with ``backend="veomni"``, refused with ``backend="hf"``.
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
@@ -153,7 +158,8 @@ def build_model(
             construct on directly.
         dtype: parameter dtype (fp32 master weights by default; checkpoint values are cast to it).
         task: which class of the model type (``causal_lm``, ``image_text_to_text``, ``any_to_any``, ``base``,
-            ...; see `registry.TASKS`); a task the model lacks is an error naming the tasks it has.
+            ...; see `registry.TASKS`); a task the model lacks is an error naming the tasks it has. None:
+            ``causal_lm`` for a transformers config, ``diffusion_transformer`` for a diffusers one.
         fsdp_policy: default `default_fsdp_policy` (blocks from ``_no_split_modules``, no mixed precision).
         expert_plan: overrides the model's ``get_parallel_plan()`` under EP.
         load_mode: ``"sharded"`` or ``"rank0_broadcast"`` (see `load_weights`).
@@ -172,25 +178,37 @@ def build_model(
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
-    if backend == "hf":
-        _check_hf_backend(ops, parallel_state, expert_plan)
-    elif backend != "veomni":
-        raise ValueError(f"build_model: backend must be 'veomni' or 'hf', got {backend!r}")
-    elif not isinstance(ops, OpsConfig):
-        raise TypeError(f"build_model: ops must be a veomni.kernels.OpsConfig, got {type(ops).__name__}")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"build_model: dtype must be a floating torch.dtype, got {dtype!r}")
+    if backend not in ("veomni", "hf"):
+        raise ValueError(f"build_model: backend must be 'veomni' or 'hf', got {backend!r}")
     registry = MODELS if registry is None else registry
     compute = _device(init_device, parallel_state, device)
     on_meta = torch.device(init_device).type == "meta"
     config = registry.load_config(config_or_path, **dict(config_overrides or {}))
-    resolved = registry.model_class(config, task, backend=backend)
     if isinstance(config, DiffusersConfig):
-        raise NotImplementedError(
-            f"build_model: {config.class_name!r} ({config.source}) resolves to {resolved.cls.__module__}."
-            f"{resolved.cls.__name__}, but building diffusers models (meta init, weights, FSDP2) is not "
-            "implemented yet"
+        # diffusers' own class either way (no veomni kernels for it yet), so both backends build the same.
+        resolved = registry.model_class(config, task or DIFFUSERS_TASK, backend=backend)
+        return build_diffusers_model(
+            config,
+            resolved.cls,
+            weights=weights,
+            parallel_state=parallel_state,
+            compute=compute,
+            on_meta=on_meta,
+            dtype=dtype,
+            fsdp_policy=fsdp_policy,
+            load_mode=load_mode,
+            ignore_unexpected=ignore_unexpected,
+            freeze=freeze,
+            ops=ops,
+            expert_plan=expert_plan,
         )
+    if backend == "hf":
+        _check_hf_backend(ops, parallel_state, expert_plan)
+    elif not isinstance(ops, OpsConfig):
+        raise TypeError(f"build_model: ops must be a veomni.kernels.OpsConfig, got {type(ops).__name__}")
+    resolved = registry.model_class(config, task or "causal_lm", backend=backend)
     with torch.device(init_device), no_init_weights():
         model = resolved.cls._from_config(config, dtype=dtype)
     # post_init ties inside init_weights, which no_init_weights skipped.
@@ -245,6 +263,7 @@ def build_model(
             name,
         )
     else:
+        check_checkpoint_kind(weights, "transformers", f"transformers {name}")
         report = load_weights(model, weights, mode=load_mode, ignore_unexpected=ignore_unexpected)
         _attach_generation_config(model, weights)
         logger.info(

@@ -30,7 +30,7 @@ from veomni.core.parallel_state import ParallelState
 from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
 from veomni.models.key_transforms import unrename_key
 from veomni.models.loading.loader import DEFAULT_IGNORED_UNEXPECTED, CheckpointMismatchError, converters_for
-from veomni.models.loading.safetensors_io import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, SafetensorsStreamWriter
+from veomni.models.loading.safetensors_io import SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
 
 logger = logging.getLogger(__name__)
@@ -146,20 +146,24 @@ def write_checkpoint(
     *,
     is_writer: bool,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    stem: str = "model",
 ) -> ExportReport:
     """Write ``items`` as HF safetensors shards (+ index when more than one), one tensor at a time.
 
     ``fetch(key)`` is called for every item in order on every rank (so it may run collectives); it returns
-    the full tensor (in the planned dtype) on the writer and may return None elsewhere.
+    the full tensor (in the planned dtype) on the writer and may return None elsewhere. ``stem`` names the
+    files: ``model`` (transformers) or ``diffusion_pytorch_model`` (diffusers), as ``<stem>.safetensors``,
+    ``<stem>-00001-of-00002.safetensors`` and ``<stem>.safetensors.index.json``.
     """
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     out = Path(out_dir)
     groups = _group_files(items, max_shard_bytes)
+    index_name = f"{stem}.safetensors.index.json"
     names = (
-        [SAFE_WEIGHTS_NAME]
+        [f"{stem}.safetensors"]
         if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
     if is_writer:
         out.mkdir(parents=True, exist_ok=True)
@@ -190,15 +194,16 @@ def write_checkpoint(
     if is_writer:
         if len(names) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (out / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        _remove_stale(out, set(names) | ({SAFE_INDEX_NAME} if len(names) > 1 else set()))
+            (out / index_name).write_text(json.dumps(index, indent=2) + "\n")
+        _remove_stale(out, set(names) | ({index_name} if len(names) > 1 else set()), stem)
     return ExportReport(out, tuple(names), weight_map, total)
 
 
-def _remove_stale(out: Path, written: set[str]) -> None:
+def _remove_stale(out: Path, written: set[str], stem: str = "model") -> None:
     # A previous export into the same directory may have had other shards (or an index): as transformers'
     # save_pretrained does, drop those, so the directory holds exactly one checkpoint.
-    stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+    name = re.escape(stem)
+    stale = re.compile(rf"{name}(-\d{{5}}-of-\d{{5}})?\.safetensors|{name}\.safetensors\.index\.json")
     for path in out.iterdir():
         if path.is_file() and stale.fullmatch(path.name) and path.name not in written:
             path.unlink()
@@ -271,6 +276,15 @@ def export_hf(
     Returns:
         an `ExportReport`.
     """
+    from veomni.models.diffusers_build import is_diffusers_model
+
+    if is_diffusers_model(model):
+        # One export entry point for every model the loop trains: diffusers models leave in their own format.
+        from veomni.models.export_diffusers import export_diffusers
+
+        return export_diffusers(
+            model, out_dir, parallel_state=parallel_state, dtype=dtype, max_shard_bytes=max_shard_bytes
+        )
     config = getattr(model, "config", None)
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"export_hf needs an HF PreTrainedModel (with a config), got {type(model).__name__}")

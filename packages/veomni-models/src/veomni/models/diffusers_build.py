@@ -1,0 +1,291 @@
+"""Building a diffusers model (a DiT such as ``WanTransformer3DModel``) the veomni way: parameters on meta,
+FSDP2 per transformer block, each rank allocating only its shards, weights streamed from
+``diffusion_pytorch_model*.safetensors`` by veomni's loader (or diffusers' own init, with a warning).
+
+The model *is* the diffusers class, unwrapped: no ``PreTrainedModel`` shell, no config swapping. Its
+``config`` stays diffusers' ``FrozenDict``, so ``save_config`` / ``from_pretrained`` / pipelines see exactly
+what diffusers would (docs/models.md, "Diffusers models", says why).
+
+Non-persistent buffers (Wan's rotary ``freqs_cos`` / ``freqs_sin``) are computed on the CPU during
+construction, as diffusers computes them, and copied back after the meta parameters are allocated: no
+checkpoint holds them and diffusers' models have no ``_init_weights`` that could recompute them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from veomni.core.freeze import freeze_modules
+from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
+from veomni.core.parallel_state import ParallelState
+from veomni.models.loading.loader import load_weights
+from veomni.models.loading.safetensors_io import resolve_checkpoint
+from veomni.models.loading.targets import unwrapped_class
+from veomni.models.registry import DiffusersConfig
+
+logger = logging.getLogger(__name__)
+
+DIFFUSERS_WEIGHTS_STEM = "diffusion_pytorch_model"
+TRANSFORMERS_WEIGHTS_STEM = "model"
+
+
+class CheckpointKindError(ValueError):
+    """A transformers checkpoint where a diffusers one is expected, or the other way round."""
+
+
+def is_diffusers_model(model: nn.Module) -> bool:
+    """Whether ``model`` (possibly FSDP-wrapped) is a diffusers ``ModelMixin``; False without diffusers."""
+    if importlib.util.find_spec("diffusers") is None:
+        return False
+    from diffusers import ModelMixin
+
+    return issubclass(unwrapped_class(model), ModelMixin)
+
+
+def _weights_stem(file: Path) -> str:
+    name = file.name
+    for suffix in (".safetensors.index.json", ".safetensors"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    # Shards: "<stem>-00001-of-00003".
+    parts = name.rsplit("-", 3)
+    if len(parts) == 4 and parts[2] == "of" and parts[1].isdigit() and parts[3].isdigit():
+        name = parts[0]
+    return name
+
+
+def check_checkpoint_kind(weights: str | os.PathLike, expected: str, what: str) -> None:
+    """Refuse a checkpoint of the other library before any tensor is read.
+
+    Args:
+        weights: the checkpoint (file, index or directory).
+        expected: ``"diffusers"`` or ``"transformers"``.
+        what: the model being built, for the message (``"diffusers WanTransformer3DModel"``).
+    Raises:
+        CheckpointKindError: the weight files or the ``config.json`` next to them belong to the other library
+            (diffusers: ``diffusion_pytorch_model*.safetensors`` and ``_class_name``; transformers:
+            ``model*.safetensors`` and ``model_type``), or a diffusers config names another ``_class_name``.
+    """
+    if expected not in ("diffusers", "transformers"):
+        raise ValueError(
+            f"check_checkpoint_kind: expected must be 'diffusers' or 'transformers', got {expected!r}"
+        )
+    directory, files, _ = resolve_checkpoint(weights)
+    want_stem = DIFFUSERS_WEIGHTS_STEM if expected == "diffusers" else TRANSFORMERS_WEIGHTS_STEM
+    other = "transformers" if expected == "diffusers" else "diffusers"
+    want = f"{want_stem}*.safetensors[.index.json] and a config.json with " + (
+        "'_class_name'" if expected == "diffusers" else "'model_type'"
+    )
+    source = Path(weights)
+    stems = sorted({_weights_stem(f) for f in ([source] if source.is_file() else files)})
+    config_file = directory / "config.json"
+    raw = json.loads(config_file.read_text()) if config_file.is_file() else None
+    found_kind = None
+    if isinstance(raw, dict):
+        if expected == "diffusers" and "model_type" in raw and "_class_name" not in raw:
+            found_kind = f"a transformers checkpoint (model_type {raw['model_type']!r})"
+        elif expected == "transformers" and "_class_name" in raw and "model_type" not in raw:
+            found_kind = f"a diffusers checkpoint (_class_name {raw['_class_name']!r})"
+    other_stem = TRANSFORMERS_WEIGHTS_STEM if expected == "diffusers" else DIFFUSERS_WEIGHTS_STEM
+    if found_kind is None and other_stem in stems:
+        found_kind = f"a {other} checkpoint (weight files {[f.name for f in files][:4]})"
+    if found_kind is not None:
+        raise CheckpointKindError(
+            f"{weights} is {found_kind}, but a {what} is being built: it expects {want} in the checkpoint "
+            "directory"
+        )
+
+
+def _check_class_name(weights: str | os.PathLike, class_name: str) -> None:
+    directory, _, _ = resolve_checkpoint(weights)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return
+    found = json.loads(config_file.read_text()).get("_class_name")
+    if found is not None and found != class_name:
+        raise CheckpointKindError(
+            f"the checkpoint in {directory} is a diffusers {found!r} (config.json _class_name), but the model "
+            f"being built is {class_name!r}; pass the weights of a {class_name!r}"
+        )
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    # Parameters go to meta as they are registered; buffers are computed for real (the rotary tables), as
+    # accelerate's init_empty_weights(include_buffers=False) does for diffusers' own low-memory loading.
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _construct(cls: type, values: Mapping[str, object], *, meta: bool) -> nn.Module:
+    from diffusers.models.modeling_utils import no_init_weights
+
+    unknown = sorted(k for k in values if not k.startswith("_") and k not in cls._get_init_keys(cls))
+    if unknown:
+        # diffusers drops such keys with a warning of its own; say which, in our log too.
+        logger.warning(
+            "build_model: %s's config keys %s are not arguments of %s; diffusers ignores them",
+            cls.__name__,
+            unknown,
+            cls.__name__,
+        )
+    if not meta:
+        return cls.from_config(dict(values))
+    with _parameters_on_meta(), no_init_weights():
+        return cls.from_config(dict(values))
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    # Parameters only, and as diffusers' from_pretrained(torch_dtype=...) does: those under a module named in
+    # _keep_in_fp32_modules stay fp32. Buffers keep the dtype diffusers computed them in (Wan's rotary tables
+    # are float64), so the forward is diffusers' own to the bit.
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point():
+                continue
+            fqn = f"{module_name}.{name}" if module_name else name
+            want = torch.float32 if any(k in fqn.split(".") for k in keep) else dtype
+            if param.dtype != want:
+                module._parameters[name] = nn.Parameter(
+                    param.detach().to(want), requires_grad=param.requires_grad
+                )
+
+
+def _buffers(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    return {
+        (id(module), name): buf.detach().clone()
+        for module in model.modules()
+        for name, buf in module._buffers.items()
+        if buf is not None
+    }
+
+
+def _restore_buffers_fn(saved: dict[tuple[int, str], torch.Tensor]):
+    def init_fn(module: nn.Module) -> None:
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                buf.copy_(saved[(id(module), name)])
+
+    return init_fn
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    # Every rank ran diffusers' (random) init; rank 0's values become everyone's, tensor by tensor.
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            moved = tensor.data if device is None else tensor.data.to(device)
+            dist.broadcast(moved, src=0)
+            if device is not None:
+                tensor.data.copy_(moved)
+
+
+def _refuse(ops: object, state: ParallelState | None, expert_plan: object, name: str) -> None:
+    if ops is not None:
+        raise ValueError(
+            f"build_model: {name} is a diffusers model; veomni binds no kernels to diffusers models yet, so it "
+            "takes no OpsConfig: pass ops=None"
+        )
+    if expert_plan is not None or (state is not None and state.ep_enabled):
+        raise ValueError(
+            f"build_model: {name} is a diffusers model without experts; use ep=1, no expert_plan"
+        )
+    if state is not None and state.sp_enabled:
+        raise ValueError(
+            f"build_model: Ulysses sequence parallelism is not implemented for the diffusers model {name} yet "
+            f"(sp={state.dims.sp}); use sp=1"
+        )
+
+
+def build_diffusers_model(
+    config: DiffusersConfig,
+    cls: type,
+    *,
+    weights: str | os.PathLike | None,
+    parallel_state: ParallelState | None,
+    compute: torch.device,
+    on_meta: bool,
+    dtype: torch.dtype,
+    fsdp_policy: FSDPPolicy | None,
+    load_mode: str,
+    ignore_unexpected: Sequence[str],
+    freeze: Sequence[str],
+    ops: object = None,
+    expert_plan: object = None,
+) -> nn.Module:
+    """`veomni.models.build.build_model` for a diffusers ``config`` resolved to ``cls`` (see there).
+
+    With ``weights``: parameters on meta, FSDP2 per block, shards allocated on ``compute``, rotary buffers
+    restored, then `load_weights` (``"sharded"`` or ``"rank0_broadcast"``, strict accounting, no
+    converters). Without: diffusers' own ``__init__`` runs on the CPU on every rank, rank 0's values are
+    broadcast, then FSDP2 shards them (the full model is held on each rank's CPU once; warned).
+    """
+    from veomni.models.build import default_fsdp_policy
+
+    name = cls.__name__
+    _refuse(ops, parallel_state, expert_plan, name)
+    if weights is not None:
+        check_checkpoint_kind(weights, "diffusers", f"diffusers {name}")
+        _check_class_name(weights, config.class_name)
+    meta = weights is not None and on_meta
+    model = _construct(cls, config.values, meta=meta)
+    _cast(model, dtype)
+    if weights is None:
+        _broadcast_from_rank0(model)
+    if freeze:
+        frozen = freeze_modules(model, freeze, where="build_model(freeze=...)")
+        logger.info("build_model: froze %d parameter tensors of %s", len(frozen), freeze)
+    saved = _buffers(model) if meta else {}
+    policy = None
+    if parallel_state is not None:
+        policy = default_fsdp_policy(model) if fsdp_policy is None else fsdp_policy
+        apply_fsdp2(model, parallel_state, policy)
+    if meta:
+        materialize_sharded(
+            model, compute, _restore_buffers_fn(saved), cpu_offload=bool(policy and policy.cpu_offload)
+        )
+    elif parallel_state is None:
+        model.to(compute)
+    if weights is None:
+        logger.warning(
+            "build_model: no weights given: the parameters of %s are initialised by diffusers' own __init__ "
+            "(random, seed-dependent; rank 0's values on every rank), not loaded from a checkpoint",
+            name,
+        )
+        return model
+    report = load_weights(
+        model, weights, mode=load_mode, converters=[], ignore_unexpected=ignore_unexpected, check_config=False
+    )
+    logger.info(
+        "build_model: loaded %d tensors of %s from %s (%s, %.1f MiB read on this rank)",
+        len(report.loaded),
+        name,
+        weights,
+        report.mode,
+        report.bytes_read / 2**20,
+    )
+    return model
