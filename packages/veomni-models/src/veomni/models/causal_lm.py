@@ -39,7 +39,8 @@ def lm_logits_and_loss(
     ``logits_to_keep`` is applied to the hidden states first (before any loss), exactly as upstream does.
 
     Args:
-        model: the ``*ForCausalLM`` (needs ``lm_head``, ``config.vocab_size`` and ``loss_function``).
+        model: the ``*ForCausalLM`` or a composite's ``*ForConditionalGeneration`` (needs ``lm_head`` and
+            ``loss_function``; vocabulary and logit softcap come from ``config.get_text_config()``).
         hidden_states: ``[B, S, H]`` in the model dtype.
         labels: ``[B, S]`` int64 unshifted targets (shifted here), or None.
         logits_to_keep: HF semantics (0 keeps every position).
@@ -53,6 +54,7 @@ def lm_logits_and_loss(
     shift_labels = loss_kwargs.get("shift_labels")
     wants_loss = labels is not None or shift_labels is not None
     kernels = getattr(model, ATTR, None)
+    text_config = model.config.get_text_config()
     if wants_loss and kernels is not None and kernels.config.cross_entropy != "eager":
         loss = fused_causal_lm_loss(
             kernels.get("cross_entropy", "causal"),
@@ -62,16 +64,14 @@ def lm_logits_and_loss(
             shift_labels=shift_labels,
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
             ignore_index=loss_kwargs.get("ignore_index", IGNORE_INDEX),
-            logit_softcap=getattr(model.config, "final_logit_softcapping", None),
+            logit_softcap=getattr(text_config, "final_logit_softcapping", None),
         )
         return None, loss
     logits = model.lm_head(hidden_states)
     loss = None
     if wants_loss:
         target = labels if labels is not None else shift_labels
-        loss = model.loss_function(
-            logits=logits, labels=target, vocab_size=model.config.vocab_size, **loss_kwargs
-        )
+        loss = model.loss_function(logits=logits, labels=target, vocab_size=text_config.vocab_size, **loss_kwargs)
     return logits, loss
 
 

@@ -50,6 +50,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     is_flash_attention_requested,
 )
 
+from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
 from veomni.models.kernel_hooks import apply_rope
@@ -66,7 +67,6 @@ from veomni.models.qwen3_vl.vision import (
     parallel_world_size,
     scatter_visual,
     vision_geometry,
-    vlm_logits_and_loss,
 )
 
 config = PatchConfig(
@@ -76,13 +76,14 @@ config = PatchConfig(
     "a dummy tower forward for ranks without images, and the fused LM loss",
 )
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.hf_attention import PREFIX")
 config.add_import(
     "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention"
 )
 config.add_import(
     "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, "
-    "scatter_visual, vision_geometry, vlm_logits_and_loss"
+    "scatter_visual, vision_geometry"
 )
 config.add_import(
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, "
@@ -536,7 +537,7 @@ def model_forward(
 
 @config.override_method(
     "Qwen3VLForConditionalGeneration.forward",
-    description="LM head + loss via vlm_logits_and_loss: a fused linear cross-entropy gets the hidden states and "
+    description="LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and "
     "the LM-head weight (no [T, V] logits); eager runs the upstream head and loss",
 )
 def conditional_generation_forward(
@@ -571,7 +572,7 @@ def conditional_generation_forward(
         **kwargs,
     )
     # logits_to_keep is applied before the loss; with a fused loss, logits stay None (never materialised).
-    logits, loss = vlm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
+    logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
     return CausalLMOutputWithPast(
         loss=loss,
         logits=logits,

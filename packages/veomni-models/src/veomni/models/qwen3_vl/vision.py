@@ -10,13 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.vision_utils import _interpolation_axis_taps_weights
 
 from veomni.core.parallel_state import current_parallel_state_or_none
-from veomni.models.causal_lm import IGNORE_INDEX, fused_causal_lm_loss
-from veomni.models.kernel_hooks import ATTR
 from veomni.models.qwen3_vl.sp import visual_index
 
 
@@ -116,45 +112,3 @@ def scatter_visual(
     joined = torch.cat(features, dim=0).to(inputs_embeds.device, inputs_embeds.dtype)
     gathered = joined.index_select(0, index).reshape(inputs_embeds.shape)
     return torch.where(visual[..., None], gathered, inputs_embeds), visual, index
-
-
-def vlm_logits_and_loss(
-    model: nn.Module,
-    hidden_states: torch.Tensor,
-    labels: torch.Tensor | None,
-    logits_to_keep: int | torch.Tensor,
-    **loss_kwargs: Any,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`veomni.models.causal_lm.lm_logits_and_loss` for a composite config (the vocabulary is the text config's).
-
-    Args:
-        model: the ``*ForConditionalGeneration`` (``lm_head``, ``config.text_config``, ``loss_function``).
-        hidden_states: ``[B, S, H]``; labels: ``[B, S]`` unshifted, or None (``shift_labels`` in kwargs works).
-    Returns:
-        ``(logits [B, S', V] or None when a fused loss ran, loss 0-d fp32 or None)``.
-    """
-    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-    shift_labels = loss_kwargs.get("shift_labels")
-    wants_loss = labels is not None or shift_labels is not None
-    kernels = getattr(model, ATTR, None)
-    text_config = model.config.text_config
-    if wants_loss and kernels is not None and kernels.config.cross_entropy != "eager":
-        loss = fused_causal_lm_loss(
-            kernels.get("cross_entropy", "causal"),
-            hidden_states,
-            model.lm_head.weight,
-            labels,
-            shift_labels=shift_labels,
-            num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
-            ignore_index=loss_kwargs.get("ignore_index", IGNORE_INDEX),
-            logit_softcap=getattr(text_config, "final_logit_softcapping", None),
-        )
-        return None, loss
-    logits = model.lm_head(hidden_states)
-    loss = None
-    if wants_loss:
-        target = labels if labels is not None else shift_labels
-        loss = model.loss_function(
-            logits=logits, labels=target, vocab_size=text_config.vocab_size, **loss_kwargs
-        )
-    return logits, loss

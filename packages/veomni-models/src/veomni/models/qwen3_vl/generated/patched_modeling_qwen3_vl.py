@@ -15,11 +15,12 @@
 #   - override_method Qwen3VLVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
 #   - override_method Qwen3VLModel.__init__: build the patched vision and text sub-models (upstream's AutoModel.from_config would build transformers' own, unpatched classes)
 #   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
-#   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via vlm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
+#   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
-#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry, vlm_logits_and_loss
+#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_post_import_block: 1 block(s)
 # ====================================================================================================
@@ -88,6 +89,7 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import (
     Qwen3VLVisionConfig,
 )
 from veomni.models.kernel_hooks import apply_rope
+from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
 from veomni.models.qwen3_vl.vision import (
@@ -95,7 +97,6 @@ from veomni.models.qwen3_vl.vision import (
     parallel_world_size,
     scatter_visual,
     vision_geometry,
-    vlm_logits_and_loss,
 )
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
@@ -1432,7 +1433,7 @@ class Qwen3VLForConditionalGeneration(Qwen3VLPreTrainedModel, GenerationMixin):
         """
         return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
 
-    # [PATCHED] LM head + loss via vlm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
+    # [PATCHED] LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1467,7 +1468,7 @@ class Qwen3VLForConditionalGeneration(Qwen3VLPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         # logits_to_keep is applied before the loss; with a fused loss, logits stay None (never materialised).
-        logits, loss = vlm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
+        logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
