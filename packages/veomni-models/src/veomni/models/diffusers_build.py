@@ -32,6 +32,7 @@ from veomni.models.loading.loader import load_weights
 from veomni.models.loading.safetensors_io import resolve_checkpoint
 from veomni.models.loading.targets import unwrapped_class
 from veomni.models.registry import DiffusersConfig
+from veomni.models.wan_sp import apply_dit_sp, check_dit_sp_supported
 
 logger = logging.getLogger(__name__)
 
@@ -214,11 +215,6 @@ def _refuse(ops: object, state: ParallelState | None, expert_plan: object, name:
         raise ValueError(
             f"build_model: {name} is a diffusers model without experts; use ep=1, no expert_plan"
         )
-    if state is not None and state.sp_enabled:
-        raise ValueError(
-            f"build_model: Ulysses sequence parallelism is not implemented for the diffusers model {name} yet "
-            f"(sp={state.dims.sp}); use sp=1"
-        )
 
 
 def build_diffusers_model(
@@ -248,12 +244,19 @@ def build_diffusers_model(
 
     name = cls.__name__
     _refuse(ops, parallel_state, expert_plan, name)
+    sp = parallel_state is not None and parallel_state.sp_enabled
+    if sp:
+        check_dit_sp_supported(cls, parallel_state.dims.sp)
     if weights is not None:
         check_checkpoint_kind(weights, "diffusers", f"diffusers {name}")
         _check_class_name(weights, config.class_name)
     meta = weights is not None and on_meta
     model = _construct(cls, config.values, meta=meta)
     _cast(model, dtype)
+    if sp:
+        # Explicit: Ulysses SP is attention processors + sequence hooks (veomni.models.wan_sp), installed
+        # while the parameters are still on meta, so a head count SP cannot split fails before allocation.
+        apply_dit_sp(model, parallel_state)
     if weights is None:
         _broadcast_from_rank0(model)
     if freeze:
