@@ -146,7 +146,8 @@ def build_model(
     Args:
         config_or_path: a config, or a directory / ``config.json`` (read with the registered config class). A
             diffusers ``config.json`` (``_class_name``) or `DiffusersConfig` builds that diffusers class through
-            `veomni.models.diffusers_build.build_diffusers_model` (no ``ops``, no SP/EP yet).
+            `veomni.models.diffusers_build.build_diffusers_model` (no ``ops``, no EP; ``sp > 1`` applies
+            `veomni.models.wan_sp.apply_dit_sp`, for ``WanTransformer3DModel`` only).
         weights: a safetensors checkpoint (file, index or directory) of the same library as the config (a
             transformers checkpoint for a diffusers model, or the reverse, is a `CheckpointKindError`); None
             initialises with the model's ``_init_weights`` (diffusers: its ``__init__``) and says so in the

@@ -238,7 +238,8 @@ def build_diffusers_model(
     With ``weights``: parameters on meta, FSDP2 per block, shards allocated on ``compute``, rotary buffers
     restored, then `load_weights` (``"sharded"`` or ``"rank0_broadcast"``, strict accounting, no
     converters). Without: diffusers' own ``__init__`` runs on the CPU on every rank, rank 0's values are
-    broadcast, then FSDP2 shards them (the full model is held on each rank's CPU once; warned).
+    broadcast, then FSDP2 shards them (the full model is held on each rank's CPU once; warned). With
+    ``parallel_state.dims.sp > 1``: `veomni.models.wan_sp.apply_dit_sp` (Wan only; other classes refused).
     """
     from veomni.models.build import default_fsdp_policy
 
