@@ -71,7 +71,9 @@ def lm_logits_and_loss(
     loss = None
     if wants_loss:
         target = labels if labels is not None else shift_labels
-        loss = model.loss_function(logits=logits, labels=target, vocab_size=text_config.vocab_size, **loss_kwargs)
+        loss = model.loss_function(
+            logits=logits, labels=target, vocab_size=text_config.vocab_size, **loss_kwargs
+        )
     return logits, loss
 
 
