@@ -34,9 +34,9 @@ config = PatchConfig(
 )
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
-config.override_method("SeedOssRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(
-    rms_norm_forward
-)
+config.override_method(
+    "SeedOssRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
+)(rms_norm_forward)
 config.override_method(
     "SeedOssForCausalLM.forward",
     description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)",
