@@ -1,4 +1,4 @@
-"""The generated dense adapters (Llama, Qwen2, Qwen3) equal upstream transformers: bitwise in eager mode, within
+"""The generated dense adapters (Llama, Qwen2, Qwen3, Seed-OSS) equal upstream transformers: bitwise in eager mode, within
 fp32 tolerance with veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and grad norm."""
 
 from __future__ import annotations
@@ -7,16 +7,26 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
 from transformers.models.llama.modeling_llama import LlamaForCausalLM as UpstreamLlama
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM as UpstreamQwen2
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as UpstreamQwen3
+from transformers.models.seed_oss.modeling_seed_oss import SeedOssForCausalLM as UpstreamSeedOss
 
+from veomni.core.parallel_dims import ParallelDims
+from veomni.core.parallel_state import build_parallel_state, use_parallel_state
+from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import OpsConfig, resolve_kernels
+from veomni.models.build import build_model
+from veomni.models.export import export_hf
+from veomni.models.hf_attention import packed_kwargs
 from veomni.models.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalLM
 from veomni.models.qwen2.generated.patched_modeling_qwen2 import Qwen2ForCausalLM
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
+from veomni.models.registry import MODELS as REGISTRY
+from veomni.models.seed_oss.generated.patched_modeling_seed_oss import SeedOssForCausalLM
 
 # On a GPU runner the same checks run on CUDA (Triton compiled); on CPU, Triton runs through its interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,6 +39,13 @@ MODELS = {
     "llama": (LlamaConfig, UpstreamLlama, LlamaForCausalLM),
     "qwen2": (Qwen2Config, UpstreamQwen2, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, UpstreamQwen3, Qwen3ForCausalLM),
+    "seed_oss": (SeedOssConfig, UpstreamSeedOss, SeedOssForCausalLM),
+}
+
+# Per-family odd shapes: Seed-OSS with every bias on (q/k/v, o_proj, MLP) and head_dim 24 != hidden / heads = 16,
+# so a kernel that assumed either would show. Its dropouts keep the upstream default (0.1); eval() turns them off.
+FAMILY_OVERRIDES = {
+    "seed_oss": dict(head_dim=24, attention_bias=True, attention_out_bias=True, mlp_bias=True),
 }
 
 
@@ -39,6 +56,7 @@ def tiny_config(model: str, **overrides):
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )  # fmt: skip
+    values.update(FAMILY_OVERRIDES.get(model, {}))
     values.update(overrides)
     return MODELS[model][0](**values)
 
@@ -141,3 +159,112 @@ def test_generation_with_veomni_ops_matches_upstream(model):
     torch.testing.assert_close(
         last, upstream(input_ids=prompt, logits_to_keep=1).logits, rtol=1e-5, atol=1e-5
     )
+
+
+# ---------------------------------------------------------------- Seed-OSS: residual dropout in training mode
+
+
+def seeded_train_step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    # Same seed before each model: equal dropout masks exactly when both draw the same RNG calls in the same order.
+    model.train()
+    torch.manual_seed(1234)
+    return loss_and_grad_norm(model, inputs)
+
+
+def test_seed_oss_training_dropouts_are_bitwise_upstream():
+    upstream, ours = build_pair("eager", "seed_oss", attention_dropout=0.2, residual_dropout=0.3)
+    attach_kernels(ours, resolve_kernels(OpsConfig(**EAGER_OPS)))
+    ref_logits, ref_loss, ref_norm = seeded_train_step(upstream, batch())
+    logits, loss, norm = seeded_train_step(ours, batch())
+    assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss) and norm == ref_norm
+    upstream.eval()
+    eval_loss = upstream(**batch()).loss.detach()
+    assert not torch.equal(eval_loss, ref_loss)  # the dropouts were really active in the training step
+
+
+def test_seed_oss_kernels_keep_the_residual_dropout():
+    # Kernels replace silu(gate) * up, RMSNorm and RoPE only; the residual dropouts after o_proj and down_proj
+    # must still run (and draw the same masks). veomni's attention has no dropout, so attention_dropout is 0 here.
+    upstream, ours = build_pair("sdpa", "seed_oss", attention_dropout=0.0, residual_dropout=0.3)
+    attach_kernels(
+        ours,
+        resolve_kernels(
+            OpsConfig(**{**EAGER_OPS, "rms_norm": "triton", "rope": "triton", "swiglu": "triton"})
+        ),
+    )
+    ref_logits, ref_loss, ref_norm = seeded_train_step(upstream, batch(2))
+    logits, loss, norm = seeded_train_step(ours, batch(2))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+# ---------------------------------------------------------------- Seed-OSS: registry, export, Ulysses SP
+
+
+def test_seed_oss_builds_from_a_checkpoint_and_exports_to_plain_transformers(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    config = tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0)
+    torch.manual_seed(3)
+    UpstreamSeedOss(config).save_pretrained(src)
+    resolved = REGISTRY.model_class(config, "causal_lm")
+    assert resolved.cls is SeedOssForCausalLM and resolved.fast_paths == {"sp", "fused_kernels"}
+    eager = OpsConfig(**EAGER_OPS, attention="eager")
+    model = build_model(str(src), weights=str(src), ops=eager).eval()
+    assert type(model) is SeedOssForCausalLM
+    export_hf(model, out)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is UpstreamSeedOss
+    src_keys = set(UpstreamSeedOss.from_pretrained(src).state_dict())
+    assert set(reloaded.state_dict()) == src_keys and "model.layers.0.self_attn.o_proj.bias" in src_keys
+    prompt = batch()["input_ids"][:1, :7].cpu()
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.cpu().generate(prompt, **settings), reloaded.generate(prompt, **settings))
+
+
+def _seed_oss_sp_case(ctx) -> dict[str, float]:
+    # One packed row of three documents through our adapter with veomni_sdpa, whole vs sliced over SP=2 ranks.
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    group = state.sp_group
+    torch.manual_seed(0)
+    model = SeedOssForCausalLM(tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0))
+    apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))
+    lengths = [5, 1, 7]
+    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    labels = torch.cat(
+        [torch.cat([ids[0, s + 1 : s + n], torch.tensor([-100])]) for s, n in _starts(lengths)]
+    )[None]
+
+    def summed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+    ref = model(input_ids=ids, position_ids=positions, **packed_kwargs(positions)).logits
+    summed(ref, labels).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with use_parallel_state(state):
+        kwargs = {**packed_kwargs(positions), "sp_unpadded_len": ids.shape[1]}
+        local = model(
+            input_ids=slice_sequence(ids, 1, group),
+            position_ids=slice_sequence(positions, 1, group),
+            **kwargs,
+        ).logits
+    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
+    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
+    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0}
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
+        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
+    return worst
+
+
+def _starts(lengths: list[int]) -> list[tuple[int, int]]:
+    return [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
+
+
+def test_seed_oss_ulysses_sp2_matches_single_process(dist_pools):
+    for worst in dist_pools.get(2).run(_seed_oss_sp_case):
+        assert worst["logits"] < 1e-5 and worst["grad"] <= 1.0, worst

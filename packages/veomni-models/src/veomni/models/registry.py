@@ -445,6 +445,12 @@ def _register_builtin(registry: ModelRegistry) -> None:
             {"sp", "fused_kernels"},
         ),
         (
+            "seed_oss",
+            "SeedOss",
+            "transformers.models.seed_oss.configuration_seed_oss:SeedOssConfig",
+            {"sp", "fused_kernels"},
+        ),
+        (
             "qwen3_moe",
             "Qwen3Moe",
             "transformers.models.qwen3_moe.configuration_qwen3_moe:Qwen3MoeConfig",

@@ -1,0 +1,1 @@
+"""Seed-OSS adapter: the patch config and its generated modeling file."""

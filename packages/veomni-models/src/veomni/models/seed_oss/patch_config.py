@@ -1,0 +1,103 @@
+"""Patches Seed-OSS's upstream modeling: RMSNorm, SwiGLU, RoPE and the LM loss through the instance's kernels.
+
+Seed-OSS is a Llama-shaped decoder with biased q/k/v (``attention_bias``), an optionally biased o_proj
+(``attention_out_bias``), an explicit ``head_dim`` and a residual dropout after o_proj and after the MLP's
+down_proj. RMSNorm and the causal-LM forward reuse the Qwen3 config's functions (same maths). The MLP and attention
+forwards are Seed-OSS's own: the kernel replaces only ``silu(gate) * up`` and the RoPE call, and both residual
+dropouts stay where upstream applies them, so training-mode RNG consumption is unchanged. Regenerate with
+``uv run patchgen veomni.models.seed_oss.patch_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from patchgen.config import PatchConfig
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.models.seed_oss.modeling_seed_oss import (
+    ALL_ATTENTION_FUNCTIONS,
+    TransformersKwargs,
+    Unpack,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from veomni.models.kernel_hooks import apply_rope
+from veomni.models.qwen3.patch_config import causal_lm_forward, rms_norm_forward
+
+config = PatchConfig(
+    source_module="transformers.models.seed_oss.modeling_seed_oss",
+    target_file="patched_modeling_seed_oss.py",
+    description="Seed-OSS with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
+)
+config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.override_method(
+    "SeedOssRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
+)(rms_norm_forward)
+config.override_method(
+    "SeedOssForCausalLM.forward",
+    description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)",
+)(causal_lm_forward)
+
+
+@config.override_method(
+    "SeedOssMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard'); residual dropout kept"
+)
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.swiglu != "eager":
+        if self.config.hidden_act != "silu":
+            raise ValueError(
+                f"OpsConfig.swiglu={kernels.config.swiglu!r} computes silu(gate) * up, but this model's "
+                f"hidden_act is {self.config.hidden_act!r}; set swiglu='eager'"
+            )
+        # mlp_bias lives in the Linear layers, so the kernel sees the same biased gate/up as upstream's act_fn.
+        down_proj = self.down_proj(kernels.get("swiglu", "standard")(self.gate_proj(x), self.up_proj(x)))
+    else:
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    down_proj = nn.functional.dropout(down_proj, p=self.residual_dropout, training=self.training)
+    return down_proj
+
+
+@config.override_method("SeedOssAttention.forward", description="RoPE via kernels.get('rope', 'full')")
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    attn_output = nn.functional.dropout(attn_output, p=self.residual_dropout, training=self.training)
+    return attn_output, attn_weights
