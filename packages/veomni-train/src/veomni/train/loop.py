@@ -47,7 +47,7 @@ from veomni.train.data import (
 )
 from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_flops, peak_memory_gib
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
-from veomni.train.preflight import check_sp_heads, check_trainable, check_vocab, check_warmup
+from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.step import evaluate, train_step
 from veomni.train.tasks import TASKS, Task, build_task, flops_per_token, query_width
@@ -132,7 +132,11 @@ def model_config(recipe: Recipe) -> PretrainedConfig:
         values = dict(config)
         model_type = values.pop("model_type")
         return AutoConfig.for_model(model_type, **values)
-    return MODELS.load_config(config if config is not None else recipe.model.weights)
+    source = config if config is not None else recipe.model.weights
+    try:
+        return MODELS.load_config(source, **recipe.model.config_overrides)
+    except ValueError as err:
+        raise PreflightError(f"model.config_overrides: {err}") from None
 
 
 def meta_instance(config: PretrainedConfig | str, task: str = "causal_lm") -> nn.Module:

@@ -60,6 +60,12 @@ class ModelSection:
         "(None: the config in model.weights)",
         path=True,
     )
+    config_overrides: dict = _field(
+        dict,
+        "entries set on the config read from model.config (a path) or model.weights, e.g. {attention_dropout: 0.0}; "
+        "keys are checked against the config class when the run starts (an inline model.config takes them directly)",
+        factory=True,
+    )
     weights: str | None = _required(
         "HF checkpoint directory (safetensors) to start from; null trains from a random initialisation "
         "(required, so that random weights are never an accident)",
@@ -104,6 +110,11 @@ class ModelSection:
                     f"model.config: an inline config needs a model_type key; found {sorted(self.config)}"
                 )
             _check_inline_config(self.config)
+            if self.config_overrides:
+                raise RecipeError(
+                    "model.config_overrides: model.config is an inline mapping; put "
+                    f"{sorted(self.config_overrides)} in it instead"
+                )
         if self.param_dtype not in ("float32", self.dtype):
             raise RecipeError(
                 f"model.param_dtype: expected float32 or model.dtype ({self.dtype}), found {self.param_dtype} "
