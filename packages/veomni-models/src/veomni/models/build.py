@@ -21,11 +21,12 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from veomni.core.compile import compile_blocks
 from veomni.core.ep.plan import ExpertPlan
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
 from veomni.models.registry import MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
@@ -145,7 +146,9 @@ def build_model(
         weights: a safetensors checkpoint (file, index or directory); None initialises with the model's
             ``_init_weights`` and says so in the log (warning).
         ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention); required
-            with ``backend="veomni"``, refused with ``backend="hf"``.
+            with ``backend="veomni"``, refused with ``backend="hf"``. ``ops.compile_enabled`` compiles every
+            block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing; under
+            ``compile="auto"`` MoE models stay eager.
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
         init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
             construct on directly.
@@ -195,6 +198,8 @@ def build_model(
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
         apply_ops(model, ops)  # type: ignore[arg-type]
+        # Before FSDP2 and activation checkpointing, which then shard / wrap the compiled blocks.
+        _compile_blocks(model, ops, fsdp_policy)  # type: ignore[arg-type]
     else:
         logger.warning(
             "build_model(backend='hf'): training transformers' own %s, unpatched. Off: veomni kernels (no "
@@ -243,6 +248,19 @@ def build_model(
             report.bytes_read / 2**20,
         )
     return model
+
+
+def _compile_blocks(model: nn.Module, ops: OpsConfig, fsdp_policy: FSDPPolicy | None) -> None:
+    """Compile every decoder block when ``ops.compile_enabled`` (`veomni.core.compile.compile_blocks`)."""
+    if not ops.compile_enabled:
+        return
+    if ops.compile == "auto" and _has_hf_experts(model):
+        # Routed experts have data-dependent token counts per expert; not yet proven recompile-free.
+        logger.info(
+            "build_model: ops.compile='auto' leaves MoE blocks eager; set ops.compile='on' to compile them"
+        )
+        return
+    compile_blocks(model, fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model))
 
 
 def _attach_generation_config(model: PreTrainedModel, weights: str | os.PathLike) -> None:
