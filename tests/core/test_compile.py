@@ -9,6 +9,7 @@ changes. On CPU the Triton kernels run through Triton's interpreter, so the mode
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -201,3 +202,32 @@ def test_cuda_inductor_blocks_match_eager_bf16_without_recompiles(attention):
             rel = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)
             assert rel < 5e-2, f"relative gradient error {rel:.3g} with documents {lens}"
     assert stats.graphs == 1, f"{stats.graphs} graphs: document-count changes recompiled"
+
+
+class LazyBlock(torch.nn.Module):
+    """Sets itself up on its first call with code dynamo cannot trace, as HF attention functions do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is None:
+            self.act = importlib.import_module("torch.nn.functional").gelu
+        return self.act(self.lin(x))
+
+
+def test_first_call_primes_lazy_setup_eagerly_then_runs_the_graph():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LazyBlock(), LazyBlock())
+    reference = copy.deepcopy(model)
+    stats = compile_blocks(model, ("*",), backend="aot_eager").stats
+    x = torch.randn(3, 4, requires_grad=True)
+    out = model(x)
+    assert out.requires_grad and stats.graphs == 1  # the result came from the compiled graph
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (want,) = torch.autograd.grad(reference(x).sum(), x)
+    assert torch.equal(grad, want)
+    model(x)
+    assert stats.graphs == 1

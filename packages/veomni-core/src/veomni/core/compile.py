@@ -11,10 +11,18 @@ that graph (their parameters are graph inputs). One counting backend is shared b
 its count is the number of graphs dynamo built: `CompileStats`. Packed micro-batches differ in their document
 count, i.e. in the length of ``cu_seq_lens_q/k`` and in ``max_length_q/k``; `PACKING_DYNAMIC_SOURCES` makes
 those symbolic from the first compile, so a new document count does not recompile.
+
+Lazy initialisation: code inside a block may set itself up on its first call (HF attention functions resolve
+their kernel then: a hardware probe building an attrs object, an ``importlib`` import), which dynamo cannot
+trace. So the first call of each block also runs it once eagerly under ``torch.no_grad()`` and throws the
+result away; outputs and gradients always come from the compiled graph (also when activation checkpointing
+recomputes it). That costs one extra no-grad forward per block, once, and consumes RNG only if a block uses
+dropout.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,11 +120,26 @@ def compile_blocks(
         compiled = torch.compile(
             block.forward, fullgraph=True, backend=stats, mode=mode, dynamic=dynamic, options=options
         )
-        block.forward = compiled  # type: ignore[method-assign]
+        block.forward = _priming_forward(block.forward, compiled)  # type: ignore[method-assign]
         object.__setattr__(block, _MARK, True)
         object.__setattr__(block, STATS_ATTR, stats)
     object.__setattr__(model, STATS_ATTR, stats)
     return CompiledBlocks(tuple(blocks), stats)
+
+
+def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    primed = False
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal primed
+        if not primed:
+            with torch.no_grad():
+                inner(*args, **kwargs)
+            primed = True
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def compile_stats(module: nn.Module) -> CompileStats | None:
