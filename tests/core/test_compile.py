@@ -231,3 +231,48 @@ def test_first_call_primes_lazy_setup_eagerly_then_runs_the_graph():
     assert torch.equal(grad, want)
     model(x)
     assert stats.graphs == 1
+
+
+def test_moe_block_with_grouped_mm_experts_compiles_and_matches_eager():
+    # moe_experts="torch" (torch._grouped_mm over device-side offsets): routing changes per batch change only
+    # tensor values, never shapes, so one graph serves every batch.
+    from transformers import Qwen3MoeConfig
+
+    from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = Qwen3MoeForCausalLM(copy.deepcopy(config))
+    compiled = Qwen3MoeForCausalLM(copy.deepcopy(config))
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        apply_ops(model, OpsConfig(moe_experts="torch", compile="off", hardware=CPU))
+    stats = compile_blocks(compiled, BLOCKS, backend="aot_eager").stats
+    for i, lens in enumerate(([6, 10], [3, 5, 8])):
+        want_loss, want_grads = loss_and_grads(eager, packed(lens, seed=i))
+        loss, grads = loss_and_grads(compiled, packed(lens, seed=i))
+        assert torch.equal(loss, want_loss)
+        for got, want in zip(grads, want_grads, strict=True):
+            assert torch.equal(got, want)
+    assert stats.graphs == 1
+
+
+def test_build_model_refuses_moe_compile_it_cannot_trace(caplog):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"moe_experts='triton' cannot be traced.*use 'off'"):
+        build_model(config, ops=OpsConfig(moe_experts="triton", compile="on", hardware=CPU))
+    auto_cuda = OpsConfig(moe_experts="eager", compile="auto", hardware=Hardware(device_type="cuda"))
+    with caplog.at_level("INFO", logger="veomni.models.build"):
+        model = build_model(config, ops=auto_cuda)
+    assert compile_stats(model) is None and "leaves the blocks eager" in caplog.text
+    model = build_model(config, ops=OpsConfig(moe_experts="torch", compile="on", hardware=CPU))
+    assert compile_stats(model) is not None

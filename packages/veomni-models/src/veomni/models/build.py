@@ -147,8 +147,8 @@ def build_model(
             ``_init_weights`` and says so in the log (warning).
         ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention); required
             with ``backend="veomni"``, refused with ``backend="hf"``. ``ops.compile_enabled`` compiles every
-            block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing; under
-            ``compile="auto"`` MoE models stay eager.
+            block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing. MoE blocks
+            compile only with ``moe_experts="torch"`` and no EP (``"auto"`` leaves others eager, ``"on"`` raises).
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
         init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
             construct on directly.
@@ -199,7 +199,7 @@ def build_model(
     if backend == "veomni":
         apply_ops(model, ops)  # type: ignore[arg-type]
         # Before FSDP2 and activation checkpointing, which then shard / wrap the compiled blocks.
-        _compile_blocks(model, ops, fsdp_policy)  # type: ignore[arg-type]
+        _compile_blocks(model, ops, fsdp_policy, parallel_state)  # type: ignore[arg-type]
     else:
         logger.warning(
             "build_model(backend='hf'): training transformers' own %s, unpatched. Off: veomni kernels (no "
@@ -250,16 +250,25 @@ def build_model(
     return model
 
 
-def _compile_blocks(model: nn.Module, ops: OpsConfig, fsdp_policy: FSDPPolicy | None) -> None:
+def _compile_blocks(
+    model: nn.Module, ops: OpsConfig, fsdp_policy: FSDPPolicy | None, state: ParallelState | None
+) -> None:
     """Compile every decoder block when ``ops.compile_enabled`` (`veomni.core.compile.compile_blocks`)."""
     if not ops.compile_enabled:
         return
-    if ops.compile == "auto" and _has_hf_experts(model):
-        # Routed experts have data-dependent token counts per expert; not yet proven recompile-free.
-        logger.info(
-            "build_model: ops.compile='auto' leaves MoE blocks eager; set ops.compile='on' to compile them"
-        )
-        return
+    problem = None
+    if _has_hf_experts(model):
+        if state is not None and state.ep_enabled:
+            problem = "expert parallelism reads its all-to-all split sizes on the host (one sync per layer)"
+        elif ops.moe_experts != "torch":
+            problem = (
+                f"moe_experts={ops.moe_experts!r} cannot be traced (of the experts backends only 'torch' can)"
+            )
+    if problem is not None:
+        if ops.compile == "auto":
+            logger.info("build_model: ops.compile='auto' leaves the blocks eager: %s", problem)
+            return
+        raise ValueError(f"build_model: ops.compile='on' cannot compile the MoE blocks: {problem}; use 'off'")
     compile_blocks(model, fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model))
 
 
