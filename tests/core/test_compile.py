@@ -276,3 +276,12 @@ def test_build_model_refuses_moe_compile_it_cannot_trace(caplog):
     assert compile_stats(model) is None and "leaves the blocks eager" in caplog.text
     model = build_model(config, ops=OpsConfig(moe_experts="torch", compile="on", hardware=CPU))
     assert compile_stats(model) is not None
+
+
+def test_inductor_mode_and_options_reach_inductor():
+    _, model = pair({"rms_norm": "eager"}, layers=1)
+    stats = compile_blocks(model, BLOCKS, mode="max-autotune-no-cudagraphs", options=None).stats
+    assert stats._inner.config.get("max_autotune") is True
+    _, other = pair({"rms_norm": "eager"}, layers=1)
+    stats = compile_blocks(other, BLOCKS, options={"epilogue_fusion": False}).stats
+    assert stats._inner.config == {"epilogue_fusion": False}

@@ -43,21 +43,33 @@ STATS_ATTR = "veomni_compile_stats"
 
 
 class CompileStats:
-    """What the shared backend saw: ``graphs`` built so far (each a dynamo compile or recompile).
-
-    ``graphs`` after warm-up minus ``graphs`` at the end of a run is the number of recompiles in it.
+    """The dynamo backend shared by the compiled blocks, counting what it compiles: ``graphs`` built so far (each
+    a dynamo compile or recompile). ``graphs`` at the end of a run minus ``graphs`` after warm-up is the number
+    of recompiles in between.
     """
 
-    def __init__(self, backend: str | Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        backend: str | Callable[..., Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+        dynamic: bool | None = None,
+    ) -> None:
         self.backend_name = (
             backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
         )
-        self._inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self._kwargs: dict[str, Any] = {}
+        if backend == "inductor":
+            # What torch.compile builds for backend="inductor": mode and options become inductor config.
+            self._inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        else:
+            self._inner = torch._dynamo.lookup_backend(backend)
+            self._kwargs = {k: v for k, v in (("mode", mode), ("options", options)) if v}
         self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         self.graphs += 1
-        return self._inner(gm, example_inputs)
+        return self._inner(gm, example_inputs, **self._kwargs)
 
     def __repr__(self) -> str:
         return f"CompileStats(backend={self.backend_name!r}, graphs={self.graphs})"
@@ -112,14 +124,12 @@ def compile_blocks(
                 f"compile_blocks: {fqn!r} already has a checkpointed forward; compile the blocks before "
                 "activation checkpointing (it then wraps the compiled forward)"
             )
-    stats = CompileStats(backend)
+    stats = CompileStats(backend, mode, options, dynamic)
     # A process-wide torch setting, but it names only HF's packing kwargs, which must never specialise.
     _add_dynamic_sources(PACKING_DYNAMIC_SOURCES)
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        compiled = torch.compile(
-            block.forward, fullgraph=True, backend=stats, mode=mode, dynamic=dynamic, options=options
-        )
+        compiled = torch.compile(block.forward, fullgraph=True, backend=stats, dynamic=dynamic)
         block.forward = _priming_forward(block.forward, compiled)  # type: ignore[method-assign]
         object.__setattr__(block, _MARK, True)
         object.__setattr__(block, STATS_ATTR, stats)
