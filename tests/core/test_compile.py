@@ -24,6 +24,8 @@ from veomni.models.kernel_hooks import apply_ops
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
 
 CPU = Hardware(device_type="cpu", triton_interpret=True)
+# Triton kernels need CUDA, or Triton's interpreter on CPU (tests/conftest.py sets it when there is no GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = ("model.layers.*",)
 SEQ = 16
 TRITON = dict(rms_norm="triton", rope="triton", swiglu="triton")
@@ -37,24 +39,26 @@ def tiny_config(layers: int = 2) -> Qwen3Config:
     )  # fmt: skip
 
 
-def pair(ops: dict[str, str], layers: int = 2) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Two identical models with the same kernels bound: (eager, to be compiled)."""
+def pair(
+    ops: dict[str, str], layers: int = 2, device: str = DEVICE
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two identical models with the same kernels bound: (eager, to be compiled), fp32 on ``device``."""
     config = tiny_config(layers)
     torch.manual_seed(0)
-    eager = Qwen3ForCausalLM(copy.deepcopy(config))
-    other = Qwen3ForCausalLM(copy.deepcopy(config))
+    eager = Qwen3ForCausalLM(copy.deepcopy(config)).to(device)
+    other = Qwen3ForCausalLM(copy.deepcopy(config)).to(device)
     other.load_state_dict(eager.state_dict())
     for model in (eager, other):
         apply_ops(model, OpsConfig(**ops, compile="off", hardware=CPU))
     return eager, other
 
 
-def packed(doc_lens: list[int], seed: int = 0) -> dict[str, object]:
+def packed(doc_lens: list[int], seed: int = 0, device: str = DEVICE) -> dict[str, object]:
     """One packed row of ``sum(doc_lens)`` tokens, with HF's packing kwargs (as veomni's collator passes them)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 48, (1, sum(doc_lens)), generator=gen)
-    cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) for n in doc_lens])[None]
+    ids = torch.randint(0, 48, (1, sum(doc_lens)), generator=gen).to(device)
+    cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n) for n in doc_lens])[None].to(device)
     return {
         "input_ids": ids, "labels": ids.clone(), "position_ids": positions, "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu, "max_length_q": max(doc_lens), "max_length_k": max(doc_lens),
@@ -253,8 +257,8 @@ def test_moe_block_with_grouped_mm_experts_compiles_and_matches_eager():
         apply_ops(model, OpsConfig(moe_experts="torch", compile="off", hardware=CPU))
     stats = compile_blocks(compiled, BLOCKS, backend="aot_eager").stats
     for i, lens in enumerate(([6, 10], [3, 5, 8])):
-        want_loss, want_grads = loss_and_grads(eager, packed(lens, seed=i))
-        loss, grads = loss_and_grads(compiled, packed(lens, seed=i))
+        want_loss, want_grads = loss_and_grads(eager, packed(lens, seed=i, device="cpu"))
+        loss, grads = loss_and_grads(compiled, packed(lens, seed=i, device="cpu"))
         assert torch.equal(loss, want_loss)
         for got, want in zip(grads, want_grads, strict=True):
             assert torch.equal(got, want)
