@@ -87,3 +87,39 @@ def test_fp32_runs_match_step_for_step(tmp_path):
     assert ours["losses"] == pytest.approx(hf["losses"], rel=1e-5)
     assert ours["grad_norms"] == pytest.approx(hf["grad_norms"], rel=1e-4)
     assert ours["losses"][-1] != ours["losses"][0]  # the optimizer did step
+
+
+def test_compile_is_chosen_by_contender_not_ops_override(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x.json", "--veomni-ops", "compile=on"])
+    assert "veomni_compiled" in capsys.readouterr().err
+    args = bench.parse_args(["--out", "x.json"])
+    assert {"veomni_compiled", "veomni_plain_compiled"} <= set(args.contenders)
+
+
+@pytest.mark.slow
+def test_compiled_contender_matches_eager_without_recompiles(tmp_path):
+    # fp32 throughout, so compiled (inductor's CPU code around the same kernels) and eager blocks agree to float
+    # rounding; the micro-batches hold different document counts, which must not recompile after warm-up.
+    result = bench.main(
+        [
+            *SMOKE,
+            "--contenders",
+            "veomni,veomni_compiled",
+            "--precision",
+            "fp32",
+            "--out",
+            str(tmp_path / "e.json"),
+        ]
+    )
+    eager, compiled = result["contenders"]["veomni"], result["contenders"]["veomni_compiled"]
+    assert "error" not in compiled, compiled.get("error")
+    assert len(set(result["data"]["docs_per_micro_batch"])) > 1
+    assert eager["compiled_blocks"] is False and eager["ops"]["compile"] == "off"
+    assert compiled["compiled_blocks"] is True and compiled["ops"]["compile"] == "on"
+    assert compiled["compile_backend"] == "inductor" and compiled["compile_s"] > 0
+    assert compiled["graphs_compiled"] >= 1 and compiled["recompiles_after_warmup"] == 0
+    assert compiled["first_step_s"] > compiled["median_step_ms"] / 1e3  # the first step paid for compiling
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-4)
+    assert "veomni_compiled/veomni" in result["ratios"]

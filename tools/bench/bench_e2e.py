@@ -1,6 +1,6 @@
 """End-to-end training steps (T1): veomni against HF transformers (SDPA) and HF + Liger, side by side, JSON out.
 
-    python3 tools/bench/bench_e2e.py --out e2e.json [--contenders veomni,hf,hf_liger] [--seq-len 4096]
+    python3 tools/bench/bench_e2e.py --out e2e.json [--contenders veomni,veomni_compiled,hf,hf_liger] [--seq-len 4096]
     python3 tools/bench/bench_e2e.py --out smoke.json --tiny --seq-len 128 --steps 2 --warmup 1   # CPU smoke
 
 One process, one device (CUDA when present, else CPU). Every contender starts from the same weights (a seeded
@@ -9,8 +9,12 @@ packed micro-batches: one row of ``--seq-len`` tokens holding several documents 
 ``position_ids`` restarting per document, labels shifted per document (-100 at each document's last token).
 The loss of an optimizer step is the token mean over all its micro-batches (``num_items_in_batch``).
 
-Contenders run in a fixed order (veomni, hf, hf_liger): Liger patches transformers' Qwen3 module globals for
-the rest of the process, so it must come last. Each one: warm-up steps, then timed steps (synchronised per
+Contenders run in a fixed order (veomni, veomni_compiled, veomni_plain, veomni_plain_compiled, hf, hf_liger):
+Liger patches transformers' Qwen3 module globals for the rest of the process, so it must come last. The veomni
+contenders set ``ops.compile`` explicitly: ``off``, or ``on`` for the ``*_compiled`` ones (every decoder block
+``torch.compile``d with veomni's Triton kernels inside as custom ops). For those the JSON also records the
+compile time (dynamo + backend seconds spent during the contender's steps, and the first step's wall time) and
+the graphs compiled during warm-up and during the timed steps (``recompiles_after_warmup``, which should be 0). Each one: warm-up steps, then timed steps (synchronised per
 step); tokens/s per GPU, MFU, peak memory (allocator peak since the contender was built), per-step losses and
 grad norms. The model and optimizer are freed before the next contender.
 
@@ -47,7 +51,9 @@ sys.path.insert(
 )  # the contenders module lives beside this script
 from e2e_contenders import BUILDERS, Contender, Settings, _liger_problem  # noqa: E402
 
-CONTENDERS = ("veomni", "veomni_plain", "hf", "hf_liger")  # run order; hf_liger last (global patches)
+# Run order; hf_liger last (global patches).
+CONTENDERS = ("veomni", "veomni_compiled", "veomni_plain", "veomni_plain_compiled", "hf", "hf_liger")
+VEOMNI = tuple(c for c in CONTENDERS if c.startswith("veomni"))
 IGNORE_INDEX = -100
 GIB = 2**30
 
@@ -176,7 +182,11 @@ def run_contender(
     contender = BUILDERS[name](s)
     build_s = time.perf_counter() - t0
     losses, norms, seconds = [], [], []
-    for micro_batches in steps:
+    compile_before = _compile_seconds()
+    graphs_after_warmup = None
+    for i, micro_batches in enumerate(steps):
+        if i == warmup and contender.compile_stats is not None:
+            graphs_after_warmup = contender.compile_stats.graphs
         num_items = torch.tensor(float(sum(b["num_valid"] for b in micro_batches)), device=device)
         _sync(device)
         t0 = time.perf_counter()
@@ -185,9 +195,10 @@ def run_contender(
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
         norms.append(norm)
+    compile_record = _compile_record(contender, graphs_after_warmup, _compile_seconds() - compile_before)
     if s.profile_dir:
         _profile(name, contender, steps[-2:], s)
-    record: dict[str, Any] = dict(contender.info)
+    record: dict[str, Any] = dict(contender.info) | compile_record
     if device.type == "cuda":
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         record["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -204,6 +215,7 @@ def run_contender(
         "losses": [float(x) for x in losses],
         "grad_norms": [float(x) for x in norms],
         "final_loss": float(losses[-1]),
+        "first_step_s": seconds[0],
         "step_s": timed,
         "median_step_ms": statistics.median(timed) * 1e3,
         "tokens_per_s_per_gpu": tokens / sum(timed),
@@ -212,17 +224,44 @@ def run_contender(
     return record
 
 
+# Dynamo's own timers (seconds, summed over calls): tracing plus backend compile of forward graphs, and the
+# lazily compiled backward graphs.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def _compile_seconds() -> float:
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    return sum(sum(metrics.get(name, ())) for name in _COMPILE_TIMERS)
+
+
+def _compile_record(contender: Contender, graphs_after_warmup: int | None, seconds: float) -> dict[str, Any]:
+    stats = contender.compile_stats
+    if stats is None:
+        return {"compiled_blocks": False}
+    # None without warm-up steps: then every compile is in the timed steps, and nothing separates them.
+    recompiles = None if graphs_after_warmup is None else stats.graphs - graphs_after_warmup
+    return {
+        "compiled_blocks": True,
+        "compile_backend": stats.backend_name,
+        "compile_s": seconds,
+        "graphs_compiled": stats.graphs,
+        "graphs_after_warmup": graphs_after_warmup,
+        "recompiles_after_warmup": recompiles,
+    }
+
+
 def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    ours = results.get("veomni", {})
+    pairs = [(ours, peer) for ours in VEOMNI for peer in ("hf", "hf_liger")]
+    pairs += [("veomni_compiled", "veomni"), ("veomni_plain_compiled", "veomni_plain")]
     out = {}
-    for peer in ("hf", "hf_liger"):
-        theirs = results.get(peer, {})
+    for name, peer in pairs:
+        ours, theirs = results.get(name, {}), results.get(peer, {})
         if "tokens_per_s_per_gpu" not in ours or "tokens_per_s_per_gpu" not in theirs:
             continue
         ratio = {"tokens_per_s": ours["tokens_per_s_per_gpu"] / theirs["tokens_per_s_per_gpu"]}
         if "peak_memory_gib" in ours and "peak_memory_gib" in theirs:
             ratio["peak_memory"] = ours["peak_memory_gib"] / theirs["peak_memory_gib"]
-        out[f"veomni/{peer}"] = ratio
+        out[f"{name}/{peer}"] = ratio
     return out
 
 
@@ -294,6 +333,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.veomni_ops = parse_ops(args.veomni_ops)
     except ValueError as err:
         p.error(f"--veomni-ops: {err}")
+    if "compile" in args.veomni_ops:
+        p.error(
+            "--veomni-ops: compile is set per contender (veomni, veomni_plain: off; veomni_compiled, "
+            "veomni_plain_compiled: on); choose them with --contenders"
+        )
     args.min_doc = args.min_doc or max(1, args.seq_len // 16)
     args.max_doc = args.max_doc or max(args.min_doc, args.seq_len // 2)
     return args
@@ -388,16 +432,19 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 def _print_table(result: dict[str, Any]) -> None:
     print(f"{result['model']} on {result['device']}, {result['data']['tokens_per_step']} tokens/step")
     print(
-        f"{'contender':10s} {'tok/s/gpu':>11s} {'MFU':>7s} {'peak GiB':>9s} {'step ms':>9s} {'loss[0]':>9s} {'final loss':>11s}"
+        f"{'contender':22s} {'tok/s/gpu':>11s} {'MFU':>7s} {'peak GiB':>9s} {'step ms':>9s} {'loss[0]':>9s} {'final loss':>11s}"
     )
     for name, r in result["contenders"].items():
         if "tokens_per_s_per_gpu" not in r:
-            print(f"{name:10s} {r.get('skipped') or r.get('error')}")
+            print(f"{name:22s} {r.get('skipped') or r.get('error')}")
             continue
         mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] is not None else "    n/a"
         mem = f"{r['peak_memory_gib']:9.2f}" if "peak_memory_gib" in r else "      n/a"
-        print(f"{name:10s} {r['tokens_per_s_per_gpu']:11,.0f} {mfu} {mem} {r['median_step_ms']:9.1f} "
+        print(f"{name:22s} {r['tokens_per_s_per_gpu']:11,.0f} {mfu} {mem} {r['median_step_ms']:9.1f} "
               f"{r['losses'][0]:9.5f} {r['final_loss']:11.5f}")  # fmt: skip
+        if r.get("compiled_blocks"):
+            print(f"{'':22s} compiled ({r['compile_backend']}): {r['compile_s']:.1f} s compiling, "
+                  f"{r['graphs_compiled']} graph(s), recompiles after warm-up: {r['recompiles_after_warmup']}")  # fmt: skip
     for pair, ratio in result["ratios"].items():
         parts = [f"tok/s x{ratio['tokens_per_s']:.3f}"]
         if "peak_memory" in ratio:

@@ -1,8 +1,10 @@
 """The contenders of `bench_e2e.py`: one model + optimizer setup each, behind a common `step` interface.
 
 veomni (FSDP2 on a one-rank mesh, fp32 masters), veomni_plain (no FSDP2, parameters in the compute dtype: the
-trainer's one-rank path when ``model.param_dtype`` equals ``model.dtype``),
-HF with SDPA, and HF + Liger. Each ``step`` runs one optimizer step; `bench_e2e.run_contender` times it.
+trainer's one-rank path when ``model.param_dtype`` equals ``model.dtype``), each eager (``ops.compile="off"``)
+and with compiled decoder blocks (``*_compiled``: ``ops.compile="on"``, `veomni.core.compile.compile_blocks`
+inside `build_model`), HF with SDPA, and HF + Liger. Each ``step`` runs one optimizer step;
+`bench_e2e.run_contender` times it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from veomni.core.clip import clip_grad_norm
+from veomni.core.compile import CompileStats, compile_stats
 from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
@@ -58,6 +61,8 @@ class Contender:
     """
 
     info: dict[str, Any]
+    # The shared counting backend of the compiled blocks (None: nothing compiled).
+    compile_stats: CompileStats | None = None
 
     def step(
         self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
@@ -65,10 +70,26 @@ class Contender:
         raise NotImplementedError
 
 
-class Veomni(Contender):
-    """build_model with OpsConfig defaults for the device, FSDP2 on a one-rank mesh, veomni's AdamW and clip."""
+def _ops(s: Settings, compile_setting: str) -> OpsConfig:
+    # OpsConfig validates against the device we run on, not whatever CUDA the process could see.
+    hw = detect_hardware()
+    if s.device.type == "cpu":
+        hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
+    return OpsConfig(**s.veomni_ops, compile=compile_setting, hardware=hw)
 
-    def __init__(self, s: Settings) -> None:
+
+def _ops_info(ops: OpsConfig) -> dict[str, str]:
+    return {
+        name: getattr(ops, name)
+        for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu", "compile")
+    }
+
+
+class Veomni(Contender):
+    """build_model with OpsConfig defaults for the device, FSDP2 on a one-rank mesh, veomni's AdamW and clip;
+    decoder blocks compiled when ``compile_setting`` is ``"on"``."""
+
+    def __init__(self, s: Settings, compile_setting: str = "off") -> None:
         self.s = s
         self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
         # FSDP blocks come from the class veomni builds; a meta instance costs nothing.
@@ -82,20 +103,17 @@ class Veomni(Contender):
             activation_checkpointing=s.ac in ("veomni", "all"),
             reshard_after_forward=s.veomni_reshard,
         )
-        # OpsConfig validates against the device we run on, not whatever CUDA the process could see.
-        hw = detect_hardware()
-        if s.device.type == "cpu":
-            hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
-        ops = OpsConfig(**s.veomni_ops, hardware=hw)
+        ops = _ops(s, compile_setting)
         self.model = build_model(
             s.weights, weights=s.weights, ops=ops, parallel_state=self.state, fsdp_policy=policy
         )
+        self.compile_stats = compile_stats(self.model)
         self.model.train()
         self.optimizer = build_adamw(
             self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
         self.info = {
-            "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+            "ops": _ops_info(ops),
             "attn_implementation": self.model.config._attn_implementation,
             "precision": (
                 "FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute (param_dtype), fp32 gradient reduce"
@@ -203,17 +221,16 @@ def _liger_problem(device: torch.device) -> str | None:
 class VeomniPlain(Contender):
     """What veomni-train runs on one rank when ``model.param_dtype`` equals ``model.dtype``: veomni's model and
     kernels as a plain module (no FSDP2), parameters, gradients and AdamW state in the compute dtype (pure bf16
-    for ``--precision bf16``, like BENCHMARKS.md's peer rows), veomni's AdamW and clipping."""
+    for ``--precision bf16``, like BENCHMARKS.md's peer rows), veomni's AdamW and clipping; decoder blocks compiled
+    when ``compile_setting`` is ``"on"``."""
 
-    def __init__(self, s: Settings) -> None:
+    def __init__(self, s: Settings, compile_setting: str = "off") -> None:
         self.s = s
         self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
-        hw = detect_hardware()
-        if s.device.type == "cpu":
-            hw = Hardware(device_type="cpu", triton_interpret=hw.triton_interpret)
-        ops = OpsConfig(**s.veomni_ops, hardware=hw)
+        ops = _ops(s, compile_setting)
         dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
         self.model = build_model(s.weights, weights=s.weights, ops=ops, dtype=dtype, device=s.device)
+        self.compile_stats = compile_stats(self.model)
         ac = s.ac in ("veomni", "all")
         if ac:
             apply_activation_checkpointing(self.model, default_fsdp_policy(self.model).block_patterns)
@@ -222,7 +239,7 @@ class VeomniPlain(Contender):
             self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
         self.info = {
-            "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+            "ops": _ops_info(ops),
             "precision": f"no FSDP: {dtype} parameters, gradients and AdamW state",
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
             "activation_checkpointing": ac,
@@ -250,7 +267,9 @@ class VeomniPlain(Contender):
 
 BUILDERS: dict[str, Callable[[Settings], Contender]] = {
     "veomni": Veomni,
+    "veomni_compiled": lambda s: Veomni(s, compile_setting="on"),
     "veomni_plain": VeomniPlain,
+    "veomni_plain_compiled": lambda s: VeomniPlain(s, compile_setting="on"),
     "hf": lambda s: HF(s, liger=False),
     "hf_liger": lambda s: HF(s, liger=True),
 }

@@ -41,6 +41,14 @@ def _backend_field() -> object:
     return attrs.field(default=None, validator=_optional_str)
 
 
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def _compile_choice(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value not in COMPILE_CHOICES:
+        raise ValueError(f"OpsConfig.compile must be one of {COMPILE_CHOICES}, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class OpsConfig:
     """Backend per op. After construction every field holds a concrete, runnable backend name.
@@ -49,6 +57,8 @@ class OpsConfig:
         attention, cross_entropy, rms_norm, rope, rope_vision, swiglu, moe_experts, load_balancing_loss:
             backend names (``eager``, ``triton``, ``torch``, ``liger``, ``sdpa``, ``npu``, ...) or None for the
             hardware default.
+        compile: ``torch.compile`` each decoder block (``fullgraph=True``, veomni's Triton kernels inside as
+            custom ops): ``"on"``, ``"off"`` or ``"auto"`` (on for CUDA, off elsewhere); see `compile_enabled`.
         hardware: what to validate against (detected when omitted).
         registry: where backends are looked up (the global `KERNELS` unless a test passes its own).
         defaulted: the fields that were left unset and so got the hardware default.
@@ -62,6 +72,7 @@ class OpsConfig:
     swiglu: str | None = _backend_field()
     moe_experts: str | None = _backend_field()
     load_balancing_loss: str | None = _backend_field()
+    compile: str = attrs.field(default="auto", validator=_compile_choice)
     hardware: Hardware = attrs.field(factory=detect_hardware)
     registry: KernelRegistry = attrs.field(default=KERNELS, repr=False, eq=False)
     defaulted: frozenset[str] = attrs.field(default=frozenset(), init=False)
@@ -78,10 +89,18 @@ class OpsConfig:
             object.__setattr__(self, field, value)
         object.__setattr__(self, "defaulted", frozenset(defaulted))
 
+    @property
+    def compile_enabled(self) -> bool:
+        """Whether decoder blocks are compiled: ``compile == "on"``, or ``"auto"`` on CUDA."""
+        return self.compile == "on" or (self.compile == "auto" and self.hardware.device_type == "cuda")
+
 
 def op_fields() -> list[str]:
     """The OpsConfig fields that select a backend."""
-    return [f.name for f in attrs.fields(OpsConfig) if f.name not in ("hardware", "registry", "defaulted")]
+    return [f.name for f in attrs.fields(OpsConfig) if f.name not in _NOT_BACKENDS]
+
+
+_NOT_BACKENDS = ("compile", "hardware", "registry", "defaulted")
 
 
 def _default_backend(field: str, hw: Hardware, registry: KernelRegistry) -> str:

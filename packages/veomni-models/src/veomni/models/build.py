@@ -21,13 +21,14 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from veomni.core.compile import compile_blocks
 from veomni.core.ep.plan import ExpertPlan
 from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig
 from veomni.models.diffusers_build import build_diffusers_model, check_checkpoint_kind
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
 from veomni.models.registry import DIFFUSERS_TASK, MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
@@ -153,7 +154,9 @@ def build_model(
             initialises with the model's ``_init_weights`` (diffusers: its ``__init__``) and says so in the
             log (warning).
         ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention); required
-            with ``backend="veomni"``, refused with ``backend="hf"``.
+            with ``backend="veomni"``, refused with ``backend="hf"``. ``ops.compile_enabled`` compiles every
+            block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing. MoE blocks
+            compile only with ``moe_experts="torch"`` and no EP (``"auto"`` leaves others eager, ``"on"`` raises).
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
         init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
             construct on directly.
@@ -221,6 +224,8 @@ def build_model(
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
         apply_ops(model, ops)  # type: ignore[arg-type]
+        # Before FSDP2 and activation checkpointing, which then shard / wrap the compiled blocks.
+        _compile_blocks(model, ops, fsdp_policy, parallel_state)  # type: ignore[arg-type]
     else:
         logger.warning(
             "build_model(backend='hf'): training transformers' own %s, unpatched. Off: veomni kernels (no "
@@ -276,6 +281,28 @@ def build_model(
             report.bytes_read / 2**20,
         )
     return model
+
+
+def _compile_blocks(
+    model: nn.Module, ops: OpsConfig, fsdp_policy: FSDPPolicy | None, state: ParallelState | None
+) -> None:
+    """Compile every decoder block when ``ops.compile_enabled`` (`veomni.core.compile.compile_blocks`)."""
+    if not ops.compile_enabled:
+        return
+    problem = None
+    if _has_hf_experts(model):
+        if state is not None and state.ep_enabled:
+            problem = "expert parallelism reads its all-to-all split sizes on the host (one sync per layer)"
+        elif ops.moe_experts != "torch":
+            problem = (
+                f"moe_experts={ops.moe_experts!r} cannot be traced (of the experts backends only 'torch' can)"
+            )
+    if problem is not None:
+        if ops.compile == "auto":
+            logger.info("build_model: ops.compile='auto' leaves the blocks eager: %s", problem)
+            return
+        raise ValueError(f"build_model: ops.compile='on' cannot compile the MoE blocks: {problem}; use 'off'")
+    compile_blocks(model, fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model))
 
 
 def _attach_generation_config(model: PreTrainedModel, weights: str | os.PathLike) -> None:

@@ -215,11 +215,13 @@ def build_run(recipe: Recipe) -> Run:
     check_vocab(tokenizer, config, recipe.model.tokenizer_path)
     check_sp_heads(config, state.dims.sp)
     # backend=hf binds no kernels: the ops section must then stay unset rather than be silently ignored.
-    if recipe.model.backend == "hf" and any(v is not None for v in attrs.asdict(recipe.ops).values()):
-        raise ValueError(
-            "model.backend=hf trains transformers' own model without veomni kernels, but ops sets "
-            f"{ {k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None} }; remove them or use "
-            "model.backend=veomni"
+    chosen = {
+        k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None and (k, v) != ("compile", "auto")
+    }
+    if recipe.model.backend == "hf" and chosen:
+        raise PreflightError(
+            f"model.backend=hf trains transformers' own model without veomni kernels, but ops sets {chosen}; "
+            "remove them or use model.backend=veomni"
         )
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     probe = meta_instance(config, TASKS[recipe.model.task].model_task)

@@ -218,6 +218,10 @@ class OpsSection:
     swiglu: str | None = _field(None, "SwiGLU MLP backend (eager, triton, liger, ...)")
     moe_experts: str | None = _field(None, "MoE experts backend (eager, grouped GEMM backends, ...)")
     load_balancing_loss: str | None = _field(None, "MoE load-balancing loss backend (eager, triton)")
+    compile: Literal["auto", "on", "off"] = _field(
+        "auto",
+        "torch.compile each decoder block with the chosen kernels inside: auto (on for CUDA, off elsewhere), on, off",
+    )
 
     def to_ops_config(self, **kwargs: Any) -> OpsConfig:
         """The validated `veomni.kernels.OpsConfig` for this machine (kwargs: ``hardware``, ``registry``).

@@ -17,8 +17,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_on_device(ok: torch.Tensor, message: str) -> None:
-    """Raise ``ValueError(message)`` unless the 0-d bool tensor ``ok`` is true; on CUDA without a host sync."""
-    if ok.device.type == "cpu":
+    """Raise ``ValueError(message)`` unless the 0-d bool tensor ``ok`` is true; on CUDA without a host sync.
+
+    Under ``torch.compile`` the check is a graph op on every device (``_assert_async``: a RuntimeError when it
+    fails), since reading the value on the host would be a data-dependent branch.
+    """
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(ok):
             raise ValueError(message)
     else:

@@ -172,72 +172,114 @@ def _check_device(x: torch.Tensor) -> None:
         )
 
 
+def forward_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    mode: int,
+    cfg: LaunchConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The forward launch shared by the autograd function and the custom op (`rms_norm.ops`).
+
+    ``x``, ``residual``: ``[..., H]``; ``weight``: ``[H]`` or None (``_UNWEIGHTED``). Returns ``(y, z, saved,
+    rstd)``: ``y [..., H]`` (new, contiguous), ``z = x + residual`` (new; None without a residual), ``saved`` the
+    ``[N, H]`` rows that were normalised (``z``'s rows, or ``x``'s as a view when it has a unit column stride)
+    and ``rstd`` fp32 ``[N]``.
+    """
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    n_rows = x2.shape[0]
+    w = weight.contiguous() if weight is not None else None
+    out_dtype = torch.promote_types(x.dtype, w.dtype) if mode == _STANDARD else x.dtype
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = y.view(-1, hidden)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        r2 = _rows(residual)
+        z = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        z2 = z.view(-1, hidden)
+    else:
+        r2, z, z2 = x2, None, x2
+    if n_rows > 0:
+        block_h = triton.next_power_of_2(hidden)
+        grid = (triton.cdiv(n_rows, cfg.fwd_block_r),)
+        # fmt: off
+        _fwd_kernel[grid](
+            x2, r2, w if w is not None else x2, y2, z2, rstd,
+            x2.stride(0), r2.stride(0), y2.stride(0), z2.stride(0), n_rows, hidden, float(eps),
+            BLOCK_R=cfg.fwd_block_r, BLOCK_H=block_h, MODE=mode, HAS_RES=residual is not None,
+            num_warps=cfg.fwd_warps,
+        )
+        # fmt: on
+    return y, z, z2 if residual is not None else x2, rstd
+
+
+def backward_rows(
+    dy: torch.Tensor,
+    dz: torch.Tensor | None,
+    x2: torch.Tensor,
+    w: torch.Tensor | None,
+    rstd: torch.Tensor,
+    mode: int,
+    cfg: LaunchConfig,
+    compute_dw: bool,
+    x_shape: torch.Size,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward launch shared by the autograd function and the custom op (`rms_norm.ops`).
+
+    ``dy``, ``dz`` (the gradient of ``x + residual``, or None): ``[..., H]``; ``x2``: the ``[N, H]`` normalised
+    rows saved by `forward_rows` (unit column stride); ``w``: contiguous ``[H]`` or None; ``rstd``: fp32
+    ``[N]``. Returns ``(dx, dw)``: ``dx`` new, of ``x_shape`` in ``x2``'s dtype (``dz`` added); ``dw`` ``[H]`` in
+    ``w``'s dtype when ``compute_dw``, else None.
+    """
+    n_rows, hidden = x2.shape
+    dy2 = _rows(dy)
+    dz2 = _rows(dz) if dz is not None else dy2
+    dx = torch.empty(x_shape, dtype=x2.dtype, device=x2.device)
+    dx2 = dx.view(-1, hidden)
+    compute_dw = w is not None and compute_dw
+    dw = None
+    if n_rows == 0:
+        dw = torch.zeros_like(w) if compute_dw else None
+    else:
+        block_h = triton.next_power_of_2(hidden)
+        max_progs = _sm_count(x2.device) * cfg.progs_per_sm
+        rows_per_prog = triton.cdiv(n_rows, min(max_progs, triton.cdiv(n_rows, cfg.bwd_block_r)))
+        rows_per_prog = triton.cdiv(rows_per_prog, cfg.bwd_block_r) * cfg.bwd_block_r
+        n_progs = triton.cdiv(n_rows, rows_per_prog)
+        partial = torch.empty((n_progs, hidden) if compute_dw else (1,), dtype=torch.float32, device=x2.device)
+        extra = {} if cfg.bwd_stages is None else {"num_stages": cfg.bwd_stages}
+        # fmt: off
+        _bwd_kernel[(n_progs,)](
+            dy2, x2, w if w is not None else x2, rstd, dx2, dz2, partial,
+            dy2.stride(0), x2.stride(0), dx2.stride(0), dz2.stride(0), n_rows, hidden, rows_per_prog,
+            BLOCK_R=cfg.bwd_block_r, BLOCK_H=block_h, MODE=mode, HAS_DZ=dz is not None,
+            COMPUTE_DW=compute_dw, ACC_2D=cfg.bwd_acc2d, num_warps=cfg.bwd_warps, **extra,
+        )
+        # fmt: on
+        if compute_dw:
+            dw = partial.sum(dim=0).to(w.dtype)
+    return dx, dw
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps, mode, cfg):  # noqa: ANN001, ANN205 - autograd signature
-        hidden = x.shape[-1]
-        x2 = _rows(x)
-        n_rows = x2.shape[0]
         w = weight.contiguous() if weight is not None else None
-        out_dtype = torch.promote_types(x.dtype, w.dtype) if mode == _STANDARD else x.dtype
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        y2 = y.view(-1, hidden)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        if residual is not None:
-            r2 = _rows(residual)
-            z = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            z2 = z.view(-1, hidden)
-        else:
-            r2, z, z2 = x2, None, x2
-        if n_rows > 0:
-            block_h = triton.next_power_of_2(hidden)
-            grid = (triton.cdiv(n_rows, cfg.fwd_block_r),)
-            # fmt: off
-            _fwd_kernel[grid](
-                x2, r2, w if w is not None else x2, y2, z2, rstd,
-                x2.stride(0), r2.stride(0), y2.stride(0), z2.stride(0), n_rows, hidden, float(eps),
-                BLOCK_R=cfg.fwd_block_r, BLOCK_H=block_h, MODE=mode, HAS_RES=residual is not None,
-                num_warps=cfg.fwd_warps,
-            )
-            # fmt: on
+        y, z, saved, rstd = forward_rows(x, w, residual, eps, mode, cfg)
         # Save the normalised rows' input (x, or x + residual) and rstd only; x̂ is recomputed in backward.
-        ctx.save_for_backward(z2 if residual is not None else x2, w, rstd)
+        ctx.save_for_backward(saved, w, rstd)
         ctx.mode, ctx.cfg, ctx.has_res, ctx.x_shape = mode, cfg, residual is not None, x.shape
         return (y, z) if residual is not None else y
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: ANN001, ANN205 - autograd signature
         x2, w, rstd = ctx.saved_tensors
-        cfg: LaunchConfig = ctx.cfg
-        n_rows, hidden = x2.shape
-        dy2 = _rows(grads[0])
-        dz2 = _rows(grads[1]) if ctx.has_res else dy2
-        dx = torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device)
-        dx2 = dx.view(-1, hidden)
-        compute_dw = w is not None and ctx.needs_input_grad[1]
-        dw = None
-        if n_rows == 0:
-            dw = torch.zeros_like(w) if compute_dw else None
-        else:
-            block_h = triton.next_power_of_2(hidden)
-            max_progs = _sm_count(x2.device) * cfg.progs_per_sm
-            rows_per_prog = triton.cdiv(n_rows, min(max_progs, triton.cdiv(n_rows, cfg.bwd_block_r)))
-            rows_per_prog = triton.cdiv(rows_per_prog, cfg.bwd_block_r) * cfg.bwd_block_r
-            n_progs = triton.cdiv(n_rows, rows_per_prog)
-            partial = torch.empty(
-                (n_progs, hidden) if compute_dw else (1,), dtype=torch.float32, device=x2.device
-            )
-            extra = {} if cfg.bwd_stages is None else {"num_stages": cfg.bwd_stages}
-            # fmt: off
-            _bwd_kernel[(n_progs,)](
-                dy2, x2, w if w is not None else x2, rstd, dx2, dz2, partial,
-                dy2.stride(0), x2.stride(0), dx2.stride(0), dz2.stride(0), n_rows, hidden, rows_per_prog,
-                BLOCK_R=cfg.bwd_block_r, BLOCK_H=block_h, MODE=ctx.mode, HAS_DZ=ctx.has_res,
-                COMPUTE_DW=compute_dw, ACC_2D=cfg.bwd_acc2d, num_warps=cfg.bwd_warps, **extra,
-            )
-            # fmt: on
-            if compute_dw:
-                dw = partial.sum(dim=0).to(w.dtype)
+        dz = grads[1] if ctx.has_res else None
+        dx, dw = backward_rows(
+            grads[0], dz, x2, w, rstd, ctx.mode, ctx.cfg, ctx.needs_input_grad[1], ctx.x_shape
+        )
         dres = dx if ctx.has_res and ctx.needs_input_grad[2] else None
         return dx, dw, dres, None, None, None
 
@@ -245,6 +287,9 @@ class _RMSNormFunction(torch.autograd.Function):
 def _apply(x, weight, residual, eps, mode, cfg):  # noqa: ANN001, ANN202 - private
     check_inputs(x, weight, eps, residual)
     _check_device(x)
+    if torch.compiler.is_compiling() and cfg is None:
+        # Under dynamo: the custom ops, which it traces without a graph break (same kernels, same numbers).
+        return _ops.apply(x, weight, residual, eps, mode)
     return _RMSNormFunction.apply(x, weight, residual, eps, mode, cfg or default_config(x.shape[-1]))
 
 
@@ -284,3 +329,7 @@ def fused_add_rms_norm(
     gradient of ``new_residual`` to the norm's input gradient and returns it for both ``x`` and ``residual``.
     """
     return _apply(x, weight, residual, eps, _STANDARD, None)
+
+
+# Last: `ops` registers the custom ops and reads this module's functions defined above.
+from veomni.kernels.rms_norm import ops as _ops  # noqa: E402

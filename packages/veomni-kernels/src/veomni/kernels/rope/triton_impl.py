@@ -179,4 +179,11 @@ def apply_rope_triton(
     devices = {t.device for t in (q, k, cos, sin)}
     if len(devices) != 1:
         raise ValueError(f"q, k, cos and sin must be on one device; got {sorted(map(str, devices))}")
+    if torch.compiler.is_compiling():
+        # Under dynamo: the custom op, which it traces without a graph break (same kernel, same numbers).
+        return _ops.rope(q, k, cos, sin, False)
     return _RoPEFunction.apply(q, k, cos, sin)
+
+
+# Last: `ops` registers the custom op and reads `_launch` above.
+from veomni.kernels.rope import ops as _ops  # noqa: E402

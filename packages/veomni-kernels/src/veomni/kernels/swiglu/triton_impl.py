@@ -69,16 +69,40 @@ def _grid(m: int, n: int) -> tuple[int, int, int]:
     return m, triton.cdiv(n, block), block
 
 
+def forward_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` for ``[M, I]`` rows with a unit last stride (`_rows`); returns a new contiguous ``[M, I]``."""
+    m, n = g.shape
+    out = torch.empty((m, n), dtype=g.dtype, device=g.device)
+    if out.numel() > 0:
+        rows, col_blocks, block = _grid(m, n)
+        strides = (g.stride(0), u.stride(0), out.stride(0))
+        _swiglu_fwd_kernel[(rows, col_blocks)](g, u, out, *strides, n, BLOCK=block)
+    return out
+
+
+def backward_rows(
+    grad_out: torch.Tensor, g: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients for ``[M, I]`` rows ``g``, ``u`` (`_rows`) from ``grad_out [..., I]``: new contiguous ``[M, I]``."""
+    m, n = g.shape
+    dy = _rows(grad_out)
+    dg = torch.empty_like(g, memory_format=torch.contiguous_format)
+    du = torch.empty_like(u, memory_format=torch.contiguous_format)
+    if dg.numel() > 0:
+        rows, col_blocks, block = _grid(m, n)
+        _swiglu_bwd_kernel[(rows, col_blocks)](
+            dy, g, u, dg, du,
+            dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
+            n, BLOCK=block,
+        )  # fmt: skip
+    return dg, du
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):  # type: ignore[override]
         g, u = _rows(gate), _rows(up)
-        m, n = g.shape
-        out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-        if out.numel() > 0:
-            rows, col_blocks, block = _grid(m, n)
-            strides = (g.stride(0), u.stride(0), out.stride(0))
-            _swiglu_fwd_kernel[(rows, col_blocks)](g, u, out, *strides, n, BLOCK=block)
+        out = forward_rows(g, u)
         # The memory saving: only the two inputs are kept, silu(gate) is recomputed in backward.
         ctx.save_for_backward(g, u)
         ctx.shape = gate.shape
@@ -87,17 +111,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         g, u = ctx.saved_tensors
-        m, n = g.shape
-        dy = _rows(grad_out)
-        dg = torch.empty_like(g, memory_format=torch.contiguous_format)
-        du = torch.empty_like(u, memory_format=torch.contiguous_format)
-        if dg.numel() > 0:
-            rows, col_blocks, block = _grid(m, n)
-            _swiglu_bwd_kernel[(rows, col_blocks)](
-                dy, g, u, dg, du,
-                dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
-                n, BLOCK=block,
-            )  # fmt: skip
+        dg, du = backward_rows(grad_out, g, u)
         return dg.view(ctx.shape), du.view(ctx.shape)
 
 
@@ -112,4 +126,11 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ``gate`` and ``up`` and returns contiguous ``d gate`` and ``d up`` in the input dtype.
     """
     check_swiglu_inputs(gate, up)
+    if torch.compiler.is_compiling():
+        # Under dynamo: the custom ops, which it traces without a graph break (same kernels, same numbers).
+        return _ops.swiglu_fwd(gate, up)
     return _SwiGLUFunction.apply(gate, up)
+
+
+# Last: `ops` registers the custom ops and reads the row functions above.
+from veomni.kernels.swiglu import ops as _ops  # noqa: E402

@@ -1,0 +1,157 @@
+"""Per-block ``torch.compile``: each decoder block's ``forward`` compiled with ``fullgraph=True``.
+
+Like activation checkpointing (`veomni.core.fsdp`), the block's instance ``forward`` is replaced, so every
+FQN and checkpoint key stays as it was, and FSDP2's hooks (registered by a later ``fully_shard`` on the
+block) run outside the compiled region, as with torchtitan's compile-then-shard order. Call it after the
+kernels are bound and before `apply_fsdp2` / `apply_activation_checkpointing`: checkpointing then wraps the
+compiled forward (recomputation reruns it), and ``fully_shard`` sees the blocks as they will run.
+
+Every block of one model type shares one code object, so dynamo compiles it once and the other blocks reuse
+that graph (their parameters are graph inputs). One counting backend is shared by all blocks of one call, so
+its count is the number of graphs dynamo built: `CompileStats`. Packed micro-batches differ in their document
+count, i.e. in the length of ``cu_seq_lens_q/k`` and in ``max_length_q/k``; `PACKING_DYNAMIC_SOURCES` makes
+those symbolic from the first compile, so a new document count does not recompile.
+
+Lazy initialisation: code inside a block may set itself up on its first call (HF attention functions resolve
+their kernel then: a hardware probe building an attrs object, an ``importlib`` import), which dynamo cannot
+trace. So the first call of each block also runs it once eagerly under ``torch.no_grad()`` and throws the
+result away; outputs and gradients always come from the compiled graph (also when activation checkpointing
+recomputes it). That costs one extra no-grad forward per block, once, and consumes RNG only if a block uses
+dropout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from veomni.core.fsdp import _AC_MARK, _match_blocks, _to_pattern_tuple
+
+__all__ = ["PACKING_DYNAMIC_SOURCES", "CompileStats", "CompiledBlocks", "compile_blocks", "compile_stats"]
+
+# HF's packing kwargs vary from micro-batch to micro-batch: the length of ``cu_seq_lens_q/k`` (documents + 1) and
+# the python ints ``max_length_q/k``. Dynamo reads this list (regexes on source names, ``:0`` = dim 0 only)
+# when it first sees them, so they are symbolic from the first compile on.
+PACKING_DYNAMIC_SOURCES = (r".*\['cu_seq_lens_[qk]'\]:0", r".*\['max_length_[qk]'\]")
+_MARK = "_veomni_compiled_forward"
+STATS_ATTR = "veomni_compile_stats"
+
+
+class CompileStats:
+    """The dynamo backend shared by the compiled blocks, counting what it compiles: ``graphs`` built so far (each
+    a dynamo compile or recompile). ``graphs`` at the end of a run minus ``graphs`` after warm-up is the number
+    of recompiles in between.
+    """
+
+    def __init__(
+        self,
+        backend: str | Callable[..., Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+        dynamic: bool | None = None,
+    ) -> None:
+        self.backend_name = (
+            backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+        )
+        self._kwargs: dict[str, Any] = {}
+        if backend == "inductor":
+            # What torch.compile builds for backend="inductor": mode and options become inductor config.
+            self._inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        else:
+            self._inner = torch._dynamo.lookup_backend(backend)
+            self._kwargs = {k: v for k, v in (("mode", mode), ("options", options)) if v}
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        self.graphs += 1
+        return self._inner(gm, example_inputs, **self._kwargs)
+
+    def __repr__(self) -> str:
+        return f"CompileStats(backend={self.backend_name!r}, graphs={self.graphs})"
+
+
+@attrs.frozen
+class CompiledBlocks:
+    """The result of `compile_blocks`: the compiled blocks' FQNs and their shared `CompileStats`."""
+
+    fqns: tuple[str, ...]
+    stats: CompileStats
+
+
+def _add_dynamic_sources(entries: Sequence[str]) -> None:
+    current = [e for e in torch.compiler.config.dynamic_sources.replace(" ", "").split(",") if e]
+    missing = [e for e in entries if e not in current]
+    if missing:
+        torch.compiler.config.dynamic_sources = ",".join(current + missing)
+
+
+def compile_blocks(
+    model: nn.Module,
+    block_patterns: Sequence[str],
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> CompiledBlocks:
+    """Compile the ``forward`` of every block matching ``block_patterns`` with ``fullgraph=True``, in place.
+
+    Args:
+        model: the module holding the blocks (FQNs unchanged afterwards).
+        block_patterns: FQN patterns as in `veomni.core.FSDPPolicy.block_patterns` (``"model.layers.*"``).
+        backend: dynamo backend (``"inductor"``; ``"aot_eager"`` traces and runs the captured graphs without
+            code generation: the cheap way to prove there is no graph break).
+        mode, dynamic, options: passed to ``torch.compile``. ``dynamic=None`` (automatic) plus the packing
+            marks keeps the sequence length static and the document count dynamic.
+    Returns:
+        `CompiledBlocks`; its ``stats`` is also reachable through `compile_stats` (``model`` or a block).
+    Raises:
+        ValueError: a pattern matching nothing, nested blocks, a block already compiled, or a block whose
+            forward activation checkpointing already replaced (compile first, then checkpoint).
+    """
+    blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [], "compile_blocks")
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        if getattr(block, _MARK, False):
+            raise ValueError(f"compile_blocks: {fqn!r} is already compiled")
+        if getattr(block, _AC_MARK, False):
+            raise ValueError(
+                f"compile_blocks: {fqn!r} already has a checkpointed forward; compile the blocks before "
+                "activation checkpointing (it then wraps the compiled forward)"
+            )
+    stats = CompileStats(backend, mode, options, dynamic)
+    # A process-wide torch setting, but it names only HF's packing kwargs, which must never specialise.
+    _add_dynamic_sources(PACKING_DYNAMIC_SOURCES)
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        compiled = torch.compile(block.forward, fullgraph=True, backend=stats, dynamic=dynamic)
+        block.forward = _priming_forward(block.forward, compiled)  # type: ignore[method-assign]
+        object.__setattr__(block, _MARK, True)
+        object.__setattr__(block, STATS_ATTR, stats)
+    object.__setattr__(model, STATS_ATTR, stats)
+    return CompiledBlocks(tuple(blocks), stats)
+
+
+def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    primed = False
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal primed
+        if not primed:
+            with torch.no_grad():
+                inner(*args, **kwargs)
+            primed = True
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def compile_stats(module: nn.Module) -> CompileStats | None:
+    """The `CompileStats` of the `compile_blocks` call that compiled ``module`` (a model or block), or None."""
+    return getattr(module, STATS_ATTR, None)

@@ -1,0 +1,291 @@
+"""Per-block ``torch.compile`` (`veomni.core.compile.compile_blocks`) on a tiny Qwen3 with veomni's kernels.
+
+Compiled blocks must equal eager ones (``aot_eager`` runs the captured graphs op for op, so loss and every
+gradient agree bitwise; inductor generates fused CPU code, so there a float tolerance), with ``fullgraph=True``
+(any graph break is an error), one graph for all blocks, and no recompile when the number of packed documents
+changes. On CPU the Triton kernels run through Triton's interpreter, so the model is tiny.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from veomni.core.compile import compile_blocks, compile_stats
+from veomni.core.fsdp import apply_activation_checkpointing
+from veomni.kernels import OpsConfig
+from veomni.kernels.hardware import Hardware
+from veomni.models.build import build_model
+from veomni.models.kernel_hooks import apply_ops
+from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
+
+CPU = Hardware(device_type="cpu", triton_interpret=True)
+# Triton kernels need CUDA, or Triton's interpreter on CPU (tests/conftest.py sets it when there is no GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCKS = ("model.layers.*",)
+SEQ = 16
+TRITON = dict(rms_norm="triton", rope="triton", swiglu="triton")
+
+
+def tiny_config(layers: int = 2) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+        use_cache=False,
+    )  # fmt: skip
+
+
+def pair(
+    ops: dict[str, str], layers: int = 2, device: str = DEVICE
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two identical models with the same kernels bound: (eager, to be compiled), fp32 on ``device``."""
+    config = tiny_config(layers)
+    torch.manual_seed(0)
+    eager = Qwen3ForCausalLM(copy.deepcopy(config)).to(device)
+    other = Qwen3ForCausalLM(copy.deepcopy(config)).to(device)
+    other.load_state_dict(eager.state_dict())
+    for model in (eager, other):
+        apply_ops(model, OpsConfig(**ops, compile="off", hardware=CPU))
+    return eager, other
+
+
+def packed(doc_lens: list[int], seed: int = 0, device: str = DEVICE) -> dict[str, object]:
+    """One packed row of ``sum(doc_lens)`` tokens, with HF's packing kwargs (as veomni's collator passes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 48, (1, sum(doc_lens)), generator=gen).to(device)
+    cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n) for n in doc_lens])[None].to(device)
+    return {
+        "input_ids": ids, "labels": ids.clone(), "position_ids": positions, "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu, "max_length_q": max(doc_lens), "max_length_k": max(doc_lens),
+    }  # fmt: skip
+
+
+def loss_and_grads(
+    model: torch.nn.Module, batch: dict[str, object]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [dict(rms_norm="eager", rope="eager", swiglu="eager"), dict(rms_norm="triton"), dict(rope="triton"),
+     dict(swiglu="triton"), TRITON],
+    ids=["eager", "rms_norm", "rope", "swiglu", "all-triton"],
+)  # fmt: skip
+def test_compiled_blocks_equal_eager_bitwise(ops):
+    eager, compiled = pair(ops)
+    result = compile_blocks(compiled, BLOCKS, backend="aot_eager")
+    assert result.fqns == ("model.layers.0", "model.layers.1")
+    batch = packed([6, 10])
+    want_loss, want_grads = loss_and_grads(eager, batch)
+    loss, grads = loss_and_grads(compiled, batch)
+    assert torch.equal(loss, want_loss)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, want)
+    # fullgraph=True turns a graph break into an error; the counters confirm that nothing fell back.
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert result.stats.graphs == 1  # both blocks share one graph
+
+
+@pytest.mark.slow
+def test_document_count_changes_do_not_recompile():
+    eager, compiled = pair(TRITON, layers=1)
+    stats = compile_blocks(compiled, BLOCKS, backend="aot_eager").stats
+    for i, lens in enumerate(([6, 10], [3, 5, 8], [2, 2, 2, 10], [8, 8])):
+        loss, _ = loss_and_grads(compiled, packed(lens, seed=i))
+        want, _ = loss_and_grads(eager, packed(lens, seed=i))
+        assert torch.equal(loss, want)
+    assert stats.graphs == 1, f"recompiled: {stats.graphs} graphs for one block type"
+
+
+@pytest.mark.slow
+def test_inductor_cpu_matches_eager_within_float_tolerance():
+    # Inductor fuses the eager parts around the custom ops (residual adds, attention mask maths), so fp32
+    # rounding may differ; veomni's kernels inside are the same opaque calls.
+    eager, compiled = pair(TRITON, layers=1)
+    compile_blocks(compiled, BLOCKS, backend="inductor")
+    batch = packed([7, 9])
+    want_loss, want_grads = loss_and_grads(eager, batch)
+    loss, grads = loss_and_grads(compiled, batch)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_activation_checkpointing_wraps_the_compiled_forward():
+    eager, compiled = pair(TRITON, layers=1)
+    stats = compile_blocks(compiled, BLOCKS, backend="aot_eager").stats
+    apply_activation_checkpointing(compiled, BLOCKS)
+    batch = packed([5, 11])
+    want_loss, want_grads = loss_and_grads(eager, batch)
+    loss, grads = loss_and_grads(compiled, batch)
+    assert torch.equal(loss, want_loss)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, want)
+    assert stats.graphs == 1  # the recomputation in backward reuses the forward's graph
+
+
+def test_keys_are_unchanged_and_misuse_is_refused():
+    _, model = pair({"rms_norm": "eager"}, layers=1)
+    keys = list(model.state_dict())
+    compile_blocks(model, BLOCKS, backend="aot_eager")
+    assert list(model.state_dict()) == keys
+    assert compile_stats(model) is compile_stats(model.model.layers[0])
+    with pytest.raises(ValueError, match="already compiled"):
+        compile_blocks(model, BLOCKS, backend="aot_eager")
+    with pytest.raises(ValueError, match="matched no module"):
+        compile_blocks(model, ("model.blocks.*",), backend="aot_eager")
+    _, checkpointed = pair({"rms_norm": "eager"}, layers=1)
+    apply_activation_checkpointing(checkpointed, BLOCKS)
+    with pytest.raises(ValueError, match="before activation checkpointing"):
+        compile_blocks(checkpointed, BLOCKS, backend="aot_eager")
+
+
+@pytest.mark.parametrize("setting, device, expected", [
+    ("auto", "cpu", False), ("auto", "cuda", True), ("on", "cpu", True), ("off", "cuda", False),
+])  # fmt: skip
+def test_ops_compile_setting(setting, device, expected):
+    hardware = Hardware(device_type=device, capability=(9, 0) if device == "cuda" else None)
+    ops = OpsConfig(compile=setting, hardware=hardware)
+    assert ops.compile_enabled is expected
+    assert "compile" not in ops.defaulted
+
+
+def test_ops_compile_rejects_other_values():
+    with pytest.raises(
+        ValueError, match=r"OpsConfig.compile must be one of \('auto', 'on', 'off'\), got 'yes'"
+    ):
+        OpsConfig(compile="yes", hardware=CPU)
+
+
+def test_build_model_compiles_blocks_only_when_enabled():
+    config = tiny_config(layers=1)
+    off = build_model(config, ops=OpsConfig(compile="auto", hardware=CPU))
+    assert compile_stats(off) is None
+    on = build_model(config, ops=OpsConfig(compile="on", hardware=CPU))
+    stats = compile_stats(on)
+    assert stats is not None and stats.backend_name == "inductor" and stats.graphs == 0  # compiled lazily
+    assert compile_stats(on.model.layers[0]) is stats
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_cuda_inductor_blocks_match_eager_bf16_without_recompiles(attention):
+    # The real thing on a GPU: bf16, compiled Triton kernels inside inductor's code, packed rows of 256 tokens
+    # with 2 to 5 documents. Inductor fuses the eager parts differently, so bf16-level agreement, not bitwise.
+    config = tiny_config(layers=2)
+    torch.manual_seed(0)
+    eager = Qwen3ForCausalLM(copy.deepcopy(config)).to("cuda", torch.bfloat16)
+    compiled = Qwen3ForCausalLM(copy.deepcopy(config)).to("cuda", torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        apply_ops(model, OpsConfig(**TRITON, attention=attention, compile="off"))
+    stats = compile_blocks(compiled, BLOCKS).stats
+    for i, lens in enumerate(([100, 156], [30, 60, 166], [64, 64, 64, 64], [10, 20, 30, 40, 156])):
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed(lens, seed=i).items()}
+        want_loss, want_grads = loss_and_grads(eager, batch)
+        loss, grads = loss_and_grads(compiled, batch)
+        torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=2e-2)
+        for got, want in zip(grads, want_grads, strict=True):
+            rel = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)
+            assert rel < 5e-2, f"relative gradient error {rel:.3g} with documents {lens}"
+    assert stats.graphs == 1, f"{stats.graphs} graphs: document-count changes recompiled"
+
+
+class LazyBlock(torch.nn.Module):
+    """Sets itself up on its first call with code dynamo cannot trace, as HF attention functions do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is None:
+            self.act = importlib.import_module("torch.nn.functional").gelu
+        return self.act(self.lin(x))
+
+
+def test_first_call_primes_lazy_setup_eagerly_then_runs_the_graph():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LazyBlock(), LazyBlock())
+    reference = copy.deepcopy(model)
+    stats = compile_blocks(model, ("*",), backend="aot_eager").stats
+    x = torch.randn(3, 4, requires_grad=True)
+    out = model(x)
+    assert out.requires_grad and stats.graphs == 1  # the result came from the compiled graph
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (want,) = torch.autograd.grad(reference(x).sum(), x)
+    assert torch.equal(grad, want)
+    model(x)
+    assert stats.graphs == 1
+
+
+def test_moe_block_with_grouped_mm_experts_compiles_and_matches_eager():
+    # moe_experts="torch" (torch._grouped_mm over device-side offsets): routing changes per batch change only
+    # tensor values, never shapes, so one graph serves every batch.
+    from transformers import Qwen3MoeConfig
+
+    from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = Qwen3MoeForCausalLM(copy.deepcopy(config))
+    compiled = Qwen3MoeForCausalLM(copy.deepcopy(config))
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        apply_ops(model, OpsConfig(moe_experts="torch", compile="off", hardware=CPU))
+    stats = compile_blocks(compiled, BLOCKS, backend="aot_eager").stats
+    for i, lens in enumerate(([6, 10], [3, 5, 8])):
+        want_loss, want_grads = loss_and_grads(eager, packed(lens, seed=i, device="cpu"))
+        loss, grads = loss_and_grads(compiled, packed(lens, seed=i, device="cpu"))
+        assert torch.equal(loss, want_loss)
+        for got, want in zip(grads, want_grads, strict=True):
+            assert torch.equal(got, want)
+    assert stats.graphs == 1
+
+
+def test_build_model_refuses_moe_compile_it_cannot_trace(caplog):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"moe_experts='triton' cannot be traced.*use 'off'"):
+        build_model(config, ops=OpsConfig(moe_experts="triton", compile="on", hardware=CPU))
+    auto_cuda = OpsConfig(moe_experts="eager", compile="auto", hardware=Hardware(device_type="cuda"))
+    with caplog.at_level("INFO", logger="veomni.models.build"):
+        model = build_model(config, ops=auto_cuda)
+    assert compile_stats(model) is None and "leaves the blocks eager" in caplog.text
+    model = build_model(config, ops=OpsConfig(moe_experts="torch", compile="on", hardware=CPU))
+    assert compile_stats(model) is not None
+
+
+def test_inductor_mode_and_options_reach_inductor():
+    _, model = pair({"rms_norm": "eager"}, layers=1)
+    stats = compile_blocks(model, BLOCKS, mode="max-autotune-no-cudagraphs", options=None).stats
+    assert stats._inner.config.get("max_autotune") is True
+    _, other = pair({"rms_norm": "eager"}, layers=1)
+    stats = compile_blocks(other, BLOCKS, options={"epilogue_fusion": False}).stats
+    assert stats._inner.config == {"epilogue_fusion": False}
