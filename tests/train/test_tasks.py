@@ -194,3 +194,25 @@ def test_hf_backend_trains_upstream_class_with_the_same_loss(dist_pools, tmp_pat
     hf["ops"] = {"rms_norm": "eager"}
     with pytest.raises(Exception, match=r"model.backend=hf .* ops sets \{'rms_norm': 'eager'\}"):
         pool.run(_first_losses, hf, 1)
+
+
+def _config_of(ctx, raw: dict):
+    from veomni.train.loop import model_config
+
+    return model_config(recipe_from_dict(raw)).to_dict()
+
+
+def test_config_overrides_apply_to_the_checkpoint_config_and_are_checked(tmp_path, frozen_weights):
+    raw = tiny_recipe(str(tmp_path), DENSE, weights=frozen_weights)
+    raw["model"]["config_overrides"] = {"attention_dropout": 0.0, "rms_norm_eps": 1e-5}
+    config = _config_of(None, raw)
+    assert config["rms_norm_eps"] == 1e-5 and config["num_hidden_layers"] == DENSE["num_hidden_layers"]
+    raw["model"]["config_overrides"] = {"rms_norm_epsilon": 1e-5}
+    with pytest.raises(
+        Exception, match=r"(?s)model.config_overrides: .*'rms_norm_epsilon'.*did you mean 'rms_norm_eps'"
+    ):
+        _config_of(None, raw)
+    inline = tiny_recipe(str(tmp_path), DENSE)
+    inline["model"]["config_overrides"] = {"rms_norm_eps": 1e-5}
+    with pytest.raises(RecipeError, match=r"model.config is an inline mapping; put \['rms_norm_eps'\] in it"):
+        recipe_from_dict(inline)
