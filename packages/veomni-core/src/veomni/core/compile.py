@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from veomni.core.fsdp import _AC_MARK, _match_blocks, _to_pattern_tuple
+from veomni.core.parallel_state import hand_state_to_compiled_region
 
 __all__ = ["PACKING_DYNAMIC_SOURCES", "CompileStats", "CompiledBlocks", "compile_blocks", "compile_stats"]
 
@@ -147,7 +148,8 @@ def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) ->
             with torch.no_grad():
                 inner(*args, **kwargs)
             primed = True
-        return compiled(*args, **kwargs)
+        with hand_state_to_compiled_region():
+            return compiled(*args, **kwargs)
 
     return forward
 

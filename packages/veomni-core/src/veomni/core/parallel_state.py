@@ -206,14 +206,36 @@ def use_parallel_state(state: ParallelState) -> Iterator[ParallelState]:
         _CURRENT_STATE.reset(token)
 
 
+# Dynamo in torch 2.11 cannot trace ContextVar.get (a graph break: fatal under fullgraph=True; 2.15 can), so a compiled
+# region reads the state its eager caller handed over with `hand_state_to_compiled_region` (guarded by identity).
+_COMPILED_REGION_STATE: list[ParallelState | None] = [None]
+
+
+@contextlib.contextmanager
+def hand_state_to_compiled_region() -> Iterator[None]:
+    """Around a call into ``torch.compile``d code: the current state becomes readable inside it."""
+    previous = _COMPILED_REGION_STATE[0]
+    _COMPILED_REGION_STATE[0] = _CURRENT_STATE.get()
+    try:
+        yield
+    finally:
+        _COMPILED_REGION_STATE[0] = previous
+
+
+def _lookup() -> ParallelState | None:
+    if torch.compiler.is_compiling():
+        return _COMPILED_REGION_STATE[0]
+    return _CURRENT_STATE.get()
+
+
 def current_parallel_state_or_none() -> ParallelState | None:
     """The state set by the innermost enclosing `use_parallel_state`, or None outside every such block."""
-    return _CURRENT_STATE.get()
+    return _lookup()
 
 
 def current_parallel_state() -> ParallelState:
     """The state set by the innermost enclosing `use_parallel_state`; raises if there is none."""
-    state = _CURRENT_STATE.get()
+    state = _lookup()
     if state is None:
         raise RuntimeError(
             "no current ParallelState: wrap the call in `with use_parallel_state(state):` "
