@@ -62,33 +62,39 @@ def tiny_tokenizer() -> T5TokenizerFast:
 
 
 def write_wan_dir(root: Path, *, i2v: bool) -> Path:
-    """A Wan diffusers pipeline directory of tiny, randomly initialised components."""
+    """A Wan diffusers pipeline directory of tiny, randomly initialised components, written by the pipeline's
+    own ``save_pretrained`` (model_index.json and the subfolders, no transformer)."""
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer()
-    tokenizer.save_pretrained(root / "tokenizer")
     umt5 = UMT5Config(
         vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
     )  # fmt: skip
-    UMT5EncoderModel(umt5).save_pretrained(root / "text_encoder")
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
         latents_mean=[0.1, -0.2, 0.3, 0.05], latents_std=[1.5, 0.5, 2.0, 1.25],
     )  # fmt: skip
-    vae.save_pretrained(root / "vae")
-    # Wan's diffusers repos ship UniPC with flow sigmas (inference); the training shift is read from it.
-    UniPCMultistepScheduler(
-        use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction"
-    ).save_pretrained(root / "scheduler")
+    components = dict(
+        tokenizer=tokenizer,
+        text_encoder=UMT5EncoderModel(umt5),
+        vae=vae,
+        # Wan's diffusers repos ship UniPC with flow sigmas (inference); the training shift is read from it.
+        scheduler=UniPCMultistepScheduler(
+            use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction"
+        ),
+    )
     if i2v:
         clip = CLIPVisionConfig(
             hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
             patch_size=8, projection_dim=16,
         )  # fmt: skip
-        CLIPVisionModel(clip).save_pretrained(root / "image_encoder")
-        CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
-            root / "image_processor"
+        components["image_encoder"] = CLIPVisionModel(clip)
+        components["image_processor"] = CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
         )
+        WanImageToVideoPipeline(**components).save_pretrained(root)
+    else:
+        WanPipeline(**components).save_pretrained(root)
     return root
 
 
@@ -103,9 +109,9 @@ def i2v_dir(tmp_path_factory) -> Path:
 
 
 def videos() -> list[torch.Tensor]:
-    """Two clips of different shapes, RGB in [-1, 1]: [3, 5, 16, 16] and [3, 1, 16, 24]."""
+    """Two clips of different shapes, RGB in [-1, 1]: [3, 5, 16, 16] and [3, 1, 16, 32]."""
     g = torch.Generator().manual_seed(1)
-    return [torch.rand(3, 5, 16, 16, generator=g) * 2 - 1, torch.rand(3, 1, 16, 24, generator=g) * 2 - 1]
+    return [torch.rand(3, 5, 16, 16, generator=g) * 2 - 1, torch.rand(3, 1, 16, 32, generator=g) * 2 - 1]
 
 
 def t2v_pipeline(model: WanConditionModel) -> WanPipeline:
@@ -138,7 +144,7 @@ def test_get_condition_and_frozen_models(t2v_dir: Path) -> None:
         assert not any(p.requires_grad for p in module.parameters())
     with torch.enable_grad():
         cond = model.get_condition(PROMPTS[:2], videos())
-    assert [tuple(t.shape) for t in cond["latent_params"]] == [(1, 8, 2, 2, 2), (1, 8, 1, 2, 3)]
+    assert [tuple(t.shape) for t in cond["latent_params"]] == [(1, 8, 2, 2, 2), (1, 8, 1, 2, 4)]
     assert [tuple(t.shape) for t in cond["prompt_embeds"]] == [(1, MAX_LEN, 32)] * 2
     assert all(t.grad_fn is None and not t.requires_grad for ts in cond.values() for t in ts)
     # latent_params are the VAE posterior's parameters for the same clip.
@@ -258,7 +264,7 @@ def test_i2v_condition_equals_pipeline(i2v_dir: Path) -> None:
     assert not any(p.requires_grad for p in model.image_encoder.parameters())
 
 
-def test_missing_components_are_named(t2v_dir: Path, tmp_path: Path) -> None:
+def test_missing_components_are_named(t2v_dir: Path, i2v_dir: Path, tmp_path: Path) -> None:
     root = tmp_path / "wan"
     shutil.copytree(t2v_dir, root)
     shutil.rmtree(root / "vae")
@@ -269,10 +275,27 @@ def test_missing_components_are_named(t2v_dir: Path, tmp_path: Path) -> None:
     assert "vae/config.json (the AutoencoderKLWan VAE)" in str(err.value)
     assert "tokenizer/tokenizer_config.json" in str(err.value)
     assert "text_encoder" not in str(err.value).split(":", 1)[1]
-    with pytest.raises(ConditionCheckpointError, match=r"image_encoder/config.json"):
-        WanConditionModel.from_pretrained(t2v_dir, WanConditionConfig(mode="i2v"))
+    i2v_root = tmp_path / "wan_i2v"
+    shutil.copytree(i2v_dir, i2v_root)
+    shutil.rmtree(i2v_root / "image_encoder")
+    with pytest.raises(ConditionCheckpointError, match=r"image_encoder/config.json \(the CLIPVisionModel"):
+        WanConditionModel.from_pretrained(i2v_root, WanConditionConfig(mode="i2v"))
     with pytest.raises(ConditionCheckpointError, match="does not exist"):
         WanConditionModel.from_pretrained(tmp_path / "nowhere")
+
+
+def test_pipeline_kind_must_match_mode(t2v_dir: Path, i2v_dir: Path, tmp_path: Path) -> None:
+    assert json.loads((t2v_dir / "model_index.json").read_text())["_class_name"] == "WanPipeline"
+    with pytest.raises(
+        ConditionCheckpointError, match="a WanImageToVideoPipeline checkpoint serves mode 'i2v'"
+    ):
+        WanConditionModel.from_pretrained(i2v_dir)  # the default mode is t2v
+    root = tmp_path / "wan"
+    shutil.copytree(t2v_dir, root)
+    index = json.loads((root / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps(index | {"_class_name": "WanVACEPipeline"}))
+    with pytest.raises(ConditionCheckpointError, match="'WanVACEPipeline' is not supported"):
+        WanConditionModel.from_pretrained(root)
 
 
 def test_single_model_dirs_are_refused(t2v_dir: Path) -> None:
@@ -302,3 +325,30 @@ def test_bad_videos(t2v_dir: Path) -> None:
         model.encode_videos([torch.zeros(1, 3, 1, 16, 16)])
     with pytest.raises(ValueError, match="2 prompts but 1 videos"):
         model.get_condition(PROMPTS[:2], videos()[:1])
+
+
+@pytest.mark.parametrize("mode", ["t2v", "i2v"])
+def test_inputs_feed_wan_transformer(mode: str, t2v_dir: Path, i2v_dir: Path) -> None:
+    """process_condition's keys are WanTransformer3DModel.forward's arguments, and a prediction of its shape
+    gives a per-sample MSE against training_target with gradients only in the transformer."""
+    from diffusers import WanTransformer3DModel
+
+    root = i2v_dir if mode == "i2v" else t2v_dir
+    model = WanConditionModel.from_pretrained(
+        root, WanConditionConfig(mode=mode, max_sequence_length=MAX_LEN)
+    )
+    extra = dict(image_dim=16, added_kv_proj_dim=24) if mode == "i2v" else {}
+    dit = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12 if mode == "i2v" else 4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32, **extra,
+    )  # fmt: skip
+    inputs = model.process_condition(model.get_condition(PROMPTS[:2], videos()), dp_generator(0, 0))
+    targets, latents = inputs.pop("training_target"), inputs.pop("latents")
+    for i in range(2):
+        sample = {key: values[i] for key, values in inputs.items()}
+        pred = dit(**sample, return_dict=False)[0]
+        assert pred.shape == targets[i].shape == latents[i].shape
+        loss = torch.nn.functional.mse_loss(pred, targets[i])
+        loss.backward()
+    assert all(p.grad is not None for p in dit.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.text_encoder.parameters())

@@ -59,6 +59,10 @@ _I2V_COMPONENTS = {
 }
 
 
+# model_index.json _class_name -> the mode its components serve (Wan2.1; others are refused, not guessed).
+_PIPELINE_MODES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
+
+
 class ConditionCheckpointError(FileNotFoundError):
     """The checkpoint directory is not a Wan diffusers pipeline directory, or lacks a condition component."""
 
@@ -108,8 +112,10 @@ def locate_wan_components(root: str | Path, mode: Literal["t2v", "i2v"] = "t2v")
         ``image_encoder``, ``image_processor``).
     Raises:
         ConditionCheckpointError: ``root`` is not a directory, is a single model's directory (a transformers
-            checkpoint, or a diffusers model such as the ``transformer/`` subfolder), or lacks components; the
-            message names each missing subfolder and file and where it looked.
+            checkpoint, or a diffusers model such as the ``transformer/`` subfolder), its ``model_index.json``
+            (when present) names a pipeline other than ``WanPipeline`` (t2v) / ``WanImageToVideoPipeline``
+            (i2v) or the other mode, or it lacks components; the message names each missing subfolder and
+            file and where it looked.
     """
     root = Path(root)
     if not root.is_dir():
@@ -128,6 +134,19 @@ def locate_wan_components(root: str | Path, mode: Literal["t2v", "i2v"] = "t2v")
             f"{root} is {kind}, not a Wan pipeline directory: pass the directory holding model_index.json and the "
             f"subfolders {sorted(_T2V_COMPONENTS)} (the DiT itself is in its transformer/ subfolder)"
         )
+    index_file = root / "model_index.json"
+    if index_file.is_file():
+        pipeline = json.loads(index_file.read_text()).get("_class_name")
+        if pipeline not in _PIPELINE_MODES:
+            raise ConditionCheckpointError(
+                f"{index_file}: pipeline _class_name {pipeline!r} is not supported; expected one of "
+                f"{sorted(_PIPELINE_MODES)}"
+            )
+        if _PIPELINE_MODES[pipeline] != mode:
+            raise ConditionCheckpointError(
+                f"{index_file}: a {pipeline} checkpoint serves mode {_PIPELINE_MODES[pipeline]!r}, but the "
+                f"condition model was asked for mode {mode!r} (WanConditionConfig.mode)"
+            )
     wanted = dict(_T2V_COMPONENTS) | (_I2V_COMPONENTS if mode == "i2v" else {})
     missing = [
         f"{name}/{file} ({what})"
