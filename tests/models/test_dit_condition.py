@@ -352,3 +352,18 @@ def test_inputs_feed_wan_transformer(mode: str, t2v_dir: Path, i2v_dir: Path) ->
         loss.backward()
     assert all(p.grad is not None for p in dit.parameters() if p.requires_grad)
     assert all(p.grad is None for p in model.text_encoder.parameters())
+
+
+@pytest.mark.cuda
+def test_cuda_models_with_cpu_generator_match_cpu(i2v_dir: Path) -> None:
+    """Condition models on the GPU, generator on the CPU (dp_generator's default): the same draws as on the
+    CPU, so the inputs agree up to kernel rounding."""
+    config = WanConditionConfig(mode="i2v", max_sequence_length=MAX_LEN, prompt_dropout_prob=0.5)
+    cpu = WanConditionModel.from_pretrained(i2v_dir, config)
+    gpu = WanConditionModel.from_pretrained(i2v_dir, config, device="cuda")
+    ref = cpu.process_condition(cpu.get_condition(PROMPTS[:2], videos()), dp_generator(1, 0))
+    out = gpu.process_condition(gpu.get_condition(PROMPTS[:2], videos()), dp_generator(1, 0))
+    for key in ref:
+        for a, b in zip(ref[key], out[key], strict=True):
+            assert b.device.type == "cuda", key
+            torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4)
