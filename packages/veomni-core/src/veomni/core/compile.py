@@ -148,6 +148,10 @@ def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) ->
             with torch.no_grad():
                 inner(*args, **kwargs)
             primed = True
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            # Belt and braces for torch versions whose dynamo does not read dynamic_sources for kwargs.
+            if isinstance(kwargs.get(key), torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(kwargs[key], 0)
         with hand_state_to_compiled_region():
             return compiled(*args, **kwargs)
 

@@ -52,6 +52,9 @@ def _unavailable_reason(name: str) -> str | None:
 
 
 def _require(name: str, device: torch.device) -> None:
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace importlib's find_spec; a compiled block's first call runs eagerly and checked this.
+        return
     reason = _unavailable_reason(name)
     if reason is None and device.type != "cuda":
         reason = f"runs on CUDA tensors only, got {device}"
