@@ -68,10 +68,10 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
-    task: Literal["text"] = _field(
+    task: Literal["text", "vlm"] = _field(
         "text",
-        "training task: text (causal language modelling on packed documents); it decides the model class, the "
-        "inputs, the loss, the FLOPs and the export",
+        "training task: text (causal language modelling on packed documents) or vlm (image-text-to-text on "
+        "data.kind=multimodal); it decides the model class, the inputs, the loss, the FLOPs and the export",
     )
     backend: Literal["veomni", "hf"] = _field(
         "veomni",
@@ -141,10 +141,19 @@ class DataSection:
     format: Literal["auto", "jsonl", "parquet"] = _field(
         "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
     )
-    kind: Literal["text", "conversation"] = _field(
+    kind: Literal["text", "conversation", "multimodal"] = _field(
         "conversation",
         "text: pre-training on one string per row, every token trained; conversation: role/content messages "
-        "rendered by the tokenizer's chat template",
+        "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text and "
+        "image parts, expanded by the model's image processor (model.task=vlm)",
+    )
+    media_root: str | None = _field(
+        None, "kind=multimodal: directory that relative image paths in the rows are read from", path=True
+    )
+    patches_per_micro_batch: int | None = _field(
+        None,
+        "kind=multimodal: vision patches one micro-batch may hold (the second packing budget beside "
+        "train.tokens_per_micro_batch; None: no limit); a row above it is an error naming it",
     )
     text_field: str = _field("text", "kind=text: the row's field holding the text")
     messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
@@ -172,6 +181,10 @@ class DataSection:
             raise RecipeError(f"data.max_seq_len: expected >= 2, found {self.max_seq_len}")
         if self.num_workers < 0:
             raise RecipeError(f"data.num_workers: expected >= 0, found {self.num_workers}")
+        if self.patches_per_micro_batch is not None and self.patches_per_micro_batch < 1:
+            raise RecipeError(
+                f"data.patches_per_micro_batch: expected >= 1, found {self.patches_per_micro_batch}"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -338,6 +351,11 @@ class Recipe:
     log: LogSection = _field(LogSection, "metric sinks", factory=True)
 
     def __attrs_post_init__(self) -> None:
+        if (self.model.task == "vlm") != (self.data.kind == "multimodal"):
+            raise RecipeError(
+                f"model.task={self.model.task!r} with data.kind={self.data.kind!r}: the vlm task trains on "
+                "multimodal data and multimodal data needs the vlm task"
+            )
         if self.data.max_seq_len > self.train.tokens_per_micro_batch:
             raise RecipeError(
                 f"data.max_seq_len={self.data.max_seq_len} exceeds train.tokens_per_micro_batch="

@@ -19,7 +19,20 @@ log = logging.getLogger(__name__)
 
 
 def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encoder:
-    """The `Encoder` the recipe's data section describes."""
+    """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image processor from the
+    tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights)."""
+    if data.kind == "multimodal":
+        from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
+
+        return MultimodalEncoder(
+            tokenizer,
+            load_image_processor(tokenizer.name_or_path),
+            data.messages_field,
+            data.loss_mask_field,
+            data.assistant_only_loss,
+            media_root=data.media_root,
+            max_patches=data.patches_per_micro_batch,
+        )
     return build_encoder(
         tokenizer,
         data.kind,
@@ -104,6 +117,7 @@ def build_train_data(
         num_workers=recipe.data.num_workers,
         pad_id=pad_token_id(tokenizer),
         pin_memory=pin_memory,
+        patches_per_micro_batch=recipe.data.patches_per_micro_batch,
     )
 
 
@@ -132,6 +146,7 @@ def build_eval_data(
         num_workers=recipe.data.num_workers,
         pad_id=pad_token_id(tokenizer),
         pin_memory=pin_memory,
+        patches_per_micro_batch=recipe.data.patches_per_micro_batch,
     )
 
 
