@@ -351,11 +351,6 @@ class Recipe:
     log: LogSection = _field(LogSection, "metric sinks", factory=True)
 
     def __attrs_post_init__(self) -> None:
-        if (self.model.task == "vlm") != (self.data.kind == "multimodal"):
-            raise RecipeError(
-                f"model.task={self.model.task!r} with data.kind={self.data.kind!r}: the vlm task trains on "
-                "multimodal data and multimodal data needs the vlm task"
-            )
         if self.data.max_seq_len > self.train.tokens_per_micro_batch:
             raise RecipeError(
                 f"data.max_seq_len={self.data.max_seq_len} exceeds train.tokens_per_micro_batch="

@@ -90,6 +90,15 @@ def check_trained_tokens(source: RowSource, index: DatasetIndex, files: Sequence
             log.warning("%s: %s holds %d rows but no trained token (every label masked)", what, path, b - a)
 
 
+def check_task_and_kind(recipe: Recipe) -> None:
+    """``model.task=vlm`` trains on ``data.kind=multimodal`` and nothing else does (a `DataError` otherwise)."""
+    if (recipe.model.task == "vlm") != (recipe.data.kind == "multimodal"):
+        raise DataError(
+            f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: the vlm task trains on "
+            "multimodal data and multimodal data needs the vlm task"
+        )
+
+
 def build_train_data(
     recipe: Recipe,
     tokenizer: PreTrainedTokenizerBase,
@@ -100,6 +109,7 @@ def build_train_data(
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given)."""
+    check_task_and_kind(recipe)
     encoder = encoder_for(recipe.data, tokenizer)
     source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group)
     check_trained_tokens(source, index, recipe.data.train_files, "data.train_files")
