@@ -311,3 +311,58 @@ def test_image_over_patch_budget_names_file_and_row(processor_dir, tmp_path):
         encoder(processor_dir, media_root=str(tmp_path), max_patches=259).measure(
             image_row("big.png", png(4, 4)), REF
         )
+
+
+def test_train_data_packs_by_both_budgets_and_resumes_exactly(processor_dir, tmp_path):
+    """Micro-batches respect the token and the patch budget; a state saved after step k resumes at step k + 1
+    with identical batches (pixels included)."""
+    import json
+
+    from veomni.train.data.loader import DataTopology, TrainData
+    from veomni.train.data.plan import index_dataset
+    from veomni.train.data.sources import RowSource
+
+    sizes = [(16, 16), (8, 8), (12, 16), (4, 20), (10, 10), (16, 8)]
+    for k, (h, w) in enumerate(sizes):
+        (tmp_path / f"{k}.png").write_bytes(png(h, w, k))
+    rows = [image_row(f"{k % 6}.png", answer=f"shape {k}") for k in range(24)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    enc = encoder(processor_dir, media_root=str(tmp_path), max_patches=128)
+    source = RowSource([str(tmp_path / "rows.jsonl")], "jsonl", enc.columns)
+    index = index_dataset(source, enc, max_seq_len=128, overlong="error")
+    assert index.patches is not None and int(index.patches.max()) == 64
+
+    def make() -> TrainData:
+        return TrainData(
+            source, enc, index, topology=DataTopology(), tokens_per_micro_batch=128, grad_accum=2, seed=3,
+            shuffle=True, max_seq_len=128, overlong="error", patches_per_micro_batch=128,
+        )  # fmt: skip
+
+    straight = make()
+    it = iter(straight)
+    want = [next(it) for _ in range(4)]
+    for step in want:
+        for batch in step.micro_batches:
+            assert batch["num_patches"] <= 128 and batch["seq_len"] <= 128
+        assert step.patches == sum(b["num_patches"] for b in step.micro_batches)
+    first = make()
+    it = iter(first)
+    for _ in range(2):
+        next(it)
+    state = first.state_dict()
+    assert state["patches_per_micro_batch"] == 128
+    second = make()
+    second.load_state_dict(state)
+    it = iter(second)
+    for expected in want[2:]:
+        got = next(it)
+        assert got.step == expected.step
+        for a, b in zip(got.micro_batches, expected.micro_batches, strict=True):
+            for name in ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw"):
+                assert torch.equal(a[name], b[name])
+    other = TrainData(
+        source, enc, index, topology=DataTopology(), tokens_per_micro_batch=128, grad_accum=2, seed=3,
+        shuffle=True, max_seq_len=128, overlong="error", patches_per_micro_batch=96,
+    )  # fmt: skip
+    with pytest.raises(DataError, match="patches_per_micro_batch: saved 128, now 96"):
+        other.load_state_dict(state)

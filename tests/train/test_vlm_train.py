@@ -198,3 +198,36 @@ def test_task_and_kind_must_match(assets, tmp_path):
     bad["data"]["kind"] = "conversation"
     with pytest.raises(DataError, match="vlm task trains on multimodal data"):
         check_task_and_kind(recipe_from_dict(bad))
+
+
+def test_vlm_flops_split_language_model_and_tower():
+    """The LM term counts the language model's matmul weights only (no embedding lookup, no tower); the tower
+    term counts its weights per patch, the patch mergers per merge**2 patches."""
+    from transformers import AutoConfig
+
+    from veomni.train.data import Step
+    from veomni.train.loop import meta_instance
+    from veomni.train.tasks import VlmTask, build_task
+
+    config = AutoConfig.for_model("qwen3_vl", **tiny_config())
+    probe = meta_instance(config, "image_text_to_text")
+    task = build_task("vlm", probe)
+    assert isinstance(task, VlmTask) and task.model_task == "image_text_to_text"
+    lm = sum(
+        p.numel()
+        for n, p in probe.named_parameters()
+        if p.dim() >= 2 and not n.startswith("model.visual.") and "embed_tokens" not in n
+    )
+    assert task.flops_per_token == 6.0 * lm
+    per_patch = sum(
+        p.numel() / (4 if "merger" in n else 1)
+        for n, p in probe.model.visual.named_parameters()
+        if p.dim() >= 2
+    )
+    assert task.vision_flops_per_patch == pytest.approx(6.0 * per_patch)
+    batch = {"cu_seqlens": torch.tensor([0, 10, 30], dtype=torch.int32)}
+    step = Step(step=0, epoch=0, micro_batches=[batch], tokens=30, valid_tokens=5, patches=96)
+    text_only = Step(step=0, epoch=0, micro_batches=[batch], tokens=30, valid_tokens=5)
+    assert task.step_flops(step) - task.step_flops(text_only) == pytest.approx(
+        96 * task.vision_flops_per_patch
+    )
