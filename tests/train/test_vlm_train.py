@@ -231,3 +231,20 @@ def test_vlm_flops_split_language_model_and_tower():
     assert task.step_flops(step) - task.step_flops(text_only) == pytest.approx(
         96 * task.vision_flops_per_patch
     )
+
+
+def test_data_preview_shows_image_spans_and_the_loss_mask(assets, tmp_path):
+    import io
+
+    from veomni.train.data.preview import preview
+    from veomni.train.recipe import save_recipe
+
+    path = tmp_path / "vlm.yaml"
+    save_recipe(recipe_from_dict(vlm_recipe(assets, str(tmp_path))), path)
+    out = io.StringIO()
+    preview([str(path), "--n", "1", "--samples", "0"], out)
+    text = out.getvalue()
+    assert "    vision: " in text and " patches (grids [[1, " in text
+    # Image placeholders collapse to one span, untrained; the answer is trained (not bracketed).
+    assert "[[<|im_start|>user\n<|vision_start|><image x" in text
+    assert "]]A " in text and "<|im_end|>\n" in text
