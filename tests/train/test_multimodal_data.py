@@ -366,3 +366,30 @@ def test_train_data_packs_by_both_budgets_and_resumes_exactly(processor_dir, tmp
     )  # fmt: skip
     with pytest.raises(DataError, match="patches_per_micro_batch: saved 128, now 96"):
         other.load_state_dict(state)
+
+
+def test_parquet_rows_with_inline_image_bytes(processor_dir, tmp_path):
+    """Parquet holds images as bytes inside the parts (one struct type for text and image parts)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from veomni.train.data.sources import RowSource
+
+    def part(kind: str, text: str | None = None, image: bytes | None = None) -> dict:
+        return {"type": kind, "text": text, "image": image}
+
+    messages = [
+        [
+            {"role": "user", "content": [part("image", image=png(12, 12, k)), part("text", "What is this?")]},
+            {"role": "assistant", "content": [part("text", f"Shape {k}.")]},
+        ]
+        for k in range(3)
+    ]
+    pq.write_table(pa.table({"messages": messages}), tmp_path / "rows.parquet")
+    enc = _cached_encoder(processor_dir)
+    source = RowSource([str(tmp_path / "rows.parquet")], "auto", enc.columns)
+    for k in range(3):
+        length, trained, patches = enc.measure(source[k], source.ref(k))
+        ids, mask, media = enc(source[k], source.ref(k))
+        assert (length, trained, patches) == (len(ids), int(mask.sum()), 36)
+        assert enc.tokenizer.decode(ids[mask]) == f"Shape {k}.<|im_end|>\n"
