@@ -393,3 +393,10 @@ def test_parquet_rows_with_inline_image_bytes(processor_dir, tmp_path):
         ids, mask, media = enc(source[k], source.ref(k))
         assert (length, trained, patches) == (len(ids), int(mask.sum()), 36)
         assert enc.tokenizer.decode(ids[mask]) == f"Shape {k}.<|im_end|>\n"
+
+
+def test_image_the_processor_rejects_names_file_and_row(processor_dir):
+    with pytest.raises(
+        DataError, match=r"line 1: image 0 \(inline bytes .*\): the image processor rejects it: .*200"
+    ):
+        _cached_encoder(processor_dir).measure(image_row(png(2, 420)), REF)

@@ -163,12 +163,18 @@ class MultimodalEncoder(ConversationEncoder):
                 f"data.patches_per_micro_batch={self.max_patches}"
             )
 
+    def _patches(self, image: ImageRef) -> int:
+        try:
+            return int(self.image_processor.get_number_of_image_patches(*image_size(image), {}))
+        except ValueError as err:  # the resize rule rejects it (aspect ratio above 200, ...)
+            if isinstance(err, DataError):
+                raise
+            raise DataError(f"{image}: the image processor rejects it: {err}") from None
+
     def measure(self, row: dict[str, Any], ref: RowRef) -> tuple[int, int, int]:
         """``(tokens, trained tokens, vision patches)`` of the expanded row, from image headers only."""
         ids, trained, images = self._text(row, ref)
-        patches = [
-            int(self.image_processor.get_number_of_image_patches(*image_size(image), {})) for image in images
-        ]
+        patches = [self._patches(image) for image in images]
         self._check_patches(ref, patches, images)
         extra = sum(p // self.merge**2 - 1 for p in patches)
         return len(ids) + extra, int(trained.sum()), sum(patches)
