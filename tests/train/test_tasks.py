@@ -129,7 +129,7 @@ def test_recipe_rejects_bad_multipliers_and_unknown_tasks(tmp_path):
     with pytest.raises(RecipeError, match=r"optim.lr_multipliers: expected numbers >= 0.*'fast'"):
         recipe_from_dict(raw)
     raw = tiny_recipe(str(tmp_path), DENSE)
-    raw["model"]["task"] = "vlm"
+    raw["model"]["task"] = "omni"
     with pytest.raises(RecipeError, match="model.task"):
         recipe_from_dict(raw)
 
@@ -159,7 +159,7 @@ def test_text_task_reads_the_language_model_config_of_a_composite():
     assert dense.aux_loss_coef == 0.0
     moe = build_task("text", meta_instance(_meta_model(MOE).config))
     assert moe.aux_loss_coef == 0.01
-    with pytest.raises(ValueError, match=r"model.task: expected one of \['text'\], found 'dit'"):
+    with pytest.raises(ValueError, match=r"model.task: expected one of \['text', 'vlm'\], found 'dit'"):
         build_task("dit", probe)
 
 

@@ -74,10 +74,10 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
-    task: Literal["text"] = _field(
+    task: Literal["text", "vlm"] = _field(
         "text",
-        "training task: text (causal language modelling on packed documents); it decides the model class, the "
-        "inputs, the loss, the FLOPs and the export",
+        "training task: text (causal language modelling on packed documents) or vlm (image-text-to-text on "
+        "data.kind=multimodal); it decides the model class, the inputs, the loss, the FLOPs and the export",
     )
     backend: Literal["veomni", "hf"] = _field(
         "veomni",
@@ -152,10 +152,19 @@ class DataSection:
     format: Literal["auto", "jsonl", "parquet"] = _field(
         "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
     )
-    kind: Literal["text", "conversation"] = _field(
+    kind: Literal["text", "conversation", "multimodal"] = _field(
         "conversation",
         "text: pre-training on one string per row, every token trained; conversation: role/content messages "
-        "rendered by the tokenizer's chat template",
+        "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text and "
+        "image parts, expanded by the model's image processor (model.task=vlm)",
+    )
+    media_root: str | None = _field(
+        None, "kind=multimodal: directory that relative image paths in the rows are read from", path=True
+    )
+    patches_per_micro_batch: int | None = _field(
+        None,
+        "kind=multimodal: vision patches one micro-batch may hold (the second packing budget beside "
+        "train.tokens_per_micro_batch; None: no limit); a row above it is an error naming it",
     )
     text_field: str = _field("text", "kind=text: the row's field holding the text")
     messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
@@ -183,6 +192,10 @@ class DataSection:
             raise RecipeError(f"data.max_seq_len: expected >= 2, found {self.max_seq_len}")
         if self.num_workers < 0:
             raise RecipeError(f"data.num_workers: expected >= 0, found {self.num_workers}")
+        if self.patches_per_micro_batch is not None and self.patches_per_micro_batch < 1:
+            raise RecipeError(
+                f"data.patches_per_micro_batch: expected >= 1, found {self.patches_per_micro_batch}"
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -166,7 +166,96 @@ class TextTask:
         )
 
 
-TASKS = {"text": TextTask}
+def vision_tower(probe: nn.Module) -> nn.Module:
+    """The vision encoder of a VLM (``model.visual`` of transformers' image-text-to-text classes)."""
+    inner = getattr(probe, "model", probe)
+    visual = getattr(inner, "visual", None)
+    if visual is None:
+        raise ValueError(
+            f"model.task=vlm needs a vision-language model with a `model.visual` tower; {type(probe).__name__} "
+            "has none"
+        )
+    return visual
+
+
+def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
+    """``6 * N`` matmul FLOPs per vision patch: every weight of the tower multiplies each patch, except the
+    patch mergers (names containing ``merger``), which run once per ``merge**2`` patches. The tower's own
+    attention score FLOPs are not counted."""
+    total = 0.0
+    for name, param in visual.named_parameters():
+        if param.dim() < 2:
+            continue
+        total += param.numel() / (merge * merge if "merger" in name else 1)
+    return 6.0 * total
+
+
+@attrs.frozen(kw_only=True)
+class VlmTask(TextTask):
+    """Image-text-to-text training (``data.kind: multimodal``): `TextTask` plus the vision inputs.
+
+    The batch (`veomni.train.data.multimodal.collate_multimodal`) carries 4-row mrope ``position_ids`` (this SP
+    rank's slice), the full micro-batch's ``pixel_values`` / ``image_grid_thw`` on every SP rank (the model slices
+    the tower's input itself), or None for both when the micro-batch has no image (the model then runs its
+    dummy tower forward where collectives need it).
+
+    Attributes:
+        vision_flops_per_patch: `vision_flops_per_patch` of the tower (the LM term excludes the tower).
+    """
+
+    vision_flops_per_patch: float
+    name: ClassVar[str] = "vlm"
+    model_task: ClassVar[str] = "image_text_to_text"
+
+    @classmethod
+    def for_model(cls, probe: nn.Module) -> VlmTask:
+        visual = vision_tower(probe)
+        text = text_config(probe.config)
+        merge = int(probe.config.vision_config.spatial_merge_size)
+        vision = vision_flops_per_patch(visual, merge)
+        # The tower's weights are counted per patch, not per text token.
+        tower = sum(p.numel() for p in visual.parameters() if p.dim() >= 2)
+        return cls(
+            flops_per_token=flops_per_token(probe) - 6.0 * tower,
+            num_layers=int(text.num_hidden_layers),
+            query_width=query_width(probe.config),
+            aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
+            vision_flops_per_patch=vision,
+        )
+
+    def model_kwargs(
+        self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> dict[str, Any]:
+        kwargs = super().model_kwargs(batch, device, num_items)
+        for key in ("pixel_values", "image_grid_thw"):
+            value = batch.get(key)
+            kwargs[key] = None if value is None else value.to(device, non_blocking=True)
+        return kwargs
+
+    def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
+        """Weights, tokenizer (with its chat template) and the image processor (``preprocessor_config.json``),
+        plus the processor/video configs found beside the tokenizer, so that ``AutoModelForImageTextToText`` and
+        ``AutoImageProcessor`` (``AutoProcessor`` where torchvision is installed) load the export."""
+        import shutil
+
+        from veomni.models.export import export_hf
+        from veomni.train.data.multimodal import load_image_processor
+
+        export_hf(model, out, parallel_state=parallel_state)
+        if dist.get_rank() == 0:
+            source = Path(tokenizer.name_or_path)
+            tokenizer.save_pretrained(out)
+            load_image_processor(str(source)).save_pretrained(out)
+            for name in ("processor_config.json", "video_preprocessor_config.json", "chat_template.json"):
+                if (source / name).is_file() and not (out / name).exists():
+                    shutil.copyfile(source / name, out / name)
+        dist.barrier()
+
+    def step_flops(self, step: Step) -> float:
+        return super().step_flops(step) + self.vision_flops_per_patch * step.patches
+
+
+TASKS = {"text": TextTask, "vlm": VlmTask}
 """Recipe ``model.task`` name -> task class (each has ``for_model(probe)``)."""
 
 

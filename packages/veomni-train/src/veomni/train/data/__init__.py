@@ -1,7 +1,7 @@
 """The packed data pipeline: jsonl/parquet rows -> token samples -> padding-free packed micro-batches.
 
 Start from `build_train_data` / `build_eval_data` (a recipe, a tokenizer and this rank's `DataTopology`), iterate
-`TrainData` for `Step` objects, and feed each micro-batch to the model with `model_inputs` (its labels are already
+`TrainData` for `Step` objects (multimodal conversations: `veomni.train.data.multimodal`), and feed each micro-batch to the model with `model_inputs` (its labels are already
 shifted). docs/train.md describes the batch layout, the resume guarantees and the over-length policy.
 """
 
@@ -23,6 +23,7 @@ from veomni.train.data.encode import (
     load_tokenizer,
 )
 from veomni.train.data.loader import DataTopology, EvalData, Step, TrainData
+from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, collate_multimodal
 from veomni.train.data.packing import (
     IGNORE_INDEX,
     collate,
@@ -42,7 +43,9 @@ __all__ = [
     "DatasetIndex",
     "Encoder",
     "EvalData",
+    "MediaSample",
     "MicroBatches",
+    "MultimodalEncoder",
     "RowRef",
     "RowSource",
     "Sample",
@@ -53,6 +56,7 @@ __all__ = [
     "build_eval_data",
     "build_train_data",
     "collate",
+    "collate_multimodal",
     "encode_row",
     "encoder_for",
     "epoch_micro_batches",

@@ -19,7 +19,20 @@ log = logging.getLogger(__name__)
 
 
 def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encoder:
-    """The `Encoder` the recipe's data section describes."""
+    """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image processor from the
+    tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights)."""
+    if data.kind == "multimodal":
+        from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
+
+        return MultimodalEncoder(
+            tokenizer,
+            load_image_processor(tokenizer.name_or_path),
+            data.messages_field,
+            data.loss_mask_field,
+            data.assistant_only_loss,
+            media_root=data.media_root,
+            max_patches=data.patches_per_micro_batch,
+        )
     return build_encoder(
         tokenizer,
         data.kind,
@@ -77,6 +90,15 @@ def check_trained_tokens(source: RowSource, index: DatasetIndex, files: Sequence
             log.warning("%s: %s holds %d rows but no trained token (every label masked)", what, path, b - a)
 
 
+def check_task_and_kind(recipe: Recipe) -> None:
+    """``model.task=vlm`` trains on ``data.kind=multimodal`` and nothing else does (a `DataError` otherwise)."""
+    if (recipe.model.task == "vlm") != (recipe.data.kind == "multimodal"):
+        raise DataError(
+            f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: the vlm task trains on "
+            "multimodal data and multimodal data needs the vlm task"
+        )
+
+
 def build_train_data(
     recipe: Recipe,
     tokenizer: PreTrainedTokenizerBase,
@@ -87,6 +109,7 @@ def build_train_data(
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given)."""
+    check_task_and_kind(recipe)
     encoder = encoder_for(recipe.data, tokenizer)
     source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group)
     check_trained_tokens(source, index, recipe.data.train_files, "data.train_files")
@@ -104,6 +127,7 @@ def build_train_data(
         num_workers=recipe.data.num_workers,
         pad_id=pad_token_id(tokenizer),
         pin_memory=pin_memory,
+        patches_per_micro_batch=recipe.data.patches_per_micro_batch,
     )
 
 
@@ -132,6 +156,7 @@ def build_eval_data(
         num_workers=recipe.data.num_workers,
         pad_id=pad_token_id(tokenizer),
         pin_memory=pin_memory,
+        patches_per_micro_batch=recipe.data.patches_per_micro_batch,
     )
 
 

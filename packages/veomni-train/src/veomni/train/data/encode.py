@@ -33,12 +33,15 @@ class Sample:
         trained: bool ``[n]``, ``trained[0]`` False.
         index: the row's index in its `RowSource`.
         truncated: whether the row was cut to ``max_seq_len``.
+        media: a multimodal row's `veomni.train.data.multimodal.MediaSample` (pixels, grids, mrope ids); None for
+            text rows.
     """
 
     input_ids: np.ndarray
     trained: np.ndarray
     index: int
     truncated: bool = False
+    media: Any = None
 
     @property
     def num_trained(self) -> int:
@@ -151,6 +154,11 @@ class ConversationEncoder:
 
     def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray]:
         messages, flags = self._messages(row, ref)
+        return self._tokens(messages, flags, ref)
+
+    def _tokens(
+        self, messages: list[dict[str, Any]], flags: list[bool], ref: RowRef
+    ) -> tuple[np.ndarray, np.ndarray]:
         full = self._render(messages, ref)
         # Character spans of the trained parts of each message.
         char_trained = np.zeros(len(full) + 1, dtype=bool)
@@ -210,9 +218,16 @@ def encode_row(
         DataError: a bad row, or an over-long one under ``overlong="error"``, naming file and row.
     """
     ref = source.ref(index)
-    ids, trained = encoder(source[index], ref)
+    ids, trained, *rest = encoder(source[index], ref)
+    media = rest[0] if rest else None
     truncated = False
     if len(ids) > max_seq_len:
+        if media is not None and overlong == "truncate":
+            raise DataError(
+                f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}; a multimodal row cannot be "
+                "truncated (the cut would split image placeholders from their pixels): set data.overlong to drop "
+                "or error, or raise data.max_seq_len"
+            )
         if overlong == "error":
             raise DataError(f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}")
         if overlong == "drop":
@@ -220,4 +235,4 @@ def encode_row(
         if overlong != "truncate":
             raise DataError(f"data.overlong must be truncate, drop or error, found {overlong!r}")
         ids, trained, truncated = ids[:max_seq_len], trained[:max_seq_len], True
-    return Sample(ids, trained, index, truncated)
+    return Sample(ids, trained, index, truncated, media)

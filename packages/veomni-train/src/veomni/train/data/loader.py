@@ -78,6 +78,7 @@ class Step:
         tokens: packed tokens of the whole step over all DP ranks (before SP padding).
         valid_tokens: valid labels of the whole step over all DP ranks: the loss normaliser ``N_global``, known
             here without communication (``veomni.core.global_token_count`` over the batches gives the same).
+        patches: vision patches of the whole step over all DP ranks (multimodal data; 0 for text).
     """
 
     step: int
@@ -85,6 +86,7 @@ class Step:
     micro_batches: list[dict[str, Any]]
     tokens: int
     valid_tokens: int
+    patches: int = 0
 
 
 class _PackedRows(Dataset):
@@ -111,6 +113,7 @@ class _PackedRows(Dataset):
         self.source, self.encoder, self.index = source, encoder, index
         self.max_seq_len, self.overlong, self.order = max_seq_len, overlong, order
         self.collate_args = dict(sp_rank=sp_rank, sp_size=sp_size, pad_id=pad_id)
+        self.multimodal = hasattr(encoder, "measure")
         self._plan: tuple[int, MicroBatches] | None = None
 
     def rows(self, key: tuple[int, int] | tuple[str, np.ndarray]) -> np.ndarray:
@@ -125,6 +128,10 @@ class _PackedRows(Dataset):
 
     def __getitem__(self, key: Any) -> dict[str, Any]:
         if isinstance(key, str) and key == "padding":
+            if self.multimodal:
+                from veomni.train.data.multimodal import multimodal_padding_batch
+
+                return multimodal_padding_batch(**self.collate_args)
             return padding_batch(**self.collate_args)
         samples = []
         for row in self.rows(key).tolist():
@@ -135,6 +142,10 @@ class _PackedRows(Dataset):
                     f"but {self.index.lengths[row]} when the data was indexed; was the file changed during the run?"
                 )
             samples.append(sample)
+        if self.multimodal:
+            from veomni.train.data.multimodal import collate_multimodal
+
+            return collate_multimodal(samples, **self.collate_args)
         return collate(samples, **self.collate_args)
 
 
@@ -162,6 +173,7 @@ class TrainData:
         max_seq_len, overlong: the length policy the index was built with.
         num_workers: DataLoader workers (0: in process); pad_id: token id of SP padding.
         pin_memory: pin the batches' host memory (for asynchronous copies to a GPU).
+        patches_per_micro_batch: vision patches one micro-batch may hold (multimodal data; None: no limit).
     """
 
     def __init__(
@@ -180,6 +192,7 @@ class TrainData:
         num_workers: int = 0,
         pad_id: int = 0,
         pin_memory: bool = False,
+        patches_per_micro_batch: int | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
@@ -191,7 +204,10 @@ class TrainData:
             shuffle,
         )
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self._plan_args = dict(seed=seed, budget=tokens_per_micro_batch, shuffle=shuffle)
+        self._plan_args: dict[str, Any] = dict(seed=seed, budget=tokens_per_micro_batch, shuffle=shuffle)
+        self.patch_budget = patches_per_micro_batch
+        if patches_per_micro_batch is not None:
+            self._plan_args["patch_budget"] = patches_per_micro_batch
         self._dataset = _PackedRows(
             source,
             encoder,
@@ -274,6 +290,7 @@ class TrainData:
                     micro_batches=micro,
                     tokens=int(self.index.lengths[rows].sum()),
                     valid_tokens=int(self.index.trained[rows].sum()),
+                    patches=0 if self.index.patches is None else int(self.index.patches[rows].sum()),
                 )
                 # The state names the next step, so a checkpoint taken after this step resumes after it.
                 self._cursor += self.per_step
@@ -283,7 +300,9 @@ class TrainData:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last step handed out, plus what must match for it to mean the same data."""
+        extra = {} if self.patch_budget is None else {"patches_per_micro_batch": self.patch_budget}
         return {
+            **extra,
             "format": STATE_FORMAT,
             "epoch": self._epoch,
             "cursor": self._cursor,
@@ -303,7 +322,9 @@ class TrainData:
             raise DataError(f"data state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
         mine = {"seed": self.seed, "shuffle": self.shuffle, "tokens_per_micro_batch": self.budget}
         mine["index_digest"] = self.index.digest()
-        bad = [f"{k}: saved {state[k]!r}, now {v!r}" for k, v in mine.items() if state[k] != v]
+        if self.patch_budget is not None or "patches_per_micro_batch" in state:
+            mine["patches_per_micro_batch"] = self.patch_budget
+        bad = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
         if bad:
             raise DataError(
                 "cannot resume the data position, the data or its order changed: " + "; ".join(bad)
@@ -367,10 +388,21 @@ class EvalData:
         num_workers: int = 0,
         pad_id: int = 0,
         pin_memory: bool = False,
+        patches_per_micro_batch: int | None = None,
     ) -> None:
         self.source, self.index, self.topology = source, index, topology
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.plan = pack_rows(np.flatnonzero(index.lengths > 0), index.lengths, tokens_per_micro_batch)
+        kept = np.flatnonzero(index.lengths > 0)
+        if patches_per_micro_batch is None:
+            self.plan = pack_rows(kept, index.lengths, tokens_per_micro_batch)
+        else:
+            self.plan = pack_rows(
+                kept,
+                index.lengths,
+                tokens_per_micro_batch,
+                patches=index.patches,
+                patch_budget=patches_per_micro_batch,
+            )
         self._dataset = _PackedRows(
             source,
             encoder,

@@ -42,12 +42,14 @@ class DatasetIndex:
         trained: int64 ``[rows]``, trained tokens (valid labels) of each row.
         truncated: rows cut to ``max_seq_len``.
         dropped: rows left out for being longer than ``max_seq_len``.
+        patches: int64 ``[rows]``, vision patches of each row (multimodal data; None for text).
     """
 
     lengths: np.ndarray
     trained: np.ndarray
     truncated: int
     dropped: int
+    patches: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -70,7 +72,29 @@ class DatasetIndex:
         """A fingerprint of the token counts (changes when the data, tokenizer or length policy do)."""
         h = hashlib.sha256(self.lengths.astype(np.int64).tobytes())
         h.update(self.trained.astype(np.int64).tobytes())
+        if self.patches is not None:
+            h.update(self.patches.astype(np.int64).tobytes())
         return h.hexdigest()[:16]
+
+
+def _measure(
+    source: RowSource, encoder: Encoder, row: int, max_seq_len: int, overlong: str
+) -> tuple[int, int, int]:
+    """``(tokens, trained, patches)`` of a multimodal row from its image headers, after the length policy."""
+    ref = source.ref(row)
+    length, trained, patches = encoder.measure(source[row], ref)
+    if length <= max_seq_len:
+        return length, trained, patches
+    if overlong == "drop":
+        return 0, 0, 0
+    raise DataError(
+        f"{ref}: {length} tokens, longer than data.max_seq_len={max_seq_len}"
+        + (
+            ""
+            if overlong == "error"
+            else "; a multimodal row cannot be truncated: set data.overlong to drop or error"
+        )
+    )
 
 
 class _IndexChunks(Dataset):
@@ -89,13 +113,19 @@ class _IndexChunks(Dataset):
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, i: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    def __getitem__(self, i: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         start = self.starts[i]
         stop = min(start + self.size, len(self.source))
         lengths = np.zeros(stop - start, dtype=np.int64)
         trained = np.zeros(stop - start, dtype=np.int64)
         truncated = np.zeros(stop - start, dtype=bool)
+        patches = np.zeros(stop - start, dtype=np.int64)
         for k, row in enumerate(range(start, stop)):
+            if hasattr(self.encoder, "measure"):  # multimodal: lengths from image headers, no pixel decoded
+                lengths[k], trained[k], patches[k] = _measure(
+                    self.source, self.encoder, row, self.max_seq_len, self.overlong
+                )
+                continue
             sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
             if sample is not None:
                 lengths[k], trained[k], truncated[k] = (
@@ -103,7 +133,7 @@ class _IndexChunks(Dataset):
                     sample.num_trained,
                     sample.truncated,
                 )
-        return start, lengths, trained, truncated
+        return start, lengths, trained, truncated, patches
 
 
 def _identity(x: object) -> object:
@@ -144,19 +174,27 @@ def index_dataset(
     lengths = np.zeros(len(source), dtype=np.int64)
     trained = np.zeros(len(source), dtype=np.int64)
     truncated = np.zeros(len(source), dtype=bool)
-    for start, chunk_lengths, chunk_trained, chunk_truncated in parts:
+    patches = np.zeros(len(source), dtype=np.int64)
+    for start, chunk_lengths, chunk_trained, chunk_truncated, chunk_patches in parts:
         stop = start + len(chunk_lengths)
-        lengths[start:stop], trained[start:stop], truncated[start:stop] = (
+        lengths[start:stop], trained[start:stop], truncated[start:stop], patches[start:stop] = (
             chunk_lengths,
             chunk_trained,
             chunk_truncated,
+            chunk_patches,
         )
     dropped = int((lengths == 0).sum())
     if dropped == len(source):
         raise DataError(
             f"every one of the {len(source)} rows was dropped as longer than max_seq_len={max_seq_len}"
         )
-    return DatasetIndex(lengths=lengths, trained=trained, truncated=int(truncated.sum()), dropped=dropped)
+    return DatasetIndex(
+        lengths=lengths,
+        trained=trained,
+        truncated=int(truncated.sum()),
+        dropped=dropped,
+        patches=patches if hasattr(encoder, "measure") else None,
+    )
 
 
 @attrs.frozen(eq=False)
@@ -188,31 +226,51 @@ def epoch_order(index: DatasetIndex, seed: int, epoch: int, shuffle: bool) -> np
 
 
 def pack_rows(
-    order: np.ndarray, lengths: np.ndarray, budget: int, open_bins: int = OPEN_BINS
+    order: np.ndarray,
+    lengths: np.ndarray,
+    budget: int,
+    open_bins: int = OPEN_BINS,
+    *,
+    patches: np.ndarray | None = None,
+    patch_budget: int | None = None,
 ) -> MicroBatches:
     """Cut ``order`` into micro-batches of at most ``budget`` tokens: first-fit over ``open_bins`` open ones.
 
     Each row goes into the oldest open micro-batch with room; with none, a new one opens and, when more than
-    ``open_bins`` are open, the oldest is closed. Micro-batches are emitted in closing order.
+    ``open_bins`` are open, the oldest is closed. Micro-batches are emitted in closing order. With ``patches``
+    and ``patch_budget`` (multimodal data) a micro-batch also holds at most ``patch_budget`` vision patches.
     """
     closed: list[list[int]] = []
     bins: list[list[int]] = []
     room: list[int] = []
+    patch_room: list[int] = []
+    two = patches is not None and patch_budget is not None
     for row in order.tolist():
         n = int(lengths[row])
+        p = int(patches[row]) if two else 0
         if n > budget:
             raise DataError(f"row {row} has {n} tokens, more than the micro-batch budget {budget}")
+        if two and p > patch_budget:
+            raise DataError(
+                f"row {row} has {p} vision patches, more than the micro-batch budget {patch_budget}"
+            )
         for b, free in enumerate(room):
-            if free >= n:
+            if free >= n and (not two or patch_room[b] >= p):
                 bins[b].append(row)
                 room[b] -= n
+                if two:
+                    patch_room[b] -= p
                 break
         else:
             if len(bins) == open_bins:
                 closed.append(bins.pop(0))
                 room.pop(0)
+                if two:
+                    patch_room.pop(0)
             bins.append([row])
             room.append(budget - n)
+            if two:
+                patch_room.append(patch_budget - p)
     closed.extend(bins)
     sizes = np.fromiter((len(b) for b in closed), dtype=np.int64, count=len(closed))
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -221,10 +279,14 @@ def pack_rows(
 
 
 def epoch_micro_batches(
-    index: DatasetIndex, seed: int, epoch: int, budget: int, shuffle: bool
+    index: DatasetIndex, seed: int, epoch: int, budget: int, shuffle: bool, patch_budget: int | None = None
 ) -> MicroBatches:
-    """The micro-batches of epoch ``epoch`` (independent of the world size)."""
-    return pack_rows(epoch_order(index, seed, epoch, shuffle), index.lengths, budget)
+    """The micro-batches of epoch ``epoch`` (independent of the world size); ``patch_budget`` caps the vision
+    patches of a micro-batch (multimodal data)."""
+    order = epoch_order(index, seed, epoch, shuffle)
+    if patch_budget is None:
+        return pack_rows(order, index.lengths, budget)
+    return pack_rows(order, index.lengths, budget, patches=index.patches, patch_budget=patch_budget)
 
 
 def steps_in_epoch(num_micro_batches: int, cursor: int, per_step: int) -> int:

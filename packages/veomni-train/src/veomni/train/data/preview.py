@@ -71,13 +71,29 @@ def parse_args(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]]:
     return positional[0], overrides, options
 
 
-def render_sample(tokenizer: Any, ids: np.ndarray, trained: np.ndarray, color: bool) -> str:
-    """Decode ``ids`` run by run: trained runs plain, the others dimmed (``color``) or inside ``[[ ]]``."""
+def render_sample(
+    tokenizer: Any, ids: np.ndarray, trained: np.ndarray, color: bool, image_token_id: int | None = None
+) -> str:
+    """Decode ``ids`` run by run: trained runs plain, the others dimmed (``color``) or inside ``[[ ]]``; a run of
+    ``image_token_id`` placeholders (multimodal data) is shown as ``<image xN>``."""
+    image = ids == image_token_id if image_token_id is not None else np.zeros(len(ids), dtype=bool)
+
+    def decode(a: int, b: int) -> str:  # the tokens a..b-1 of one loss run, image spans collapsed
+        pieces, start = [], a
+        for end in range(a + 1, b + 1):
+            if end == b or image[end] != image[start]:
+                if image[start]:
+                    pieces.append(f"<image x{end - start}>")
+                else:
+                    pieces.append(tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=False))
+                start = end
+        return "".join(pieces)
+
     parts = []
     start = 0
     for end in range(1, len(ids) + 1):
         if end == len(ids) or trained[end] != trained[start]:
-            text = tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=False)
+            text = decode(start, end)
             if not trained[start]:
                 text = f"{DIM}{text}{RESET}" if color else f"[[{text}]]"
             parts.append(text)
@@ -98,11 +114,19 @@ def _print_batch(
         f"({100 * batch['seq_len'] / budget:.1f}% of {budget}), {trained} trained, "
         f"max_seqlen {batch['max_seqlen']}, {len(batch['cu_seqlens']) - 1} attention segments\n"
     )
+    image_token_id = None
+    if "image_grid_thw" in batch:  # multimodal: the vision side of the micro-batch
+        grids = batch["image_grid_thw"]
+        out.write(
+            f"    vision: {0 if grids is None else len(grids)} images, {batch['num_patches']} patches "
+            f"(grids {[] if grids is None else grids.tolist()})\n"
+        )
+        image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     limit = opts["--samples"] or len(samples)
     color = opts["--color"] == "always" or (opts["--color"] == "auto" and out.isatty())
     for k, ((ids, mask), row) in enumerate(zip(samples[:limit], batch["sample_index"], strict=False)):
         out.write(f"--- sample {k}: {source.ref(row)}, {len(ids)} tokens, {int(mask.sum())} trained\n")
-        out.write(render_sample(tokenizer, ids, mask, color).rstrip("\n") + "\n")
+        out.write(render_sample(tokenizer, ids, mask, color, image_token_id).rstrip("\n") + "\n")
     if len(samples) > limit:
         out.write(f"--- ... {len(samples) - limit} more samples (--samples 0 shows all)\n")
 
