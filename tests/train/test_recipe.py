@@ -93,6 +93,9 @@ _module_globs = st.from_regex(r"[a-z_]{1,8}(\.([a-z_]{1,8}|\*|[0-9]{1,2})){0,3}"
 FIELD_VALUES = {
     "optim.lr_multipliers": st.dictionaries(_module_globs, st.floats(0.0, 10.0), max_size=3),
     "model.freeze": st.lists(_module_globs, max_size=3).map(tuple),
+    "model.config_overrides": st.fixed_dictionaries(
+        {}, optional={"rms_norm_eps": st.floats(1e-9, 1e-3), "attention_dropout": st.just(0.0)}
+    ),
 }
 
 
@@ -104,6 +107,8 @@ def recipes(draw: st.DrawFn) -> dict:
         strategy = FIELD_VALUES[key] if key in FIELD_VALUES else _value(field_type(Recipe, key))
         raw.setdefault(section, {})[leaf] = draw(strategy)
     raw["model"]["weights"] = draw(_paths)  # config/tokenizer may then be anything, null included
+    if isinstance(raw["model"]["config"], dict):
+        raw["model"]["config_overrides"] = {}  # an inline config takes its values directly
     micro = draw(st.integers(2, 4096))
     raw["train"]["tokens_per_micro_batch"] = micro
     raw["train"]["tokens_per_step"] = micro * draw(st.integers(1, 16))
@@ -152,7 +157,7 @@ COUPLED = [
     {"train.tokens_per_step", "train.tokens_per_micro_batch", "data.max_seq_len"},
     {"data.eval_files", "train.eval_interval"},
     {"model.dtype", "model.param_dtype"},
-    {"model.config", "model.weights", "model.tokenizer"},
+    {"model.config", "model.config_overrides", "model.weights", "model.tokenizer"},
 ]
 
 
@@ -369,7 +374,8 @@ def test_help_lists_every_field_with_default_and_meaning():
 
 
 def test_ops_section_mirrors_ops_config():
-    assert [f.name for f in attrs.fields(OpsSection)] == op_fields()
+    # One backend field per op, plus the compile switch (not an op).
+    assert [f.name for f in attrs.fields(OpsSection)] == [*op_fields(), "compile"]
     ops = OpsSection(rms_norm="eager").to_ops_config()
     assert ops.rms_norm == "eager"
     with pytest.raises(ValueError, match="not a known backend"):
