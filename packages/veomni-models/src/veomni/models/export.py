@@ -292,18 +292,10 @@ def export_hf(
     leaders = _leaders(model, targets)
     shapes = {k: (targets[k].full_shape, _out_dtype(targets[k].tensor.dtype, dtype)) for k in leaders}
     converters = converters_for(model, targets, for_export=True)
-    items = plan_layout(shapes, converters)
+    report, is_writer = write_gathered(
+        out_dir, targets, shapes, converters, parallel_state, max_shard_bytes=max_shard_bytes
+    )
     distributed = dist.is_available() and dist.is_initialized()
-    is_writer = not distributed or dist.get_rank() == 0
-
-    def fetch(key: str) -> torch.Tensor | None:
-        full = _full_tensor(targets[key], parallel_state)
-        return full.to(shapes[key][1]) if is_writer else None
-
-    with torch.no_grad():
-        report = write_checkpoint(
-            out_dir, items, fetch, converters, is_writer=is_writer, max_shard_bytes=max_shard_bytes
-        )
     if is_writer:
         first = next(iter(shapes.values()))[1] if shapes else torch.float32
         save_config(config, out_dir, unwrapped_class(model).__name__, dtype or first)
@@ -319,6 +311,33 @@ def export_hf(
     if distributed:
         dist.barrier()
     return report
+
+
+def write_gathered(
+    out_dir: str | os.PathLike,
+    targets: dict[str, Target],
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    converters: Sequence[CheckpointConverter | KeyTransform],
+    parallel_state: ParallelState | None,
+    *,
+    max_shard_bytes: int,
+    stem: str = "model",
+) -> tuple[ExportReport, bool]:
+    """Gather each tensor in ``shapes`` whole (every rank takes part), cast it to its export dtype and write the
+    safetensors shards on rank 0 (`plan_layout` + `write_checkpoint`). Returns ``(report, this rank writes)``."""
+    items = plan_layout(shapes, converters)
+    distributed = dist.is_available() and dist.is_initialized()
+    is_writer = not distributed or dist.get_rank() == 0
+
+    def fetch(key: str) -> torch.Tensor | None:
+        full = _full_tensor(targets[key], parallel_state)
+        return full.to(shapes[key][1]) if is_writer else None
+
+    with torch.no_grad():
+        report = write_checkpoint(
+            out_dir, items, fetch, converters, is_writer=is_writer, max_shard_bytes=max_shard_bytes, stem=stem
+        )
+    return report, is_writer
 
 
 def _dcp_accounting(

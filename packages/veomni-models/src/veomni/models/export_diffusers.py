@@ -25,10 +25,8 @@ from veomni.models.diffusers_build import DIFFUSERS_WEIGHTS_STEM, is_diffusers_m
 from veomni.models.export import (
     DEFAULT_MAX_SHARD_BYTES,
     ExportReport,
-    _full_tensor,
     _out_dtype,
-    plan_layout,
-    write_checkpoint,
+    write_gathered,
 )
 from veomni.models.loading.targets import model_targets, unwrapped_class
 
@@ -82,24 +80,16 @@ def export_diffusers(
         )
     targets = model_targets(model)
     shapes = {k: (t.full_shape, _out_dtype(t.tensor.dtype, dtype)) for k, t in targets.items()}
-    items = plan_layout(shapes, [])
+    report, is_writer = write_gathered(
+        out_dir,
+        targets,
+        shapes,
+        [],
+        parallel_state,
+        max_shard_bytes=max_shard_bytes,
+        stem=DIFFUSERS_WEIGHTS_STEM,
+    )
     distributed = dist.is_available() and dist.is_initialized()
-    is_writer = not distributed or dist.get_rank() == 0
-
-    def fetch(key: str) -> torch.Tensor | None:
-        full = _full_tensor(targets[key], parallel_state)
-        return full.to(shapes[key][1]) if is_writer else None
-
-    with torch.no_grad():
-        report = write_checkpoint(
-            out_dir,
-            items,
-            fetch,
-            [],
-            is_writer=is_writer,
-            max_shard_bytes=max_shard_bytes,
-            stem=DIFFUSERS_WEIGHTS_STEM,
-        )
     if is_writer:
         save_diffusers_config(model, out_dir)
         logger.info(
