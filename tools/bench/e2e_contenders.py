@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from veomni.core.clip import clip_grad_norm
 from veomni.core.compile import CompileStats, compile_stats
@@ -50,6 +50,23 @@ class Settings:
         True  # FSDP2 reshard_after_forward (on one GPU, False skips the backward re-gather)
     )
     profile_dir: str | None = None  # write a torch.profiler table of 2 extra steps per contender
+    task: str = "causal_lm"  # the registry task: "causal_lm" (bench_e2e) or "image_text_to_text" (bench_vlm)
+
+
+# HF's auto class per registry task, and the Liger patch of each model type (with the kernels it can patch).
+HF_AUTO = {"causal_lm": AutoModelForCausalLM, "image_text_to_text": AutoModelForImageTextToText}
+LIGER_PATCHES = {
+    "qwen3": ("apply_liger_kernel_to_qwen3", {"rope": True, "rms_norm": True, "swiglu": True}),
+    # Liger 0.8.5 has no SwiGLU patch for Qwen3-VL's text MLP.
+    "qwen3_vl": ("apply_liger_kernel_to_qwen3_vl", {"rope": True, "rms_norm": True}),
+}
+# Batch keys a vision-language forward takes besides the packed text inputs (None when the micro-batch has none).
+VISION_KEYS = ("pixel_values", "image_grid_thw")
+
+
+def vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The vision tensors of ``batch`` (empty for a text batch)."""
+    return {k: batch[k] for k in VISION_KEYS if k in batch}
 
 
 class Contender:
@@ -95,7 +112,7 @@ class Veomni(Contender):
         # FSDP blocks come from the class veomni builds; a meta instance costs nothing.
         config = MODELS.load_config(s.weights)
         with torch.device("meta"):
-            probe = MODELS.model_class(config, "causal_lm").cls._from_config(config)
+            probe = MODELS.model_class(config, s.task).cls._from_config(config)
         policy = attrs.evolve(
             default_fsdp_policy(probe),
             param_dtype=torch.bfloat16 if s.precision == "bf16" else None,
@@ -105,7 +122,7 @@ class Veomni(Contender):
         )
         ops = _ops(s, compile_setting)
         self.model = build_model(
-            s.weights, weights=s.weights, ops=ops, parallel_state=self.state, fsdp_policy=policy
+            s.weights, weights=s.weights, ops=ops, parallel_state=self.state, fsdp_policy=policy, task=s.task
         )
         self.compile_stats = compile_stats(self.model)
         self.model.train()
@@ -135,6 +152,7 @@ class Veomni(Contender):
             with use_parallel_state(self.state):
                 out = self.model(
                     **model_inputs(batch),
+                    **vision_inputs(batch),
                     shift_labels=batch["labels"],
                     num_items_in_batch=num_items,
                     use_cache=False,
@@ -154,16 +172,16 @@ class HF(Contender):
     def __init__(self, s: Settings, liger: bool) -> None:
         self.s = s
         dtype = torch.bfloat16 if s.hf_master == "bf16" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(s.weights, attn_implementation="sdpa", dtype=dtype)
+        self.model = HF_AUTO[s.task].from_pretrained(s.weights, attn_implementation="sdpa", dtype=dtype)
         self.model.to(s.device)
         self.model.train()
         if liger:
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+            import liger_kernel.transformers as liger_transformers
 
-            apply_liger_kernel_to_qwen3(
-                rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True,
-                model=self.model,
-            )  # fmt: skip
+            patch_name, kernels = LIGER_PATCHES[self.model.config.model_type]
+            getattr(liger_transformers, patch_name)(
+                **kernels, cross_entropy=False, fused_linear_cross_entropy=True, model=self.model
+            )
         if s.ac == "all":
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.autocast = s.precision == "bf16" and s.hf_master == "fp32"
@@ -187,7 +205,7 @@ class HF(Contender):
         if liger:
             self.info["liger"] = {
                 "version": importlib.metadata.version("liger-kernel"),
-                "patched": "apply_liger_kernel_to_qwen3(rope, rms_norm, swiglu, fused_linear_cross_entropy)",
+                "patched": f"{patch_name}({', '.join(kernels)}, fused_linear_cross_entropy)",
             }
 
     def step(
@@ -199,6 +217,7 @@ class HF(Contender):
                 out = self.model(
                     input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
                     shift_labels=batch["labels"], num_items_in_batch=num_items, use_cache=False,
+                    **vision_inputs(batch),
                 )  # fmt: skip
             out.loss.backward()
             loss_sum += out.loss.detach().float()
@@ -229,7 +248,9 @@ class VeomniPlain(Contender):
         self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
         ops = _ops(s, compile_setting)
         dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
-        self.model = build_model(s.weights, weights=s.weights, ops=ops, dtype=dtype, device=s.device)
+        self.model = build_model(
+            s.weights, weights=s.weights, ops=ops, dtype=dtype, device=s.device, task=s.task
+        )
         self.compile_stats = compile_stats(self.model)
         ac = s.ac in ("veomni", "all")
         if ac:
@@ -253,6 +274,7 @@ class VeomniPlain(Contender):
             with use_parallel_state(self.state):
                 out = self.model(
                     **model_inputs(batch),
+                    **vision_inputs(batch),
                     shift_labels=batch["labels"],
                     num_items_in_batch=num_items,
                     use_cache=False,
