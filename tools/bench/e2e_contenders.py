@@ -207,6 +207,8 @@ class HF(Contender):
                 "version": importlib.metadata.version("liger-kernel"),
                 "patched": f"{patch_name}({', '.join(kernels)}, fused_linear_cross_entropy)",
             }
+            if self.model.config.model_type == "qwen3_vl":
+                self.info["liger"]["compat"] = _liger_compat() or "Qwen3VLCausalLMOutputWithPast alias in place"
 
     def step(
         self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
@@ -227,9 +229,27 @@ class HF(Contender):
         return loss_sum, norm
 
 
+def _liger_compat() -> str | None:
+    """Liger 0.8.5's Qwen3-VL patch imports ``Qwen3VLCausalLMOutputWithPast``, which transformers 5.23 no longer
+    defines (the class returns a plain ``CausalLMOutputWithPast``); without it ``apply_liger_kernel_to_qwen3_vl``
+    fails to import. Alias the old name to the class 5.23 returns, before liger is imported; returns what was
+    done (for the JSON), or None when nothing was needed."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    if hasattr(modeling_qwen3_vl, "Qwen3VLCausalLMOutputWithPast"):
+        return None
+    modeling_qwen3_vl.Qwen3VLCausalLMOutputWithPast = CausalLMOutputWithPast
+    return (
+        "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLCausalLMOutputWithPast aliased to "
+        "CausalLMOutputWithPast (removed in transformers 5.23; liger 0.8.5's qwen3_vl module imports it)"
+    )
+
+
 def _liger_problem(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"liger-kernel needs CUDA; this run is on {device.type}"
+    _liger_compat()
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError as err:

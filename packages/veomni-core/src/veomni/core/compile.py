@@ -148,7 +148,8 @@ def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) ->
             with torch.no_grad():
                 inner(*args, **kwargs)
             primed = True
-        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        # cu_seqlens: an encoder tower's packed items (vision blocks), whose count varies per micro-batch.
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens"):
             # Belt and braces for torch versions whose dynamo does not read dynamic_sources for kwargs.
             if isinstance(kwargs.get(key), torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(kwargs[key], 0)

@@ -11,8 +11,6 @@ config's ``attn_implementation`` names, and no ``**kwargs``, so the language mod
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -88,10 +86,15 @@ _HF_IMPLEMENTATIONS = {
 }
 
 
-@functools.cache
+# HF implementation name -> KERNELS backend, built on first use. KERNELS is filled at import time only, so the map
+# is built once, not per layer call; a dict (not functools.cache) so that torch.compile traces a guarded lookup.
+_NAMES: dict[str, str] = {}
+
+
 def _veomni_names() -> dict[str, str]:
-    # KERNELS is filled at import time only; the map is built once, not per layer call.
-    return {hf_attention_name(b): b for b in KERNELS.backends(OP)}
+    if not _NAMES:
+        _NAMES.update({hf_attention_name(b): b for b in KERNELS.backends(OP)})
+    return _NAMES
 
 
 def backend_for_implementation(implementation: str | None) -> str:

@@ -9,24 +9,29 @@ rank), or let `veomni.core.sp.ulysses_attention` hand it the full sequence and a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 KernelFn = Callable[..., torch.Tensor]
 
+# Backend name -> built kernel. The registry is filled at import time only, so a name maps to one function for
+# the process. A plain dict rather than functools.cache: torch.compile traces a dict lookup (guarded) but traces
+# *into* a cached function, and the hardware probe there is not traceable.
+_BUILT: dict[str, KernelFn] = {}
 
-@functools.cache
+
 def _registry_kernel(backend: str) -> KernelFn:
-    # The registry is filled at import time only, so a backend name maps to one function for the process.
+    kernel = _BUILT.get(backend)
+    if kernel is not None:
+        return kernel
     from veomni.kernels import KERNELS, detect_hardware
 
     spec = KERNELS.get("attention", "default", backend)  # KeyError listing the registered backends
     problem = spec.requires.unmet(detect_hardware())
     if problem:
         raise RuntimeError(f"attention backend {backend!r} is unavailable here: {problem}")
-    return spec.factory()
+    return _BUILT.setdefault(backend, spec.factory())
 
 
 def encoder_varlen_attention(
