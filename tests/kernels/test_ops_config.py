@@ -15,7 +15,7 @@ from veomni.kernels import (
     op_fields,
     resolve_kernels,
 )
-from veomni.kernels.config import FIELD_OPS
+from veomni.kernels.config import FALLBACK_BACKENDS, FIELD_OPS
 from veomni.kernels.hardware import ANYWHERE, TRITON
 
 H100 = Hardware(device_type="cuda", capability=(9, 0))
@@ -33,21 +33,33 @@ def _toy_registry() -> KernelRegistry:
         for variant in ("a", "b"):
             reg.register(op, variant, "eager", lambda: torch.add, ANYWHERE)
             reg.register(op, variant, "triton", lambda: torch.mul, TRITON)
-            reg.register(op, variant, "npu", lambda: torch.sub, Requirement(device_types=("npu",), packages=("torch_npu",)))
-        reg.register(op, "a", "hopper", lambda: torch.div, Requirement(device_types=("cuda",), min_capability=(9, 0)))
+            reg.register(
+                op,
+                variant,
+                "npu",
+                lambda: torch.sub,
+                Requirement(device_types=("npu",), packages=("torch_npu",)),
+            )
+        reg.register(
+            op, "a", "hopper", lambda: torch.div, Requirement(device_types=("cuda",), min_capability=(9, 0))
+        )
         reg.register(op, "a", "sdpa", lambda: torch.maximum, ANYWHERE)
     return reg
 
 
 def test_unknown_backend_lists_choices_with_did_you_mean():
-    with pytest.raises(ValueError, match=r"rms_norm='trition' is not a known backend \(did you mean 'triton'\?\)"):
+    with pytest.raises(
+        ValueError, match=r"rms_norm='trition' is not a known backend \(did you mean 'triton'\?\)"
+    ):
         OpsConfig(rms_norm="trition", hardware=H100, registry=_toy_registry())
     with pytest.raises(ValueError, match=r"allowed: \['eager', 'hopper', 'npu', 'sdpa', 'triton'\]"):
         OpsConfig(rope="qqq", hardware=H100, registry=_toy_registry())
 
 
 def test_explicit_backend_the_hardware_cannot_run_is_an_error():
-    with pytest.raises(ValueError, match=r"cannot run here: .*needs cuda \(or any device with TRITON_INTERPRET=1\)"):
+    with pytest.raises(
+        ValueError, match=r"cannot run here: .*needs cuda \(or any device with TRITON_INTERPRET=1\)"
+    ):
         OpsConfig(swiglu="triton", hardware=CPU, registry=_toy_registry())
     with pytest.raises(ValueError, match=r"needs compute capability >= sm_90; this GPU is cuda \(sm_80\)"):
         OpsConfig(swiglu="hopper", hardware=A100, registry=_toy_registry())
@@ -65,8 +77,12 @@ def test_only_defaulted_fields_are_remapped():
     assert gpu.rms_norm == "triton" and gpu.rope == "eager"
     assert "rms_norm" in gpu.defaulted and "rope" not in gpu.defaulted
     # No torch_npu here: the npu default cannot run, so unset fields fall back to the eager reference.
+    # (attention falls back to sdpa, which the toy registry runs anywhere).
     npu = OpsConfig(hardware=NPU, registry=reg)
-    assert all(getattr(npu, f) in ("eager",) for f in op_fields() if DEFAULT_BACKENDS[f]["npu"] == "npu")
+    for field in op_fields():
+        if DEFAULT_BACKENDS[field]["npu"] == "npu":
+            assert getattr(npu, field) == FALLBACK_BACKENDS.get(field, "eager"), field
+    assert npu.attention == "sdpa"
     assert npu.defaulted == frozenset(op_fields())
     # The interpreter makes Triton runnable on CPU, but defaults stay on the fast path for the device.
     cpu = OpsConfig(swiglu="triton", hardware=CPU_INTERPRET, registry=reg)
@@ -133,3 +149,32 @@ def test_two_models_in_one_process_keep_their_own_kernels():
     torch.testing.assert_close(fn_a(x, w, 1e-6), fn_b(x, w, 1e-6))
     with pytest.raises(KeyError, match="no kernel op 'rmsnorm'"):
         KERNELS.backends("rmsnorm")
+
+
+def test_fp32_compute_swaps_only_a_defaulted_half_precision_attention():
+    reg = KernelRegistry()
+    for op in {FIELD_OPS[f] for f in op_fields()}:
+        reg.register(op, "default", "eager", lambda: torch.add, ANYWHERE)
+    for backend in ("sdpa", "varlen"):
+        reg.register("attention", "default", backend, lambda: torch.mul, Requirement(device_types=("cuda",)))
+    ops = OpsConfig(hardware=H100, registry=reg)
+    assert ops.attention == DEFAULT_BACKENDS["attention"]["cuda"] == "varlen"
+    assert ops.for_compute_dtype(torch.bfloat16) is ops and ops.for_compute_dtype(torch.float16) is ops
+    fp32 = ops.for_compute_dtype(torch.float32)
+    assert fp32.attention == "sdpa" and fp32.defaulted == ops.defaulted
+    assert fp32.rms_norm == ops.rms_norm and fp32.compile == ops.compile
+    chosen = OpsConfig(attention="varlen", hardware=H100, registry=reg)
+    assert chosen.for_compute_dtype(torch.float32) is chosen  # an explicit choice is the user's
+    # Without a varlen kernel (an older torch), the default is sdpa rather than the eager reference.
+    no_varlen = KernelRegistry()
+    for op in {FIELD_OPS[f] for f in op_fields()}:
+        no_varlen.register(op, "default", "eager", lambda: torch.add, ANYWHERE)
+    no_varlen.register("attention", "default", "sdpa", lambda: torch.mul, ANYWHERE)
+    no_varlen.register(
+        "attention",
+        "default",
+        "varlen",
+        lambda: torch.mul,
+        Requirement(device_types=("cuda",), packages=("no_such_pkg",)),
+    )
+    assert OpsConfig(hardware=H100, registry=no_varlen).attention == "sdpa"

@@ -9,6 +9,7 @@ inside `build_model`), HF with SDPA, and HF + Liger. Each ``step`` runs one opti
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from veomni.core.clip import clip_grad_norm
@@ -179,9 +181,14 @@ class HF(Contender):
             import liger_kernel.transformers as liger_transformers
 
             patch_name, kernels = LIGER_PATCHES[self.model.config.model_type]
+            # Liger 0.8.5's Qwen3-VL fused-linear-CE forward reads ``outputs.rope_deltas``, which transformers
+            # 5.23's Qwen3VLModel no longer returns: patch its kernels, and run its fused linear CE ourselves.
+            by_hand = self.model.config.model_type == "qwen3_vl"
             getattr(liger_transformers, patch_name)(
-                **kernels, cross_entropy=False, fused_linear_cross_entropy=True, model=self.model
+                **kernels, cross_entropy=False, fused_linear_cross_entropy=not by_hand, model=self.model
             )
+            if by_hand:
+                self.model.forward = functools.partial(_liger_vl_forward, self.model)
         if s.ac == "all":
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.autocast = s.precision == "bf16" and s.hf_master == "fp32"
@@ -207,8 +214,12 @@ class HF(Contender):
                 "version": importlib.metadata.version("liger-kernel"),
                 "patched": f"{patch_name}({', '.join(kernels)}, fused_linear_cross_entropy)",
             }
-            if self.model.config.model_type == "qwen3_vl":
-                self.info["liger"]["compat"] = _liger_compat() or "Qwen3VLCausalLMOutputWithPast alias in place"
+            if by_hand:
+                self.info["liger"]["compat"] = [
+                    _liger_compat() or "Qwen3VLCausalLMOutputWithPast alias in place",
+                    "fused linear CE: liger's LigerForCausalLMLoss on the model's hidden states "
+                    "(_liger_vl_forward), since liger's qwen3_vl lce_forward fails on transformers 5.23",
+                ]
 
     def step(
         self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
@@ -227,6 +238,22 @@ class HF(Contender):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm
+
+
+def _liger_vl_forward(model: nn.Module, **kwargs: Any) -> Any:
+    """Qwen3-VL's training forward with Liger's fused linear cross-entropy: what liger's ``lce_forward`` does,
+    minus its read of ``rope_deltas`` (absent from transformers 5.23's outputs). Returns an object with ``.loss``."""
+    from liger_kernel.transformers.model.loss_utils import LigerForCausalLMLoss, unpack_cross_entropy_result
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    hidden = model.model(**kwargs).last_hidden_state
+    result = LigerForCausalLMLoss(
+        hidden_states=hidden, lm_head_weight=model.lm_head.weight, labels=labels, shift_labels=shift_labels,
+        hidden_size=model.config.text_config.hidden_size, num_items_in_batch=num_items,
+    )  # fmt: skip
+    return CausalLMOutputWithPast(loss=unpack_cross_entropy_result(result)[0])
 
 
 def _liger_compat() -> str | None:

@@ -12,14 +12,18 @@ import difflib
 from collections.abc import Mapping
 
 import attrs
+import torch
 
 from veomni.kernels.hardware import Hardware, detect_hardware
 from veomni.kernels.registry import KERNELS, KernelFn, KernelRegistry
 
 # Per op, the default backend on each device type. Every OpsConfig field has a row (a test enforces it); a
-# default that the hardware cannot run (a missing package, say) falls back to "eager", the reference.
+# default that the hardware cannot run (a missing package, say) falls back to `FALLBACK_BACKENDS` (attention:
+# sdpa) or "eager", the reference. CUDA attention defaults to varlen (torch's flash varlen kernel): packed rows
+# and vision towers attend per document/image instead of through an [S, S] mask (1.9x a Qwen3-VL step, see
+# docs/benchmarks.md); it runs bf16/fp16 only, so `OpsConfig.for_compute_dtype` makes an fp32 model use sdpa.
 DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
-    "attention": {"cuda": "sdpa", "npu": "npu", "cpu": "sdpa"},
+    "attention": {"cuda": "varlen", "npu": "npu", "cpu": "sdpa"},
     "cross_entropy": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rms_norm": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rope": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
@@ -28,6 +32,9 @@ DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "moe_experts": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
     "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
 }
+FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
+# Attention backends that take bf16/fp16 inputs only.
+HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"})
 # The registry op that each field selects for (rope_vision shares the rope kernels' registry entries).
 FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS} | {"rope_vision": "rope"}
 
@@ -89,6 +96,20 @@ class OpsConfig:
             object.__setattr__(self, field, value)
         object.__setattr__(self, "defaulted", frozenset(defaulted))
 
+    def for_compute_dtype(self, dtype: torch.dtype) -> OpsConfig:
+        """This config for a model computing in ``dtype``: a *defaulted* half-precision-only attention backend
+        (varlen, flash) becomes ``FALLBACK_BACKENDS["attention"]`` (sdpa) for fp32 compute; an explicit choice
+        is kept (the kernel then raises on fp32 inputs, naming the alternatives). ``defaulted`` is unchanged."""
+        if (
+            "attention" not in self.defaulted
+            or self.attention not in HALF_PRECISION_ATTENTION
+            or dtype in (torch.bfloat16, torch.float16)
+        ):
+            return self
+        changed = attrs.evolve(self, attention=FALLBACK_BACKENDS["attention"])
+        object.__setattr__(changed, "defaulted", self.defaulted)
+        return changed
+
     @property
     def compile_enabled(self) -> bool:
         """Whether decoder blocks are compiled: ``compile == "on"``, or ``"auto"`` on CUDA."""
@@ -108,7 +129,8 @@ def _default_backend(field: str, hw: Hardware, registry: KernelRegistry) -> str:
     preferred = DEFAULT_BACKENDS[field][hw.device_type]
     if registry.backend_problem(op, preferred, hw) is None:
         return preferred
-    return "eager"
+    fallback = FALLBACK_BACKENDS.get(field, "eager")
+    return fallback if registry.backend_problem(op, fallback, hw) is None else "eager"
 
 
 def _check_explicit(field: str, value: str, hw: Hardware, registry: KernelRegistry) -> None:

@@ -58,6 +58,23 @@ def block_patterns(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(patterns))
 
 
+def _ops_for_compute(
+    ops: OpsConfig, dtype: torch.dtype, fsdp_policy: FSDPPolicy | None, state: ParallelState | None
+) -> OpsConfig:
+    """`OpsConfig.for_compute_dtype` for the dtype the model computes in (FSDP2's ``param_dtype`` when sharded
+    with mixed precision, else the parameter dtype), logging a changed default."""
+    compute = dtype
+    if state is not None and fsdp_policy is not None and fsdp_policy.param_dtype is not None:
+        compute = fsdp_policy.param_dtype
+    adapted = ops.for_compute_dtype(compute)
+    if adapted.attention != ops.attention:
+        logger.info(
+            "build_model: default attention %r runs bf16/fp16 only and this model computes in %s: using %r "
+            "(set ops.attention to choose)", ops.attention, compute, adapted.attention,
+        )  # fmt: skip
+    return adapted
+
+
 def default_fsdp_policy(model: nn.Module) -> FSDPPolicy:
     """Blocks from `block_patterns`, parameters kept in their stored dtype, gradients reduced in fp32."""
     return FSDPPolicy(block_patterns=block_patterns(model), param_dtype=None, reduce_dtype=torch.float32)
@@ -223,7 +240,8 @@ def build_model(
     if not on_meta and parallel_state is None:
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
-        apply_ops(model, ops)  # type: ignore[arg-type]
+        ops = _ops_for_compute(ops, dtype, fsdp_policy, parallel_state)  # type: ignore[arg-type]
+        apply_ops(model, ops)
         # Before FSDP2 and activation checkpointing, which then shard / wrap the compiled blocks.
         _compile_blocks(model, ops, fsdp_policy, parallel_state)  # type: ignore[arg-type]
     else:
