@@ -36,6 +36,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "triton_cpu" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
+            item.add_marker(
+                pytest.mark.skip(reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (GPU host)")
+            )
         if "multi_gpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs, found {gpus}"))
 

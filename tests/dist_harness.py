@@ -116,7 +116,9 @@ class DistPool:
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, backend, init_file, child), daemon=True)
+            proc = ctx.Process(
+                target=_worker, args=(rank, world_size, backend, init_file, child), daemon=True
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -149,7 +151,9 @@ class DistPool:
         if errors:
             # A rank that did not answer is stuck mid-collective and close() above killed the pool. When every
             # rank answered, none is inside a collective, so the group stays usable for the next task.
-            raise AssertionError(f"{fn.__name__} failed on {self.world_size} ranks ({self.backend}):\n" + "\n".join(errors))
+            raise AssertionError(
+                f"{fn.__name__} failed on {self.world_size} ranks ({self.backend}):\n" + "\n".join(errors)
+            )
         return results
 
     def close(self) -> None:

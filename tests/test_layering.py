@@ -49,7 +49,11 @@ def violations(layer: str, modules: set[str]) -> list[str]:
 def test_layer_imports_only_below(layer):
     sources = layer_sources(layer)
     assert sources, f"veomni.{layer} has no sources under packages/veomni-{layer}/src/veomni/{layer}"
-    problems = [f"{src.relative_to(ROOT)}: {msg}" for src in sources for msg in violations(layer, imported_modules(src))]
+    problems = [
+        f"{src.relative_to(ROOT)}: {msg}"
+        for src in sources
+        for msg in violations(layer, imported_modules(src))
+    ]
     assert not problems, "\n".join(problems)
 
 

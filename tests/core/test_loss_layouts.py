@@ -36,7 +36,9 @@ def causal_attention(q, k, v):
     """[B, S, H, D] causal attention with consecutive query heads sharing a KV head."""
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    )
     return out.transpose(1, 2)
 
 
@@ -52,7 +54,9 @@ class AttentionBlock(nn.Module):
         """x [B, S/P, hidden] (this rank's shard) -> [B, S/P, hidden]."""
         q = self.q(x).unflatten(-1, (HEADS, -1))
         k, v = self.kv(x).unflatten(-1, (2, KV_HEADS, -1)).unbind(2)
-        attn = ulysses_attention(q, k, v, causal_attention, sp_group, seq_dim=1, head_dim=2, unpadded_len=full_len)
+        attn = ulysses_attention(
+            q, k, v, causal_attention, sp_group, seq_dim=1, head_dim=2, unpadded_len=full_len
+        )
         return x + self.o(attn.flatten(-2))
 
 
@@ -95,7 +99,9 @@ def _step(ctx, layout: tuple[int, int, int], samples: list[tuple[int, int, bool]
     ref_model = _build(ctx.device)
     total_tokens = sum(int(count_valid_tokens(lab)) for _, lab in data)
     ref_sum = sum(
-        F.cross_entropy(ref_model(ids, _single_group(ctx), ids.shape[1]).flatten(0, 1), lab.flatten(), reduction="sum")
+        F.cross_entropy(
+            ref_model(ids, _single_group(ctx), ids.shape[1]).flatten(0, 1), lab.flatten(), reduction="sum"
+        )
         for ids, lab in data
     )
     ref_loss = ref_sum / max(total_tokens, 1)
@@ -106,7 +112,10 @@ def _step(ctx, layout: tuple[int, int, int], samples: list[tuple[int, int, bool]
     model = apply_fsdp2(_build(ctx.device), state, FSDPPolicy(block_patterns=("layers.*",), param_dtype=None))
     mine = [data[g * dp + state.dp_rank] for g in range(grad_accum)]
     shards = [
-        (slice_sequence(ids, 1, state.sp_group), slice_sequence(lab, 1, state.sp_group, pad_value=IGNORE_INDEX))
+        (
+            slice_sequence(ids, 1, state.sp_group),
+            slice_sequence(lab, 1, state.sp_group, pad_value=IGNORE_INDEX),
+        )
         for ids, lab in mine
     ]
     counts = [count_valid_tokens(lab) for _, lab in shards]
@@ -124,11 +133,15 @@ def _step(ctx, layout: tuple[int, int, int], samples: list[tuple[int, int, bool]
         loss.backward()
         step_sum += loss.detach()
     dist.all_reduce(step_sum, group=state.loss_group)
-    step_loss = step_sum / world  # Σ over ranks and micro-steps of the scaled losses is W * the step's mean loss
+    step_loss = (
+        step_sum / world
+    )  # Σ over ranks and micro-steps of the scaled losses is W * the step's mean loss
     torch.testing.assert_close(step_loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     assert int(n_global) == total_tokens
     for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad.full_tensor(), ref_p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def _single_group(ctx) -> dist.ProcessGroup:

@@ -65,7 +65,9 @@ def _round_trip(ctx, layout: str, b: int, s: int, heads_per_rank: int, d: int, s
     d=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-def test_seq_heads_round_trip_any_length(dist_pools, world_size, backend, layout, b, s, heads_per_rank, d, seed):
+def test_seq_heads_round_trip_any_length(
+    dist_pools, world_size, backend, layout, b, s, heads_per_rank, d, seed
+):
     dist_pools.get(world_size, backend).run(_round_trip, layout, b, s, heads_per_rank, d, seed)
 
 
@@ -79,7 +81,9 @@ def _qkv_round_trip(ctx, s: int, heads_per_rank: int, d: int, seed: int):
     out = qkv_seq_to_heads(slice_sequence(fused, 1, group), group, seq_dim=1, num_heads=h, unpadded_len=s)
     out = out.unflatten(-1, (3, heads_per_rank, d))
     for i, t in enumerate((q, k, v)):
-        torch.testing.assert_close(out[:, :, i], t[:, :, ctx.rank * heads_per_rank : (ctx.rank + 1) * heads_per_rank])
+        torch.testing.assert_close(
+            out[:, :, i], t[:, :, ctx.rank * heads_per_rank : (ctx.rank + 1) * heads_per_rank]
+        )
 
 
 @pytest.mark.parametrize("world_size, backend", backend_params(2, 4))
@@ -97,7 +101,9 @@ def _adjoint(ctx, op: str, n: int, seed: int):
     p = ctx.world_size
     gen = torch.Generator().manual_seed(seed * 97 + ctx.rank)
     if op == "gather_sequence":  # shards of different lengths, some empty
-        x = torch.randn(int(torch.randint(0, n + 1, (1,), generator=gen)), 3, generator=gen, dtype=torch.float64)
+        x = torch.randn(
+            int(torch.randint(0, n + 1, (1,), generator=gen)), 3, generator=gen, dtype=torch.float64
+        )
     elif op in ("all_to_all", "seq_to_heads"):
         x = torch.randn(2, n, 2 * p, 3, generator=gen, dtype=torch.float64)
     elif op == "heads_to_seq":

@@ -80,7 +80,9 @@ def _parity(ctx, case: dict):
         )
     else:
         shards = [slice_sequence(t, 1, group) for t in (q, k, v)]
-        out = ulysses_attention(*shards, eager_attention, group, seq_dim=1, head_dim=2, unpadded_len=s, **kwargs)
+        out = ulysses_attention(
+            *shards, eager_attention, group, seq_dim=1, head_dim=2, unpadded_len=s, **kwargs
+        )
     local_ref = slice_sequence(ref.detach(), 1, group)
     torch.testing.assert_close(out, local_ref, rtol=1e-9, atol=1e-10)
     (out * slice_sequence(probe, 1, group)).sum().backward()
@@ -128,7 +130,17 @@ def test_ulysses_attention_matches_single_process(dist_pools, world_size, backen
 
 @pytest.mark.parametrize("world_size, backend", backend_params(4))
 def test_gqa_single_kv_head_over_four_ranks(dist_pools, world_size, backend):
-    case = {"b": 2, "s": 10, "hq": 8, "hkv": 1, "d": 3, "dv": 3, "layout": "BSHD", "cu_seqlens": None, "seed": 7}
+    case = {
+        "b": 2,
+        "s": 10,
+        "hq": 8,
+        "hkv": 1,
+        "d": 3,
+        "dv": 3,
+        "layout": "BSHD",
+        "cu_seqlens": None,
+        "seed": 7,
+    }
     dist_pools.get(world_size, backend).run(_parity, case)
     case.update(hkv=2, cu_seqlens=[0, 3, 9, 10], b=1)
     dist_pools.get(world_size, backend).run(_parity, case)

@@ -238,7 +238,9 @@ def test_gpu_backends_match_eager_bf16(name, causal, packed):
     _, bf16_grads = _run(eager, *(t.detach().clone().requires_grad_() for t in (q, k, v)), grad_out, **kwargs)
     for which, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, bf16_grads, strict=True):
         err, yardstick = (g.float() - r).abs().max().item(), (b.float() - r).abs().max().item()
-        assert err <= 2 * yardstick + 1e-3, f"{name} {which}: max error {err:.4f}, bf16 eager's {yardstick:.4f}"
+        assert err <= 2 * yardstick + 1e-3, (
+            f"{name} {which}: max error {err:.4f}, bf16 eager's {yardstick:.4f}"
+        )
 
 
 @pytest.mark.cuda

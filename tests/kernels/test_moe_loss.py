@@ -42,6 +42,7 @@ def _loss_and_grads(logits, experts, top_k, mask, impl):
     return loss.detach(), [t.grad.clone() for t in logits]
 
 
+@pytest.mark.triton_cpu
 @settings(max_examples=40)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -69,7 +70,7 @@ def test_triton_matches_eager(seed, layers, batch, seq, experts, top_k, dtype, m
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
-@pytest.mark.parametrize("impl", ["eager", "triton"])
+@pytest.mark.parametrize("impl", ["eager", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 def test_matches_transformers(impl, masked):
     modeling = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
     logits, mask = _inputs(7, 3, 2, 11, 8, torch.float32, masked, ties=False)
@@ -82,6 +83,7 @@ def test_matches_transformers(impl, masked):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.triton_cpu
 def test_triton_is_bitwise_deterministic():
     # Several programs, several tiles each, a partial last tile and an E that is not a power of two.
     logits, mask = _inputs(3, 2, 3, 401, 12, torch.float32, masked=True, ties=False)
@@ -92,6 +94,7 @@ def test_triton_is_bitwise_deterministic():
         assert all(torch.equal(g, f) for g, f in zip(grads, first_grads, strict=True))
 
 
+@pytest.mark.triton_cpu
 def test_known_values():
     # Collapse onto expert 0 with k = 1 gives E; uniform routing over E experts with k picks gives k.
     experts = 6
@@ -104,6 +107,7 @@ def test_known_values():
         torch.testing.assert_close(load_balancing_loss([uniform], experts, 2, impl=impl), torch.tensor(2.0))
 
 
+@pytest.mark.triton_cpu
 def test_padding_tokens_do_not_count():
     logits, _ = _inputs(5, 2, 1, 9, 5, torch.float32, masked=False, ties=False)
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0]])
@@ -114,6 +118,7 @@ def test_padding_tokens_do_not_count():
         )
 
 
+@pytest.mark.triton_cpu
 def test_bad_inputs_raise():
     logits = [torch.randn(6, 4)]
     with pytest.raises(ValueError, match="attention_mask has 5 positions"):
@@ -177,7 +182,7 @@ def _global_step(ctx, micro_specs: list[list[tuple[int, int]]], impl: str):
     return float(total)
 
 
-@pytest.mark.parametrize("impl", ["eager", "triton"])
+@pytest.mark.parametrize("impl", ["eager", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 @settings(max_examples=6)
 @given(data=st.data())
 def test_global_mode_matches_single_process(dist_pools, impl, data):

@@ -170,8 +170,14 @@ def test_images_videos_and_text_only_match_upstream(rows):
     "ops",
     [
         {"attention": "sdpa"},
-        {"attention": "eager", "rms_norm": "triton", "rope": "triton", "swiglu": "triton"},
-        {"attention": "sdpa", "rms_norm": "torch", "cross_entropy": "triton"},
+        pytest.param(
+            {"attention": "eager", "rms_norm": "triton", "rope": "triton", "swiglu": "triton"},
+            marks=pytest.mark.triton_cpu,
+        ),
+        pytest.param(
+            {"attention": "sdpa", "rms_norm": "torch", "cross_entropy": "triton"},
+            marks=pytest.mark.triton_cpu,
+        ),
     ],
     ids=lambda ops: "+".join(f"{k}={v}" for k, v in ops.items()),
 )

@@ -78,6 +78,8 @@ def test_bad_input_found_before_the_build_exits_2_without_a_traceback(tmp_path, 
     code = main(["quickstart", "--model.freeze=[model.visual]", f"--checkpoint.dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "PreflightError: model.freeze: ['model.visual'] match no module" in err and "top-level modules" in err
+    assert (
+        "PreflightError: model.freeze: ['model.visual'] match no module" in err and "top-level modules" in err
+    )
     assert "Traceback" not in err
     assert not (tmp_path / "metrics.jsonl").exists()
