@@ -148,11 +148,18 @@ def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) ->
             with torch.no_grad():
                 inner(*args, **kwargs)
             primed = True
-        # cu_seqlens: an encoder tower's packed items (vision blocks), whose count varies per micro-batch.
-        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens"):
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             # Belt and braces for torch versions whose dynamo does not read dynamic_sources for kwargs.
             if isinstance(kwargs.get(key), torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(kwargs[key], 0)
+        if isinstance(kwargs.get("cu_seqlens"), torch.Tensor):
+            # An encoder tower's block (HF vision blocks take ``cu_seqlens``): its packed token count and item
+            # count change with every micro-batch's images, so dim 0 of every tensor input is dynamic from the
+            # first compile rather than after a recompile.
+            for value in (*args, *kwargs.values()):
+                for tensor in value if isinstance(value, tuple) else (value,):
+                    if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
         with hand_state_to_compiled_region():
             return compiled(*args, **kwargs)
 
