@@ -417,6 +417,11 @@ def test_video_placeholder_count_must_match(processor_dir):
     row = video_row([png(8, 8)] * 2, answer="see <|video_pad|>")
     with pytest.raises(DataError, match=r"2 <\|video_pad\|> placeholder\(s\) .* but 1 video\(s\)"):
         enc.measure(row, REF)
+    # Also where the pipeline has no video rule: a stray placeholder is never passed on to the model.
+    from test_multimodal_data import encoder as image_only_encoder
+
+    with pytest.raises(DataError, match=r"1 <\|video_pad\|> placeholder\(s\) .* but 0 video\(s\)"):
+        image_only_encoder(processor_dir).measure(video_row(answer="see <|video_pad|>"), REF)
 
 
 def test_unusable_video_config_refuses_only_video_rows(processor_dir):

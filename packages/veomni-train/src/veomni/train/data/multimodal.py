@@ -174,6 +174,11 @@ class MultimodalEncoder(ConversationEncoder):
                 self.no_video = str(err)
         video_id = None if self.video_ids is None else self.video_ids[0]
         self.positions = Qwen3VLPositions(self.image_token_id, self.merge, video_id)
+        # Placeholders are counted whenever the tokenizer knows the token, so a stray one is never passed on.
+        try:
+            self.video_token_id: int | None = self._token_id(VIDEO_TOKEN, "")
+        except DataError:
+            self.video_token_id = None
         self._timestamps: dict[str, np.ndarray] = {}
 
     def _token_id(self, token: str, what: str) -> int:
@@ -241,8 +246,8 @@ class MultimodalEncoder(ConversationEncoder):
         messages, flags, images, videos = self._parse(row, ref)
         ids, trained = self._tokens(messages, flags, ref)
         counts = [(IMAGE_TOKEN, self.image_token_id, images, "image")]
-        if self.video_ids is not None:
-            counts.append((VIDEO_TOKEN, self.video_ids[0], videos, "video"))
+        if self.video_token_id is not None:
+            counts.append((VIDEO_TOKEN, self.video_token_id, videos, "video"))
         for token, token_id, items, name in counts:
             placeholders = int((ids == token_id).sum())
             if placeholders != len(items):
