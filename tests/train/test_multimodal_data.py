@@ -3,9 +3,11 @@
 The processor used throughout is built here, since nothing is downloaded (`make_processor_dir`): the quickstart's
 bundled tokenizer plus the Qwen3-VL special tokens (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``,
 ``<|video_pad|>``, ids 1024..1027), a ChatML template that renders an image part as
-``<|vision_start|><|image_pad|><|vision_end|>`` (as Qwen3-VL's own template does), and a
-``Qwen2VLImageProcessorPil`` sized for the tiny model (patch 2, merge 2, 16..1024 pixels), saved side by side so
-``AutoTokenizer`` and ``AutoImageProcessor`` load them from one directory.
+``<|vision_start|><|image_pad|><|vision_end|>`` and a video part as ``<|vision_start|><|video_pad|><|vision_end|>``
+(as Qwen3-VL's own template does), a ``Qwen2VLImageProcessorPil`` sized for the tiny model (patch 2, merge 2,
+16..1024 pixels) and a ``Qwen3VLVideoProcessor`` config of the same geometry (2 fps, 2..8 frames, 16..4096 pixels
+over all frames), saved side by side so ``AutoTokenizer``, ``AutoImageProcessor`` and the video rule load them
+from one directory.
 """
 
 from __future__ import annotations
@@ -32,17 +34,24 @@ TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
     "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- else %}{{- part['text'] }}{%- endif %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif part['type'] == 'video' %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}{%- else %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 REF = RowRef("rows.jsonl", 0, 1)
+VIDEO_PROCESSOR = {
+    "patch_size": 2, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 16, "longest_edge": 4096},
+    "fps": 2, "min_frames": 2, "max_frames": 8, "cap_pixels_per_frame": False,
+}  # fmt: skip
 
 
 def make_processor_dir(out: Path) -> str:
-    """Tokenizer + chat template + PIL image processor for the tiny Qwen3-VL (module docstring)."""
+    """Tokenizer + chat template + PIL image processor + video processor config for the tiny Qwen3-VL (module
+    docstring)."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(str(QUICKSTART))
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
@@ -53,6 +62,7 @@ def make_processor_dir(out: Path) -> str:
         patch_size=2, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16, "longest_edge": 1024}
     )
     processor.save_pretrained(out)
+    Qwen3VLVideoProcessor(**VIDEO_PROCESSOR).save_pretrained(out)
     return str(out)
 
 

@@ -155,8 +155,8 @@ class DataSection:
     kind: Literal["text", "conversation", "multimodal"] = _field(
         "conversation",
         "text: pre-training on one string per row, every token trained; conversation: role/content messages "
-        "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text and "
-        "image parts, expanded by the model's image processor (model.task=vlm)",
+        "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text, "
+        "image and video parts, expanded by the model's image and video processors (model.task=vlm)",
     )
     media_root: str | None = _field(
         None, "kind=multimodal: directory that relative image paths in the rows are read from", path=True
@@ -165,6 +165,16 @@ class DataSection:
         None,
         "kind=multimodal: vision patches one micro-batch may hold (the second packing budget beside "
         "train.tokens_per_micro_batch; None: no limit); a row above it is an error naming it",
+    )
+    video_fps: float | None = _field(
+        None,
+        "kind=multimodal: frames per second sampled from video files, and the rate a frame-list video without "
+        "its own fps was taken at (None: the model's video processor config, fps)",
+    )
+    video_max_frames: int | None = _field(
+        None,
+        "kind=multimodal: most frames sampled from one video file; a frame list above it is an error (None: the "
+        "model's video processor config, max_frames)",
     )
     text_field: str = _field("text", "kind=text: the row's field holding the text")
     messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
@@ -196,6 +206,10 @@ class DataSection:
             raise RecipeError(
                 f"data.patches_per_micro_batch: expected >= 1, found {self.patches_per_micro_batch}"
             )
+        if self.video_fps is not None and not self.video_fps > 0:
+            raise RecipeError(f"data.video_fps: expected > 0, found {self.video_fps}")
+        if self.video_max_frames is not None and self.video_max_frames < 1:
+            raise RecipeError(f"data.video_max_frames: expected >= 1, found {self.video_max_frames}")
 
 
 @attrs.frozen(kw_only=True)

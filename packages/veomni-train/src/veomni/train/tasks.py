@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
+from veomni.models.qwen3_vl.collate import model_keys
 from veomni.train.data import Step, model_inputs
 from veomni.train.metrics import active_matmul_params, attention_flops
 
@@ -194,10 +195,11 @@ def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
 class VlmTask(TextTask):
     """Image-text-to-text training (``data.kind: multimodal``): `TextTask` plus the vision inputs.
 
-    The batch (`veomni.train.data.multimodal.collate_multimodal`) carries 4-row mrope ``position_ids`` (this SP
-    rank's slice), the full micro-batch's ``pixel_values`` / ``image_grid_thw`` on every SP rank (the model slices
-    the tower's input itself), or None for both when the micro-batch has no image (the model then runs its
-    dummy tower forward where collectives need it).
+    The batch (`veomni.train.data.multimodal.collate_multimodal`, laid out by the model's collate table
+    `veomni.models.qwen3_vl.collate.COLLATE`) carries 4-row mrope ``position_ids`` (this SP rank's slice), the
+    full micro-batch's ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw`` on
+    every SP rank (the model slices the tower's input itself), or None for a modality the micro-batch lacks (the
+    model runs its dummy tower forward where collectives need it).
 
     Attributes:
         vision_flops_per_patch: `vision_flops_per_patch` of the tower (the LM term excludes the tower).
@@ -227,7 +229,7 @@ class VlmTask(TextTask):
         self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
     ) -> dict[str, Any]:
         kwargs = super().model_kwargs(batch, device, num_items)
-        for key in ("pixel_values", "image_grid_thw"):
+        for key in model_keys():  # position_ids included: already moved, moving it again is a no-op
             value = batch.get(key)
             kwargs[key] = None if value is None else value.to(device, non_blocking=True)
         return kwargs

@@ -19,10 +19,10 @@ log = logging.getLogger(__name__)
 
 
 def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encoder:
-    """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image processor from the
-    tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights)."""
+    """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image and video processors from
+    the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights)."""
     if data.kind == "multimodal":
-        from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
+        from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
 
         return MultimodalEncoder(
             tokenizer,
@@ -32,6 +32,9 @@ def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encode
             data.assistant_only_loss,
             media_root=data.media_root,
             max_patches=data.patches_per_micro_batch,
+            video_rule=load_video_rule(
+                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
+            ),
         )
     return build_encoder(
         tokenizer,

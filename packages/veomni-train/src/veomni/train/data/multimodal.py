@@ -1,23 +1,33 @@
 """Multimodal conversations (``data.kind: multimodal``): rows of role/content messages whose content is a string
-or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": <path or bytes>}`` parts.
+or a list of parts: ``{"type": "text", "text": ...}``, ``{"type": "image", "image": <path or bytes>}`` and
+``{"type": "video", "video": <video file path> | [frame image paths or bytes], "fps": <optional, frame lists>}``.
 
 Encoding one row (`MultimodalEncoder`):
 
-1. The chat template renders the messages with one image placeholder per image part (``<|image_pad|>`` inside
-   ``<|vision_start|> ... <|vision_end|>`` for Qwen3-VL); tokens are attributed to messages exactly as for
-   ``conversation`` data (`veomni.train.data.encode.ConversationEncoder`).
-2. The placeholder count must equal the image count (both ways; an error names file and row).
+1. The chat template renders the messages with one placeholder per image / video part (``<|image_pad|>`` /
+   ``<|video_pad|>`` inside ``<|vision_start|> ... <|vision_end|>`` for Qwen3-VL); tokens are attributed to
+   messages exactly as for ``conversation`` data (`veomni.train.data.encode.ConversationEncoder`).
+2. The placeholder counts must equal the image and video counts (both ways; an error names file and row).
 3. The model's image processor (``AutoImageProcessor``: the PIL class where torchvision is absent) turns each
    image into ``[patches, C * T * P * P]`` rows and a ``(t, h, w)`` grid; each placeholder is expanded to
    ``t * h * w / merge**2`` tokens, Qwen3-VL processor's own rule (``Qwen3VLProcessor`` itself cannot be built
-   without torchvision: it insists on a video processor). The loss mask is carried through the expansion and
-   image tokens are never trained, so the labels are those of the expanded sequence.
-4. The mrope positions of the expanded sample come from the model's position function
+   without torchvision: it insists on a video processor).
+4. Videos follow Qwen3-VL's video rule (`veomni.models.qwen3_vl.video`, settings from the model's video
+   processor config): a video file is sampled at ``data.video_fps`` (else the processor's fps) up to
+   ``data.video_max_frames`` frames; a frame list is used as given, its frames taken ``1 / fps`` seconds apart
+   (the part's ``fps``, else the sampling rate), and may hold at most ``video_max_frames`` frames. Each
+   ``<|video_pad|>`` becomes, per temporal patch, ``<s seconds><|vision_start|>``, its ``<|video_pad|>`` tokens
+   and ``<|vision_end|>``, as the processor writes it.
+5. The loss mask is carried through the expansion and inserted tokens are never trained, so the labels are those
+   of the expanded sequence. The mrope positions come from the model's position function
    (`veomni.models.qwen3_vl.positions.Qwen3VLPositions`).
 
-The index (`MultimodalEncoder.measure`) gets every row's expanded length without decoding a pixel: the image
-header's size and the processor's resize rule (``get_number_of_image_patches``). The worker checks the real
-expansion against it (`veomni.train.data.loader`), so the two can never silently disagree.
+The index (`MultimodalEncoder.measure`) gets every row's expanded length without decoding a pixel: image headers
+and the processor's resize rule (``get_number_of_image_patches``), video container headers (frame count, rate,
+size) and the video rule. The worker checks the real expansion against it (`veomni.train.data.loader`), so the two
+can never silently disagree.
+
+`collate_multimodal` packs samples by the model's collate table (`veomni.models.qwen3_vl.collate.COLLATE`).
 """
 
 from __future__ import annotations
@@ -31,32 +41,61 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from veomni.core.sp.padding import slice_for_rank
+from veomni.models.qwen3_vl.collate import COLLATE, SequenceSplit, TensorRule
 from veomni.models.qwen3_vl.positions import Qwen3VLPositions
+from veomni.models.qwen3_vl.video import Qwen3VLVideoRule, timestamp_text
 from veomni.train.data.encode import ConversationEncoder, Sample
-from veomni.train.data.media import ImageRef, image_ref, image_size, load_image
+from veomni.train.data.media import (
+    ImageRef,
+    VideoRef,
+    image_ref,
+    image_size,
+    load_image,
+    load_video_frames,
+    video_header,
+    video_ref,
+)
 from veomni.train.data.packing import _finish, shifted_labels
 from veomni.train.data.sources import DataError, RowRef
 
-IMAGE_TOKEN = "<|image_pad|>"
+IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+
+
+def _empty(width: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((0, width), dtype=np.float32), np.zeros((0, 3), dtype=np.int64)
 
 
 @attrs.frozen(eq=False)
 class MediaSample:
-    """The vision side of one encoded row.
+    """The vision side of one encoded row; attribute names are the collate table's keys.
 
     Attributes:
         pixel_values: float32 ``[patches, C * T * P * P]`` (``[0, D]`` for a row without images).
         image_grid_thw: int64 ``[k, 3]``, one ``(t, h, w)`` patch grid per image.
         mrope: int64 ``[3, n]``, the sample's ``[t; h; w]`` position ids (from 0).
+        pixel_values_videos: float32 ``[video patches, D]`` (``[0, D]`` without videos).
+        video_grid_thw: int64 ``[v, 3]``, one grid per video.
     """
 
     pixel_values: np.ndarray
     image_grid_thw: np.ndarray
     mrope: np.ndarray
+    pixel_values_videos: np.ndarray = attrs.field(
+        default=attrs.Factory(lambda self: _empty(self.pixel_values.shape[1])[0], takes_self=True)
+    )
+    video_grid_thw: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 3), dtype=np.int64))
+
+    @property
+    def position_ids(self) -> np.ndarray:
+        """int64 ``[4, n]``: ``[text; t; h; w]``, the text row the plain index (transformers 5.23's layout)."""
+        text = np.arange(self.mrope.shape[1], dtype=np.int64)[None]
+        return np.concatenate([text, self.mrope])
 
     @property
     def num_patches(self) -> int:
-        return int(self.pixel_values.shape[0])
+        """Vision patches of the row, images and videos (what the tower runs on)."""
+        return int(self.pixel_values.shape[0] + self.pixel_values_videos.shape[0])
 
 
 def load_image_processor(path: str) -> Any:
@@ -71,14 +110,31 @@ def load_image_processor(path: str) -> Any:
         ) from None
 
 
+def load_video_rule(path: str, *, fps: float | None, max_frames: int | None) -> Qwen3VLVideoRule | str:
+    """The video rule of the model at ``path``: ``Qwen3VLVideoProcessor.from_pretrained(path)``'s settings (it
+    reads ``video_preprocessor_config.json``, else, as transformers does, ``preprocessor_config.json``), with
+    ``data.video_fps`` / ``data.video_max_frames`` where set. A config that cannot be used gives the reason as a
+    string instead: data without videos does not need one, and a video row reports it."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    try:
+        processor = Qwen3VLVideoProcessor.from_pretrained(path)
+        return Qwen3VLVideoRule.from_processor(processor, fps=fps, max_frames=max_frames)
+    except (OSError, ValueError) as err:
+        return f"{path} holds no usable Qwen3-VL video processor config ({err})"
+
+
 class MultimodalEncoder(ConversationEncoder):
     """Encodes multimodal conversations (module docstring); ``measure`` is the index's pixel-free variant.
 
     Args:
-        tokenizer: fast tokenizer with a chat template that renders image parts as ``<|image_pad|>``.
+        tokenizer: fast tokenizer with a chat template that renders image parts as ``<|image_pad|>`` and video
+            parts as ``<|video_pad|>``.
         image_processor: the model's image processor (``merge_size``, ``get_number_of_image_patches``).
-        media_root: directory that relative image paths are joined to.
+        media_root: directory that relative image and video paths are joined to.
         max_patches: vision patches one micro-batch may hold; a row above it is an error naming it.
+        video_rule: the model's video rule, or why there is none (`load_video_rule`); rows with videos are
+            refused without one, with the reason.
     """
 
     def __init__(
@@ -91,27 +147,59 @@ class MultimodalEncoder(ConversationEncoder):
         *,
         media_root: str | None,
         max_patches: int | None,
+        video_rule: Qwen3VLVideoRule | str = "no video processor was given",
     ) -> None:
         super().__init__(tokenizer, field, loss_mask_field, assistant_only)
-        image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-        if (
-            image_id is None
-            or image_id == tokenizer.unk_token_id
-            or tokenizer.convert_ids_to_tokens(image_id) != IMAGE_TOKEN
-        ):
-            raise DataError(f"data.kind is multimodal but the tokenizer has no {IMAGE_TOKEN} token")
+        self.image_token_id = self._token_id(IMAGE_TOKEN, "data.kind is multimodal")
         self.image_processor, self.media_root, self.max_patches = image_processor, media_root, max_patches
-        self.image_token_id = int(image_id)
         self.merge = int(image_processor.merge_size)
-        self.positions = Qwen3VLPositions(self.image_token_id, self.merge)
+        self.width = 3 * int(image_processor.temporal_patch_size) * int(image_processor.patch_size) ** 2
+        # Video support is checked here but refused only when a row holds a video: image data needs none of it.
+        self.video_rule: Qwen3VLVideoRule | None = None
+        self.video_ids: tuple[int, int, int] | None = None  # (video pad, vision start, vision end)
+        self.no_video = video_rule if isinstance(video_rule, str) else ""
+        if not isinstance(video_rule, str):
+            try:
+                ids = tuple(
+                    self._token_id(t, "rows hold videos") for t in (VIDEO_TOKEN, VISION_START, VISION_END)
+                )
+                if (video_rule.merge_size, video_rule.patch_width) != (self.merge, self.width):
+                    raise DataError(
+                        f"the video processor (merge {video_rule.merge_size}, pixel rows of "
+                        f"{video_rule.patch_width}) disagrees with the image processor (merge {self.merge}, pixel "
+                        f"rows of {self.width}); both feed one vision tower"
+                    )
+                self.video_rule, self.video_ids = video_rule, ids
+            except DataError as err:
+                self.no_video = str(err)
+        video_id = None if self.video_ids is None else self.video_ids[0]
+        self.positions = Qwen3VLPositions(self.image_token_id, self.merge, video_id)
+        # Placeholders are counted whenever the tokenizer knows the token, so a stray one is never passed on.
+        try:
+            self.video_token_id: int | None = self._token_id(VIDEO_TOKEN, "")
+        except DataError:
+            self.video_token_id = None
+        self._timestamps: dict[str, np.ndarray] = {}
+
+    def _token_id(self, token: str, what: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if (
+            token_id is None
+            or token_id == self.tokenizer.unk_token_id
+            or self.tokenizer.convert_ids_to_tokens(token_id) != token
+        ):
+            raise DataError(f"{what} but the tokenizer has no {token} token")
+        return int(token_id)
 
     def _parse(
         self, row: dict[str, Any], ref: RowRef
-    ) -> tuple[list[dict[str, Any]], list[bool], list[ImageRef]]:
-        """Messages for the template (image parts without payload), their loss flags, and the row's images."""
+    ) -> tuple[list[dict[str, Any]], list[bool], list[ImageRef], list[VideoRef]]:
+        """Messages for the template (media parts without payload), their loss flags, the row's images and
+        videos."""
         messages, flags = self._messages(_text_only(row, self.field), ref)
         raw = row[self.field]
         images: list[ImageRef] = []
+        videos: list[VideoRef] = []
         for i, (message, original) in enumerate(zip(messages, raw, strict=True)):
             content = original["content"]
             if isinstance(content, str):
@@ -121,45 +209,71 @@ class MultimodalEncoder(ConversationEncoder):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
+                elif kind in ("image", "video") and kind not in part:
+                    raise DataError(f"{ref}: message {i} part {k} is a {kind} part without a {kind!r} field")
                 elif kind == "image":
-                    if "image" not in part:
-                        raise DataError(
-                            f"{ref}: message {i} part {k} is an image part without an 'image' field"
-                        )
                     images.append(image_ref(part["image"], self.media_root, ref, len(images)))
                     parts.append({"type": "image"})  # the template sees no payload
+                elif kind == "video":
+                    videos.append(self._video_ref(part, ref, len(videos)))
+                    parts.append({"type": "video"})
                 else:
                     raise DataError(
-                        f"{ref}: message {i} part {k} must be {{'type': 'text', 'text': str}} or "
-                        f"{{'type': 'image', 'image': path or bytes}}, found {part!r:.80}"
+                        f"{ref}: message {i} part {k} must be {{'type': 'text', 'text': str}}, "
+                        f"{{'type': 'image', 'image': path or bytes}} or {{'type': 'video', 'video': path or "
+                        f"frame list}}, found {part!r:.80}"
                     )
             message["content"] = parts
-        return messages, flags, images
+        return messages, flags, images, videos
 
-    def _text(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, list[ImageRef]]:
-        messages, flags, images = self._parse(row, ref)
-        ids, trained = self._tokens(messages, flags, ref)
-        placeholders = int((ids == self.image_token_id).sum())
-        if placeholders != len(images):
+    def _video_ref(self, part: dict[str, Any], ref: RowRef, number: int) -> VideoRef:
+        if self.video_rule is None:
+            raise DataError(f"{ref}: video {number} cannot be encoded: {self.no_video}")
+        fps = part.get("fps")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0):
+            raise DataError(f"{ref}: video {number} has fps={fps!r}; expected a number > 0")
+        if fps is not None and not isinstance(part["video"], list | tuple):
             raise DataError(
-                f"{ref}: {placeholders} {IMAGE_TOKEN} placeholder(s) in the rendered conversation but {len(images)} "
-                "image(s) in the row; they must match one to one"
+                f"{ref}: video {number} gives an fps for a video file; a file's rate comes from its header "
+                "(fps is for frame lists)"
             )
-        trained &= ids != self.image_token_id
-        return ids, trained, images
+        value = part["video"]
+        return video_ref(value, self.media_root, ref, number, fps=self.video_rule.fps if fps is None else fps)
 
-    def _check_patches(self, ref: RowRef, patches: Sequence[int], images: Sequence[ImageRef]) -> None:
+    def _text(
+        self, row: dict[str, Any], ref: RowRef
+    ) -> tuple[np.ndarray, np.ndarray, list[ImageRef], list[VideoRef]]:
+        messages, flags, images, videos = self._parse(row, ref)
+        ids, trained = self._tokens(messages, flags, ref)
+        counts = [(IMAGE_TOKEN, self.image_token_id, images, "image")]
+        if self.video_token_id is not None:
+            counts.append((VIDEO_TOKEN, self.video_token_id, videos, "video"))
+        for token, token_id, items, name in counts:
+            placeholders = int((ids == token_id).sum())
+            if placeholders != len(items):
+                raise DataError(
+                    f"{ref}: {placeholders} {token} placeholder(s) in the rendered conversation but {len(items)} "
+                    f"{name}(s) in the row; they must match one to one"
+                )
+            trained &= ids != token_id
+        return ids, trained, images, videos
+
+    def _check_patches(
+        self, ref: RowRef, patches: Sequence[int], media: Sequence[ImageRef | VideoRef]
+    ) -> None:
         if self.max_patches is None:
             return
-        for image, count in zip(images, patches, strict=True):
+        for item, count in zip(media, patches, strict=True):
             if count > self.max_patches:
                 raise DataError(
-                    f"{image}: {count} vision patches after resizing, more than "
+                    f"{item}: {count} vision patches after resizing, more than "
                     f"data.patches_per_micro_batch={self.max_patches}"
                 )
         if sum(patches) > self.max_patches:
+            videos = sum(isinstance(m, VideoRef) for m in media)
+            what = f"{len(media) - videos} images" + (f" and {videos} videos" if videos else "")
             raise DataError(
-                f"{ref}: {sum(patches)} vision patches over its {len(images)} images, more than "
+                f"{ref}: {sum(patches)} vision patches over its {what}, more than "
                 f"data.patches_per_micro_batch={self.max_patches}"
             )
 
@@ -171,39 +285,119 @@ class MultimodalEncoder(ConversationEncoder):
                 raise
             raise DataError(f"{image}: the image processor rejects it: {err}") from None
 
+    def _video_plan(self, video: VideoRef) -> tuple[Any, np.ndarray, tuple[int, int, int]]:
+        """``(header, sampled frame indices, grid (t, h, w))`` from headers alone."""
+        rule = self.video_rule
+        assert rule is not None  # _video_ref refused the row otherwise
+        header = video_header(video)
+        if video.path is not None:
+            indices = rule.sample_indices(header.total_frames, header.fps)
+        elif header.total_frames > rule.max_frames:
+            raise DataError(
+                f"{video}: {header.total_frames} frames, more than the {rule.max_frames} a video may hold "
+                "(data.video_max_frames, else the video processor's max_frames); a frame list is used as given, "
+                "so sample it before"
+            )
+        else:
+            indices = np.arange(header.total_frames)
+        try:
+            grid = rule.grid(len(indices), header.height, header.width)
+        except ValueError as err:
+            raise DataError(
+                f"{video}: {len(indices)} sampled frames of {header.height}x{header.width}: {err}"
+            ) from None
+        return header, indices, grid
+
+    def _timestamp_ids(self, text: str) -> np.ndarray:
+        if text not in self._timestamps:
+            ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+            self._timestamps[text] = np.asarray(ids, dtype=np.int64)
+        return self._timestamps[text]
+
+    def _video_tokens(self, grid: tuple[int, int, int], indices: np.ndarray, fps: float) -> np.ndarray:
+        """What one ``<|video_pad|>`` expands to: per temporal patch, its timestamp text, ``<|vision_start|>``,
+        its video tokens and ``<|vision_end|>``."""
+        assert self.video_rule is not None and self.video_ids is not None
+        video_id, start, end = self.video_ids
+        per_patch = np.full(self.video_rule.tokens_per_temporal_patch(grid), video_id, dtype=np.int64)
+        pieces = []
+        for seconds in self.video_rule.timestamps(indices, fps):
+            pieces += [
+                self._timestamp_ids(timestamp_text(seconds)),
+                np.asarray([start]),
+                per_patch,
+                np.asarray([end]),
+            ]
+        return np.concatenate(pieces).astype(np.int64)
+
     def measure(self, row: dict[str, Any], ref: RowRef) -> tuple[int, int, int]:
-        """``(tokens, trained tokens, vision patches)`` of the expanded row, from image headers only."""
-        ids, trained, images = self._text(row, ref)
+        """``(tokens, trained tokens, vision patches)`` of the expanded row, from image and video headers only."""
+        ids, trained, images, videos = self._text(row, ref)
         patches = [self._patches(image) for image in images]
-        self._check_patches(ref, patches, images)
         extra = sum(p // self.merge**2 - 1 for p in patches)
+        for video in videos:
+            header, indices, grid = self._video_plan(video)
+            patches.append(int(np.prod(grid)))
+            extra += len(self._video_tokens(grid, indices, header.fps)) - 1
+        self._check_patches(ref, patches, [*images, *videos])
         return len(ids) + extra, int(trained.sum()), sum(patches)
 
-    def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, MediaSample]:
-        ids, trained, images = self._text(row, ref)
-        if images:
-            try:
-                out = self.image_processor(images=[load_image(i) for i in images], return_tensors="np")
-            except DataError:
-                raise
-            except Exception as err:  # the processor rejects odd images (aspect ratio > 200, ...)
-                raise DataError(f"{ref}: the image processor failed: {err}") from None
-            pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-            grids = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
-        else:
-            width = (
-                3 * int(self.image_processor.temporal_patch_size) * int(self.image_processor.patch_size) ** 2
-            )
-            pixels, grids = np.zeros((0, width), dtype=np.float32), np.zeros((0, 3), dtype=np.int64)
-        self._check_patches(ref, [int(g.prod()) for g in grids], images)
-        counts = np.ones(len(ids), dtype=np.int64)
-        counts[ids == self.image_token_id] = grids.prod(axis=1) // self.merge**2
-        ids, trained = np.repeat(ids, counts), np.repeat(trained, counts)
+    def _image_rows(self, ref: RowRef, images: list[ImageRef]) -> tuple[np.ndarray, np.ndarray]:
+        if not images:
+            return _empty(self.width)
         try:
-            mrope = self.positions(ids, grids)
+            out = self.image_processor(images=[load_image(i) for i in images], return_tensors="np")
+        except DataError:
+            raise
+        except Exception as err:  # the processor rejects odd images (aspect ratio > 200, ...)
+            raise DataError(f"{ref}: the image processor failed: {err}") from None
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        return pixels, np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+
+    def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, MediaSample]:
+        ids, trained, images, videos = self._text(row, ref)
+        pixels, grids = self._image_rows(ref, images)
+        image_blocks = [np.full(int(g.prod()) // self.merge**2, self.image_token_id, np.int64) for g in grids]
+        video_pixels, video_grids, video_blocks = [], [], []
+        for video in videos:
+            header, indices, grid = self._video_plan(video)
+            assert self.video_rule is not None
+            rows, got = self.video_rule.pixel_rows(load_video_frames(video, indices, header))
+            if got != grid:  # the plan and the processing share one rule; a mismatch is a bug, not bad data
+                raise RuntimeError(f"{video}: processed grid {got} differs from the planned grid {grid}")
+            video_pixels.append(rows)
+            video_grids.append(grid)
+            video_blocks.append(self._video_tokens(grid, indices, header.fps))
+        patches = [int(g.prod()) for g in grids] + [int(np.prod(g)) for g in video_grids]
+        self._check_patches(ref, patches, [*images, *videos])
+        replacements = list(
+            zip(np.flatnonzero(ids == self.image_token_id).tolist(), image_blocks, strict=True)
+        )
+        if self.video_ids is not None:
+            where = np.flatnonzero(ids == self.video_ids[0]).tolist()
+            replacements += list(zip(where, video_blocks, strict=True))
+        ids, trained = _expand(ids, trained, sorted(replacements, key=lambda r: r[0]))
+        video_grid_thw = np.asarray(video_grids, dtype=np.int64).reshape(-1, 3)
+        try:
+            mrope = self.positions(ids, grids, video_grid_thw)
         except ValueError as err:
             raise DataError(f"{ref}: {err}") from None
-        return ids, trained, MediaSample(pixels, grids, mrope)
+        video_rows = np.concatenate(video_pixels) if video_pixels else _empty(self.width)[0]
+        return ids, trained, MediaSample(pixels, grids, mrope, video_rows, video_grid_thw)
+
+
+def _expand(
+    ids: np.ndarray, trained: np.ndarray, replacements: list[tuple[int, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Replace the placeholder at each ``(position, block)`` (ascending positions) by ``block``, untrained."""
+    out_ids, out_trained, previous = [], [], 0
+    for position, block in replacements:
+        out_ids += [ids[previous:position], block]
+        out_trained += [trained[previous:position], np.zeros(len(block), dtype=bool)]
+        previous = position + 1
+    out_ids.append(ids[previous:])
+    out_trained.append(trained[previous:])
+    return np.concatenate(out_ids).astype(np.int64), np.concatenate(out_trained)
 
 
 def _text_only(row: dict[str, Any], field: str) -> dict[str, Any]:
@@ -217,38 +411,70 @@ def _text_only(row: dict[str, Any], field: str) -> dict[str, Any]:
     return {**row, field: messages}
 
 
+def _pack(rule: TensorRule, arrays: list[np.ndarray]) -> np.ndarray | None:
+    if rule.pack == "stack":
+        return np.stack(arrays, axis=rule.dim)
+    present = [a for a in arrays if a.shape[rule.dim]]
+    if not present and rule.none_when_empty:
+        return None
+    return np.concatenate(present or arrays[:1], axis=rule.dim)
+
+
 def collate_multimodal(
-    samples: Sequence[Sample], *, sp_rank: int = 0, sp_size: int = 1, pad_id: int = 0
+    samples: Sequence[Sample],
+    *,
+    sp_rank: int = 0,
+    sp_size: int = 1,
+    pad_id: int = 0,
+    table: tuple[TensorRule, ...] = COLLATE,
 ) -> dict[str, Any]:
-    """Pack multimodal samples into one row: the text batch of `veomni.train.data.packing.collate`, plus
+    """Pack multimodal samples into one row: the text batch of `veomni.train.data.packing.collate`, plus one key
+    per rule of the model's collate ``table`` (Qwen3-VL: `veomni.models.qwen3_vl.collate.COLLATE`):
 
     * ``position_ids`` int64 ``[4, 1, S]``: ``[text; t; h; w]`` (transformers 5.23's 4-row mrope layout), each
       packed sample restarting at 0, the SP padding ``0, 1, ...`` on all rows; this rank's slice of the full row;
-    * ``pixel_values`` float32 ``[patches, D]`` (all samples' rows concatenated) and ``image_grid_thw`` int64
-      ``[images, 3]`` stacked, both NOT sliced under SP (the model slices the tower's input itself); None when
-      the micro-batch holds no image;
-    * ``num_patches`` int.
+    * ``pixel_values`` / ``pixel_values_videos`` float32 ``[patches, D]`` (all samples' rows concatenated) and
+      ``image_grid_thw`` / ``video_grid_thw`` int64 ``[n, 3]``, NOT sliced under SP (the model slices the tower's
+      input itself); None when the micro-batch holds none;
+    * ``num_patches`` int: image and video patches.
     """
     if not samples or any(s.media is None for s in samples):
         raise ValueError("collate_multimodal needs at least one sample, each with media")
     input_ids = torch.from_numpy(np.concatenate([s.input_ids for s in samples]).astype(np.int64))
     labels = torch.from_numpy(np.concatenate([shifted_labels(s.input_ids, s.trained) for s in samples]))
-    text = np.concatenate([np.arange(len(s.input_ids), dtype=np.int64) for s in samples])
-    positions = torch.from_numpy(
-        np.concatenate([text[None], np.concatenate([s.media.mrope for s in samples], 1)])
-    )
-    batch = _finish(input_ids, labels, positions[0], sp_rank, sp_size, pad_id)
-    pad = batch["padded_len"] - batch["seq_len"]
-    if pad:
-        positions = torch.cat([positions, torch.arange(pad, dtype=torch.int64).expand(4, -1)], dim=1)
-    batch["position_ids"] = slice_for_rank(positions, 1, sp_rank, sp_size).unsqueeze(1).contiguous()
-    pixels = [s.media.pixel_values for s in samples if s.media.num_patches]
-    batch["pixel_values"] = torch.from_numpy(np.concatenate(pixels)) if pixels else None
-    grids = [s.media.image_grid_thw for s in samples if len(s.media.image_grid_thw)]
-    batch["image_grid_thw"] = torch.from_numpy(np.concatenate(grids)) if grids else None
+    text = torch.from_numpy(np.concatenate([np.arange(len(s.input_ids), dtype=np.int64) for s in samples]))
+    batch = _finish(input_ids, labels, text, sp_rank, sp_size, pad_id)
+    for rule in table:
+        packed = _pack(rule, [getattr(s.media, rule.key) for s in samples])
+        if packed is None:
+            batch[rule.key] = None
+            continue
+        tensor = torch.from_numpy(packed)
+        if isinstance(rule.split, SequenceSplit):
+            tensor = _pad_sequence(tensor, rule.dim, batch["padded_len"], rule.split.pad)
+            tensor = slice_for_rank(tensor, rule.dim, sp_rank, sp_size)
+        if rule.batch_axis is not None:
+            tensor = tensor.unsqueeze(rule.batch_axis)
+        batch[rule.key] = tensor.contiguous()
     batch["num_patches"] = sum(s.media.num_patches for s in samples)
     batch["sample_index"] = [s.index for s in samples]
     return batch
+
+
+def _pad_sequence(tensor: torch.Tensor, dim: int, length: int, pad: str | int) -> torch.Tensor:
+    """``tensor`` padded along ``dim`` to ``length``: ``0, 1, ...`` (broadcast over the other axes) or ``pad``."""
+    missing = length - tensor.shape[dim]
+    if not missing:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    if pad == "arange":
+        view = [1] * tensor.dim()
+        view[dim] = missing
+        filler = torch.arange(missing, dtype=tensor.dtype).reshape(view).expand(shape)
+    else:
+        filler = torch.full(shape, pad, dtype=tensor.dtype)
+    return torch.cat([tensor, filler], dim=dim)
 
 
 def multimodal_padding_batch(*, sp_rank: int = 0, sp_size: int = 1, pad_id: int = 0) -> dict[str, Any]:

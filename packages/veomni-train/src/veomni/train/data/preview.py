@@ -72,18 +72,27 @@ def parse_args(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]]:
 
 
 def render_sample(
-    tokenizer: Any, ids: np.ndarray, trained: np.ndarray, color: bool, image_token_id: int | None = None
+    tokenizer: Any,
+    ids: np.ndarray,
+    trained: np.ndarray,
+    color: bool,
+    image_token_id: int | None = None,
+    video_token_id: int | None = None,
 ) -> str:
     """Decode ``ids`` run by run: trained runs plain, the others dimmed (``color``) or inside ``[[ ]]``; a run of
-    ``image_token_id`` placeholders (multimodal data) is shown as ``<image xN>``."""
-    image = ids == image_token_id if image_token_id is not None else np.zeros(len(ids), dtype=bool)
+    ``image_token_id`` / ``video_token_id`` placeholders (multimodal data) is shown as ``<image xN>`` /
+    ``<video xN>`` (a video has one run per temporal patch, after its timestamp)."""
+    span = np.zeros(len(ids), dtype=np.int8)  # 0 text, 1 image, 2 video
+    for kind, token_id in ((1, image_token_id), (2, video_token_id)):
+        if token_id is not None:
+            span[ids == token_id] = kind
 
-    def decode(a: int, b: int) -> str:  # the tokens a..b-1 of one loss run, image spans collapsed
+    def decode(a: int, b: int) -> str:  # the tokens a..b-1 of one loss run, image and video spans collapsed
         pieces, start = [], a
         for end in range(a + 1, b + 1):
-            if end == b or image[end] != image[start]:
-                if image[start]:
-                    pieces.append(f"<image x{end - start}>")
+            if end == b or span[end] != span[start]:
+                if span[start]:
+                    pieces.append(f"<{'image' if span[start] == 1 else 'video'} x{end - start}>")
                 else:
                     pieces.append(tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=False))
                 start = end
@@ -114,19 +123,25 @@ def _print_batch(
         f"({100 * batch['seq_len'] / budget:.1f}% of {budget}), {trained} trained, "
         f"max_seqlen {batch['max_seqlen']}, {len(batch['cu_seqlens']) - 1} attention segments\n"
     )
-    image_token_id = None
+    image_token_id = video_token_id = None
     if "image_grid_thw" in batch:  # multimodal: the vision side of the micro-batch
-        grids = batch["image_grid_thw"]
+        grids, video_grids = batch["image_grid_thw"], batch.get("video_grid_thw")
+        videos = "" if video_grids is None else f", {len(video_grids)} videos (grids {video_grids.tolist()})"
         out.write(
             f"    vision: {0 if grids is None else len(grids)} images, {batch['num_patches']} patches "
-            f"(grids {[] if grids is None else grids.tolist()})\n"
+            f"(grids {[] if grids is None else grids.tolist()}){videos}\n"
         )
         image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        if video_token_id == tokenizer.unk_token_id:
+            video_token_id = None
     limit = opts["--samples"] or len(samples)
     color = opts["--color"] == "always" or (opts["--color"] == "auto" and out.isatty())
     for k, ((ids, mask), row) in enumerate(zip(samples[:limit], batch["sample_index"], strict=False)):
         out.write(f"--- sample {k}: {source.ref(row)}, {len(ids)} tokens, {int(mask.sum())} trained\n")
-        out.write(render_sample(tokenizer, ids, mask, color, image_token_id).rstrip("\n") + "\n")
+        out.write(
+            render_sample(tokenizer, ids, mask, color, image_token_id, video_token_id).rstrip("\n") + "\n"
+        )
     if len(samples) > limit:
         out.write(f"--- ... {len(samples) - limit} more samples (--samples 0 shows all)\n")
 
