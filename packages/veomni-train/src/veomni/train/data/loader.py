@@ -16,15 +16,10 @@
 Rows that a worker reads again are checked against the index: a row whose token count changed since indexing
 (the file was edited during the run) is an error naming file and row.
 
-Bad rows under ``on_bad_row="skip"``: the index found most of them (`veomni.train.data.plan`) and no plan holds
-them. A few only show when a worker encodes the row (an image whose header parses but whose pixels do not
-decode: the index reads headers only). Raising there would stop one rank while its peers wait in a collective,
-and dropping the row would change the micro-batch's shape on one rank only. So the worker puts a filler in the
-row's place: as many pad tokens as the index counted, nothing trained, no image (the task's dummy forward covers
-a micro-batch left without one). The plan, the shapes and the step's token counts stay as planned, the same on
-every rank and on resume; the step's loss normaliser still counts the row's trained tokens (so that step's loss is
-scaled down by their share, known only after the fact). Each such row is logged by the rank that met it and
-counted in `TrainData.replaced`.
+Bad rows under ``on_bad_row="skip"``: the index left out those it found; a row that fails only when a worker
+encodes it (pixels that do not decode behind a valid header) is replaced by pad tokens of its indexed length with
+nothing trained and no image, so every rank's shapes and collectives stay as planned (docs/train.md). Each such
+row is logged and kept in ``replaced``.
 """
 
 from __future__ import annotations
@@ -475,7 +470,6 @@ class EvalData:
             pad_id=pad_id,
             on_bad_row=on_bad_row,
         )
-
         self.replaced: dict[int, str] = {}  # as `TrainData.replaced`
 
     def __len__(self) -> int:

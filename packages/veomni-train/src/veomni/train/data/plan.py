@@ -179,9 +179,8 @@ class _IndexChunks(Dataset):
         seen: Counter[str] = Counter()
         for k, row in enumerate(range(start, stop)):
             try:
-                if hasattr(
-                    self.encoder, "measure"
-                ):  # multimodal: lengths from image headers, no pixel decoded
+                # Multimodal rows are measured from image headers, no pixel decoded.
+                if hasattr(self.encoder, "measure"):
                     lengths[k], trained[k], patches[k] = _measure(
                         self.source, self.encoder, row, self.max_seq_len, self.overlong
                     )
@@ -219,7 +218,7 @@ def index_dataset(
     group: dist.ProcessGroup | None = None,
     chunk_rows: int = INDEX_CHUNK,
     on_bad_row: str = "error",
-    max_bad_fraction: float = 1.0,
+    max_bad_fraction: float = 0.01,
 ) -> DatasetIndex:
     """Tokenise every row once and return the exact `DatasetIndex` (bad rows: the module docstring).
 
