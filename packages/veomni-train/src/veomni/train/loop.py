@@ -351,6 +351,8 @@ def train(
         if run.resumed_from is not None:
             # Lines after this marker supersede any with a step above it (those steps are trained again).
             _append_jsonl(metrics_file, {"resumed_from": str(run.resumed_from), "step": run.step})
+        if recipe.data.on_bad_row == "skip":
+            _append_jsonl(metrics_file, {"step": run.step, "bad_rows": _bad_rows(run)})
     sinks = Sinks(
         tensorboard_dir=recipe.log.tensorboard_dir if rank0 else None,
         wandb_project=recipe.log.wandb_project if rank0 else None, run_name=Path(recipe.checkpoint.dir).name,
@@ -413,6 +415,8 @@ def train(
             "%d of %d steps held no trained token and were skipped (no optimizer or schedule step)",
             run.skipped_steps, run.total_steps,
         )  # fmt: skip
+    if recipe.data.on_bad_row == "skip":
+        _report_replaced(run, metrics_file if rank0 else None)
     if recipe.checkpoint.save_final:
         _save(run)
     run.checkpoints.wait()
@@ -422,6 +426,31 @@ def train(
             log.info("exported HF checkpoint to %s", history["exports"][-1])
     sinks.close()
     return history
+
+
+def _bad_rows(run: Run) -> dict[str, Any]:
+    """The rows the indexes left out (data.on_bad_row=skip), per file list: total and per kind."""
+    out = {}
+    for what, data in (("train_files", run.train_data), ("eval_files", run.eval_data)):
+        if data is not None:
+            out[what] = {"total": len(data.index.bad), "by_kind": data.index.bad.counts()}
+    return out
+
+
+def _report_replaced(run: Run, metrics_file: Path | None) -> None:
+    """Rows the workers replaced by a filler (bad only when encoded, see `veomni.train.data.loader`): each rank
+    saw its own, so their union over the DP ranks is gathered (every rank calls this) and rank 0 records it."""
+    mine = {what: sorted(data.replaced) for what, data in (("train_files", run.train_data),
+            ("eval_files", run.eval_data)) if data is not None}  # fmt: skip
+    gathered: list[dict[str, list[int]] | None] = [None] * dist.get_world_size(run.state.dp_group)
+    dist.all_gather_object(gathered, mine, group=run.state.dp_group)
+    union = {what: len({row for g in gathered for row in (g or {}).get(what, [])}) for what in mine}
+    if metrics_file is not None:
+        _append_jsonl(metrics_file, {"step": run.step, "bad_rows_replaced": union})
+        if any(union.values()):
+            log.warning(
+                "data: %s rows were bad only when encoded and were trained as pad-only fillers", union
+            )
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:

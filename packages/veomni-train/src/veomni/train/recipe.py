@@ -192,6 +192,18 @@ class DataSection:
         "a sample longer than max_seq_len: keep its first max_seq_len tokens, leave it out, or stop with an "
         "error naming file and row (counts are reported by the data summary)",
     )
+    on_bad_row: Literal["error", "skip"] = _field(
+        "error",
+        "a row that cannot be read or encoded (invalid JSON, a malformed conversation, a missing or corrupt image, "
+        "placeholders not matching images, an image over data.patches_per_micro_batch): stop with an error "
+        "naming file and row, or leave it out and report it (per kind at startup, in the data summary and "
+        "metrics.jsonl); over-long rows follow data.overlong instead",
+    )
+    max_bad_fraction: float = _field(
+        0.01,
+        "on_bad_row=skip: the most bad rows a dataset may hold, as a fraction of its rows; more (or every row) "
+        "is an error, since that is a broken path or field rather than a few broken rows",
+    )
     shuffle: bool = _field(True, "shuffle samples every epoch (seeded by train.seed and the epoch)")
     num_workers: int = _field(2, "DataLoader worker processes that read, tokenise and pack (0: in process)")
 
@@ -202,6 +214,8 @@ class DataSection:
             raise RecipeError(f"data.max_seq_len: expected >= 2, found {self.max_seq_len}")
         if self.num_workers < 0:
             raise RecipeError(f"data.num_workers: expected >= 0, found {self.num_workers}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise RecipeError(f"data.max_bad_fraction: expected 0 <= x <= 1, found {self.max_bad_fraction}")
         if self.patches_per_micro_batch is not None and self.patches_per_micro_batch < 1:
             raise RecipeError(
                 f"data.patches_per_micro_batch: expected >= 1, found {self.patches_per_micro_batch}"

@@ -61,8 +61,10 @@ def index_files(
     encoder: Encoder,
     *,
     group: dist.ProcessGroup | None = None,
+    what: str = "data",
 ) -> tuple[RowSource, DatasetIndex]:
-    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given)."""
+    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
+    ``data.on_bad_row`` and, when skipped, are logged per kind (``what`` names the file list)."""
     source = RowSource(files, data.format, encoder.columns)
     index = index_dataset(
         source,
@@ -71,7 +73,16 @@ def index_files(
         overlong=data.overlong,
         num_workers=data.num_workers,
         group=group,
+        on_bad_row=data.on_bad_row,
+        max_bad_fraction=data.max_bad_fraction,
     )
+    if len(index.bad) and (group is None or dist.get_rank(group) == 0):
+        log.warning(
+            "%s: left out %d bad row(s) of %d (data.on_bad_row=skip, at most %s allowed):",
+            what, len(index.bad), index.num_rows, data.max_bad_fraction,
+        )  # fmt: skip
+        for line in index.bad.report():
+            log.warning("%s: %s", what, line)
     return source, index
 
 
@@ -114,7 +125,9 @@ def build_train_data(
     when ``group`` is given)."""
     check_task_and_kind(recipe)
     encoder = encoder_for(recipe.data, tokenizer)
-    source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group)
+    source, index = index_files(
+        recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
+    )
     check_trained_tokens(source, index, recipe.data.train_files, "data.train_files")
     return TrainData(
         source,
@@ -131,6 +144,7 @@ def build_train_data(
         pad_id=pad_token_id(tokenizer),
         pin_memory=pin_memory,
         patches_per_micro_batch=recipe.data.patches_per_micro_batch,
+        on_bad_row=recipe.data.on_bad_row,
     )
 
 
@@ -146,7 +160,9 @@ def build_eval_data(
     if not recipe.data.eval_files:
         return None
     encoder = encoder_for(recipe.data, tokenizer)
-    source, index = index_files(recipe.data, recipe.data.eval_files, encoder, group=group)
+    source, index = index_files(
+        recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
+    )
     check_trained_tokens(source, index, recipe.data.eval_files, "data.eval_files")
     return EvalData(
         source,
@@ -160,6 +176,7 @@ def build_eval_data(
         pad_id=pad_token_id(tokenizer),
         pin_memory=pin_memory,
         patches_per_micro_batch=recipe.data.patches_per_micro_batch,
+        on_bad_row=recipe.data.on_bad_row,
     )
 
 

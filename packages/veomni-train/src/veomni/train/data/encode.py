@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from veomni.train.data.sources import DataError, RowRef, RowSource
+from veomni.train.data.sources import DataError, OverlongError, RowRef, RowSource
 
 
 @attrs.frozen(eq=False)
@@ -215,7 +215,7 @@ def encode_row(
     """Read and tokenise row ``index``; apply the over-length policy (None: the row is dropped).
 
     Raises:
-        DataError: a bad row, or an over-long one under ``overlong="error"``, naming file and row.
+        DataError: a bad row, naming file and row; `OverlongError` for an over-long one the policy refuses.
     """
     ref = source.ref(index)
     ids, trained, *rest = encoder(source[index], ref)
@@ -223,16 +223,16 @@ def encode_row(
     truncated = False
     if len(ids) > max_seq_len:
         if media is not None and overlong == "truncate":
-            raise DataError(
+            raise OverlongError(
                 f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}; a multimodal row cannot be "
                 "truncated (the cut would split image placeholders from their pixels): set data.overlong to drop "
                 "or error, or raise data.max_seq_len"
             )
         if overlong == "error":
-            raise DataError(f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}")
+            raise OverlongError(f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}")
         if overlong == "drop":
             return None
         if overlong != "truncate":
-            raise DataError(f"data.overlong must be truncate, drop or error, found {overlong!r}")
+            raise OverlongError(f"data.overlong must be truncate, drop or error, found {overlong!r}")
         ids, trained, truncated = ids[:max_seq_len], trained[:max_seq_len], True
     return Sample(ids, trained, index, truncated, media)

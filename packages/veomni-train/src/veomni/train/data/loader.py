@@ -15,6 +15,11 @@
 
 Rows that a worker reads again are checked against the index: a row whose token count changed since indexing
 (the file was edited during the run) is an error naming file and row.
+
+Bad rows under ``on_bad_row="skip"``: the index left out those it found; a row that fails only when a worker
+encodes it (pixels that do not decode behind a valid header) is replaced by pad tokens of its indexed length with
+nothing trained and no image, so every rank's shapes and collectives stay as planned (docs/train.md). Each such
+row is logged and kept in ``replaced``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import attrs
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from veomni.train.data.encode import Encoder, encode_row
+from veomni.train.data.encode import Encoder, Sample, encode_row
 from veomni.train.data.packing import collate, padding_batch
 from veomni.train.data.plan import (
     DatasetIndex,
@@ -37,7 +42,7 @@ from veomni.train.data.plan import (
     rank_schedule,
     steps_in_epoch,
 )
-from veomni.train.data.sources import DataError, RowSource
+from veomni.train.data.sources import DataError, OverlongError, RowSource
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = "veomni.train.data/1"
@@ -109,11 +114,13 @@ class _PackedRows(Dataset):
         sp_rank: int,
         sp_size: int,
         pad_id: int,
+        on_bad_row: str = "error",
     ) -> None:
         self.source, self.encoder, self.index = source, encoder, index
         self.max_seq_len, self.overlong, self.order = max_seq_len, overlong, order
         self.collate_args = dict(sp_rank=sp_rank, sp_size=sp_size, pad_id=pad_id)
         self.multimodal = hasattr(encoder, "measure")
+        self.skip = on_bad_row == "skip"
         self._plan: tuple[int, MicroBatches] | None = None
 
     def rows(self, key: tuple[int, int] | tuple[str, np.ndarray]) -> np.ndarray:
@@ -133,9 +140,18 @@ class _PackedRows(Dataset):
 
                 return multimodal_padding_batch(**self.collate_args)
             return padding_batch(**self.collate_args)
-        samples = []
+        samples, replaced = [], []
         for row in self.rows(key).tolist():
-            sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
+            try:
+                sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
+            except OverlongError:
+                raise
+            except DataError as err:
+                if not self.skip:
+                    raise
+                samples.append(self._filler(row))
+                replaced.append((row, str(err)))
+                continue
             if sample is None or len(sample.input_ids) != self.index.lengths[row]:
                 raise DataError(
                     f"{self.source.ref(row)}: now gives {0 if sample is None else len(sample.input_ids)} tokens, "
@@ -145,8 +161,23 @@ class _PackedRows(Dataset):
         if self.multimodal:
             from veomni.train.data.multimodal import collate_multimodal
 
-            return collate_multimodal(samples, **self.collate_args)
-        return collate(samples, **self.collate_args)
+            batch = collate_multimodal(samples, **self.collate_args)
+        else:
+            batch = collate(samples, **self.collate_args)
+        batch["replaced_rows"] = replaced
+        return batch
+
+    def _filler(self, row: int) -> Sample:
+        """What takes a bad row's place in a worker (module docstring): the indexed token count of pad ids,
+        nothing trained, no image."""
+        ids = np.full(int(self.index.lengths[row]), self.collate_args["pad_id"], dtype=np.int64)
+        media = None
+        if self.multimodal:
+            from veomni.train.data.multimodal import MediaSample
+
+            no_grid = np.zeros((0, 3), dtype=np.int64)
+            media = MediaSample(np.zeros((0, 1), np.float32), no_grid, self.encoder.positions(ids, no_grid))
+        return Sample(ids, np.zeros(len(ids), dtype=bool), row, media=media)
 
 
 class _Keys(Sampler):
@@ -159,6 +190,18 @@ class _Keys(Sampler):
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _note_replaced(batch: dict[str, Any], replaced: dict[int, str]) -> None:
+    """Take the worker's list of rows it replaced by a filler off ``batch``; log each row the first time."""
+    for row, message in batch.pop("replaced_rows", []):
+        if row not in replaced:
+            log.warning(
+                "data: %s; data.on_bad_row=skip: replaced by pad tokens with nothing trained (a bad row found "
+                "only when encoded, not when indexed)",
+                message,
+            )
+        replaced[row] = message
 
 
 class TrainData:
@@ -174,6 +217,8 @@ class TrainData:
         num_workers: DataLoader workers (0: in process); pad_id: token id of SP padding.
         pin_memory: pin the batches' host memory (for asynchronous copies to a GPU).
         patches_per_micro_batch: vision patches one micro-batch may hold (multimodal data; None: no limit).
+        on_bad_row: ``skip`` puts a filler in the place of a row that fails only when a worker encodes it (module
+            docstring); ``error`` raises.
     """
 
     def __init__(
@@ -193,6 +238,7 @@ class TrainData:
         pad_id: int = 0,
         pin_memory: bool = False,
         patches_per_micro_batch: int | None = None,
+        on_bad_row: str = "error",
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
@@ -218,9 +264,11 @@ class TrainData:
             sp_rank=topology.sp_rank,
             sp_size=topology.sp_size,
             pad_id=pad_id,
+            on_bad_row=on_bad_row,
         )
         self._plans: dict[int, MicroBatches] = {}
         self._epoch, self._cursor, self._step = 0, 0, 0
+        self.replaced: dict[int, str] = {}  # rows this rank's workers replaced by a filler -> their error
         self._generation = 0
         if self.steps_in_epoch(0) == 0:
             raise DataError(
@@ -283,6 +331,8 @@ class TrainData:
                 micro = [next(batches) for _ in range(self.grad_accum)]
                 if generation != self._generation:
                     raise RuntimeError("TrainData was re-iterated or reloaded; this iterator is stale")
+                for batch in micro:
+                    _note_replaced(batch, self.replaced)
                 rows = plan.rows[plan.offsets[self._cursor] : plan.offsets[self._cursor + self.per_step]]
                 step = Step(
                     step=self._step,
@@ -314,6 +364,7 @@ class TrainData:
             "plan_digest": self.plan(self._epoch).digest(),
             "dp_size": self.topology.dp_size,
             "grad_accum": self.grad_accum,
+            "bad_rows": len(self.index.bad),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -325,6 +376,8 @@ class TrainData:
         if self.patch_budget is not None or "patches_per_micro_batch" in state:
             mine["patches_per_micro_batch"] = self.patch_budget
         bad = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
+        if state.get("bad_rows", 0) != len(self.index.bad):  # states saved before bad rows existed hold none
+            bad.append(f"bad_rows (left out): saved {state.get('bad_rows', 0)}, now {len(self.index.bad)}")
         if bad:
             raise DataError(
                 "cannot resume the data position, the data or its order changed: " + "; ".join(bad)
@@ -360,6 +413,7 @@ class TrainData:
             "trained_tokens": self.index.total_trained_tokens,
             "truncated": self.index.truncated,
             "dropped": self.index.dropped,
+            "bad_rows": len(self.index.bad),
             "micro_batches_per_epoch": len(plan),
             "micro_batches_left_out_per_epoch": len(plan) - used,
             "packing_efficiency": self.index.total_tokens / (len(plan) * self.budget),
@@ -389,6 +443,7 @@ class EvalData:
         pad_id: int = 0,
         pin_memory: bool = False,
         patches_per_micro_batch: int | None = None,
+        on_bad_row: str = "error",
     ) -> None:
         self.source, self.index, self.topology = source, index, topology
         self.num_workers, self.pin_memory = num_workers, pin_memory
@@ -413,7 +468,9 @@ class EvalData:
             sp_rank=topology.sp_rank,
             sp_size=topology.sp_size,
             pad_id=pad_id,
+            on_bad_row=on_bad_row,
         )
+        self.replaced: dict[int, str] = {}  # as `TrainData.replaced`
 
     def __len__(self) -> int:
         return -(-len(self.plan) // self.topology.dp_size)
@@ -437,4 +494,6 @@ class EvalData:
             collate_fn=_identity,
             pin_memory=self.pin_memory,
         )
-        yield from loader
+        for batch in loader:
+            _note_replaced(batch, self.replaced)
+            yield batch

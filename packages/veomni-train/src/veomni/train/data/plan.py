@@ -14,11 +14,18 @@ count. Everything else is arithmetic on those arrays, identical on every rank wi
 Because the micro-batches are a property of the data and not of the world size, and ``per_step`` equals
 ``tokens_per_step / tokens_per_micro_batch`` (independent of dp), a run resumed on another DP size continues at the
 same micro-batch and sees the same steps: the same samples per step, spread over different ranks.
+
+Bad rows (a row the reader or encoder rejects with a `DataError`: invalid JSON, a missing or unreadable image, a
+placeholder/image mismatch, ...) are found here, where every row is read once. With ``on_bad_row="error"`` the
+first one (lowest row) is raised on every rank after the counts are gathered, so no rank is left waiting in the
+gather. With ``"skip"`` they get length 0 and are recorded in `BadRows`: a function of the data alone, identical
+on every rank, so no plan ever holds one; more than ``max_bad_fraction`` of the rows, or all of them, is an error.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterator
 
 import attrs
@@ -27,10 +34,49 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from veomni.train.data.encode import Encoder, encode_row
-from veomni.train.data.sources import DataError, RowSource
+from veomni.train.data.sources import DataError, OverlongError, RowSource, bad_row_kind
 
 INDEX_CHUNK = 256
 OPEN_BINS = 8
+EXAMPLES = 3  # bad rows named per kind in reports
+OVERLONG = "over-long"  # an `OverlongError`: data.overlong's business, raised in every mode, never skipped
+
+
+@attrs.frozen(eq=False)
+class BadRows:
+    """Rows that failed to read or encode when the data was indexed, left out under ``on_bad_row="skip"``.
+
+    Attributes:
+        rows: int64 ``[k]``, the bad rows' indices in their `RowSource`, ascending.
+        kinds: the report kind of each (`veomni.train.data.sources.bad_row_kind`), aligned with ``rows``.
+        examples: ``(row, message)`` of the first `EXAMPLES` rows of each kind; the messages name file and row.
+    """
+
+    rows: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
+    kinds: tuple[str, ...] = ()
+    examples: tuple[tuple[int, str], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def counts(self) -> dict[str, int]:
+        """Bad rows per kind, most frequent first."""
+        return dict(Counter(self.kinds).most_common())
+
+    def first_message(self) -> str:
+        """The error of the lowest bad row."""
+        return min(self.examples)[1]
+
+    def report(self) -> list[str]:
+        """One line per kind: the count and the first rows' errors."""
+        lines = []
+        for kind, count in self.counts().items():
+            named = [
+                m for row, m in self.examples if self.kinds[int(np.searchsorted(self.rows, row))] == kind
+            ]
+            more = f"; and {count - len(named)} more" if count > len(named) else ""
+            lines.append(f"{count} x {kind}: " + "; ".join(named) + more)
+        return lines
 
 
 @attrs.frozen(eq=False)
@@ -43,6 +89,7 @@ class DatasetIndex:
         truncated: rows cut to ``max_seq_len``.
         dropped: rows left out for being longer than ``max_seq_len``.
         patches: int64 ``[rows]``, vision patches of each row (multimodal data; None for text).
+        bad: the bad rows left out (``on_bad_row="skip"``; empty otherwise); their lengths are 0.
     """
 
     lengths: np.ndarray
@@ -50,6 +97,7 @@ class DatasetIndex:
     truncated: int
     dropped: int
     patches: np.ndarray | None = None
+    bad: BadRows = attrs.field(factory=BadRows)
 
     @property
     def num_rows(self) -> int:
@@ -74,6 +122,8 @@ class DatasetIndex:
         h.update(self.trained.astype(np.int64).tobytes())
         if self.patches is not None:
             h.update(self.patches.astype(np.int64).tobytes())
+        if len(self.bad):  # only then, so that data without bad rows keeps the digest it always had
+            h.update(b"bad" + self.bad.rows.astype(np.int64).tobytes())
         return h.hexdigest()[:16]
 
 
@@ -87,7 +137,7 @@ def _measure(
         return length, trained, patches
     if overlong == "drop":
         return 0, 0, 0
-    raise DataError(
+    raise OverlongError(
         f"{ref}: {length} tokens, longer than data.max_seq_len={max_seq_len}"
         + (
             ""
@@ -106,34 +156,52 @@ class _IndexChunks(Dataset):
         overlong: str,
         starts: list[int],
         size: int,
+        skip: bool,
     ) -> None:
         self.source, self.encoder, self.max_seq_len, self.overlong = source, encoder, max_seq_len, overlong
-        self.starts, self.size = starts, size
+        self.starts, self.size, self.skip = starts, size, skip
 
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, i: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def __getitem__(self, i: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]:
+        """``(start, lengths, trained, truncated, patches, bad)``; ``bad`` lists ``(row, kind, message)`` with
+        the message kept for the first `EXAMPLES` rows of each kind only (None after), so that a mostly bad
+        dataset does not ship every message through the gather. The chunk stops at its first over-long row
+        (`OVERLONG`), and without ``skip`` at its first bad row."""
         start = self.starts[i]
         stop = min(start + self.size, len(self.source))
         lengths = np.zeros(stop - start, dtype=np.int64)
         trained = np.zeros(stop - start, dtype=np.int64)
         truncated = np.zeros(stop - start, dtype=bool)
         patches = np.zeros(stop - start, dtype=np.int64)
+        bad: list[tuple[int, str, str | None]] = []
+        seen: Counter[str] = Counter()
         for k, row in enumerate(range(start, stop)):
-            if hasattr(self.encoder, "measure"):  # multimodal: lengths from image headers, no pixel decoded
-                lengths[k], trained[k], patches[k] = _measure(
-                    self.source, self.encoder, row, self.max_seq_len, self.overlong
-                )
+            try:
+                # Multimodal rows are measured from image headers, no pixel decoded.
+                if hasattr(self.encoder, "measure"):
+                    lengths[k], trained[k], patches[k] = _measure(
+                        self.source, self.encoder, row, self.max_seq_len, self.overlong
+                    )
+                    continue
+                sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
+            except DataError as err:
+                # Returned, not raised: a rank that raised here would leave its peers waiting in the gather.
+                kind = OVERLONG if isinstance(err, OverlongError) else bad_row_kind(str(err))
+                seen[kind] += 1
+                bad.append((row, kind, str(err) if seen[kind] <= EXAMPLES else None))
+                lengths[k] = trained[k] = patches[k] = 0
+                if kind == OVERLONG or not self.skip:
+                    break
                 continue
-            sample = encode_row(self.source, self.encoder, row, self.max_seq_len, self.overlong)
             if sample is not None:
                 lengths[k], trained[k], truncated[k] = (
                     len(sample.input_ids),
                     sample.num_trained,
                     sample.truncated,
                 )
-        return start, lengths, trained, truncated, patches
+        return start, lengths, trained, truncated, patches, bad
 
 
 def _identity(x: object) -> object:
@@ -149,24 +217,38 @@ def index_dataset(
     num_workers: int = 0,
     group: dist.ProcessGroup | None = None,
     chunk_rows: int = INDEX_CHUNK,
+    on_bad_row: str = "error",
+    max_bad_fraction: float = 0.01,
 ) -> DatasetIndex:
-    """Tokenise every row once and return the exact `DatasetIndex`; the first bad row raises `DataError`.
+    """Tokenise every row once and return the exact `DatasetIndex` (bad rows: the module docstring).
 
     Args:
         num_workers: DataLoader workers for the tokenisation (0: in this process).
         group: when given, each of its ranks tokenises a share of the rows and the counts are all-gathered
             (``all_gather_object``; for NCCL the current CUDA device must be set). Every rank must call this.
         chunk_rows: rows per work item (the unit split over workers and ranks).
+        on_bad_row: ``error`` (the lowest bad row raises `DataError`) or ``skip`` (left out, in ``index.bad``).
+        max_bad_fraction: with ``skip``, more bad rows than this fraction of all rows is a `DataError`.
+
+    Raises:
+        DataError: a bad row (``error``), too many bad rows (``skip``), an over-long row ``overlong`` refuses, or
+            no row left; raised on every rank of ``group`` alike.
     """
+    if on_bad_row not in ("error", "skip"):
+        raise DataError(f"data.on_bad_row must be error or skip, found {on_bad_row!r}")
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     starts = list(range(0, len(source), chunk_rows))[rank::world]
     loader = DataLoader(
-        _IndexChunks(source, encoder, max_seq_len, overlong, starts, chunk_rows),
+        _IndexChunks(source, encoder, max_seq_len, overlong, starts, chunk_rows, on_bad_row == "skip"),
         batch_size=None,
         num_workers=num_workers,
         collate_fn=_identity,
     )
-    parts = list(loader)
+    parts = []
+    for part in loader:
+        parts.append(part)
+        if any(kind == OVERLONG or on_bad_row == "error" for _, kind, _ in part[5]):
+            break  # an error follows; the rest of this rank's rows cannot change which (the lowest row wins)
     if group is not None:
         gathered: list[list | None] = [None] * world
         dist.all_gather_object(gathered, parts, group=group)
@@ -175,7 +257,8 @@ def index_dataset(
     trained = np.zeros(len(source), dtype=np.int64)
     truncated = np.zeros(len(source), dtype=bool)
     patches = np.zeros(len(source), dtype=np.int64)
-    for start, chunk_lengths, chunk_trained, chunk_truncated, chunk_patches in parts:
+    found: list[tuple[int, str, str | None]] = []
+    for start, chunk_lengths, chunk_trained, chunk_truncated, chunk_patches, chunk_bad in parts:
         stop = start + len(chunk_lengths)
         lengths[start:stop], trained[start:stop], truncated[start:stop], patches[start:stop] = (
             chunk_lengths,
@@ -183,10 +266,20 @@ def index_dataset(
             chunk_truncated,
             chunk_patches,
         )
-    dropped = int((lengths == 0).sum())
-    if dropped == len(source):
+        found.extend(chunk_bad)
+    found.sort(key=lambda entry: entry[0])
+    stops = [entry for entry in found if entry[1] == OVERLONG or on_bad_row == "error"]
+    if stops:
+        row, kind, message = stops[0]
+        hint = "" if kind == OVERLONG else " (data.on_bad_row: skip leaves bad rows out and counts them)"
+        raise (OverlongError if kind == OVERLONG else DataError)(f"{message}{hint}")
+    bad = _bad_rows(found)
+    _check_bad_fraction(bad, len(source), max_bad_fraction)
+    dropped = int((lengths == 0).sum()) - len(bad)
+    if dropped + len(bad) == len(source):
         raise DataError(
-            f"every one of the {len(source)} rows was dropped as longer than max_seq_len={max_seq_len}"
+            f"every one of the {len(source)} rows was left out: {dropped} longer than max_seq_len={max_seq_len}, "
+            f"{len(bad)} bad"
         )
     return DatasetIndex(
         lengths=lengths,
@@ -194,7 +287,39 @@ def index_dataset(
         truncated=int(truncated.sum()),
         dropped=dropped,
         patches=patches if hasattr(encoder, "measure") else None,
+        bad=bad,
     )
+
+
+def _bad_rows(found: list[tuple[int, str, str | None]]) -> BadRows:
+    """`BadRows` from the chunks' ``(row, kind, message)`` entries, sorted by row."""
+    per_kind: Counter[str] = Counter()
+    examples = []
+    for row, kind, message in found:
+        per_kind[kind] += 1
+        if per_kind[kind] <= EXAMPLES:
+            # The first rows of a kind overall are among the first of their chunk, which kept the message.
+            assert message is not None
+            examples.append((row, message))
+    return BadRows(
+        rows=np.asarray([row for row, _, _ in found], dtype=np.int64),
+        kinds=tuple(kind for _, kind, _ in found),
+        examples=tuple(examples),
+    )
+
+
+def _check_bad_fraction(bad: BadRows, num_rows: int, max_bad_fraction: float) -> None:
+    """Skipping is for the odd broken row: all rows bad, or more than the bound, is a `DataError`."""
+    if not len(bad):
+        return
+    report = "\n  ".join(bad.report())
+    if len(bad) == num_rows:
+        raise DataError(f"every one of the {num_rows} rows is bad:\n  {report}")
+    if len(bad) > max_bad_fraction * num_rows:
+        raise DataError(
+            f"{len(bad)} of {num_rows} rows ({len(bad) / num_rows:.2%}) are bad, more than "
+            f"data.max_bad_fraction={max_bad_fraction}; fix the data or raise the bound:\n  {report}"
+        )
 
 
 @attrs.frozen(eq=False)

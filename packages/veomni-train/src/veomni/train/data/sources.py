@@ -22,6 +22,36 @@ class DataError(ValueError):
     """Bad input data: the message names the file and the row (or line)."""
 
 
+class OverlongError(DataError):
+    """A row longer than ``data.max_seq_len`` under a length policy that refuses it. ``data.overlong`` decides what
+    happens to such rows, so they are never bad rows that ``data.on_bad_row: skip`` leaves out."""
+
+
+# How a bad row is reported under ``data.on_bad_row: skip``: the first kind whose marker the error message holds.
+# The markers are the stable parts of the messages the readers and encoders raise (tests/train/test_bad_rows.py
+# checks each kind), so a reworded message shows up as "malformed row", never as a lost row.
+BAD_ROW_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("unreadable row", ("not valid JSON", "expected a JSON object")),
+    ("missing image file", ("no such image file",)),
+    (
+        "unreadable image",
+        ("not a readable image", "corrupt or truncated", "the image is empty", "image processor"),
+    ),
+    ("placeholder/image count mismatch", ("placeholder(s) in the rendered conversation",)),
+    ("image over the patch budget", ("data.patches_per_micro_batch",)),
+    ("empty row", ("produced no tokens", "rendered to no tokens")),
+    ("chat template failure", ("the chat template failed", "not prefix-stable")),
+)
+
+
+def bad_row_kind(message: str) -> str:
+    """The report kind of a bad row's `DataError` message (`BAD_ROW_KINDS`; ``malformed row`` otherwise)."""
+    for kind, markers in BAD_ROW_KINDS:
+        if any(marker in message for marker in markers):
+            return kind
+    return "malformed row"
+
+
 @attrs.frozen
 class RowRef:
     """Where a row comes from. ``row`` is 0-based within the file; ``line`` is the 1-based jsonl line."""
