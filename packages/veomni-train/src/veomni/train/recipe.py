@@ -447,7 +447,8 @@ def load_recipe(source: str | os.PathLike, overrides: Sequence[str] = ()) -> Rec
     """Load a recipe from a YAML file or a built-in name, applying ``--section.field=value`` overrides.
 
     Args:
-        source: a YAML path, or a name of `builtin_recipes` (e.g. ``"quickstart"``).
+        source: a YAML path, or a name of `builtin_recipes` (e.g. ``"quickstart"``; ``-`` may stand for ``_``,
+            as in ``"quickstart-vlm"``).
         overrides: command-line items: ``--a.b=value`` or the two items ``--a.b``, ``value``. Values are parsed
             by the field's type (`veomni.train.recipe_parse.parse_cli_value`): ``null`` for None,
             ``true``/``false``, ``a,b`` or ``[a, b]`` for lists, flow mappings for dict fields.
@@ -478,8 +479,9 @@ def _find_source(source: str | os.PathLike) -> Path:
     if path.is_file():
         return path
     names = builtin_recipes()
-    if text in names:
-        return RECIPES_DIR / f"{text}.yaml"
+    # File stems use underscores; the command line may spell them with hyphens (quickstart-vlm).
+    if text.replace("-", "_") in names:
+        return RECIPES_DIR / f"{text.replace('-', '_')}.yaml"
     close = difflib.get_close_matches(text, names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise RecipeError(f"recipe {text!r} is neither a file nor a built-in recipe{hint}; built-in: {names}")
