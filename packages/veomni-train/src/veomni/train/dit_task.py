@@ -241,7 +241,7 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     a meta probe, the task with its condition models, and the training data."""
     from diffusers import WanTransformer3DModel
 
-    from veomni.models.dit_condition import WanConditionConfig, WanConditionModel
+    from veomni.models.dit_condition import ConditionCheckpointError, WanConditionConfig, WanConditionModel
     from veomni.models.registry import MODELS
     from veomni.train.data.dit import DitData, ShapeRule, parquet_columns
     from veomni.train.loop import TaskSetup
@@ -270,15 +270,20 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
             f"parallel.sp={state.dims.sp} does not divide the transformer's {heads} attention heads ({config.source})"
         )
     dit = recipe.dit
-    condition = WanConditionModel.from_pretrained(
-        dit.condition,
-        WanConditionConfig(
-            mode=dit.mode, max_sequence_length=dit.max_sequence_length, latent_sample_mode=dit.latent_sample_mode,
-            prompt_dropout_prob=dit.prompt_dropout_prob, shift=dit.shift,
-        ),
-        device=device, text_encoder_dtype=getattr(torch, dit.text_encoder_dtype), init=dit.condition_init,
-        seed=recipe.train.seed,
-    )  # fmt: skip
+    try:
+        condition = WanConditionModel.from_pretrained(
+            dit.condition,
+            WanConditionConfig(
+                mode=dit.mode, max_sequence_length=dit.max_sequence_length,
+                latent_sample_mode=dit.latent_sample_mode, prompt_dropout_prob=dit.prompt_dropout_prob,
+                shift=dit.shift,
+            ),
+            device=device, text_encoder_dtype=getattr(torch, dit.text_encoder_dtype), init=dit.condition_init,
+            seed=recipe.train.seed,
+        )  # fmt: skip
+    except ConditionCheckpointError as err:
+        # Bad input, said by the message: the CLI prints it without a traceback.
+        raise PreflightError(f"dit.condition: {err}") from None
     _check_compatible(config, condition, recipe)
     vae = condition.vae.config
     rule = ShapeRule(
