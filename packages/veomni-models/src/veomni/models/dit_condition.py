@@ -386,7 +386,9 @@ class WanConditionModel:
         image_encoder = image_processor = None
         if init == "random":
             text_encoder, vae, image_encoder = _random_models(parts, config.mode, seed)
-            text_encoder, vae = text_encoder.to(device, text_encoder_dtype), vae.to(device, vae_dtype)
+            text_encoder, vae = text_encoder.to(device, text_encoder_dtype), vae.to(device)
+            if vae_dtype != torch.float32:
+                vae = vae.to(vae_dtype)
         else:
             text_encoder = UMT5EncoderModel.from_pretrained(parts["text_encoder"], dtype=text_encoder_dtype)
             vae = AutoencoderKLWan.from_pretrained(parts["vae"], torch_dtype=vae_dtype).to(device)

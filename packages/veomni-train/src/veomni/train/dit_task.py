@@ -15,21 +15,16 @@ sum over all ranks (logging) and FSDP's average over the world (gradients) both 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from veomni.core.parallel_state import ParallelState
-from veomni.train.data import DataTopology, Step
-from veomni.train.data.sources import DataError, RowSource
-from veomni.train.preflight import PreflightError, check_trainable
-from veomni.train.recipe import Recipe
+from veomni.train.data import Step
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +97,22 @@ class DitTask:
     """Flow-matching training of a Wan DiT (see the module docstring).
 
     Attributes:
-        condition: the frozen `WanConditionModel` (on the compute device).
+        encoder: the frozen `WanConditionModel` on the compute device (online), or None when the batches carry
+            their conditions (``data.kind: dit_latents``, written by ``veomni-dit-embed``).
+        vae_config: the VAE config (``z_dim``, ``latents_mean``, ``latents_std``).
+        schedule: the flow-matching `FlowMatchingSchedule`.
+        noising: the `WanConditionConfig` (posterior sampling mode, prompt dropout).
+        empty_prompt: ``[1, L, D]`` embeddings of the empty prompt (prompt dropout), or None without dropout.
         compute_dtype: dtype of the transformer's inputs (its parameters' compute dtype).
         sp: Ulysses SP degree (the loss is divided by it).
         flops: `DitFlops` of the transformer.
     """
 
-    condition: Any
+    encoder: Any
+    vae_config: Any
+    schedule: Any
+    noising: Any
+    empty_prompt: torch.Tensor | None
     compute_dtype: torch.dtype
     sp: int
     flops: DitFlops
@@ -118,10 +122,18 @@ class DitTask:
 
     def _inputs(self, batch: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
         generator = torch.Generator().manual_seed(int(batch["noise_seed"]))
+        from veomni.models.dit_condition import flow_matching_inputs
+
         condition = batch.get("condition")
         if condition is None:
-            condition = self.condition.get_condition(batch["captions"], batch["videos"])
-        made = self.condition.process_condition(condition, generator)
+            condition = self.encoder.get_condition(batch["captions"], batch["videos"])
+        else:  # stored conditions: noised where the online path noises them, on the compute device
+            condition = {k: [t.to(device) for t in v] for k, v in condition.items()}
+        made = flow_matching_inputs(
+            condition, vae_config=self.vae_config, schedule=self.schedule, generator=generator,
+            latent_sample_mode=self.noising.latent_sample_mode, prompt_dropout_prob=self.noising.prompt_dropout_prob,
+            empty_prompt_embeds=self.empty_prompt,
+        )  # fmt: skip
         target = torch.cat(made["training_target"]).to(device)
         kwargs: dict[str, Any] = {"return_dict": False}
         for key in _INPUT_KEYS:
@@ -171,147 +183,4 @@ class DitTask:
         return sum(self.flops.sample(s) for s in getattr(step, "sample_tokens", ()))
 
 
-# ---------------------------------------------------------------- setup
-
-
-def _diffusers_config(recipe: Recipe) -> Any:
-    from veomni.models.registry import MODELS, DiffusersConfig
-
-    source = recipe.model.config if recipe.model.config is not None else recipe.model.weights
-    path = Path(source)
-    if (path / "model_index.json").is_file():
-        raise PreflightError(
-            f"{path} is a diffusers pipeline directory (model_index.json); model.task=dit takes the transformer "
-            f"itself: set model.weights (or model.config) to {path / 'transformer'} and dit.condition to {path}"
-        )
-    try:
-        config = MODELS.load_config(source, **recipe.model.config_overrides)
-    except (ValueError, OSError) as err:
-        raise PreflightError(
-            f"model.task=dit: cannot read the transformer config from {source}: {err}"
-        ) from None
-    if not isinstance(config, DiffusersConfig):
-        raise PreflightError(
-            f"{source} is a transformers checkpoint (model_type {config.model_type!r}), but model.task=dit trains "
-            "a diffusers DiT: expected a diffusers config.json with _class_name (e.g. Wan's transformer/ "
-            "subfolder, _class_name 'WanTransformer3DModel')"
-        )
-    return config
-
-
-def _check_compatible(config: Any, condition: Any, recipe: Recipe) -> None:
-    values, vae = config.values, condition.vae.config
-    z_dim = int(vae.z_dim)
-    want_in = z_dim if recipe.dit.mode == "t2v" else 2 * z_dim + int(vae.scale_factor_temporal)
-    checks = [
-        (
-            "in_channels",
-            values.get("in_channels"),
-            want_in,
-            f"the VAE's z_dim {z_dim} (mode {recipe.dit.mode})",
-        ),
-        ("out_channels", values.get("out_channels"), z_dim, f"the VAE's z_dim {z_dim}"),
-        (
-            "text_dim",
-            values.get("text_dim"),
-            int(condition.text_encoder.config.d_model),
-            "the text encoder's d_model",
-        ),
-    ]
-    if recipe.dit.mode == "i2v":
-        clip = int(condition.image_encoder.config.hidden_size)
-        checks.append(("image_dim", values.get("image_dim"), clip, "the CLIP image encoder's hidden_size"))
-    bad = [f"{k}={found} (expected {want}: {why})" for k, found, want, why in checks if found != want]
-    if bad:
-        raise PreflightError(
-            f"the transformer config {config.source} does not fit the condition models in {recipe.dit.condition}: "
-            + "; ".join(bad)
-        )
-
-
-def _image_tokens(condition: Any) -> int:
-    if condition.image_encoder is None:
-        return 0
-    c = condition.image_encoder.config
-    return (int(c.image_size) // int(c.patch_size)) ** 2 + 1
-
-
-def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any:
-    """The dit task's `veomni.train.loop.TaskSetup`: the tokenizer (the condition's UMT5), the diffusers config,
-    a meta probe, the task with its condition models, and the training data."""
-    from diffusers import WanTransformer3DModel
-
-    from veomni.models.dit_condition import ConditionCheckpointError, WanConditionConfig, WanConditionModel
-    from veomni.models.registry import MODELS
-    from veomni.train.data.dit import DitData, ShapeRule, parquet_columns
-    from veomni.train.loop import TaskSetup
-
-    chosen = {
-        k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None and (k, v) != ("compile", "auto")
-    }
-    if chosen:
-        raise PreflightError(
-            f"model.task=dit trains diffusers' own WanTransformer3DModel, to which veomni binds no kernels; ops sets "
-            f"{chosen}: remove them"
-        )
-    config = _diffusers_config(recipe)
-    cls = MODELS.model_class(config, "diffusion_transformer").cls
-    if not issubclass(cls, WanTransformer3DModel):
-        raise PreflightError(
-            f"model.task=dit trains Wan2.1 DiTs (WanTransformer3DModel) with Wan's condition models; {config.source} "
-            f"is a {config.class_name!r}"
-        )
-    with torch.device("meta"):
-        probe = cls.from_config(dict(config.values))
-    check_trainable(probe, recipe.model.freeze, recipe.optim.lr_multipliers)
-    heads = int(config.values["num_attention_heads"])
-    if heads % state.dims.sp:
-        raise PreflightError(
-            f"parallel.sp={state.dims.sp} does not divide the transformer's {heads} attention heads ({config.source})"
-        )
-    dit = recipe.dit
-    try:
-        condition = WanConditionModel.from_pretrained(
-            dit.condition,
-            WanConditionConfig(
-                mode=dit.mode, max_sequence_length=dit.max_sequence_length,
-                latent_sample_mode=dit.latent_sample_mode, prompt_dropout_prob=dit.prompt_dropout_prob,
-                shift=dit.shift,
-            ),
-            device=device, text_encoder_dtype=getattr(torch, dit.text_encoder_dtype), init=dit.condition_init,
-            seed=recipe.train.seed,
-        )  # fmt: skip
-    except ConditionCheckpointError as err:
-        # Bad input, said by the message: the CLI prints it without a traceback.
-        raise PreflightError(f"dit.condition: {err}") from None
-    _check_compatible(config, condition, recipe)
-    vae = condition.vae.config
-    rule = ShapeRule(
-        temporal=int(vae.scale_factor_temporal), spatial=int(vae.scale_factor_spatial),
-        patch=tuple(int(p) for p in config.values["patch_size"]),
-    )  # fmt: skip
-    topology = DataTopology.from_parallel_state(state)
-    data = recipe.data
-    source = RowSource(data.train_files, data.format, parquet_columns(data.train_files, data.format))
-    train_data = DitData(
-        source, media_root=data.media_root, rule=rule, topology=topology,
-        samples_per_micro_batch=recipe.train.samples_per_micro_batch, grad_accum=recipe.grad_accum(topology.dp_size),
-        seed=recipe.train.seed, shuffle=data.shuffle, num_workers=data.num_workers,
-        pin_memory=device.type == "cuda",
-    )  # fmt: skip
-    task = DitTask(
-        condition=condition, compute_dtype=getattr(torch, recipe.model.dtype), sp=state.dims.sp,
-        flops=DitFlops.for_model(probe, dit.max_sequence_length, _image_tokens(condition)),
-    )  # fmt: skip
-    if dist.get_rank() == 0:
-        log.info(
-            "dit: %s from %s, condition models from %s (%s), %s", config.class_name, config.source, dit.condition,
-            dit.condition_init, json.dumps({"shift": condition.schedule.shift, "mode": dit.mode}),
-        )  # fmt: skip
-    return TaskSetup(
-        tokenizer=condition.tokenizer, config=config, probe=probe, ops=None, task=task, train_data=train_data,
-        eval_data=None,
-    )  # fmt: skip
-
-
-__all__ = ["DataError", "DitFlops", "DitOutput", "DitTask", "dit_setup"]
+__all__ = ["DitFlops", "DitOutput", "DitTask"]

@@ -45,7 +45,7 @@ from veomni.train.data import (
     load_tokenizer,
     total_steps,
 )
-from veomni.train.dit_task import dit_setup
+from veomni.train.dit_setup import dit_setup
 from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_flops, peak_memory_gib
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup

@@ -164,12 +164,13 @@ class DataSection:
     format: Literal["auto", "jsonl", "parquet"] = _field(
         "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
     )
-    kind: Literal["text", "conversation", "multimodal", "dit"] = _field(
+    kind: Literal["text", "conversation", "multimodal", "dit", "dit_latents"] = _field(
         "conversation",
         "text: pre-training on one string per row, every token trained; conversation: role/content messages "
         "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text and "
         "image parts, expanded by the model's image processor (model.task=vlm); dit: rows of "
-        "{video: <frames directory or list of frame files>, caption} or {image: <file>, caption} (model.task=dit)",
+        "{video: <frames directory or list of frame files>, caption} or {image: <file>, caption} (model.task=dit); "
+        "dit_latents: the latents.jsonl of veomni-dit-embed (conditions encoded offline, model.task=dit)",
     )
     media_root: str | None = _field(
         None,
@@ -450,7 +451,7 @@ class DitSection:
             raise RecipeError(f"dit.shift: expected > 0 or None, found {self.shift}")
 
 
-DIT_KINDS = ("dit",)
+DIT_KINDS = ("dit", "dit_latents")
 
 
 def check_task_sections(recipe: Recipe) -> None:

@@ -135,6 +135,48 @@ def index_dit(source: RowSource, media_root: str | None, rule: ShapeRule) -> np.
     return shapes
 
 
+def index_latents(source: RowSource, rule: ShapeRule) -> np.ndarray:
+    """``[rows, 3]`` ``(F, H, W)`` of the rows of a ``veomni-dit-embed`` manifest (their ``shape`` field)."""
+    shapes = np.zeros((len(source), 3), dtype=np.int64)
+    for row in range(len(source)):
+        ref, value = source.ref(row), source[row]
+        shape = value.get("shape")
+        if not (
+            isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)
+        ):
+            raise DataError(
+                f"{ref}: expected 'shape': [F, H, W] (positive ints) as veomni-dit-embed writes, found {shape!r}"
+            )
+        for key in ("shard", "index", "caption"):
+            if key not in value:
+                raise DataError(
+                    f"{ref}: a veomni-dit-embed manifest row needs {key!r}; found keys {sorted(value)}"
+                )
+        rule.check(tuple(shape), str(ref))
+        shapes[row] = shape
+    return shapes
+
+
+def load_latent_row(row: dict[str, Any], ref: RowRef, root: str) -> dict[str, torch.Tensor]:
+    """The stored conditions of one manifest row: ``{name: tensor}`` from its shard (``prompt_embeds``,
+    ``latent_params``, and for I2V ``image_condition``, ``image_embeds``)."""
+    from safetensors import safe_open
+
+    path = os.path.join(root, row["shard"])
+    if not os.path.isfile(path):
+        raise DataError(
+            f"{ref}: no such latent shard {path} (was veomni-dit-embed interrupted? run it again)"
+        )
+    prefix = f"{row['index']}."
+    with safe_open(path, framework="pt") as f:
+        out = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
+    if "latent_params" not in out or "prompt_embeds" not in out:
+        raise DataError(
+            f"{ref}: shard {path} holds no latent_params / prompt_embeds for sample {row['index']}"
+        )
+    return out
+
+
 def dit_micro_batches(
     shapes: np.ndarray, *, seed: int, epoch: int, per_micro: int, shuffle: bool
 ) -> MicroBatches:
@@ -179,28 +221,40 @@ class _DitRows(Dataset):
     """Worker side: the clips and captions of one micro-batch, keyed ``(epoch, j)``."""
 
     def __init__(
-        self, source: RowSource, shapes: np.ndarray, roots: list[str], plan_args: dict[str, Any]
+        self,
+        source: RowSource,
+        shapes: np.ndarray,
+        roots: list[str],
+        plan_args: dict[str, Any],
+        latents: bool,
     ) -> None:
         self.source, self.shapes, self.roots, self.plan_args = source, shapes, roots, plan_args
+        self.latents = latents
         self._plan: tuple[int, MicroBatches] | None = None
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         epoch, j = key
         if self._plan is None or self._plan[0] != epoch:
             self._plan = (epoch, dit_micro_batches(self.shapes, epoch=epoch, **self.plan_args))
-        videos, captions = [], []
+        videos, captions, condition = [], [], {}
         rows = self._plan[1][j].tolist()
         for row in rows:
-            ref = self.source.ref(row)
-            frames, caption = sample_frames(self.source[row], ref, _root(self.source, self.roots, row))
+            ref, value = self.source.ref(row), self.source[row]
+            root = _root(self.source, self.roots, row)
+            if self.latents:
+                for name, tensor in load_latent_row(value, ref, root).items():
+                    condition.setdefault(name, []).append(tensor)
+                captions.append(value["caption"])
+                continue
+            frames, caption = sample_frames(value, ref, root)
             videos.append(load_clip(frames, tuple(self.shapes[row].tolist()), ref))
             captions.append(caption)
-        return {
-            "videos": videos,
+        batch = {
             "captions": captions,
             "rows": rows,
             "noise_seed": noise_seed(self.plan_args["seed"], epoch, j),
         }
+        return batch | ({"condition": condition} if self.latents else {"videos": videos})
 
 
 @attrs.frozen(eq=False)
@@ -217,6 +271,8 @@ class DitData:
 
     Args:
         source: the rows; media_root: see the module docstring; rule: the shape rule of the model.
+        latents: the rows are a ``veomni-dit-embed`` manifest (``data.kind: dit_latents``): micro-batches carry
+            the stored ``condition`` lists instead of ``videos``.
         topology: this rank's DP position (SP peers share micro-batches).
         samples_per_micro_batch, grad_accum: the batch contract; seed, shuffle: the per-epoch order.
         num_workers: DataLoader workers decoding frames (0: in process); pin_memory: for GPU copies.
@@ -235,12 +291,15 @@ class DitData:
         shuffle: bool,
         num_workers: int = 0,
         pin_memory: bool = False,
+        latents: bool = False,
     ) -> None:
         self.source, self.rule, self.topology, self.grad_accum = source, rule, topology, grad_accum
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.shapes = index_dit(source, media_root, rule)
+        # Offline manifests name their shards relative to themselves, whatever media_root says.
+        media_root = None if latents else media_root
+        self.shapes = index_latents(source, rule) if latents else index_dit(source, media_root, rule)
         self._plan_args = {"seed": seed, "per_micro": samples_per_micro_batch, "shuffle": shuffle}
-        self._rows = _DitRows(source, self.shapes, _row_roots(source, media_root), self._plan_args)
+        self._rows = _DitRows(source, self.shapes, _row_roots(source, media_root), self._plan_args, latents)
         self._tokens = np.array([rule.tokens(tuple(s)) for s in self.shapes.tolist()], dtype=np.int64)
         self._plans: dict[int, MicroBatches] = {}
         self._epoch, self._cursor, self._step, self._generation = 0, 0, 0, 0
