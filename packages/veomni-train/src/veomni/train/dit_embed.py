@@ -75,7 +75,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from veomni.train.data.dit import _root, _row_roots, index_dit, load_clip, parquet_columns, sample_frames
+    from veomni.train.data.dit import index_dit, load_clip, parquet_columns, row_root, sample_frames
     from veomni.train.data.sources import RowSource
     from veomni.train.dit_setup import (
         check_compatible,
@@ -116,7 +116,6 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
         _write_atomic(out / META, lambda p: p.write_text(json.dumps(meta, indent=1) + "\n"))
     dist.barrier()
     condition = load_condition(recipe, device)
-    roots = _row_roots(source, data.media_root)
     n_shards = math.ceil(len(shapes) / shard_size)
     mine = list(range(rank, n_shards, world))
     todo = [k for k in mine if not (out / SHARDS / f"{k:05d}.safetensors").is_file()]
@@ -129,7 +128,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
         tensors: dict[str, torch.Tensor] = {}
         for row in range(k * shard_size, min(len(shapes), (k + 1) * shard_size)):
             ref = source.ref(row)
-            frames, caption = sample_frames(source[row], ref, _root(source, roots, row))
+            frames, caption = sample_frames(source[row], ref, row_root(source, data.media_root, row))
             clip = load_clip(frames, tuple(shapes[row].tolist()), ref)
             for name, values in condition.get_condition([caption], [clip]).items():
                 tensors[f"{row}.{name}"] = values[0].detach().contiguous().cpu()

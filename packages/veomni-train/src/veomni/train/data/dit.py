@@ -105,22 +105,17 @@ def sample_frames(row: dict[str, Any], ref: RowRef, root: str) -> tuple[list[Ima
     return [image_ref(p, root, ref, i) for i, p in enumerate(paths)], caption
 
 
-def _row_roots(source: RowSource, media_root: str | None) -> list[str]:
-    return [media_root or os.path.dirname(os.path.abspath(f.path)) for f in source.files]
-
-
-def _root(source: RowSource, roots: list[str], row: int) -> str:
-    file, _ = source._locate(row)
-    return roots[source.files.index(file)]
+def row_root(source: RowSource, media_root: str | None, row: int) -> str:
+    """The directory relative paths of row ``row`` are read from: ``media_root``, else its data file's."""
+    return media_root or os.path.dirname(os.path.abspath(source.ref(row).file))
 
 
 def index_dit(source: RowSource, media_root: str | None, rule: ShapeRule) -> np.ndarray:
     """``[rows, 3]`` int64 ``(F, H, W)`` of every row, from the frames' headers; every row checked."""
-    roots = _row_roots(source, media_root)
     shapes = np.zeros((len(source), 3), dtype=np.int64)
     for row in range(len(source)):
         ref = source.ref(row)
-        frames, _ = sample_frames(source[row], ref, _root(source, roots, row))
+        frames, _ = sample_frames(source[row], ref, row_root(source, media_root, row))
         sizes = [image_size(f) for f in frames]
         if len(set(sizes)) > 1:
             odd = next(i for i, s in enumerate(sizes) if s != sizes[0])
@@ -224,11 +219,11 @@ class _DitRows(Dataset):
         self,
         source: RowSource,
         shapes: np.ndarray,
-        roots: list[str],
+        media_root: str | None,
         plan_args: dict[str, Any],
         latents: bool,
     ) -> None:
-        self.source, self.shapes, self.roots, self.plan_args = source, shapes, roots, plan_args
+        self.source, self.shapes, self.media_root, self.plan_args = source, shapes, media_root, plan_args
         self.latents = latents
         self._plan: tuple[int, MicroBatches] | None = None
 
@@ -240,7 +235,7 @@ class _DitRows(Dataset):
         rows = self._plan[1][j].tolist()
         for row in rows:
             ref, value = self.source.ref(row), self.source[row]
-            root = _root(self.source, self.roots, row)
+            root = row_root(self.source, self.media_root, row)
             if self.latents:
                 for name, tensor in load_latent_row(value, ref, root).items():
                     condition.setdefault(name, []).append(tensor)
@@ -299,7 +294,7 @@ class DitData:
         media_root = None if latents else media_root
         self.shapes = index_latents(source, rule) if latents else index_dit(source, media_root, rule)
         self._plan_args = {"seed": seed, "per_micro": samples_per_micro_batch, "shuffle": shuffle}
-        self._rows = _DitRows(source, self.shapes, _row_roots(source, media_root), self._plan_args, latents)
+        self._rows = _DitRows(source, self.shapes, media_root, self._plan_args, latents)
         self._tokens = np.array([rule.tokens(tuple(s)) for s in self.shapes.tolist()], dtype=np.int64)
         self._plans: dict[int, MicroBatches] = {}
         self._epoch, self._cursor, self._step, self._generation = 0, 0, 0, 0
