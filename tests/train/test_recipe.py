@@ -107,6 +107,11 @@ def recipes(draw: st.DrawFn) -> dict:
         strategy = FIELD_VALUES[key] if key in FIELD_VALUES else _value(field_type(Recipe, key))
         raw.setdefault(section, {})[leaf] = draw(strategy)
     raw["model"]["weights"] = draw(_paths)  # config/tokenizer may then be anything, null included
+    # model.task=dit couples nearly every section (tests/train/test_dit_train.py covers its recipes).
+    raw["model"]["task"] = draw(st.sampled_from(["text", "vlm"]))
+    raw["data"]["kind"] = draw(st.sampled_from(["text", "conversation", "multimodal"]))
+    raw["train"]["samples_per_step"] = raw["train"]["samples_per_micro_batch"] = None
+    raw["dit"] = {}
     if isinstance(raw["model"]["config"], dict):
         raw["model"]["config_overrides"] = {}  # an inline config takes its values directly
     micro = draw(st.integers(2, 4096))

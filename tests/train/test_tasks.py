@@ -159,8 +159,8 @@ def test_text_task_reads_the_language_model_config_of_a_composite():
     assert dense.aux_loss_coef == 0.0
     moe = build_task("text", meta_instance(_meta_model(MOE).config))
     assert moe.aux_loss_coef == 0.01
-    with pytest.raises(ValueError, match=r"model.task: expected one of \['text', 'vlm'\], found 'dit'"):
-        build_task("dit", probe)
+    with pytest.raises(ValueError, match=r"model.task: expected one of \['dit', 'text', 'vlm'\], found 'tts'"):
+        build_task("tts", probe)
 
 
 def _first_losses(ctx, raw: dict, n: int) -> list[float]:

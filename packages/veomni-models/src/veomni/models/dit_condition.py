@@ -161,6 +161,48 @@ def locate_wan_components(root: str | Path, mode: Literal["t2v", "i2v"] = "t2v")
     return {name: root / name for name in wanted}
 
 
+# Subfolder -> weight file patterns one of which must exist for init="pretrained".
+_WEIGHT_FILES = {
+    "text_encoder": ("model*.safetensors", "pytorch_model*.bin"),
+    "vae": ("diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.bin"),
+    "image_encoder": ("model*.safetensors", "pytorch_model*.bin"),
+}
+
+
+def _check_weight_files(parts: Mapping[str, Path]) -> None:
+    missing = [
+        f"{parts[name]} (expected {' or '.join(patterns)})"
+        for name, patterns in _WEIGHT_FILES.items()
+        if name in parts and not any(any(parts[name].glob(pattern)) for pattern in patterns)
+    ]
+    if missing:
+        raise ConditionCheckpointError(
+            "the Wan condition models have a config but no weights in: "
+            + "; ".join(missing)
+            + ". Download the full pipeline (or, for a toy run only, build them with random weights: "
+            "init='random', recipe dit.condition_init=random)"
+        )
+
+
+def _random_models(
+    parts: Mapping[str, Path], mode: str, seed: int
+) -> tuple[nn.Module, nn.Module, nn.Module | None]:
+    # Built from their configs alone; the fork keeps the caller's RNG stream untouched.
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(UMT5Config.from_pretrained(parts["text_encoder"]))
+        vae = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(parts["vae"]))
+        image_encoder = None
+        if mode == "i2v":
+            from transformers import CLIPVisionConfig, CLIPVisionModel
+
+            image_encoder = CLIPVisionModel(CLIPVisionConfig.from_pretrained(parts["image_encoder"]))
+    return text_encoder, vae, image_encoder
+
+
 def _freeze(module: nn.Module) -> nn.Module:
     module.requires_grad_(False)
     return module.eval()
@@ -309,16 +351,24 @@ class WanConditionModel:
         device: torch.device | str = "cpu",
         text_encoder_dtype: torch.dtype = torch.float32,
         vae_dtype: torch.dtype = torch.float32,
+        init: Literal["pretrained", "random"] = "pretrained",
+        seed: int = 0,
     ) -> WanConditionModel:
         """Load the condition components from a Wan diffusers pipeline directory (`locate_wan_components`).
 
         The VAE stays in float32 by default, as the pipelines' examples load it; the text encoder's dtype is the
-        embeddings' dtype.
+        embeddings' dtype. ``init="random"`` builds the text encoder, VAE (and CLIP) from their configs alone,
+        with random weights drawn from a generator seeded by ``seed`` (toy runs and tests; the global RNG is left
+        as it was); ``"pretrained"`` requires their weight files and names any that are missing.
         """
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
 
+        if init not in ("pretrained", "random"):
+            raise ValueError(f"init must be 'pretrained' or 'random', got {init!r}")
         parts = locate_wan_components(root, config.mode)
+        if init == "pretrained":
+            _check_weight_files(parts)
         te_type = json.loads((parts["text_encoder"] / "config.json").read_text()).get("model_type")
         if te_type != "umt5":
             raise ConditionCheckpointError(
@@ -334,19 +384,26 @@ class WanConditionModel:
             json.loads(scheduler_file.read_text()), source=str(scheduler_file), shift=config.shift
         )
         image_encoder = image_processor = None
+        if init == "random":
+            text_encoder, vae, image_encoder = _random_models(parts, config.mode, seed)
+            text_encoder, vae = text_encoder.to(device, text_encoder_dtype), vae.to(device)
+            if vae_dtype != torch.float32:
+                vae = vae.to(vae_dtype)
+        else:
+            text_encoder = UMT5EncoderModel.from_pretrained(parts["text_encoder"], dtype=text_encoder_dtype)
+            vae = AutoencoderKLWan.from_pretrained(parts["vae"], torch_dtype=vae_dtype).to(device)
+            text_encoder = text_encoder.to(device)
         if config.mode == "i2v":
             from transformers import CLIPImageProcessor, CLIPVisionModel
 
-            image_encoder = CLIPVisionModel.from_pretrained(parts["image_encoder"], dtype=torch.float32).to(
-                device
-            )
+            if image_encoder is None:
+                image_encoder = CLIPVisionModel.from_pretrained(parts["image_encoder"], dtype=torch.float32)
+            image_encoder = image_encoder.to(device)
             image_processor = CLIPImageProcessor.from_pretrained(parts["image_processor"])
         return cls(
             tokenizer=AutoTokenizer.from_pretrained(parts["tokenizer"]),
-            text_encoder=UMT5EncoderModel.from_pretrained(parts["text_encoder"], dtype=text_encoder_dtype).to(
-                device
-            ),
-            vae=AutoencoderKLWan.from_pretrained(parts["vae"], torch_dtype=vae_dtype).to(device),
+            text_encoder=text_encoder,
+            vae=vae,
             schedule=schedule,
             config=config,
             image_encoder=image_encoder,

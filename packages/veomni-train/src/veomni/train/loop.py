@@ -45,6 +45,7 @@ from veomni.train.data import (
     load_tokenizer,
     total_steps,
 )
+from veomni.train.dit_setup import dit_setup
 from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_flops, peak_memory_gib
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup
@@ -204,12 +205,30 @@ def _hardware(device: torch.device) -> Hardware:
     return hardware
 
 
-def build_run(recipe: Recipe) -> Run:
-    """Set up distributed state, check everything checkable, build data, model, optimizer, schedule and
-    checkpoints; resume when asked."""
-    device = setup_distributed(recipe.train.device)
-    torch.manual_seed(recipe.train.seed)
-    state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
+@attrs.frozen(kw_only=True)
+class TaskSetup:
+    """What a task brings to `build_run` before the model is built, everything checkable already checked.
+
+    Attributes:
+        tokenizer: saved with exports (text, vlm) or the condition model's (dit).
+        config: the model config (transformers ``PretrainedConfig`` or a diffusers `DiffusersConfig`).
+        probe: a meta instance of the model class (block patterns, FLOPs, freeze checks).
+        ops: the validated `OpsConfig`, or None where no kernels are bound (diffusers models).
+        task: the run's `Task`.
+        train_data, eval_data: the data iterators (eval None when there is none).
+    """
+
+    tokenizer: Any
+    config: Any
+    probe: nn.Module
+    ops: Any
+    task: Task
+    train_data: Any
+    eval_data: Any
+
+
+def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> TaskSetup:
+    """`TaskSetup` of the transformers tasks (text, vlm): tokenizer, config and kernel checks, packed data."""
     tokenizer = load_tokenizer(recipe.model.tokenizer_path)
     config = model_config(recipe)
     check_vocab(tokenizer, config, recipe.model.tokenizer_path)
@@ -232,6 +251,32 @@ def build_run(recipe: Recipe) -> Run:
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
     train_data = build_train_data(recipe, tokenizer, topology, group=group, pin_memory=device.type == "cuda")
     eval_data = build_eval_data(recipe, tokenizer, topology, group=group, pin_memory=device.type == "cuda")
+    return TaskSetup(
+        tokenizer=tokenizer, config=config, probe=probe, ops=ops, task=task, train_data=train_data,
+        eval_data=eval_data,
+    )  # fmt: skip
+
+
+SETUPS: dict[str, Callable[[Recipe, ParallelState, torch.device], TaskSetup]] = {
+    "text": text_setup, "vlm": text_setup, "dit": dit_setup,
+}  # fmt: skip
+"""Recipe ``model.task`` -> the function preparing its `TaskSetup`."""
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """The model config as plain data (transformers ``to_dict``; a diffusers config's JSON values)."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config.values)
+
+
+def build_run(recipe: Recipe) -> Run:
+    """Set up distributed state, check everything checkable, build data, model, optimizer, schedule and
+    checkpoints; resume when asked."""
+    device = setup_distributed(recipe.train.device)
+    torch.manual_seed(recipe.train.seed)
+    state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
+    setup = SETUPS[recipe.model.task](recipe, state, device)
+    config, probe, ops, task = setup.config, setup.probe, setup.ops, setup.task
+    tokenizer, train_data, eval_data = setup.tokenizer, setup.train_data, setup.eval_data
     steps = total_steps(recipe, train_data)
     check_warmup(recipe.optim.warmup_steps, steps)
 
@@ -267,7 +312,7 @@ def _check_resumable(run: Run, path: Path, trainer_state: dict[str, Any]) -> Non
     saved_config = trainer_state.get("model_config")
     if saved_config is None:
         log.warning("%s records no model config (an older checkpoint): only its tensors are compared", path)
-    elif diff := config_diff(saved_config, run.config.to_dict()):
+    elif diff := config_diff(saved_config, config_dict(run.config)):
         raise CheckpointMismatchError(
             f"checkpoint {path} was saved by another model; its config differs from this run's:\n  - "
             + "\n  - ".join(diff)
@@ -321,7 +366,7 @@ def _save(run: Run) -> None:
             "step": run.step, "scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
             "world_size": dist.get_world_size(), "dims": attrs.asdict(run.state.dims),
             "skipped_steps": run.skipped_steps, "recipe": recipe_to_dict(run.recipe),
-            "model_config": run.config.to_dict(),
+            "model_config": config_dict(run.config),
         },
         rank_state={},
     )  # fmt: skip

@@ -74,10 +74,12 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
-    task: Literal["text", "vlm"] = _field(
+    task: Literal["text", "vlm", "dit"] = _field(
         "text",
-        "training task: text (causal language modelling on packed documents) or vlm (image-text-to-text on "
-        "data.kind=multimodal); it decides the model class, the inputs, the loss, the FLOPs and the export",
+        "training task: text (causal language modelling on packed documents), vlm (image-text-to-text on "
+        "data.kind=multimodal) or dit (a diffusers diffusion transformer trained by flow matching on "
+        "data.kind=dit, conditioned by the frozen models in dit.condition); it decides the model class, the "
+        "inputs, the loss, the FLOPs and the export",
     )
     backend: Literal["veomni", "hf"] = _field(
         "veomni",
@@ -104,6 +106,11 @@ class ModelSection:
             raise RecipeError(
                 "model: give model.config (path or inline mapping) or model.weights; both are null"
             )
+        if isinstance(self.config, dict) and self.task == "dit":
+            raise RecipeError(
+                "model.config: model.task=dit takes a diffusers config.json (a file or a directory holding one, "
+                "with _class_name), not an inline mapping"
+            )
         if isinstance(self.config, dict):
             if "model_type" not in self.config:
                 raise RecipeError(
@@ -120,7 +127,12 @@ class ModelSection:
                 f"model.param_dtype: expected float32 or model.dtype ({self.dtype}), found {self.param_dtype} "
                 "(parameters cannot be stored in a lower precision than the compute dtype)"
             )
-        if self.tokenizer is None and self.weights is None:
+        if self.task == "dit" and self.tokenizer is not None:
+            raise RecipeError(
+                f"model.tokenizer: model.task=dit reads the tokenizer from dit.condition/tokenizer; found "
+                f"{self.tokenizer!r} (remove it)"
+            )
+        if self.tokenizer is None and self.weights is None and self.task != "dit":
             raise RecipeError(
                 "model.tokenizer: needed when model.weights is null (no checkpoint to take it from)"
             )
@@ -152,14 +164,19 @@ class DataSection:
     format: Literal["auto", "jsonl", "parquet"] = _field(
         "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
     )
-    kind: Literal["text", "conversation", "multimodal"] = _field(
+    kind: Literal["text", "conversation", "multimodal", "dit", "dit_latents"] = _field(
         "conversation",
         "text: pre-training on one string per row, every token trained; conversation: role/content messages "
         "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text, "
-        "image and video parts, expanded by the model's image and video processors (model.task=vlm)",
+        "image and video parts, expanded by the model's image and video processors (model.task=vlm); dit: rows of "
+        "{video: <frames directory or list of frame files>, caption} or {image: <file>, caption} (model.task=dit); "
+        "dit_latents: the latents.jsonl of veomni-dit-embed (conditions encoded offline, model.task=dit)",
     )
     media_root: str | None = _field(
-        None, "kind=multimodal: directory that relative image paths in the rows are read from", path=True
+        None,
+        "kind=multimodal, dit: directory that relative image/frame paths in the rows are read from (dit: None "
+        "reads them relative to the data file's directory)",
+        path=True,
     )
     patches_per_micro_batch: int | None = _field(
         None,
@@ -311,9 +328,25 @@ class OptimSection:
 
 @attrs.frozen(kw_only=True)
 class TrainSection:
-    tokens_per_step: int = _required("token budget of one optimizer step, summed over data-parallel ranks")
-    tokens_per_micro_batch: int = _required(
-        "token budget of one packed micro-batch on one data-parallel rank (before the SP split)"
+    tokens_per_step: int | None = _field(
+        None,
+        "token budget of one optimizer step, summed over data-parallel ranks (required for model.task "
+        "text and vlm)",
+    )
+    tokens_per_micro_batch: int | None = _field(
+        None,
+        "token budget of one packed micro-batch on one data-parallel rank, before the SP split (required for "
+        "model.task text and vlm)",
+    )
+    samples_per_step: int | None = _field(
+        None,
+        "model.task=dit: samples (clips or images) per optimizer step, summed over data-parallel ranks; the DiT "
+        "batch contract replaces the token one",
+    )
+    samples_per_micro_batch: int | None = _field(
+        None,
+        "model.task=dit: at most this many samples per micro-batch on one data-parallel rank, all of one "
+        "(frames, height, width) shape",
     )
     steps: int | None = _field(None, "optimizer steps to run (set exactly one of steps and epochs)")
     epochs: int | None = _field(
@@ -329,13 +362,34 @@ class TrainSection:
     def __attrs_post_init__(self) -> None:
         if self.seed < 0:
             raise RecipeError(f"train.seed: expected >= 0, found {self.seed}")
-        for name in ("tokens_per_step", "tokens_per_micro_batch", "log_interval"):
-            if getattr(self, name) < 1:
-                raise RecipeError(f"train.{name}: expected >= 1, found {getattr(self, name)}")
-        if self.tokens_per_step % self.tokens_per_micro_batch:
+        for name in ("tokens_per_step", "tokens_per_micro_batch", "samples_per_step", "samples_per_micro_batch",
+                     "log_interval"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RecipeError(f"train.{name}: expected >= 1, found {value}")
+        self._check_contract("tokens", "text and vlm")
+        self._check_contract("samples", "dit")
+        if (self.tokens_per_step is None) == (self.samples_per_step is None):
             raise RecipeError(
-                f"train.tokens_per_step={self.tokens_per_step} is not a multiple of "
-                f"train.tokens_per_micro_batch={self.tokens_per_micro_batch}"
+                "train: set one batch contract, train.tokens_per_step/tokens_per_micro_batch (model.task text, "
+                "vlm) or train.samples_per_step/samples_per_micro_batch (model.task dit); found "
+                + (
+                    "both"
+                    if self.tokens_per_step is not None
+                    else "neither (train.tokens_per_step: required, missing)"
+                )
+            )
+
+    def _check_contract(self, unit: str, tasks: str) -> None:
+        step, micro = getattr(self, f"{unit}_per_step"), getattr(self, f"{unit}_per_micro_batch")
+        if (step is None) != (micro is None):
+            missing = f"{unit}_per_step" if step is None else f"{unit}_per_micro_batch"
+            raise RecipeError(
+                f"train.{missing}: required, missing (the {unit} contract of model.task {tasks})"
+            )
+        if step is not None and step % micro:
+            raise RecipeError(
+                f"train.{unit}_per_step={step} is not a multiple of train.{unit}_per_micro_batch={micro}"
             )
         if (self.steps is None) == (self.epochs is None):
             raise RecipeError(
@@ -381,6 +435,90 @@ class LogSection:
 
 
 @attrs.frozen(kw_only=True)
+class DitSection:
+    """model.task=dit only: the frozen condition models and the flow-matching inputs (`veomni.train.dit`)."""
+
+    condition: str | None = _field(
+        None,
+        "Wan diffusers pipeline directory holding the frozen condition models: tokenizer/, text_encoder/ (UMT5), "
+        "vae/ (AutoencoderKLWan), scheduler/ (and image_encoder/, image_processor/ for mode i2v); model.weights "
+        "is its transformer/ subfolder (or null)",
+        path=True,
+    )
+    condition_init: Literal["pretrained", "random"] = _field(
+        "pretrained",
+        "pretrained: load the text encoder and VAE weights from dit.condition; random: build them from their "
+        "configs with random weights seeded by train.seed (toy runs such as the quickstart; a real run never "
+        "wants it)",
+    )
+    mode: Literal["t2v", "i2v"] = _field(
+        "t2v", "t2v: text-to-video; i2v: image-to-video (first-frame latents and CLIP image embeddings)"
+    )
+    max_sequence_length: int = _field(512, "prompt length in tokens (Wan's pipelines use 512)")
+    latent_sample_mode: Literal["sample", "mode"] = _field(
+        "sample", "sample: draw latents from the VAE posterior; mode: take its mean"
+    )
+    prompt_dropout_prob: float = _field(
+        0.0, "probability of training a sample on the empty prompt (classifier-free guidance)"
+    )
+    shift: float | None = _field(
+        None, "timestep shift of the training schedule (None: the scheduler config's shift / flow_shift)"
+    )
+    text_encoder_dtype: Literal["float32", "bfloat16"] = _field(
+        "bfloat16", "dtype of the frozen text encoder (the VAE runs in float32, as Wan's pipelines run it)"
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_sequence_length < 1:
+            raise RecipeError(f"dit.max_sequence_length: expected >= 1, found {self.max_sequence_length}")
+        if not 0.0 <= self.prompt_dropout_prob <= 1.0:
+            raise RecipeError(
+                f"dit.prompt_dropout_prob: expected a value in [0, 1], found {self.prompt_dropout_prob}"
+            )
+        if self.shift is not None and not self.shift > 0:
+            raise RecipeError(f"dit.shift: expected > 0 or None, found {self.shift}")
+
+
+DIT_KINDS = ("dit", "dit_latents")
+
+
+def check_task_sections(recipe: Recipe) -> None:
+    """The dit task and the dit data kinds, sample contract and dit section go together (nothing of one is
+    silently ignored by the other)."""
+    dit_task = recipe.model.task == "dit"
+    if dit_task != (recipe.data.kind in DIT_KINDS):
+        raise RecipeError(
+            f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: model.task=dit trains on "
+            f"data.kind in {list(DIT_KINDS)} and those kinds need model.task=dit"
+        )
+    samples = recipe.train.samples_per_step is not None
+    if dit_task != samples:
+        raise RecipeError(
+            "train: model.task=dit counts its batches in samples (train.samples_per_step, "
+            "train.samples_per_micro_batch), the other tasks in tokens (train.tokens_per_step, "
+            f"train.tokens_per_micro_batch); model.task={recipe.model.task!r} has the {'sample' if samples else 'token'} "
+            "contract"
+        )
+    if not dit_task:
+        changed = [
+            k
+            for k, v in recipe_parse.to_plain(recipe.dit).items()
+            if v != recipe_parse.to_plain(DitSection())[k]
+        ]
+        if changed:
+            raise RecipeError(
+                f"dit: {['dit.' + k for k in changed]} set, but model.task={recipe.model.task!r} (not dit)"
+            )
+        return
+    if recipe.dit.condition is None:
+        raise RecipeError("dit.condition: required for model.task=dit (the Wan pipeline directory), missing")
+    if recipe.data.eval_files:
+        raise RecipeError(
+            f"data.eval_files: model.task=dit has no evaluation pass yet; found {list(recipe.data.eval_files)}"
+        )
+
+
+@attrs.frozen(kw_only=True)
 class Recipe:
     """A complete, validated training recipe. Build it with `load_recipe` (or `recipe_from_dict`)."""
 
@@ -392,9 +530,16 @@ class Recipe:
     train: TrainSection = _required("batch contract, length and cadence")
     checkpoint: CheckpointSection = _field(CheckpointSection, "checkpoints and exports", factory=True)
     log: LogSection = _field(LogSection, "metric sinks", factory=True)
+    dit: DitSection = _field(
+        DitSection, "diffusion transformers (model.task=dit): condition models, noising", factory=True
+    )
 
     def __attrs_post_init__(self) -> None:
-        if self.data.max_seq_len > self.train.tokens_per_micro_batch:
+        check_task_sections(self)
+        if (
+            self.train.tokens_per_micro_batch is not None
+            and self.data.max_seq_len > self.train.tokens_per_micro_batch
+        ):
             raise RecipeError(
                 f"data.max_seq_len={self.data.max_seq_len} exceeds train.tokens_per_micro_batch="
                 f"{self.train.tokens_per_micro_batch}: a sample must fit in one micro-batch"
@@ -423,15 +568,18 @@ class Recipe:
         return dims
 
     def grad_accum(self, dp: int) -> int:
-        """Micro-batches per optimizer step on each DP rank: tokens_per_step / (tokens_per_micro_batch * dp)."""
-        per_micro_step = self.train.tokens_per_micro_batch * dp
-        if dp < 1 or self.train.tokens_per_step % per_micro_step:
+        """Micro-batches per optimizer step on each DP rank: tokens_per_step / (tokens_per_micro_batch * dp), or
+        samples_per_step / (samples_per_micro_batch * dp) for model.task=dit."""
+        unit = "tokens" if self.train.tokens_per_step is not None else "samples"
+        step, micro = getattr(self.train, f"{unit}_per_step"), getattr(self.train, f"{unit}_per_micro_batch")
+        per_micro_step = micro * dp
+        if dp < 1 or step % per_micro_step:
             raise RecipeError(
-                f"train.tokens_per_step={self.train.tokens_per_step} is not a multiple of "
-                f"tokens_per_micro_batch * dp = {self.train.tokens_per_micro_batch} * {dp} = {per_micro_step}; "
+                f"train.{unit}_per_step={step} is not a multiple of "
+                f"{unit}_per_micro_batch * dp = {micro} * {dp} = {per_micro_step}; "
                 "gradient accumulation must be a whole number of micro-batches"
             )
-        return self.train.tokens_per_step // per_micro_step
+        return step // per_micro_step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -544,6 +692,7 @@ __all__ = [
     "RECIPES_DIR",
     "CheckpointSection",
     "DataSection",
+    "DitSection",
     "LogSection",
     "ModelSection",
     "OpsSection",

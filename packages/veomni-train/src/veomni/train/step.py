@@ -35,9 +35,8 @@ if TYPE_CHECKING:
 def _forward_backward(
     run: Run, batch: dict[str, Any], num_items: torch.Tensor, grad_accum: int
 ) -> torch.Tensor:
-    kwargs = run.task.model_kwargs(batch, run.device, num_items)
     with use_parallel_state(run.state):
-        outputs = run.model(**kwargs)
+        outputs = run.task.forward(run.model, batch, run.device, num_items)
     # The step's aux loss is the mean over its grad_accum * dp micro-batches (an SP group's ranks each hold a
     # share of their micro-batch's value; see router_aux_loss).
     loss, objective = run.task.loss(outputs, 1.0 / (grad_accum * run.state.dims.dp))

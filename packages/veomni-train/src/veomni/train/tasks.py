@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 from veomni.core.parallel_state import ParallelState
 from veomni.models.qwen3_vl.collate import model_keys
 from veomni.train.data import Step, model_inputs
+from veomni.train.dit_task import DitTask
 from veomni.train.metrics import active_matmul_params, attention_flops
 
 IGNORE_INDEX = -100
@@ -47,6 +48,12 @@ class Task(Protocol):
     ) -> dict[str, Any]:
         """The keyword arguments of ``model(**kwargs)`` for one micro-batch; ``num_items`` (0-d float32) is the
         loss normaliser: the model returns its token-loss sum over it."""
+        ...
+
+    def forward(
+        self, model: nn.Module, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> Any:
+        """Run ``model`` on one micro-batch (usually ``model(**self.model_kwargs(...))``); the outputs go to `loss`."""
         ...
 
     def trained_tokens(self, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -142,6 +149,11 @@ class TextTask:
         if self.aux_loss_coef:
             kwargs["output_router_logits"] = True
         return kwargs
+
+    def forward(
+        self, model: nn.Module, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> Any:
+        return model(**self.model_kwargs(batch, device, num_items))
 
     def trained_tokens(self, batch: Mapping[str, Any]) -> torch.Tensor:
         return (batch["labels"] != IGNORE_INDEX).sum()
@@ -257,7 +269,7 @@ class VlmTask(TextTask):
         return super().step_flops(step) + self.vision_flops_per_patch * step.patches
 
 
-TASKS = {"text": TextTask, "vlm": VlmTask}
+TASKS = {"text": TextTask, "vlm": VlmTask, "dit": DitTask}
 """Recipe ``model.task`` name -> task class (each has ``for_model(probe)``)."""
 
 
