@@ -236,6 +236,45 @@ def test_mfu_counts_routed_experts_by_top_k_and_mla_attention_by_both_head_sizes
     assert query_width(config) == heads * (20 + 10) / 2
 
 
+# moonshotai/Moonlight-16B-A3B's config.json (architecture keys; its extra DeepSeek keys such as topk_method are
+# carried as plain attributes).
+MOONLIGHT = dict(
+    vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+    routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False, topk_method="noaux_tc",
+    scoring_func="sigmoid", aux_loss_alpha=0.001, seq_aux=True, moe_layer_freq=1,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "values, total, experts, active, matmul_active",
+    [(MOONLIGHT, 15.96, 14.39, 2.91, 2.58), ({}, 671.0, 653.9, 37.6, 36.6)],  # {}: DeepSeek-V3's own defaults
+    ids=["moonlight_16b_a3b", "deepseek_v3_671b"],
+)
+def test_recipe_parameter_counts(values, total, experts, active, matmul_active):
+    """The figures quoted in the moonlight_16b_a3b and deepseek_v3_671b recipes' memory notes (billions)."""
+    config = DeepseekV3Config(**values)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    params = dict(model.named_parameters())
+    routed = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    n_all = sum(p.numel() for p in params.values())
+    digits = 2 if total < 100 else 1
+    assert round(n_all / 1e9, digits) == total and round(routed / 1e9, digits) == experts
+    share = config.num_experts_per_tok / config.n_routed_experts
+    assert round((n_all - routed + routed * share) / 1e9, digits) == active
+    assert round(TextTask.for_model(model).flops_per_token / 6e9, digits) == matmul_active
+    if not values:
+        layer = model.model.layers[-1]
+        non_expert = sum(p.numel() for n, p in layer.named_parameters() if ".experts." not in n)
+        assert (
+            round(non_expert / 1e6, 1) == 233.0
+            and config.num_hidden_layers - config.first_k_dense_replace == 58
+        )
+
+
 def test_export_loads_in_plain_transformers_and_generates_the_same(tmp_path):
     upstream, _ = build_pair()
     upstream.save_pretrained(tmp_path / "init")
