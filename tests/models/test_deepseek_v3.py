@@ -26,6 +26,7 @@ from veomni.models.loading.quantized import QuantizedCheckpointError
 from veomni.models.registry import MODELS
 from veomni.train.tasks import TextTask, query_width
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EAGER_OPS = dict(
     rms_norm="eager", rope="eager", swiglu="eager", moe_experts="eager", cross_entropy="eager",
     load_balancing_loss="eager",
@@ -66,7 +67,8 @@ def build_pair(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     upstream = UpstreamDeepseekV3(copy.deepcopy(config))
     randomize_router_bias(upstream)
-    ours = DeepseekV3ForCausalLM(config)
+    upstream.to(DEVICE)
+    ours = DeepseekV3ForCausalLM(config).to(DEVICE)
     missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
     assert not missing and not unexpected
     return upstream, ours
@@ -78,7 +80,7 @@ def packed_batch(lengths=(5, 8, 4), seed: int = 1) -> dict[str, torch.Tensor]:
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = ids.clone()
     labels[0, torch.cumsum(torch.tensor((0, *lengths[:-1])), 0)] = -100
-    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+    return {"input_ids": ids.to(DEVICE), "position_ids": positions.to(DEVICE), "labels": labels.to(DEVICE)}
 
 
 def run(model: torch.nn.Module, inputs: dict, **extra) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
@@ -276,7 +278,7 @@ def test_recipe_parameter_counts(values, total, experts, active, matmul_active):
 
 
 def test_export_loads_in_plain_transformers_and_generates_the_same(tmp_path):
-    upstream, _ = build_pair()
+    upstream = build_pair()[0].cpu()  # build_model below builds on the CPU
     upstream.save_pretrained(tmp_path / "init")
     model = build_model(
         tmp_path / "init", weights=tmp_path / "init", ops=OpsConfig(**{**EAGER_OPS, **TRITON_OPS})
@@ -289,7 +291,7 @@ def test_export_loads_in_plain_transformers_and_generates_the_same(tmp_path):
     export_hf(model, tmp_path / "out32")
     plain = UpstreamDeepseekV3.from_pretrained(tmp_path / "out32")
     assert torch.equal(plain.state_dict()[bias], upstream.state_dict()[bias])
-    ids = packed_batch()["input_ids"][:, :9]
+    ids = packed_batch()["input_ids"][:, :9].cpu()
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(model.generate(ids, **settings), plain.generate(ids, **settings))
@@ -326,7 +328,7 @@ def fp8_checkpoint(src, out) -> None:
 
 
 def test_fp8_checkpoint_is_refused_with_how_to_convert_and_the_conversion_loads(tmp_path):
-    upstream, _ = build_pair()
+    upstream = build_pair()[0].cpu()  # build_model below builds on the CPU
     upstream.save_pretrained(tmp_path / "bf16")
     fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
     ops = OpsConfig(**EAGER_OPS)
