@@ -31,6 +31,7 @@ from veomni.models.diffusers_build import build_diffusers_model, check_checkpoin
 from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
+from veomni.models.loading.quantized import check_not_quantized
 from veomni.models.registry import DIFFUSERS_TASK, MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
 
 logger = logging.getLogger(__name__)
@@ -225,6 +226,8 @@ def build_model(
             ops=ops,
             expert_plan=expert_plan,
         )
+    # Before anything is built: a quantized model would be trained on values read without their scales.
+    check_not_quantized(config, where=f"the {config.model_type!r} config")
     if backend == "hf":
         _check_hf_backend(ops, parallel_state, expert_plan)
     elif not isinstance(ops, OpsConfig):

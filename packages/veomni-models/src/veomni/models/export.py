@@ -78,6 +78,17 @@ def _out_dtype(stored: torch.dtype, requested: torch.dtype | None) -> torch.dtyp
     return requested if requested is not None and stored.is_floating_point else stored
 
 
+def _keep_fp32(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a key keeps its stored dtype under ``dtype=``: the model's ``_keep_in_fp32_modules_strict``
+    (DeepSeek-V3's router ``e_score_correction_bias``), which ``save_pretrained`` never casts either."""
+    names = getattr(unwrapped_class(model), "_keep_in_fp32_modules_strict", None) or ()
+    if not names:
+        return lambda key: False
+    # transformers' own match: the name as a whole component of the key.
+    pattern = re.compile(r"(^|\.)(" + "|".join(re.escape(n) for n in names) + r")(\.|$)")
+    return lambda key: pattern.search(key) is not None
+
+
 def _natural(key: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
 
@@ -290,7 +301,11 @@ def export_hf(
         raise TypeError(f"export_hf needs an HF PreTrainedModel (with a config), got {type(model).__name__}")
     targets = model_targets(model)
     leaders = _leaders(model, targets)
-    shapes = {k: (targets[k].full_shape, _out_dtype(targets[k].tensor.dtype, dtype)) for k in leaders}
+    fp32 = _keep_fp32(model)
+    shapes = {
+        k: (targets[k].full_shape, _out_dtype(targets[k].tensor.dtype, None if fp32(k) else dtype))
+        for k in leaders
+    }
     converters = converters_for(model, targets, for_export=True)
     report, is_writer = write_gathered(
         out_dir, targets, shapes, converters, parallel_state, max_shard_bytes=max_shard_bytes

@@ -202,7 +202,8 @@ def veomni_attention_forward(
             raise unless None; unrelated ones are ignored. Cross-attention: key, value ``[B, Hkv, S_kv, D]``
             with any ``S_kv``, replicated across SP ranks.
     Returns:
-        ``(out [B, S, Hq, D] in query's dtype, None)``; attention weights are never materialised.
+        ``(out [B, S, Hq, Dv] in query's dtype, None)`` (``Dv``: value's head size, which may differ from
+        the query's, as in DeepSeek's MLA); attention weights are never materialised.
     """
     name = hf_attention_name(backend)
     if dropout:

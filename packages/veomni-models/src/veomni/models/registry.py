@@ -471,6 +471,22 @@ def _register_builtin(registry: ModelRegistry) -> None:
             },
             fast_paths=fast_paths,
         )
+    # DeepSeek-V3 (and Moonlight / Kimi-class checkpoints with model_type deepseek_v3): transformers has no
+    # question-answering head for it.
+    deepseek_v3 = "veomni.models.deepseek_v3.generated.patched_modeling_deepseek_v3"
+    registry.register_config(
+        "deepseek_v3", "transformers.models.deepseek_v3.configuration_deepseek_v3:DeepseekV3Config"
+    )
+    registry.register_model(
+        "deepseek_v3",
+        {
+            "causal_lm": f"{deepseek_v3}:DeepseekV3ForCausalLM",
+            "base": f"{deepseek_v3}:DeepseekV3Model",
+            "sequence_classification": f"{deepseek_v3}:DeepseekV3ForSequenceClassification",
+            "token_classification": f"{deepseek_v3}:DeepseekV3ForTokenClassification",
+        },
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
     # Qwen3-VL: a VLM (no causal_lm entry: its class is the image-text-to-text one); no SP yet (refused in forward).
     qwen3_vl = "veomni.models.qwen3_vl.generated.patched_modeling_qwen3_vl"
     registry.register_config("qwen3_vl", "transformers.models.qwen3_vl.configuration_qwen3_vl:Qwen3VLConfig")

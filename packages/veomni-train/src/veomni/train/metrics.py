@@ -71,7 +71,7 @@ def active_matmul_params(
     return int(total)
 
 
-def attention_flops(sample_lengths: Iterable[int], num_layers: int, query_width: int) -> float:
+def attention_flops(sample_lengths: Iterable[int], num_layers: int, query_width: float) -> float:
     """Causal attention training FLOPs of packed samples: ``6 * L * (H_q * D) * sum(s_i ** 2)``."""
     return 6.0 * num_layers * query_width * float(sum(s * s for s in sample_lengths))
 

@@ -79,9 +79,17 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config()
 
 
-def query_width(config: PretrainedConfig) -> int:
-    """Heads x head size of the language model's attention queries (the width in the attention FLOPs term)."""
+def query_width(config: PretrainedConfig) -> float:
+    """Heads x head size of the language model's attention (the width in the attention FLOPs term).
+
+    ``QK^T`` costs the query/key head size and ``PV`` the value head size; the term assumes they are equal, so a
+    model whose value heads differ (DeepSeek's MLA: ``qk_head_dim`` 192, ``v_head_dim`` 128, while its
+    ``head_dim`` names only the rotary part) counts heads x their mean.
+    """
     text = text_config(config)
+    qk, v = getattr(text, "qk_head_dim", None), getattr(text, "v_head_dim", None)
+    if qk and v:
+        return text.num_attention_heads * (qk + v) / 2
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return text.num_attention_heads * head_dim
 
@@ -118,7 +126,7 @@ class TextTask:
 
     flops_per_token: float
     num_layers: int
-    query_width: int
+    query_width: float
     aux_loss_coef: float = 0.0
     name: ClassVar[str] = "text"
     model_task: ClassVar[str] = "causal_lm"

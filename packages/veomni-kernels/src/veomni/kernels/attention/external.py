@@ -75,6 +75,22 @@ def _packed_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen:
     return cu, max_seqlen
 
 
+def _pad_value(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``v`` zero-padded to q's head size: the fused kernels here take one head size for q, k and v.
+
+    Zero value columns give zero output columns, so slicing the output back to ``v``'s head size is exact
+    (DeepSeek's MLA: D = 192, Dv = 128). FlashAttention 3/4 can run some such pairs natively; padding is the
+    one path that every build and torch's varlen accept.
+    """
+    extra = q.shape[-1] - v.shape[-1]
+    if extra < 0:
+        raise ValueError(
+            f"value head size {v.shape[-1]} exceeds the query/key head size {q.shape[-1]}; these fused "
+            "kernels take one head size (use attention 'sdpa', 'flex' or 'eager')"
+        )
+    return torch.nn.functional.pad(v, (0, extra)) if extra else v
+
+
 def _first(result: Any) -> torch.Tensor:
     # Some FlashAttention builds return (out, lse) tuples; the output always comes first.
     return result[0] if isinstance(result, tuple) else result
@@ -114,6 +130,8 @@ def varlen_attention(
     from torch.nn.attention import varlen
 
     batch, seq, heads_q = q.shape[:3]
+    head_v = v.shape[-1]
+    v = _pad_value(q, v)
     cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
     # Unpacked cross-attention (Sk != S): B equal key segments of their own length.
     cu_k, max_len_k = (cu, max_len) if k.shape[1] == seq else _packed_layout(k, None, None)
@@ -137,7 +155,7 @@ def varlen_attention(
     out = varlen.varlen_attn(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, max_len, max_len_k, **kwargs
     )
-    return _first(out).unflatten(0, (batch, seq))
+    return _first(out)[..., :head_v].unflatten(0, (batch, seq))
 
 
 def _flash(
@@ -153,9 +171,11 @@ def _flash(
     check_qkv(q, k, v, cu_seqlens, causal=causal)
     _require(name, q.device)
     mod = importlib.import_module(_FLASH_MODULES[name][0])
+    head_v = v.shape[-1]
+    v = _pad_value(q, v)
     # FlashAttention maps query head h to KV head h // (Hq // Hkv): our GQA layout, no repeat needed.
     if cu_seqlens is None:
-        return _first(mod.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+        return _first(mod.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))[..., :head_v]
     cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
     fn = mod.flash_attn_varlen_func
     kwargs: dict[str, Any] = {
@@ -169,7 +189,7 @@ def _flash(
     if "max_seqlen_q" in params or "**" in params:
         kwargs.update(max_seqlen_q=max_len, max_seqlen_k=max_len)
     out = fn(q[0], k[0], v[0], **kwargs)
-    return _first(out).unsqueeze(0)
+    return _first(out)[..., :head_v].unsqueeze(0)
 
 
 def flash_attn_2(

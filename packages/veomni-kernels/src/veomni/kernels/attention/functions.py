@@ -2,7 +2,9 @@
 
     fn(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, scale=None) -> out
 
-* ``q``: ``[B, S, Hq, D]``; ``k``, ``v``: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``. Grouped-query attention
+* ``q``, ``k``: ``[B, S, Hq, D]`` / ``[B, S, Hkv, D]``; ``v``: ``[B, S, Hkv, Dv]`` with ``Hq % Hkv == 0``. The
+  value head size ``Dv`` may differ from ``D`` (DeepSeek's MLA: D = 192, Dv = 128); the output then has ``Dv``.
+  Backends that need ``Dv == D`` (varlen, FlashAttention) zero-pad ``v`` and slice the output. Grouped-query attention
   shares each KV head among *consecutive* query heads (query head ``h`` uses KV head ``h // (Hq // Hkv)``),
   the layout of HF's ``repeat_kv``.
 * Cross-attention: ``k``, ``v`` may have another length ``Sk`` (``[B, Sk, Hkv, D]``) when ``causal=False`` and
@@ -11,7 +13,7 @@
 * Packed sequences: ``B == 1`` and ``cu_seqlens`` int32 ``[n + 1]`` (``0 = c_0 < ... < c_n = S``); token ``i``
   attends only to tokens of its own segment (and, if causal, not to later ones). ``max_seqlen`` is the
   longest segment; kernels that need it compute it (one host sync) when it is None.
-* ``scale`` defaults to ``1 / sqrt(D)``. ``out`` is ``[B, S, Hq, D]`` in ``q``'s dtype.
+* ``scale`` defaults to ``1 / sqrt(D)``. ``out`` is ``[B, S, Hq, Dv]`` in ``q``'s dtype.
 
 These are the layouts `veomni.core.sp.ulysses_attention` hands over with ``seq_dim=1, head_dim=2``: full
 sequence, local heads; packed inputs pass their full-sequence ``cu_seqlens`` unchanged.
@@ -48,10 +50,10 @@ def check_qkv(
             f"attention expects [B, S, H, D] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"k and v must have equal shapes and share B and D with q: q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"k and v must share B, S and heads, q and k batch and head size (v's head size may differ): "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if k.shape[1] != q.shape[1] and (causal or cu_seqlens is not None):
         raise ValueError(
@@ -110,11 +112,12 @@ def eager_attention(
     """Reference attention: scores, softmax and weighted sum in fp32, materialising ``[B, Hq, S, S]``.
 
     Args:
-        q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (or ``[B, Sk, Hkv, D]``, non-causal); any float dtype.
+        q: ``[B, S, Hq, D]``; k: ``[B, S, Hkv, D]``, v: ``[B, S, Hkv, Dv]`` (or ``Sk`` keys, non-causal); any
+            float dtype.
         cu_seqlens: optional int32 ``[n + 1]`` segment offsets (B == 1); validated against S.
         max_seqlen: ignored (accepted for the common signature).
     Returns:
-        ``[B, S, Hq, D]`` in q's dtype.
+        ``[B, S, Hq, Dv]`` in q's dtype.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
     if cu_seqlens is not None:
@@ -144,7 +147,7 @@ def sdpa_attention(
     """``F.scaled_dot_product_attention``; packed inputs (two or more segments) use a block-diagonal (causal)
     bool mask.
 
-    Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype. A mask rules out
+    Args / Returns: the module convention; out is a ``[B, S, Hq, Dv]`` view in q's dtype. A mask rules out
     the flash and cuDNN backends on CUDA, so packed sequences run on the memory-efficient or math backend.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
@@ -219,7 +222,7 @@ def flex_attention(
     Compiled on CUDA; eager elsewhere. torch's flex attention has no CPU backward: with inputs that need
     grad on CPU this raises ``NotImplementedError`` rather than silently switching backends.
 
-    Args / Returns: the module convention; out is a ``[B, S, Hq, D]`` view in q's dtype.
+    Args / Returns: the module convention; out is a ``[B, S, Hq, Dv]`` view in q's dtype.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -36,6 +36,7 @@ from veomni.models.converters import (
 )
 from veomni.models.loading.diagnosis import submodel_diagnosis
 from veomni.models.loading.lazy import LazyTensor, TensorLike, as_lazy, shape_of
+from veomni.models.loading.quantized import check_not_quantized
 from veomni.models.loading.safetensors_io import CheckpointFileError, CheckpointFiles
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
 
@@ -143,6 +144,12 @@ def _make_plan(
 ) -> _Plan:
     if check_config:
         _check_model_type(model, files)
+    # Before any converter or cast sees them: FP8 values read without their block scales would be garbage.
+    check_not_quantized(
+        files.config() if check_config else None,
+        ((k, t.dtype) for k, t in files.tensors.items()),
+        where=f"the checkpoint in {files.directory}",
+    )
     convs = converters_for(model, targets) if converters is None else list(converters)
     tensors, origin = apply_converters(
         files.tensors.items(),
@@ -314,6 +321,7 @@ def load_weights(
     Raises:
         CheckpointMismatchError: missing / unexpected keys, wrong shapes, unequal tied tensors.
         WrongModelError: the checkpoint's config is another model type.
+        QuantizedCheckpointError: FP8 / scale tensors, or a ``quantization_config`` (says how to convert).
         IncompleteCheckpointError, UnsupportedRecipeError: from the converters.
     """
     if mode not in MODES:
