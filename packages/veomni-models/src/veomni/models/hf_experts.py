@@ -54,7 +54,7 @@ def veomni_experts_forward(
             "kernels attached; bind them with veomni.models.kernel_hooks.apply_ops(model, ops)"
         )
     backend = kernels.config.moe_experts
-    claim = EXPERTS_CLAIMS.get(type(self))
+    claim = claim_of(self)
     shards = expert_shards(self)
     shard = shards.get("gate_up_proj")
     if shard is None or shard.ep_size == 1:
@@ -205,10 +205,22 @@ def claim_experts(cls: type, claim: ExpertsClaim) -> type:
     return cls
 
 
+def claim_of(module: nn.Module) -> ExpertsClaim | None:
+    """The claim on ``module``'s class, or None. Wrapper classes that torch.distributed creates around a module
+    (FSDP2's ``FSDP<Class>``) are looked through; any other subclass of a claimed class is not claimed."""
+    for cls in type(module).__mro__:
+        claim = EXPERTS_CLAIMS.get(cls)
+        if claim is not None:
+            return claim
+        if not cls.__module__.startswith("torch.distributed."):
+            return None
+    return None
+
+
 def module_mismatches(module: nn.Module) -> list[str]:
     """How ``module`` differs from what veomni's kernels for it compute: its claim's contract if its class is
     claimed (`claim_experts`), else the generic `MOE_EXPERTS_CONTRACT` (`experts_mismatches`)."""
-    claim = EXPERTS_CLAIMS.get(type(module))
+    claim = claim_of(module)
     return claim.mismatches(module) if claim is not None else experts_mismatches(module)
 
 

@@ -21,7 +21,8 @@ def _gate_check(cls: type) -> str | None:
 
     probe = type("Probe", (), {"limit": 1.25, "alpha": 1.702})()
     gen = torch.Generator().manual_seed(0)
-    gate_up = torch.randn(5, 16, generator=gen, dtype=torch.float64) * 3
+    # An explicit device: the generated module may be imported under a meta-device context (building on meta).
+    gate_up = torch.randn(5, 16, generator=gen, dtype=torch.float64, device="cpu") * 3
     try:
         got = cls._apply_gate(probe, gate_up)
     except Exception as err:  # any failure means the gate is not the one the kernels compute
