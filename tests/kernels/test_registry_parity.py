@@ -46,61 +46,32 @@ CASES: dict[tuple[str, str], Case] = {
     ("swiglu", "standard"): lambda g: ((_t(g, 4, 3, 21), _t(g, 4, 3, 21)), {}),
     ("load_balancing_loss", "switch"): lambda g: (([_t(g, 9, 6), _t(g, 9, 6)], 6, 2), {}),
     # Head size 16: flex needs at least 16.
-    ("attention", "default"): lambda g: (
-        (_t(g, 1, 7, 4, 16), _t(g, 1, 7, 2, 16), _t(g, 1, 7, 2, 16)),
-        {"causal": True},
-    ),
+    ("attention", "default"): lambda g: ((_t(g, 1, 7, 4, 16), _t(g, 1, 7, 2, 16), _t(g, 1, 7, 2, 16)), {"causal": True}),
     # (hidden, LM-head weight, labels); one label ignored, soft-cap and z-loss on so every term is compared.
     ("cross_entropy", "causal"): lambda g: (
-        (
-            _t(g, 2, 5, 16),
-            _t(g, 11, 16),
-            torch.randint(0, 11, (2, 5), generator=g).index_fill(1, torch.tensor([0]), -100).to(DEVICE),
-        ),
+        (_t(g, 2, 5, 16), _t(g, 11, 16), torch.randint(0, 11, (2, 5), generator=g).index_fill(1, torch.tensor([0]), -100).to(DEVICE)),
         {"logit_softcap": 3.0, "z_loss_weight": 1e-2},
     ),
-    ("cross_entropy", "seq_cls"): lambda g: (
-        (_t(g, 4, 16), _t(g, 3, 16), torch.randint(0, 3, (4,), generator=g).to(DEVICE)),
-        {},
-    ),
+    ("cross_entropy", "seq_cls"): lambda g: ((_t(g, 4, 16), _t(g, 3, 16), torch.randint(0, 3, (4,), generator=g).to(DEVICE)), {}),
     # H = 8, I = 4: 16-byte fp32 rows for torch._grouped_mm. Token 1 routes to expert 2 twice; expert 1 is empty.
     ("moe_experts", "routed"): lambda g: (
-        (
-            _t(g, 5, 8),
-            torch.tensor([[0, 2], [2, 2], [3, 0], [2, 3], [0, 0]], device=DEVICE),
-            _t(g, 5, 2),
-            _t(g, 4, 8, 8),
-            _t(g, 4, 8, 4),
-        ),
+        (_t(g, 5, 8), torch.tensor([[0, 2], [2, 2], [3, 0], [2, 3], [0, 0]], device=DEVICE), _t(g, 5, 2),
+         _t(g, 4, 8, 8), _t(g, 4, 8, 4)),
         {},
     ),  # fmt: skip
     ("moe_experts", "grouped"): lambda g: (
-        (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8, 4)),
-        {},
+        (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8, 4)), {}
     ),
     # gpt-oss layout: gate_up_proj [E, H, 2I] interleaved + bias, down_proj [E, I, H] + bias (H = 8, I = 4); a
     # small limit so both clamps clip some of the random pre-activations.
     ("moe_experts", "clamped_routed"): lambda g: (
-        (
-            _t(g, 5, 8),
-            torch.tensor([[0, 2], [2, 2], [3, 0], [2, 3], [0, 0]], device=DEVICE),
-            _t(g, 5, 2),
-            _t(g, 4, 8, 8),
-            _t(g, 4, 8),
-            _t(g, 4, 4, 8),
-            _t(g, 4, 8),
-        ),
+        (_t(g, 5, 8), torch.tensor([[0, 2], [2, 2], [3, 0], [2, 3], [0, 0]], device=DEVICE), _t(g, 5, 2),
+         _t(g, 4, 8, 8), _t(g, 4, 8), _t(g, 4, 4, 8), _t(g, 4, 8)),
         {"limit": 1.5, "alpha": 1.702},
     ),  # fmt: skip
     ("moe_experts", "clamped_grouped"): lambda g: (
-        (
-            _t(g, 7, 8),
-            torch.tensor([3, 0, 4], device=DEVICE),
-            _t(g, 3, 8, 8),
-            _t(g, 3, 8),
-            _t(g, 3, 4, 8),
-            _t(g, 3, 8),
-        ),
+        (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8), _t(g, 3, 4, 8),
+         _t(g, 3, 8)),
         {"limit": 1.5, "alpha": 1.702},
     ),  # fmt: skip
 }
@@ -122,9 +93,7 @@ def _outputs(obj) -> list[torch.Tensor]:
 
 def _clone(obj):
     if isinstance(obj, torch.Tensor):
-        return (
-            obj.detach().clone().requires_grad_(obj.requires_grad) if obj.is_floating_point() else obj.clone()
-        )
+        return obj.detach().clone().requires_grad_(obj.requires_grad) if obj.is_floating_point() else obj.clone()
     if isinstance(obj, list | tuple):
         return type(obj)(_clone(item) for item in obj)
     return obj
@@ -135,9 +104,7 @@ def _run(fn, args, kwargs, seed: int):
     outs = _outputs(fn(*args, **kwargs))
     gen = torch.Generator().manual_seed(seed)
     probes = [torch.randn(o.shape, generator=gen).to(o.device) for o in outs]
-    floating = [
-        (o, p) for o, p in zip(outs, probes, strict=True) if o.is_floating_point() and o.requires_grad
-    ]
+    floating = [(o, p) for o, p in zip(outs, probes, strict=True) if o.is_floating_point() and o.requires_grad]
     total = sum((o.float() * p).sum() for o, p in floating)
     leaves = _leaves(args)
     grads = torch.autograd.grad(total, leaves, allow_unused=True) if floating else [None] * len(leaves)

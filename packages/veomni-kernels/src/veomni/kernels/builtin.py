@@ -25,29 +25,11 @@ _K = "veomni.kernels"
 BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     # op, variant, backend, implementation, requirement
     ("cross_entropy", "causal", "eager", f"{_K}.cross_entropy.eager:causal_lm_cross_entropy", ANYWHERE),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "eager",
-        f"{_K}.cross_entropy.eager:sequence_classification_cross_entropy",
-        ANYWHERE,
-    ),
+    ("cross_entropy", "seq_cls", "eager", f"{_K}.cross_entropy.eager:sequence_classification_cross_entropy", ANYWHERE),
     ("cross_entropy", "causal", "triton", f"{_K}.cross_entropy.triton_impl:causal_lm_cross_entropy", TRITON),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "triton",
-        f"{_K}.cross_entropy.triton_impl:sequence_classification_cross_entropy",
-        TRITON,
-    ),
+    ("cross_entropy", "seq_cls", "triton", f"{_K}.cross_entropy.triton_impl:sequence_classification_cross_entropy", TRITON),
     ("cross_entropy", "causal", "liger", f"{_K}.cross_entropy.liger_impl:causal_lm_cross_entropy", LIGER),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "liger",
-        f"{_K}.cross_entropy.liger_impl:sequence_classification_cross_entropy",
-        LIGER,
-    ),
+    ("cross_entropy", "seq_cls", "liger", f"{_K}.cross_entropy.liger_impl:sequence_classification_cross_entropy", LIGER),
     ("moe_experts", "routed", "eager", f"{_K}.moe_experts.eager:moe_experts_routed_eager", ANYWHERE),
     ("moe_experts", "grouped", "eager", f"{_K}.moe_experts.eager:moe_experts_grouped_eager", ANYWHERE),
     ("moe_experts", "routed", "torch", f"{_K}.moe_experts.torch_impl:moe_experts_routed_torch", GROUPED_MM),
@@ -80,13 +62,7 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("swiglu", "standard", "eager", f"{_K}.swiglu.eager:swiglu_eager", ANYWHERE),
     ("swiglu", "standard", "triton", f"{_K}.swiglu.triton_impl:swiglu_triton", TRITON),
     ("load_balancing_loss", "switch", "eager", f"{_K}.moe_loss.eager:load_balancing_loss_eager", ANYWHERE),
-    (
-        "load_balancing_loss",
-        "switch",
-        "triton",
-        f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton",
-        TRITON,
-    ),
+    ("load_balancing_loss", "switch", "triton", f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton", TRITON),
     ("rms_norm", "standard", "liger", f"{_K}.liger_backend:rms_norm_standard", LIGER),
     ("rms_norm", "offset", "liger", f"{_K}.liger_backend:rms_norm_offset", LIGER),
     ("rope", "full", "liger", f"{_K}.liger_backend:apply_rope", LIGER),
@@ -136,15 +112,8 @@ def _capabilities(op: str, backend: str) -> frozenset[str]:
 def register_builtin() -> None:
     """Register every row of `BUILTIN`, plus an ``npu`` declaration for each op that has one in its defaults."""
     for op, variant, backend, target, requires in BUILTIN:
-        KERNELS.register(
-            op,
-            variant,
-            backend,
-            _importer(target),
-            requires,
-            description=target,
-            capabilities=_capabilities(op, backend),
-        )
+        caps = _capabilities(op, backend)
+        KERNELS.register(op, variant, backend, _importer(target), requires, description=target, capabilities=caps)
     for op, variant in sorted({(op, variant) for op, variant, *_ in BUILTIN}):
         if op in _NPU_DECLARED:
             KERNELS.register(op, variant, "npu", _npu_unavailable(op, variant), NPU, description="torch_npu")
