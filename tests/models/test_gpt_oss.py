@@ -111,16 +111,15 @@ def test_eager_kernels_are_bitwise_upstream():
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
+SDPA_TORCH = dict(EAGER, attention="sdpa", moe_experts="torch")
+SDPA_TRITON = dict(EAGER, attention="sdpa", moe_experts="triton", rope="triton", load_balancing_loss="triton")
+
+
 @pytest.mark.parametrize(
-    "ops",
-    [
-        dict(EAGER),
-        dict(EAGER, attention="sdpa", moe_experts="torch", rope="eager"),
-        dict(EAGER, attention="sdpa", moe_experts="triton", rope="triton", load_balancing_loss="triton"),
-    ],
-    ids=["veomni_eager", "sdpa+torch", "sdpa+triton"],
+    "ops, packed",
+    [(EAGER, False), (EAGER, True), (SDPA_TORCH, True), (SDPA_TRITON, False)],
+    ids=["veomni_eager-batch", "veomni_eager-packed", "sdpa+torch-packed", "sdpa+triton-batch"],
 )
-@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_adapter_matches_upstream(ops, packed):
     upstream, ours = build_pair()
     apply_ops(ours, OpsConfig(**ops))
