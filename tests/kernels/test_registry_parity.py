@@ -78,6 +78,18 @@ CASES: dict[tuple[str, str], Case] = {
         (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8, 4)),
         {},
     ),
+    # gpt-oss layout: gate_up_proj [E, H, 2I] interleaved + bias, down_proj [E, I, H] + bias (H = 8, I = 4); a
+    # small limit so both clamps clip some of the random pre-activations.
+    ("moe_experts", "clamped_routed"): lambda g: (
+        (_t(g, 5, 8), torch.tensor([[0, 2], [2, 2], [3, 0], [2, 3], [0, 0]], device=DEVICE), _t(g, 5, 2),
+         _t(g, 4, 8, 8), _t(g, 4, 8), _t(g, 4, 4, 8), _t(g, 4, 8)),
+        {"limit": 1.5, "alpha": 1.702},
+    ),  # fmt: skip
+    ("moe_experts", "clamped_grouped"): lambda g: (
+        (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8), _t(g, 3, 4, 8),
+         _t(g, 3, 8)),
+        {"limit": 1.5, "alpha": 1.702},
+    ),  # fmt: skip
 }
 
 

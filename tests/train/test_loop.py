@@ -1,5 +1,5 @@
 """The training loop on real gloo ranks: every (dp, sp, ep) layout gives the single-process loss and grad norm per
-step, resume is exact, and the quickstart trains, saves and exports a model plain transformers generates from."""
+step (dense, Qwen3-MoE and gpt-oss), resume is exact, and the quickstart trains, saves and exports a model plain transformers generates from."""
 
 from __future__ import annotations
 
@@ -26,6 +26,16 @@ MOE = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "router_aux_loss_coef": 0.01, "norm_topk_prob": True,
 }  # fmt: skip
+# gpt-oss: sinks, alternating 16-token sliding / full layers (so SP shards cut through windows), biased clamped
+# experts (moe_experts "torch", the clamped_* variants), biased router.
+GPT_OSS = {
+    "model_type": "gpt_oss", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 24,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 16, "max_position_embeddings": 512,
+    "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.01, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}  # fmt: skip
+MODELS = {"dense": DENSE, "moe": MOE, "gpt_oss": GPT_OSS}
 
 
 def initial_weights(model: dict, out: str) -> str:
@@ -49,7 +59,7 @@ def tiny_recipe(tmp: str, model: dict, *, weights: str | None = None, dp_replica
     raw["train"].update({"tokens_per_step": 1024, "tokens_per_micro_batch": 256, "steps": STEPS, "epochs": None,
                          "eval_interval": None, "log_interval": 1, **train})  # fmt: skip
     raw["optim"].update({"warmup_steps": 1})
-    raw["ops"] = {"moe_experts": "torch"} if model is MOE else {}
+    raw["ops"] = {"moe_experts": "torch"} if model is not DENSE else {}
     raw["checkpoint"].update({"dir": tmp, "resume": "never", "save_final": False, "hf_export": False})
     raw["data"]["eval_files"] = []
     return raw
@@ -76,7 +86,7 @@ def references(dist_pools, tmp_path_factory):
     """Per model: its initial weights and the single-process (loss, grad norm, lr) of each step."""
     pool = dist_pools.get(1, "gloo")
     out = {}
-    for name, model in (("dense", DENSE), ("moe", MOE)):
+    for name, model in MODELS.items():
         weights = initial_weights(model, str(tmp_path_factory.mktemp(f"{name}_init")))
         raw = tiny_recipe(str(tmp_path_factory.mktemp(name)), model, weights=weights)
         out[name] = (weights, pool.run(_steps, raw, STEPS)[0])
@@ -84,9 +94,11 @@ def references(dist_pools, tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size, backend", backend_params(2, 4))
-@pytest.mark.parametrize("model_name", ["dense", "moe"])
+@pytest.mark.parametrize("model_name", list(MODELS))
 def test_every_layout_matches_one_process(dist_pools, references, tmp_path, world_size, backend, model_name):
-    model = DENSE if model_name == "dense" else MOE
+    model = MODELS[model_name]
+    if model is GPT_OSS and world_size != 2:
+        pytest.skip("gpt_oss runs the 2-rank layouts; the 4-rank ones add no gpt-oss-specific path")
     pool = dist_pools.get(world_size, backend)
     weights, reference = references[model_name]
     for dp_replicate, sp, ep in LAYOUTS[world_size]:
@@ -104,7 +116,8 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
         tol = {"loss": 2e-5, "grad_norm": 1e-4} if backend == "gloo" else {"loss": 1e-4, "grad_norm": 1e-3}
         if backend == "nccl":
             raw["train"]["device"] = "cuda"
-        for ac in (False, True) if (dp_replicate, sp, ep) in CHECKPOINTED else (False,):
+        checkpointed = (dp_replicate, sp, ep) in CHECKPOINTED and model is not GPT_OSS
+        for ac in (False, True) if checkpointed else (False,):
             raw["parallel"]["activation_checkpointing"] = ac
             for rank_result in pool.run(_steps, raw, STEPS):
                 for got, want in zip(rank_result, reference, strict=True):

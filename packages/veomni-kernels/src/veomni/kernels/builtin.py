@@ -36,6 +36,12 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("moe_experts", "grouped", "torch", f"{_K}.moe_experts.torch_impl:moe_experts_grouped_torch", GROUPED_MM),
     ("moe_experts", "routed", "triton", f"{_K}.moe_experts.triton_impl:moe_experts_routed_triton", TRITON),
     ("moe_experts", "grouped", "triton", f"{_K}.moe_experts.triton_impl:moe_experts_grouped_triton", TRITON),
+    ("moe_experts", "clamped_routed", "eager", f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_eager", ANYWHERE),
+    ("moe_experts", "clamped_grouped", "eager", f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_eager", ANYWHERE),
+    ("moe_experts", "clamped_routed", "torch", f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_torch", GROUPED_MM),
+    ("moe_experts", "clamped_grouped", "torch", f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_torch", GROUPED_MM),
+    ("moe_experts", "clamped_routed", "triton", f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_triton", TRITON),
+    ("moe_experts", "clamped_grouped", "triton", f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_triton", TRITON),
     ("rms_norm", "standard", "eager", f"{_K}.rms_norm.eager:rms_norm_standard", ANYWHERE),
     ("rms_norm", "offset", "eager", f"{_K}.rms_norm.eager:rms_norm_offset", ANYWHERE),
     ("rms_norm", "unweighted", "eager", f"{_K}.rms_norm.eager:rms_norm_unweighted", ANYWHERE),
@@ -94,10 +100,20 @@ def _npu_unavailable(op: str, variant: str) -> KernelFn:
     return factory
 
 
+def _capabilities(op: str, backend: str) -> frozenset[str]:
+    # Attention features live next to the kernels that check them (attention/features.py, torch only).
+    if op != "attention":
+        return frozenset()
+    from veomni.kernels.attention.features import BACKEND_FEATURES
+
+    return BACKEND_FEATURES.get(backend, frozenset())
+
+
 def register_builtin() -> None:
     """Register every row of `BUILTIN`, plus an ``npu`` declaration for each op that has one in its defaults."""
     for op, variant, backend, target, requires in BUILTIN:
-        KERNELS.register(op, variant, backend, _importer(target), requires, description=target)
+        caps = _capabilities(op, backend)
+        KERNELS.register(op, variant, backend, _importer(target), requires, description=target, capabilities=caps)
     for op, variant in sorted({(op, variant) for op, variant, *_ in BUILTIN}):
         if op in _NPU_DECLARED:
             KERNELS.register(op, variant, "npu", _npu_unavailable(op, variant), NPU, description="torch_npu")

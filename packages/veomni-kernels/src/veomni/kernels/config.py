@@ -9,7 +9,7 @@ Allowed values come from the registry, so third-party backends become valid by r
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import torch
@@ -109,6 +109,33 @@ class OpsConfig:
         changed = attrs.evolve(self, attention=FALLBACK_BACKENDS["attention"])
         object.__setattr__(changed, "defaulted", self.defaulted)
         return changed
+
+    def capabilities(self, field: str) -> frozenset[str]:
+        """The optional features (e.g. ``sinks``) that the backend selected for ``field`` computes."""
+        return self.registry.capabilities(FIELD_OPS[field], getattr(self, field))
+
+    def require_capabilities(self, field: str, needed: Iterable[str], why: str) -> None:
+        """Raise ``ValueError`` unless the backend of ``field`` has every capability in ``needed``.
+
+        Args:
+            field: an op field (``"attention"``).
+            needed: capability names, e.g. ``{"sinks", "sliding_window"}``.
+            why: who needs them, for the message (``"gpt_oss (GptOssForCausalLM)"``).
+        The message names the missing capabilities and the backends that have all of ``needed`` (and which of
+        those run on this hardware).
+        """
+        needed = frozenset(needed)
+        missing = needed - self.capabilities(field)
+        if not missing:
+            return
+        op = FIELD_OPS[field]
+        having = [b for b in self.registry.backends(op) if needed <= self.registry.capabilities(op, b)]
+        runnable = [b for b in having if self.registry.backend_problem(op, b, self.hardware) is None]
+        chosen = "defaulted to" if field in self.defaulted else "set to"
+        raise ValueError(
+            f"{why} needs {sorted(needed)}, but OpsConfig.{field} is {chosen} {getattr(self, field)!r}, "
+            f"which lacks {sorted(missing)}. Backends with all of them: {having}; runnable here: {runnable}"
+        )
 
     @property
     def compile_enabled(self) -> bool:

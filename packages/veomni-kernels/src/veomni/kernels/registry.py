@@ -27,6 +27,8 @@ class KernelSpec:
         factory: builds the callable on first use (imports heavy packages lazily).
         requires: hardware and packages it needs.
         description: a line for listings.
+        capabilities: optional features the implementation computes (attention: ``softcap``, ``sinks``,
+            ``sliding_window``); a model that needs one is refused on a backend without it.
     """
 
     op: str
@@ -35,6 +37,7 @@ class KernelSpec:
     factory: Callable[[], KernelFn]
     requires: Requirement
     description: str = ""
+    capabilities: frozenset[str] = frozenset()
 
 
 class KernelRegistry:
@@ -51,13 +54,20 @@ class KernelRegistry:
         factory: Callable[[], KernelFn],
         requires: Requirement,
         description: str = "",
+        capabilities: frozenset[str] = frozenset(),
     ) -> KernelSpec:
         """Add an implementation; registering the same key twice is an error (no silent override)."""
         key = (op, variant, backend)
         if key in self._specs:
             raise ValueError(f"kernel {op}/{variant} for backend {backend!r} is already registered")
         spec = KernelSpec(
-            op=op, variant=variant, backend=backend, factory=factory, requires=requires, description=description
+            op=op,
+            variant=variant,
+            backend=backend,
+            factory=factory,
+            requires=requires,
+            description=description,
+            capabilities=frozenset(capabilities),
         )
         self._specs[key] = spec
         return spec
@@ -98,6 +108,14 @@ class KernelRegistry:
             if problem:
                 return f"{op}/{spec.variant} on {backend!r} {problem}"
         return None
+
+    def capabilities(self, op: str, backend: str) -> frozenset[str]:
+        """The capabilities every variant of ``op`` on ``backend`` has (an unknown backend: ``KeyError``)."""
+        specs = [s for (o, _, b), s in self._specs.items() if (o, b) == (op, backend)]
+        if not specs:
+            self._require_op(op)
+            raise KeyError(f"{backend!r} is not a backend of {op}; registered: {self.backends(op)}")
+        return frozenset.intersection(*(s.capabilities for s in specs))
 
     def _require_op(self, op: str) -> None:
         if op not in self.ops():

@@ -59,7 +59,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
@@ -198,8 +197,11 @@ def veomni_attention_forward(
         scaling: softmax scale (``1/sqrt(D)`` when None). dropout: must be 0 (no backend implements it).
         kwargs: HF's attention kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``,
             ``is_causal`` (overrides ``module.is_causal``), ``is_cross_attention`` (overrides
-            ``module.is_cross_attention``), ``sp_unpadded_len``; ``sliding_window``, ``softcap`` and ``s_aux``
-            raise unless None; unrelated ones are ignored. Cross-attention: key, value ``[B, Hkv, S_kv, D]``
+            ``module.is_cross_attention``), ``sp_unpadded_len``; ``sliding_window``, ``s_aux`` (sinks ``[Hq]``)
+            and ``softcap`` go to the kernel as ``window`` / ``sinks`` / ``softcap`` (a kernel lacking one
+            raises; `veomni.models.kernel_hooks.apply_ops` refuses such a backend at build time); under SP the
+            sinks are cut to the rank's heads and the window applies to global positions. Unrelated kwargs
+            are ignored. Cross-attention: key, value ``[B, Hkv, S_kv, D]``
             with any ``S_kv``, replicated across SP ranks.
     Returns:
         ``(out [B, S, Hq, Dv] in query's dtype, None)`` (``Dv``: value's head size, which may differ from
@@ -210,18 +212,20 @@ def veomni_attention_forward(
         raise ValueError(
             f"{name} has no attention dropout (got dropout={dropout}); set the model's attention_dropout to 0"
         )
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"{name} does not support {unsupported}={kwargs[unsupported]!r}")
+    features = _features(kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     cross = kwargs.get("is_cross_attention")
     if bool(getattr(module, "is_cross_attention", False) if cross is None else cross):
+        if any(f is not None for f in features.values()):
+            raise NotImplementedError(f"{name}: cross-attention takes no window, sinks or softcap")
         return _cross_attention(
             name, kernel, query, key, value, attention_mask, causal, scaling, kwargs
         ), None
     if key.shape[2] != query.shape[2]:
-        return _cached_decode(name, query, key, value, attention_mask, causal, scaling, kwargs), None
+        return _cached_decode(
+            name, query, key, value, attention_mask, causal, scaling, kwargs, features
+        ), None
     if attention_mask is not None:
         _check_padding_mask(attention_mask, causal, name)
 
@@ -231,7 +235,15 @@ def veomni_attention_forward(
     if state is None:
         cu_seqlens, max_seqlen = _packing(kwargs, query.shape[0], query.shape[2], group=None, full_len=None)
         out = _run_kernel(
-            q, k, v, kernel=kernel, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scaling
+            q,
+            k,
+            v,
+            kernel=kernel,
+            causal=causal,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            scale=scaling,
+            **features,
         )
         return out, None
 
@@ -245,6 +257,11 @@ def veomni_attention_forward(
         )
     full_len = padded_len if unpadded_len is None else unpadded_len
     cu_seqlens, max_seqlen = _packing(kwargs, query.shape[0], query.shape[2], group=group, full_len=full_len)
+    if features["sinks"] is not None:
+        # The exchange hands rank r the r-th block of H / P query heads; the kernel sees only their sinks.
+        local_heads = query.shape[1] // dist.get_world_size(group)
+        features["sinks"] = features["sinks"].narrow(0, dist.get_rank(group) * local_heads, local_heads)
+    # The window needs no care: the kernel sees the full sequence, so it applies to global positions.
     out = ulysses_attention(
         q,
         k,
@@ -259,8 +276,19 @@ def veomni_attention_forward(
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         scale=scaling,
+        **features,
     )
     return out, None
+
+
+def _features(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The optional attention features HF passes: ``sliding_window`` (int), ``s_aux`` (sinks ``[Hq]``),
+    ``softcap`` (float), as the kernels' ``window`` / ``sinks`` / ``softcap`` (None when off)."""
+    return {
+        "window": kwargs.get("sliding_window"),
+        "sinks": kwargs.get("s_aux"),
+        "softcap": kwargs.get("softcap"),
+    }
 
 
 def _cached_decode(
@@ -272,12 +300,15 @@ def _cached_decode(
     causal: bool,
     scaling: float | None,
     kwargs: dict[str, Any],
+    features: dict[str, Any],
 ) -> torch.Tensor:
-    """Generation with a KV cache (keys longer than queries): torch SDPA with a bottom-right causal mask.
+    """Generation with a KV cache (keys longer than queries): one explicit fp32 computation for every backend.
 
     Not a training path, so every veomni backend shares this one: the queries are the last ``S_q`` of the
-    ``S_kv`` positions, and each attends to the keys up to its own position that the padding mask keeps.
-    Returns ``[B, S_q, Hq, D]``.
+    ``S_kv`` cached positions, and each attends to the keys up to its own position that the padding mask and
+    the sliding window keep (positions relative to the query, so a cache that dropped old tokens reads the
+    same); soft-cap and sinks as in the kernels (``veomni.kernels.attention.features``). Returns
+    ``[B, S_q, Hq, D]``.
     """
     if _sp_state() is not None or kwargs.get("cu_seq_lens_q") is not None:
         hint = (
@@ -294,9 +325,16 @@ def _cached_decode(
     q_len, kv_len = query.shape[2], key.shape[2]
     if kv_len < q_len:
         raise ValueError(f"{name}: fewer keys ({kv_len}) than queries ({q_len})")
-    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
-    if causal:
-        allowed = torch.tril(allowed, diagonal=kv_len - q_len)
+    window, sinks, softcap = features["window"], features["sinks"], features["softcap"]
+    # Distance of key j behind query i, both placed at the end of the cached positions.
+    behind = (
+        torch.arange(q_len, device=query.device)[:, None]
+        + (kv_len - q_len)
+        - torch.arange(kv_len, device=query.device)
+    )
+    allowed = behind >= 0 if causal else torch.ones_like(behind, dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & (behind < window)
     mask = allowed[None, None]
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[-1] != kv_len:
@@ -304,10 +342,20 @@ def _cached_decode(
                 f"{name}: decoding needs a [B, {kv_len}] padding mask, got {tuple(attention_mask.shape)}"
             )
         mask = mask & attention_mask.bool()[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )
-    return out.transpose(1, 2)
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1).float()
+    v = value.repeat_interleave(groups, dim=1).float()
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+    scores = query.float() @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v).to(query.dtype).transpose(1, 2)
 
 
 def _cross_attention(
@@ -472,13 +520,25 @@ def _run_kernel(
     cu_seqlens: torch.Tensor | None,
     max_seqlen: int | None,
     scale: float | None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``[B, S, H, D]`` in and out; with ``cu_seqlens`` the batch runs as one packed row of B * S tokens."""
+    """``[B, S, H, D]`` in and out; with ``cu_seqlens`` the batch runs as one packed row of B * S tokens.
+
+    The optional features are passed on only when set, so kernels of the older signature keep working."""
     batch, seq = q.shape[:2]
     if cu_seqlens is not None and batch > 1:
         q, k, v = (t.reshape(1, batch * seq, *t.shape[2:]) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = kernel(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
+    features = {
+        key: value
+        for key, value in (("window", window), ("sinks", sinks), ("softcap", softcap))
+        if value is not None
+    }
+    out = kernel(
+        q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale, **features
+    )
     return out.reshape(batch, seq, *out.shape[2:])
 
 

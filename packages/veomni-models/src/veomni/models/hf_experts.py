@@ -10,16 +10,20 @@ HF experts classes decorated with ``@use_experts_implementation`` (Qwen3-MoE's `
   ``dispatch_tokens`` -> the ``moe_experts/grouped`` kernel on the local experts -> ``combine_tokens``. The
   upstream eager loop is refused there: it indexes experts by global id and would run on the wrong weights.
 
-The non-eager kernels compute one thing: SwiGLU experts in HF's default layout. Experts classes declare other
-layouts through the decorator's flags (gpt_oss: biases, transposed and interleaved weights, a clamped gate;
-nemotron_h: no gate; deepseek_v4: a clamp in ``_apply_gate``), so `check_experts_modules` refuses, naming the
-flag, every experts module that differs, before a kernel could silently drop a bias or a clamp.
+The generic kernels (``routed``/``grouped``) compute one thing: SwiGLU experts in HF's default layout. Experts
+classes declare other layouts through the decorator's flags (gpt_oss: biases, transposed and interleaved weights,
+a clamped gate; nemotron_h: no gate; deepseek_v4: a clamp in ``_apply_gate``), so `check_experts_modules`
+refuses, naming the flag, every experts module that differs, before a kernel could silently drop a bias or a
+clamp. A layout with kernels of its own is *claimed* explicitly (`claim_experts`): the claim names the exact
+class, the kernel variants that compute it and how to call them; only that class (not a subclass, not
+transformers' own copy of it) runs those variants, after a numeric check of its gate against the kernels'.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+import attrs
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
@@ -50,6 +54,7 @@ def veomni_experts_forward(
             "kernels attached; bind them with veomni.models.kernel_hooks.apply_ops(model, ops)"
         )
     backend = kernels.config.moe_experts
+    claim = claim_of(self)
     shards = expert_shards(self)
     shard = shards.get("gate_up_proj")
     if shard is None or shard.ep_size == 1:
@@ -57,6 +62,11 @@ def veomni_experts_forward(
             upstream = type(self).forward.__wrapped__  # the class's own forward, under HF's dispatch wrapper
             return upstream(self, hidden_states, top_k_index, top_k_weights)
         _recheck(self, backend)
+        if claim is not None:
+            routed = kernels.get("moe_experts", claim.routed)
+            return routed(
+                hidden_states, top_k_index, top_k_weights, *claim.tensors(self), **claim.options(self)
+            )
         routed = kernels.get("moe_experts", "routed")
         return routed(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
@@ -66,15 +76,20 @@ def veomni_experts_forward(
             f"and cannot run on expert-parallel shards ({type(self).__name__} holds {shard.local_experts} of "
             f"{shard.num_experts} experts); choose a grouped backend such as 'torch' or 'triton'"
         )
-    if "down_proj" not in shards:
+    sharded = claim.params if claim is not None else ("gate_up_proj", "down_proj")
+    if any(name not in shards for name in sharded):
         raise ValueError(
-            f"{type(self).__name__}: both gate_up_proj and down_proj must be expert-sharded, found {sorted(shards)}"
+            f"{type(self).__name__}: {list(sharded)} must all be expert-sharded, found {sorted(shards)}"
         )
     _recheck(self, backend)
     group = current_parallel_state().ep_group
     rows, _, handle = dispatch_tokens(hidden_states, top_k_index, shard.num_experts, group)
-    grouped = kernels.get("moe_experts", "grouped")
-    out = grouped(rows, handle.local_expert_counts, self.gate_up_proj, self.down_proj)
+    if claim is not None:
+        grouped = kernels.get("moe_experts", claim.grouped)
+        out = grouped(rows, handle.local_expert_counts, *claim.tensors(self), **claim.options(self))
+    else:
+        grouped = kernels.get("moe_experts", "grouped")
+        out = grouped(rows, handle.local_expert_counts, self.gate_up_proj, self.down_proj)
     return combine_tokens(out, top_k_weights, handle)
 
 
@@ -82,7 +97,7 @@ def _recheck(module: nn.Module, backend: str) -> None:
     # A module that reached this forward without apply_ops (set_experts_implementation by hand, or kernels
     # re-attached with another backend) is checked here, once per backend change.
     if getattr(module, _CHECKED, None) != backend:
-        problems = experts_mismatches(module)
+        problems = module_mismatches(module)
         if problems:
             raise ValueError(
                 f"OpsConfig.moe_experts={backend!r} cannot run {type(module).__name__}: "
@@ -114,6 +129,99 @@ MOE_EXPERTS_CONTRACT: Mapping[str, bool] = {
 _CLAMP_ATTRS = ("limit", "alpha", "swiglu_limit", "swiglu_alpha")
 _CHECKED = "_veomni_experts_checked"  # the backend an instance was last accepted for
 _MISSING = "<not set>"
+
+
+@attrs.frozen(kw_only=True)
+class ExpertsClaim:
+    """A non-default experts layout that dedicated ``moe_experts`` variants compute exactly.
+
+    Attributes:
+        name: what the layout is, for messages (``"gpt-oss clamped SwiGLU"``).
+        routed, grouped: the ``moe_experts`` variants without / with expert parallelism; they take
+            ``(hidden, top_k_index, top_k_weights, *tensors, **options)`` / ``(rows, counts, *tensors, **options)``.
+        flags: the ``@use_experts_implementation`` flags the module must carry.
+        params: the module's parameter names, in the kernels' argument order (all ``[E, ...]``, all EP-sharded).
+        option_attrs: kernel keyword -> module attribute (``{"limit": "limit"}``), read at every call.
+        gate_check: ``gate_check(cls)`` returns None when ``cls._apply_gate`` computes the kernels' activation,
+            else a description of the difference (run once, at claim time).
+    """
+
+    name: str
+    routed: str
+    grouped: str
+    flags: Mapping[str, bool]
+    params: tuple[str, ...]
+    option_attrs: Mapping[str, str]
+    gate_check: Callable[[type], str | None]
+
+    def tensors(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(module, name) for name in self.params)
+
+    def options(self, module: nn.Module) -> dict[str, object]:
+        return {kw: getattr(module, attr) for kw, attr in self.option_attrs.items()}
+
+    def mismatches(self, module: nn.Module) -> list[str]:
+        """How ``module`` differs from what the claimed kernels compute (empty when it matches)."""
+        found = []
+        for flag, expected in self.flags.items():
+            value = getattr(module, flag, _MISSING)
+            if value is not expected:
+                found.append(f"{flag}: expected {expected} ({self.name}), found {value}")
+        if getattr(module, "_is_expert_parallel", False):
+            found.append(
+                "_is_expert_parallel: expected False, found True (transformers' own expert parallelism)"
+            )
+        params = sorted(name for name, _ in module.named_parameters(recurse=False))
+        if params != sorted(self.params):
+            found.append(f"parameters: expected {sorted(self.params)} ({self.name}), found {params}")
+        for kw, attr in self.option_attrs.items():
+            value = getattr(module, attr, None)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                found.append(f"{attr}: expected a number (the kernels' {kw}), found {value!r}")
+        children = [name for name, _ in module.named_children()]
+        if children:
+            found.append(f"submodules: expected none ({self.name}), found {children}")
+        return found
+
+
+EXPERTS_CLAIMS: dict[type, ExpertsClaim] = {}
+"""Experts class -> its claim; filled by `claim_experts` when a generated modeling file is imported."""
+
+
+def claim_experts(cls: type, claim: ExpertsClaim) -> type:
+    """Declare that ``claim``'s kernel variants compute ``cls`` (exactly that class, not subclasses).
+
+    Raises ``ValueError`` if ``cls``'s gate is not the claimed activation (``claim.gate_check``), so a changed
+    upstream gate fails at import instead of training a different model, or if ``cls`` is claimed twice.
+    Returns ``cls``.
+    """
+    existing = EXPERTS_CLAIMS.get(cls)
+    if existing is not None and existing != claim:
+        raise ValueError(f"{cls.__qualname__} is already claimed by {existing.name!r}")
+    problem = claim.gate_check(cls)
+    if problem:
+        raise ValueError(f"cannot claim {cls.__qualname__} for {claim.name!r}: {problem}")
+    EXPERTS_CLAIMS[cls] = claim
+    return cls
+
+
+def claim_of(module: nn.Module) -> ExpertsClaim | None:
+    """The claim on ``module``'s class, or None. Wrapper classes that torch.distributed creates around a module
+    (FSDP2's ``FSDP<Class>``) are looked through; any other subclass of a claimed class is not claimed."""
+    for cls in type(module).__mro__:
+        claim = EXPERTS_CLAIMS.get(cls)
+        if claim is not None:
+            return claim
+        if not cls.__module__.startswith("torch.distributed."):
+            return None
+    return None
+
+
+def module_mismatches(module: nn.Module) -> list[str]:
+    """How ``module`` differs from what veomni's kernels for it compute: its claim's contract if its class is
+    claimed (`claim_experts`), else the generic `MOE_EXPERTS_CONTRACT` (`experts_mismatches`)."""
+    claim = claim_of(module)
+    return claim.mismatches(module) if claim is not None else experts_mismatches(module)
 
 
 def is_hf_experts_module(module: nn.Module) -> bool:
@@ -186,7 +294,7 @@ def check_experts_modules(model: nn.Module, backend: str) -> int:
     experts = [(fqn, m) for fqn, m in model.named_modules() if is_hf_experts_module(m)]
     refused: dict[type, tuple[str, int, list[str]]] = {}
     for fqn, module in experts:
-        problems = [] if backend == "eager" else experts_mismatches(module)
+        problems = [] if backend == "eager" else module_mismatches(module)
         if problems:
             first, count, _ = refused.get(type(module), (fqn, 0, problems))
             refused[type(module)] = (first, count + 1, problems)
@@ -198,9 +306,11 @@ def check_experts_modules(model: nn.Module, backend: str) -> int:
             parts.append(f"{cls.__name__} at {first or '<root>'}{more}:\n{lines}")
         raise ValueError(
             f"OpsConfig.moe_experts={backend!r} computes HF-layout SwiGLU experts (no bias, no clamp, "
-            "[E, 2I, H] / [E, H, I] weights); these experts modules differ, and running them through it would "
-            "silently change the model:\n" + "\n".join(parts) + "\nUse OpsConfig(moe_experts='eager') to run "
-            "the modules' own forward (no expert parallelism), or build_model(..., backend='hf')."
+            "[E, 2I, H] / [E, H, I] weights) and the layouts claimed for veomni's own experts classes "
+            f"({sorted(c.name for c in EXPERTS_CLAIMS.values())}); these experts modules differ, and running them "
+            "through it would silently change the model:\n" + "\n".join(parts) + "\nUse "
+            "OpsConfig(moe_experts='eager') to run the modules' own forward (no expert parallelism), or "
+            "build_model(..., backend='hf')."
         )
     for _, module in experts:
         setattr(module, _CHECKED, backend)

@@ -27,13 +27,18 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
 
     An HF experts module that the ``moe_experts`` backend does not implement exactly (a bias, a transposed or
     interleaved layout, no gate, a custom gate or activation, a clamp) is refused with a ValueError naming the
-    flag, before anything is attached (`veomni.models.hf_experts.check_experts_modules`).
+    flag, before anything is attached (`veomni.models.hf_experts.check_experts_modules`), and so is an attention
+    backend lacking a feature the model uses (`attention_capabilities_needed`: sinks, sliding windows, soft-cap),
+    naming the backends that have it.
 
     Returns:
         the `Kernels` now attached to every submodule.
     """
     from veomni.models.hf_attention import hf_attention_name, register_hf_attention
 
+    needed = attention_capabilities_needed(model)
+    if needed and getattr(model, "set_attn_implementation", None) is not None:
+        ops.require_capabilities("attention", needed, _describe(model))
     resolved = resolve_kernels(ops)
     experts = _has_hf_experts(model)
     if experts:
@@ -57,6 +62,34 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
 
         model.set_experts_implementation(register_hf_experts())
     return kernels
+
+
+def attention_capabilities_needed(model: nn.Module) -> frozenset[str]:
+    """The optional attention features (``veomni.kernels.attention.features``) ``model``'s attention calls use.
+
+    Read from what HF's attention modules pass to the attention function: a ``sinks`` parameter (gpt-oss's
+    ``s_aux``), a non-None ``sliding_window`` attribute (set per layer from ``layer_types``), and an
+    ``attn_logit_softcapping`` in the config or on a module (Gemma 2's ``softcap``).
+    """
+    from veomni.kernels.attention.features import SINKS, SOFTCAP, WINDOW
+
+    needed = set()
+    config = getattr(model, "config", None)
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        needed.add(SOFTCAP)
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), nn.Parameter):
+            needed.add(SINKS)
+        if getattr(module, "sliding_window", None) is not None and hasattr(module, "is_causal"):
+            needed.add(WINDOW)
+        if getattr(module, "attn_logit_softcapping", None) is not None and hasattr(module, "is_causal"):
+            needed.add(SOFTCAP)
+    return frozenset(needed)
+
+
+def _describe(model: nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{model_type} ({type(model).__name__})" if model_type else type(model).__name__
 
 
 def _has_hf_experts(model: nn.Module) -> bool:

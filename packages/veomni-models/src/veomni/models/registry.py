@@ -487,6 +487,20 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # GPT-OSS: no question-answering head upstream; sinks and sliding windows need a capable attention backend
+    # (checked at build time), the experts run the moe_experts clamped_* kernels.
+    gpt_oss = "veomni.models.gpt_oss.generated.patched_modeling_gpt_oss"
+    registry.register_config("gpt_oss", "transformers.models.gpt_oss.configuration_gpt_oss:GptOssConfig")
+    registry.register_model(
+        "gpt_oss",
+        {
+            "causal_lm": f"{gpt_oss}:GptOssForCausalLM",
+            "base": f"{gpt_oss}:GptOssModel",
+            "sequence_classification": f"{gpt_oss}:GptOssForSequenceClassification",
+            "token_classification": f"{gpt_oss}:GptOssForTokenClassification",
+        },
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
     # Qwen3-VL: a VLM (no causal_lm entry: its class is the image-text-to-text one); no SP yet (refused in forward).
     qwen3_vl = "veomni.models.qwen3_vl.generated.patched_modeling_qwen3_vl"
     registry.register_config("qwen3_vl", "transformers.models.qwen3_vl.configuration_qwen3_vl:Qwen3VLConfig")

@@ -1,6 +1,7 @@
 """Attention backends outside torch's core: ``varlen`` (torch.nn.attention.varlen) and FlashAttention 2/3/4.
 
-Same calling convention as ``functions.py``. Packages are imported on first call; a missing package or a
+Same calling convention as ``functions.py``. A sliding window ``W`` is the flash-style window ``(W - 1, 0)`` (the
+query and the ``W - 1`` keys before it). Packages are imported on first call; a missing package or a
 non-CUDA tensor is an error naming what is missing, never a fallback to another backend.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from veomni.kernels.attention.features import check_features
 from veomni.kernels.attention.functions import check_qkv
 
 # name -> (module imported on first use, pip package that provides it)
@@ -114,13 +116,19 @@ def varlen_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn`` (CUDA only); unpacked batches run as B equal segments.
 
     Args / Returns: the ``functions.py`` convention; out ``[B, S, Hq, D]`` in q's dtype (bf16/fp16 inputs).
-    Raises ``RuntimeError`` when torch lacks the module, there is no GPU or the tensors are not on CUDA.
+    Sliding windows only (torch's varlen backward ignores the log-sum-exp's gradient, so sinks cannot be
+    rescaled in). Raises ``RuntimeError`` when torch lacks the module, there is no GPU or the tensors are not on
+    CUDA.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
+    check_features("varlen", q, causal, window, sinks, softcap)
     _require("varlen", q.device)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
@@ -139,7 +147,11 @@ def varlen_attention(
     kwargs: dict[str, Any] = {}
     # torch 2.10 spelled causality ``is_causal``; later releases use flash-style window_size (-1, 0).
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        kwargs["window_size"] = _window_size(causal, window)
+    elif window is not None:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s varlen_attn takes no window_size; needs a newer torch"
+        )
     elif causal:
         kwargs["is_causal"] = True
     if scale is not None:
@@ -158,6 +170,13 @@ def varlen_attention(
     return _first(out)[..., :head_v].unflatten(0, (batch, seq))
 
 
+def _window_size(causal: bool, window: int | None) -> tuple[int, int]:
+    # Flash-style (left, right) key ranges around the query; -1 is unbounded.
+    if window is not None:
+        return (window - 1, 0)
+    return (-1, 0) if causal else (-1, -1)
+
+
 def _flash(
     name: str,
     q: torch.Tensor,
@@ -167,22 +186,33 @@ def _flash(
     cu_seqlens: torch.Tensor | None,
     max_seqlen: int | None,
     scale: float | None,
+    features: dict[str, Any],
 ) -> torch.Tensor:
     check_qkv(q, k, v, cu_seqlens, causal=causal)
+    check_features(name, q, causal, **features)
     _require(name, q.device)
     mod = importlib.import_module(_FLASH_MODULES[name][0])
     head_v = v.shape[-1]
     v = _pad_value(q, v)
+    extra: dict[str, Any] = {}
+    if features["window"] is not None:
+        extra["window_size"] = _window_size(causal, features["window"])
+    if features["softcap"] is not None:
+        extra["softcap"] = features["softcap"]
     # FlashAttention maps query head h to KV head h // (Hq // Hkv): our GQA layout, no repeat needed.
     if cu_seqlens is None:
-        return _first(mod.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))[..., :head_v]
+        fn = mod.flash_attn_func
+        _check_accepts(name, fn, extra)
+        return _first(fn(q, k, v, softmax_scale=scale, causal=causal, **extra))[..., :head_v]
     cu, max_len = _packed_layout(q, cu_seqlens, max_seqlen)
     fn = mod.flash_attn_varlen_func
+    _check_accepts(name, fn, extra)
     kwargs: dict[str, Any] = {
         "cu_seqlens_q": cu,
         "cu_seqlens_k": cu,
         "softmax_scale": scale,
         "causal": causal,
+        **extra,
     }
     # Some FlashAttention 4 releases derive the maximum length themselves and take no max_seqlen_*.
     params = _parameters(fn)
@@ -190,6 +220,13 @@ def _flash(
         kwargs.update(max_seqlen_q=max_len, max_seqlen_k=max_len)
     out = fn(q[0], k[0], v[0], **kwargs)
     return _first(out)[..., :head_v].unsqueeze(0)
+
+
+def _check_accepts(name: str, fn: Any, extra: dict[str, Any]) -> None:
+    params = _parameters(fn)
+    missing = [key for key in extra if key not in params and "**" not in params]
+    if missing:
+        raise RuntimeError(f"this {name} build's {fn.__name__} takes no {missing}; install a newer release")
 
 
 def flash_attn_2(
@@ -201,9 +238,13 @@ def flash_attn_2(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """FlashAttention 2 (``flash_attn``; bf16/fp16 CUDA tensors), packed via ``flash_attn_varlen_func``."""
-    return _flash("flash_attn_2", q, k, v, causal, cu_seqlens, max_seqlen, scale)
+    features = {"window": window, "sinks": sinks, "softcap": softcap}
+    return _flash("flash_attn_2", q, k, v, causal, cu_seqlens, max_seqlen, scale, features)
 
 
 def flash_attn_3(
@@ -215,9 +256,13 @@ def flash_attn_3(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """FlashAttention 3 (``flash_attn_interface``, Hopper; bf16/fp16 CUDA tensors)."""
-    return _flash("flash_attn_3", q, k, v, causal, cu_seqlens, max_seqlen, scale)
+    features = {"window": window, "sinks": sinks, "softcap": softcap}
+    return _flash("flash_attn_3", q, k, v, causal, cu_seqlens, max_seqlen, scale, features)
 
 
 def flash_attn_4(
@@ -229,9 +274,13 @@ def flash_attn_4(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """FlashAttention 4 (``flash_attn.cute``, Hopper/Blackwell; bf16/fp16 CUDA tensors)."""
-    return _flash("flash_attn_4", q, k, v, causal, cu_seqlens, max_seqlen, scale)
+    features = {"window": window, "sinks": sinks, "softcap": softcap}
+    return _flash("flash_attn_4", q, k, v, causal, cu_seqlens, max_seqlen, scale, features)
 
 
 def available_attention_functions() -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Attention on plain tensors, one calling convention for every backend.
 
-    fn(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, scale=None) -> out
+    fn(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, scale=None,
+       window=None, sinks=None, softcap=None) -> out
 
 * ``q``, ``k``: ``[B, S, Hq, D]`` / ``[B, S, Hkv, D]``; ``v``: ``[B, S, Hkv, Dv]`` with ``Hq % Hkv == 0``. The
   value head size ``Dv`` may differ from ``D`` (DeepSeek's MLA: D = 192, Dv = 128); the output then has ``Dv``.
@@ -14,6 +15,8 @@
   attends only to tokens of its own segment (and, if causal, not to later ones). ``max_seqlen`` is the
   longest segment; kernels that need it compute it (one host sync) when it is None.
 * ``scale`` defaults to ``1 / sqrt(D)``. ``out`` is ``[B, S, Hq, Dv]`` in ``q``'s dtype.
+* ``window`` / ``sinks`` / ``softcap``: optional features, ``None`` = off (maths in ``features.py``). A backend
+  given one it does not implement raises ``NotImplementedError``; ``eager`` implements all three.
 
 These are the layouts `veomni.core.sp.ulysses_attention` hands over with ``seq_dim=1, head_dim=2``: full
 sequence, local heads; packed inputs pass their full-sequence ``cu_seqlens`` unchanged.
@@ -31,6 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from veomni.kernels.attention.features import (
+    check_features,
+    sink_key_augment,
+    sink_rescale,
+    window_mask,
+)
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -79,15 +89,26 @@ def segment_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def allowed_mask(
-    seq_len: int, causal: bool, cu_seqlens: torch.Tensor | None, device: torch.device
+    seq_len: int,
+    causal: bool,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """Bool ``[S, S]`` (True = query row may attend to key column), or None when everything is allowed."""
+    """Bool ``[S, S]`` (True = query row may attend to key column), or None when everything is allowed.
+
+    ``window`` (causal only) keeps the keys ``i - window < j <= i``.
+    """
     mask = None
     if cu_seqlens is not None:
         seg = segment_ids(cu_seqlens.to(device), seq_len)
         mask = seg[:, None] == seg[None, :]
     if causal:
-        tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        tri = (
+            window_mask(seq_len, window, device)
+            if window is not None
+            else torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        )
         mask = tri if mask is None else mask & tri
     return mask
 
@@ -108,18 +129,26 @@ def eager_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference attention: scores, softmax and weighted sum in fp32, materialising ``[B, Hq, S, S]``.
+
+    Implements every feature: soft-cap, then the causal / document / window mask, then the softmax with the
+    sink column appended (and dropped after it).
 
     Args:
         q: ``[B, S, Hq, D]``; k: ``[B, S, Hkv, D]``, v: ``[B, S, Hkv, Dv]`` (or ``Sk`` keys, non-causal); any
             float dtype.
         cu_seqlens: optional int32 ``[n + 1]`` segment offsets (B == 1); validated against S.
         max_seqlen: ignored (accepted for the common signature).
+        window, sinks ``[Hq]``, softcap: see ``features.py``.
     Returns:
         ``[B, S, Hq, Dv]`` in q's dtype.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
+    check_features("eager", q, causal, window, sinks, softcap)
     if cu_seqlens is not None:
         _check_cover(cu_seqlens, q.shape[1])
     groups = q.shape[2] // k.shape[2]
@@ -127,10 +156,16 @@ def eager_attention(
     v = v.repeat_interleave(groups, dim=2)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device, window)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).to(q.dtype)
 
 
@@ -143,18 +178,33 @@ def sdpa_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; packed inputs (two or more segments) use a block-diagonal (causal)
-    bool mask.
+    """``F.scaled_dot_product_attention``; packed inputs (two or more segments) and sliding windows use a bool mask.
+
+    Sinks: SDPA has no denominator term and returns no log-sum-exp, so the sink becomes an extra key whose score
+    is the sink logit (`sink_key_augment`): exact, gradients included, at the price of an explicit
+    ``[S, S + 1]`` mask and a head dim padded by 8. No soft-cap (SDPA cannot transform scores).
 
     Args / Returns: the module convention; out is a ``[B, S, Hq, Dv]`` view in q's dtype. A mask rules out
-    the flash and cuDNN backends on CUDA, so packed sequences run on the memory-efficient or math backend.
+    the flash and cuDNN backends on CUDA, so masked calls run on the memory-efficient or math backend.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
+    check_features("sdpa", q, causal, window, sinks, softcap)
     # One segment tiles the whole row ([0, S] by the convention): plain (causal) attention, which keeps SDPA's
     # flash/cuDNN kernels -- the case of one long document per sequence (and per Ulysses group).
     packed = cu_seqlens is not None and cu_seqlens.numel() > 2
-    mask = allowed_mask(q.shape[1], causal, cu_seqlens, q.device) if packed else None
+    needs_mask = packed or window is not None or sinks is not None
+    cu = cu_seqlens if packed else None
+    mask = allowed_mask(q.shape[1], causal, cu, q.device, window) if needs_mask else None
+    if sinks is not None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        q, k, v = sink_key_augment(q, k, v, sinks, scale)
+        full = torch.ones(q.shape[1], k.shape[1] - 1, dtype=torch.bool, device=q.device)
+        sink_col = torch.ones(q.shape[1], 1, dtype=torch.bool, device=q.device)
+        mask = torch.cat([sink_col, full if mask is None else mask], dim=1)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -186,9 +236,13 @@ def _flex_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
 
 
 def flex_block_mask(
-    seq_len: int, causal: bool, cu_seqlens: torch.Tensor | None, device: torch.device
+    seq_len: int,
+    causal: bool,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device,
+    window: int | None = None,
 ) -> BlockMask | None:
-    """A flex ``BlockMask`` for the causal and/or document mask, or None when nothing is masked."""
+    """A flex ``BlockMask`` for the causal / document / sliding-window mask, or None when nothing is masked."""
     if not causal and cu_seqlens is None:
         return None
     from torch.nn.attention.flex_attention import create_block_mask
@@ -196,10 +250,13 @@ def flex_block_mask(
     seg = segment_ids(cu_seqlens.to(device), seq_len) if cu_seqlens is not None else None
 
     def mask_mod(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
         if seg is None:
-            return q_idx >= kv_idx
+            return keep
         same = seg[q_idx] == seg[kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
+        return same & keep if causal else same
 
     # On CUDA a compiled mask builder avoids materialising an [S, S] bool tensor.
     return create_block_mask(
@@ -216,8 +273,15 @@ def flex_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``torch.nn.attention.flex_attention`` with a causal / document ``BlockMask`` built from cu_seqlens.
+    """``torch.nn.attention.flex_attention`` with a causal / document / window ``BlockMask`` built from cu_seqlens.
+
+    Soft-cap is a ``score_mod``. Sinks add a term to the softmax denominator, which no ``score_mod`` can: flex
+    returns the log-sum-exp (differentiable) and the output is rescaled by ``sigmoid(lse - sink)``
+    (`sink_rescale`), which is exact.
 
     Compiled on CUDA; eager elsewhere. torch's flex attention has no CPU backward: with inputs that need
     grad on CPU this raises ``NotImplementedError`` rather than silently switching backends.
@@ -225,7 +289,8 @@ def flex_attention(
     Args / Returns: the module convention; out is a ``[B, S, Hq, Dv]`` view in q's dtype.
     """
     check_qkv(q, k, v, cu_seqlens, causal=causal)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    check_features("flex", q, causal, window, sinks, softcap)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     if q.device.type == "cpu" and needs_grad:
         raise NotImplementedError(
             "attention 'flex' cannot run backward on CPU (torch's flex_attention has no CPU backward); "
@@ -234,13 +299,30 @@ def flex_attention(
     if q.device.type == "cpu":
         # torch checks requires_grad, not grad mode: under no_grad, detached inputs keep the forward legal.
         q, k, v = q.detach(), k.detach(), v.detach()
-    block_mask = flex_block_mask(q.shape[1], causal, cu_seqlens, q.device)
-    out = _flex_kernel(q.device)(
+        sinks = None if sinks is None else sinks.detach()
+    block_mask = flex_block_mask(q.shape[1], causal, cu_seqlens, q.device, window)
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+    kwargs = {}
+    if sinks is not None:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        kwargs["return_aux"] = AuxRequest(lse=True)
+    result = _flex_kernel(q.device)(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
+        score_mod=score_mod,
         block_mask=block_mask,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
+        **kwargs,
     )
-    return out.transpose(1, 2)
+    if sinks is None:
+        return result.transpose(1, 2)
+    out, aux = result
+    return sink_rescale(out.transpose(1, 2), aux.lse, sinks)
