@@ -178,3 +178,35 @@ def test_fp32_compute_swaps_only_a_defaulted_half_precision_attention():
         Requirement(device_types=("cuda",), packages=("no_such_pkg",)),
     )
     assert OpsConfig(hardware=H100, registry=no_varlen).attention == "sdpa"
+
+
+def test_a_defaulted_attention_lacking_a_needed_feature_is_swapped_an_explicit_one_refused():
+    reg = KernelRegistry()
+    for op in {FIELD_OPS[f] for f in op_fields()}:
+        reg.register(
+            op, "default", "eager", lambda: torch.add, ANYWHERE, capabilities={"sinks", "sliding_window"}
+        )
+    cuda = Requirement(device_types=("cuda",))
+    reg.register("attention", "default", "varlen", lambda: torch.mul, cuda, capabilities={"sliding_window"})
+    reg.register(
+        "attention", "default", "sdpa", lambda: torch.mul, cuda, capabilities={"sinks", "sliding_window"}
+    )
+    ops = OpsConfig(hardware=H100, registry=reg)
+    assert ops.attention == "varlen"
+    assert ops.with_capabilities("attention", {"sliding_window"}, "a windowed model") is ops
+    capable = ops.with_capabilities("attention", {"sinks", "sliding_window"}, "gpt_oss")
+    assert capable.attention == "sdpa" and capable.defaulted == ops.defaulted
+    # Without a capable fallback, the first capable runnable backend in registry order.
+    no_sdpa = KernelRegistry()
+    for spec in reg.specs():
+        if spec.backend != "sdpa":
+            no_sdpa.register(spec.op, spec.variant, spec.backend, spec.factory, spec.requires, spec.description,
+                             spec.capabilities)  # fmt: skip
+    assert OpsConfig(hardware=H100, registry=no_sdpa).with_capabilities(
+        "attention", {"sinks"}, "x"
+    ).attention == ("eager")
+    chosen = OpsConfig(attention="varlen", hardware=H100, registry=reg)
+    with pytest.raises(
+        ValueError, match=r"gpt_oss needs \['sinks'\].*set to 'varlen'.*runnable here: \['eager', 'sdpa'\]"
+    ):
+        chosen.with_capabilities("attention", {"sinks"}, "gpt_oss")

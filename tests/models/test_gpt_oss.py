@@ -316,6 +316,8 @@ def test_registry_resolves_the_adapter_and_refuses_mxfp4(tmp_path):
         "modules_to_not_convert": ["model.layers.*.self_attn"],
     }
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"(?s)quant_method='mxfp4'.*Mxfp4Config\(dequantize=True\)") as err:
+    with pytest.raises(
+        ValueError, match=r"(?s)'quant_method': 'mxfp4'.*Mxfp4Config\(dequantize=True\)"
+    ) as err:
         build_model(str(tmp_path), ops=OpsConfig(**EAGER))
     assert "save_pretrained(DST)" in str(err.value)

@@ -114,6 +114,31 @@ class OpsConfig:
         """The optional features (e.g. ``sinks``) that the backend selected for ``field`` computes."""
         return self.registry.capabilities(FIELD_OPS[field], getattr(self, field))
 
+    def with_capabilities(self, field: str, needed: Iterable[str], why: str) -> OpsConfig:
+        """This config with a backend for ``field`` that computes every capability in ``needed``.
+
+        A *defaulted* backend lacking one is replaced by a capable backend runnable on this hardware
+        (``FALLBACK_BACKENDS[field]`` when it is one, else the first in registry order); an explicit choice is
+        kept and checked (`require_capabilities` raises naming the alternatives). ``defaulted`` is unchanged.
+        """
+        needed = frozenset(needed)
+        if needed <= self.capabilities(field) or field not in self.defaulted:
+            self.require_capabilities(field, needed, why)
+            return self
+        op = FIELD_OPS[field]
+        runnable = [
+            b
+            for b in self.registry.backends(op)
+            if needed <= self.registry.capabilities(op, b)
+            and self.registry.backend_problem(op, b, self.hardware) is None
+        ]
+        if not runnable:
+            self.require_capabilities(field, needed, why)  # raises, naming the backends
+        pick = FALLBACK_BACKENDS.get(field)
+        changed = attrs.evolve(self, **{field: pick if pick in runnable else runnable[0]})
+        object.__setattr__(changed, "defaulted", self.defaulted)
+        return changed
+
     def require_capabilities(self, field: str, needed: Iterable[str], why: str) -> None:
         """Raise ``ValueError`` unless the backend of ``field`` has every capability in ``needed``.
 

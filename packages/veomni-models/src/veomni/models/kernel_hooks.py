@@ -7,6 +7,7 @@ process use different kernels.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from veomni.kernels import Kernels, OpsConfig, resolve_kernels
 
 ATTR = "veomni_kernels"
+logger = logging.getLogger(__name__)
 
 
 def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
@@ -27,9 +29,10 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
 
     An HF experts module that the ``moe_experts`` backend does not implement exactly (a bias, a transposed or
     interleaved layout, no gate, a custom gate or activation, a clamp) is refused with a ValueError naming the
-    flag, before anything is attached (`veomni.models.hf_experts.check_experts_modules`), and so is an attention
-    backend lacking a feature the model uses (`attention_capabilities_needed`: sinks, sliding windows, soft-cap),
-    naming the backends that have it.
+    flag, before anything is attached (`veomni.models.hf_experts.check_experts_modules`), and so is an explicitly
+    chosen attention backend lacking a feature the model uses (`attention_capabilities_needed`: sinks, sliding
+    windows, soft-cap), naming the backends that have it; a *defaulted* one is swapped for a capable one
+    (`OpsConfig.with_capabilities`, logged).
 
     Returns:
         the `Kernels` now attached to every submodule.
@@ -38,7 +41,14 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
 
     needed = attention_capabilities_needed(model)
     if needed and getattr(model, "set_attn_implementation", None) is not None:
-        ops.require_capabilities("attention", needed, _describe(model))
+        adapted = ops.with_capabilities("attention", needed, _describe(model))
+        if adapted.attention != ops.attention:
+            logger.info(
+                "apply_ops: %s needs attention %s, which the default %r lacks: using %r (set ops.attention to "
+                "choose; flex is the fast one on CUDA)", _describe(model), sorted(needed), ops.attention,
+                adapted.attention,
+            )  # fmt: skip
+        ops = adapted
     resolved = resolve_kernels(ops)
     experts = _has_hf_experts(model)
     if experts:

@@ -8,11 +8,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from veomni.models.hf_experts import ExpertsClaim
+from veomni.models.loading.quantized import check_not_quantized
 
 
 def _gate_check(cls: type) -> str | None:
@@ -51,23 +50,7 @@ GPT_OSS_EXPERTS = ExpertsClaim(
 
 
 def reject_quantized(config: object) -> None:
-    """Raise for configs of quantized checkpoints (the published gpt-oss weights are MXFP4): veomni trains
-    bf16/fp32 weights and never silently reads packed 4-bit blocks as parameters."""
-    quant = getattr(config, "quantization_config", None)
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", None)
-    method = getattr(method, "value", method)
-    hint = (
-        "Dequantize it once with transformers and train from the result:\n"
-        "  from transformers import GptOssForCausalLM, Mxfp4Config\n"
-        "  model = GptOssForCausalLM.from_pretrained(SRC, quantization_config=Mxfp4Config(dequantize=True), "
-        "dtype=torch.bfloat16)\n"
-        "  model.save_pretrained(DST)  # bf16 gate_up_proj / down_proj, no quantization_config\n"
-        "then point the recipe at DST."
-    )
-    raise ValueError(
-        f"this gpt_oss config carries quantization_config with quant_method={method!r} (the published gpt-oss "
-        "checkpoints store the experts as MXFP4 *_blocks / *_scales); veomni trains unquantized weights. "
-        + hint
-    )
+    """Raise for configs of quantized checkpoints (the published gpt-oss weights are MXFP4), with the conversion:
+    veomni trains bf16/fp32 weights and never silently reads packed 4-bit blocks as parameters. Called from the
+    patched ``__init__`` so a directly built class is refused too, not only `build_model`."""
+    check_not_quantized(config, where="this gpt_oss config")

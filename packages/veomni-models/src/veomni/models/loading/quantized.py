@@ -29,6 +29,16 @@ _FP8_HOW = (
     "repository, then copy the config without its quantization_config."
 )
 
+_MXFP4_HOW = (
+    "Dequantise it once to bf16 with transformers and train from that copy:\n"
+    "    from transformers import AutoModelForCausalLM, Mxfp4Config\n"
+    "    model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16,\n"
+    "        quantization_config=Mxfp4Config(dequantize=True))\n"
+    "    model.save_pretrained(DST)  # bf16 experts (gate_up_proj / down_proj), no quantization_config\n"
+    "(the published gpt-oss checkpoints store the experts as MXFP4 *_blocks / *_scales)."
+)
+_HOW = {"fp8": _FP8_HOW, "mxfp4": _MXFP4_HOW}
+
 
 class QuantizedCheckpointError(ValueError):
     """The config or checkpoint is quantized; veomni trains unquantized weights only."""
@@ -79,11 +89,10 @@ def quantization_problem(
         found += (
             f" {len(fp8)} FP8 tensors (e.g. {fp8[:2]}) and {len(scales)} scale tensors (e.g. {scales[:2]})"
         )
-    how = (
-        _FP8_HOW
-        if method == "fp8"
-        else "Dequantise it to bf16 first (load it with transformers' quantizer set to dequantize, then "
-        "save_pretrained) and train from that copy."
+    how = _HOW.get(
+        method,
+        "Dequantise it to bf16 first (load it with transformers' quantizer set to dequantize, then "
+        "save_pretrained) and train from that copy.",
     )
     return (
         f"{where} is quantized ({found}); veomni trains unquantized weights (bf16/fp32) and would otherwise read "
