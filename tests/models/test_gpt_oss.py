@@ -31,9 +31,10 @@ from veomni.models.hf_experts import (
 from veomni.models.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.registry import MODELS
 
+# compile="off": these CPU models would otherwise be compiled on a GPU host ("auto" follows the hardware).
 EAGER = dict(
     attention="eager", rms_norm="eager", rope="eager", swiglu="eager", moe_experts="eager",
-    cross_entropy="eager", load_balancing_loss="eager",
+    cross_entropy="eager", load_balancing_loss="eager", compile="off",
 )  # fmt: skip
 
 
@@ -117,7 +118,12 @@ SDPA_TRITON = dict(EAGER, attention="sdpa", moe_experts="triton", rope="triton",
 
 @pytest.mark.parametrize(
     "ops, packed",
-    [(EAGER, False), (EAGER, True), (SDPA_TORCH, True), (SDPA_TRITON, False)],
+    [
+        (EAGER, False),
+        (EAGER, True),
+        (SDPA_TORCH, True),
+        pytest.param(SDPA_TRITON, False, marks=pytest.mark.triton_cpu),
+    ],
     ids=["veomni_eager-batch", "veomni_eager-packed", "sdpa+torch-packed", "sdpa+triton-batch"],
 )
 def test_adapter_matches_upstream(ops, packed):
@@ -187,7 +193,7 @@ def _experts_pair(seed: int = 0):
     return upstream, [p.detach().clone() for p in GPT_OSS_EXPERTS.tensors(upstream)]
 
 
-@pytest.mark.parametrize("backend", ["eager", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["eager", "torch", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 def test_clamped_experts_match_hf_forward_backward(backend):
     upstream, params = _experts_pair()
     gen = torch.Generator().manual_seed(2)
@@ -271,6 +277,7 @@ def _ep_step(ctx, backend: str) -> float:
     return worst
 
 
+@pytest.mark.triton_cpu
 def test_expert_parallel_matches_the_whole_model(dist_pools):
     # Triton's clamped_grouped kernels (interpreted on CPU) on 2 of 4 experts per rank, biases sharded too; the
     # trainer grid (tests/train/test_loop.py) runs the torch kernels.

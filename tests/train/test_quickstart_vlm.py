@@ -96,7 +96,7 @@ def ask(exported: dict, picture: str, question: str) -> str:
     with torch.no_grad():
         generated = model.generate(
             input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=16,
-            do_sample=False, eos_token_id=tokenizer.eos_token_id, **pixels,
+            do_sample=False, **pixels,
         )  # fmt: skip
     return tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
 
@@ -111,6 +111,8 @@ def test_export_loads_in_plain_transformers_and_answers_about_a_picture(exported
                  "preprocessor_config.json"):  # fmt: skip
         assert (exported["dir"] / name).is_file(), name
     assert type(exported["model"]).__name__ == "Qwen3VLForConditionalGeneration"
+    # generate() stops at the end of a turn without being told: the export's generation config has the token.
+    assert exported["model"].generation_config.eos_token_id == exported["tokenizer"].eos_token_id is not None
     if importlib.util.find_spec("torchvision") is None:
         with pytest.raises(ImportError, match="Torchvision"):
             AutoProcessor.from_pretrained(exported["dir"])

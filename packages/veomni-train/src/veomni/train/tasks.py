@@ -178,13 +178,35 @@ class TextTask:
 
         export_hf(model, out, parallel_state=parallel_state)
         if dist.get_rank() == 0:
-            tokenizer.save_pretrained(out)
+            save_tokenizer(out, tokenizer)
         dist.barrier()
 
     def step_flops(self, step: Step) -> float:
         return self.flops_per_token * step.tokens + attention_flops(
             sample_lengths(step), self.num_layers, self.query_width
         )
+
+
+def save_tokenizer(out: Path, tokenizer: Any) -> None:
+    """Save ``tokenizer`` beside an export and give the export's ``generation_config.json`` the tokenizer's end
+    and pad tokens where the model config had none, so ``generate()`` on the export stops at the end of a turn.
+
+    Composite configs of transformers 5.23 (Qwen3-VL's) carry no ``eos_token_id``, so the generation config
+    `export_hf` derives from them has none either; the tokenizer we trained with knows it.
+    """
+    from transformers import GenerationConfig
+
+    tokenizer.save_pretrained(out)
+    if not (out / "generation_config.json").is_file():
+        return  # not a generating model
+    generation = GenerationConfig.from_pretrained(out)
+    changed = False
+    for field in ("eos_token_id", "pad_token_id"):
+        if getattr(generation, field) is None and getattr(tokenizer, field, None) is not None:
+            setattr(generation, field, getattr(tokenizer, field))
+            changed = True
+    if changed:
+        generation.save_pretrained(out)
 
 
 def vision_tower(probe: nn.Module) -> nn.Module:
@@ -266,7 +288,7 @@ class VlmTask(TextTask):
         export_hf(model, out, parallel_state=parallel_state)
         if dist.get_rank() == 0:
             source = Path(tokenizer.name_or_path)
-            tokenizer.save_pretrained(out)
+            save_tokenizer(out, tokenizer)
             load_image_processor(str(source)).save_pretrained(out)
             for name in ("processor_config.json", "video_preprocessor_config.json", "chat_template.json"):
                 if (source / name).is_file() and not (out / name).exists():

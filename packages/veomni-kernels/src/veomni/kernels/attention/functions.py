@@ -303,9 +303,12 @@ def flex_attention(
     block_mask = flex_block_mask(q.shape[1], causal, cu_seqlens, q.device, window)
     score_mod = None
     if softcap is not None:
+        # A captured tensor, not the Python float: compiled flex lifts a captured float to an unbacked scalar
+        # that its fake-tensor pass cannot place (torch 2.11, PendingUnbackedSymbolNotFound).
+        cap = torch.tensor(softcap, dtype=torch.float32, device=q.device)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return softcap * torch.tanh(score / softcap)
+            return cap * torch.tanh(score / cap)
 
     kwargs = {}
     if sinks is not None:
