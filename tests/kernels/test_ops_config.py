@@ -15,7 +15,7 @@ from veomni.kernels import (
     op_fields,
     resolve_kernels,
 )
-from veomni.kernels.config import FALLBACK_BACKENDS, FIELD_OPS
+from veomni.kernels.config import COMPILED_BLOCK_DEFAULTS, FALLBACK_BACKENDS, FIELD_OPS
 from veomni.kernels.hardware import ANYWHERE, TRITON
 
 H100 = Hardware(device_type="cuda", capability=(9, 0))
@@ -210,3 +210,27 @@ def test_a_defaulted_attention_lacking_a_needed_feature_is_swapped_an_explicit_o
         ValueError, match=r"gpt_oss needs \['sinks'\].*set to 'varlen'.*runnable here: \['eager', 'sdpa'\]"
     ):
         chosen.with_capabilities("attention", {"sinks"}, "gpt_oss")
+
+
+def test_compiled_blocks_take_the_eager_formulas_of_defaulted_elementwise_ops_only():
+    reg = KernelRegistry()
+    for op in {FIELD_OPS[f] for f in op_fields()}:
+        reg.register(op, "default", "eager", lambda: torch.add, ANYWHERE)
+        reg.register(op, "default", "triton", lambda: torch.mul, Requirement(device_types=("cuda",)))
+    reg.register("attention", "default", "varlen", lambda: torch.mul, Requirement(device_types=("cuda",)))
+    ops = OpsConfig(hardware=H100, registry=reg)
+    assert (ops.rms_norm, ops.rope, ops.swiglu, ops.cross_entropy) == ("triton",) * 4
+    compiled = ops.for_compiled_blocks()
+    assert set(COMPILED_BLOCK_DEFAULTS) == {"rms_norm", "rope", "swiglu"}
+    assert (compiled.rms_norm, compiled.rope, compiled.swiglu) == ("eager",) * 3
+    # Ops outside the blocks' fusion (the LM head's fused CE, the experts' grouped GEMM) keep their kernels.
+    assert (compiled.cross_entropy, compiled.moe_experts, compiled.attention) == (
+        "triton",
+        "triton",
+        "varlen",
+    )
+    assert compiled.defaulted == ops.defaulted and compiled.compile == ops.compile
+    chosen = OpsConfig(rms_norm="triton", hardware=H100, registry=reg).for_compiled_blocks()
+    assert (chosen.rms_norm, chosen.rope) == ("triton", "eager")  # an explicit choice is the user's
+    everything_set = OpsConfig(rms_norm="triton", rope="triton", swiglu="triton", hardware=H100, registry=reg)
+    assert everything_set.for_compiled_blocks() is everything_set

@@ -33,6 +33,11 @@ DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
 }
 FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
+# Inside torch.compile'd blocks inductor fuses these ops' eager formulas into the kernels around them, which beats
+# calling our Triton kernels there: each custom-op call costs 0.2-0.5 ms of host time (Triton's Python launcher)
+# and the compiled step is host-bound (T1, Qwen3-1.7B on an H100: 33.1k tok/s with these eager vs 17.8k with
+# ours, docs/benchmarks.md 2026-11-25). Eager mode keeps the Triton kernels (fewer launches than eager PyTorch).
+COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {"rms_norm": "eager", "rope": "eager", "swiglu": "eager"}
 # Attention backends that take bf16/fp16 inputs only.
 HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"})
 # The registry op that each field selects for (rope_vision shares the rope kernels' registry entries).
@@ -107,6 +112,21 @@ class OpsConfig:
         ):
             return self
         changed = attrs.evolve(self, attention=FALLBACK_BACKENDS["attention"])
+        object.__setattr__(changed, "defaulted", self.defaulted)
+        return changed
+
+    def for_compiled_blocks(self) -> OpsConfig:
+        """This config for a model whose decoder blocks ``torch.compile`` traces: each *defaulted* field in
+        ``COMPILED_BLOCK_DEFAULTS`` takes the backend inductor fuses best there (the eager formula); explicit
+        choices are kept. ``defaulted`` is unchanged."""
+        changes = {
+            field: backend
+            for field, backend in COMPILED_BLOCK_DEFAULTS.items()
+            if field in self.defaulted and getattr(self, field) != backend
+        }
+        if not changes:
+            return self
+        changed = attrs.evolve(self, **changes)
         object.__setattr__(changed, "defaulted", self.defaulted)
         return changed
 

@@ -26,7 +26,7 @@ from veomni.core.ep.plan import ExpertPlan
 from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
-from veomni.kernels import OpsConfig
+from veomni.kernels import OpsConfig, op_fields
 from veomni.models.diffusers_build import build_diffusers_model, check_checkpoint_kind
 from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
 from veomni.models.loading.loader import load_weights
@@ -175,6 +175,8 @@ def build_model(
             with ``backend="veomni"``, refused with ``backend="hf"``. ``ops.compile_enabled`` compiles every
             block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing. MoE blocks
             compile only with ``moe_experts="torch"`` and no EP (``"auto"`` leaves others eager, ``"on"`` raises).
+            Compiled blocks take the eager formulas of the defaulted fields of ``COMPILED_BLOCK_DEFAULTS``
+            (rms_norm, rope, swiglu: inductor fuses them; `OpsConfig.for_compiled_blocks`).
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
         init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
             construct on directly.
@@ -244,9 +246,22 @@ def build_model(
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
         ops = _ops_for_compute(ops, dtype, fsdp_policy, parallel_state)  # type: ignore[arg-type]
+        compiling = _will_compile_blocks(model, ops, parallel_state)  # type: ignore[arg-type]
+        if compiling:
+            adapted = ops.for_compiled_blocks()
+            if adapted != ops:
+                logger.info(
+                    "build_model: compiled blocks fuse the eager formulas of the defaulted %s (inductor beats our "
+                    "Triton custom ops there); set them in ops to choose",
+                    sorted(f for f in op_fields() if getattr(adapted, f) != getattr(ops, f)),
+                )
+            ops = adapted
         apply_ops(model, ops)
         # Before FSDP2 and activation checkpointing, which then shard / wrap the compiled blocks.
-        _compile_blocks(model, ops, fsdp_policy, parallel_state)  # type: ignore[arg-type]
+        if compiling:
+            compile_blocks(
+                model, fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model)
+            )
     else:
         logger.warning(
             "build_model(backend='hf'): training transformers' own %s, unpatched. Off: veomni kernels (no "
@@ -304,12 +319,11 @@ def build_model(
     return model
 
 
-def _compile_blocks(
-    model: nn.Module, ops: OpsConfig, fsdp_policy: FSDPPolicy | None, state: ParallelState | None
-) -> None:
-    """Compile every decoder block when ``ops.compile_enabled`` (`veomni.core.compile.compile_blocks`)."""
+def _will_compile_blocks(model: nn.Module, ops: OpsConfig, state: ParallelState | None) -> bool:
+    """Whether `build_model` compiles the decoder blocks (`veomni.core.compile.compile_blocks`):
+    ``ops.compile_enabled`` and nothing in them untraceable; with ``compile="on"`` an untraceable block raises."""
     if not ops.compile_enabled:
-        return
+        return False
     problem = None
     if _has_hf_experts(model):
         if state is not None and state.ep_enabled:
@@ -321,9 +335,9 @@ def _compile_blocks(
     if problem is not None:
         if ops.compile == "auto":
             logger.info("build_model: ops.compile='auto' leaves the blocks eager: %s", problem)
-            return
+            return False
         raise ValueError(f"build_model: ops.compile='on' cannot compile the MoE blocks: {problem}; use 'off'")
-    compile_blocks(model, fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model))
+    return True
 
 
 def _attach_generation_config(model: PreTrainedModel, weights: str | os.PathLike) -> None:
