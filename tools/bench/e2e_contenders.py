@@ -97,7 +97,9 @@ def _ops(s: Settings, compile_setting: str) -> OpsConfig:
     return OpsConfig(**s.veomni_ops, compile=compile_setting, hardware=hw)
 
 
-def _ops_info(ops: OpsConfig) -> dict[str, str]:
+def _ops_info(model: torch.nn.Module) -> dict[str, str]:
+    # What build_model bound, not what was asked for: it adapts defaulted fields (fp32 compute, compiled blocks).
+    ops = model.veomni_kernels.config
     return {
         name: getattr(ops, name)
         for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu", "compile")
@@ -132,7 +134,7 @@ class Veomni(Contender):
             self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
         self.info = {
-            "ops": _ops_info(ops),
+            "ops": _ops_info(self.model),
             "attn_implementation": self.model.config._attn_implementation,
             "precision": (
                 "FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute (param_dtype), fp32 gradient reduce"
@@ -307,7 +309,7 @@ class VeomniPlain(Contender):
             self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
         self.info = {
-            "ops": _ops_info(ops),
+            "ops": _ops_info(self.model),
             "precision": f"no FSDP: {dtype} parameters, gradients and AdamW state",
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
             "activation_checkpointing": ac,
