@@ -1,0 +1,139 @@
+"""Shared pieces of the model-family benchmarks (`bench_families.py`, `bench_sink_attention.py`).
+
+Timing is the median of CUDA-event-timed calls after warm-up on CUDA (``time.perf_counter`` elsewhere); peak
+memory is the allocator's peak during one call minus what was allocated before it (CUDA only); errors compare
+two tensors after casting both to fp32. Nothing here knows about models: callers pass closures.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# A step slower than this is timed with fewer repetitions (eager loops and [S, S] attention: up to seconds).
+SLOW_MS = 250.0
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and the device name, for the JSON header."""
+    info: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    info["torch"] = torch.__version__
+    for package in ("transformers", "triton", "liger-kernel", "kernels"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
+    info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    return info
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    """Drop cached blocks between contenders so each starts from the same allocator state."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def median_ms(step: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``step`` after ``warmup`` calls, in milliseconds.
+
+    CUDA: one pair of events around each call, read after a final synchronise (launch overhead included, as in a
+    training step). Elsewhere: ``time.perf_counter`` per call.
+    """
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measured_call(step: Callable[[], object], device: torch.device) -> tuple[object, float, float | None]:
+    """Run ``step`` once: ``(its result, wall ms, peak extra MiB)``.
+
+    Peak extra = the allocator's peak during the call minus what was allocated just before it, so inputs,
+    weights and anything the caller holds are excluded, and the result's own tensors (gradients) are included.
+    None off CUDA.
+    """
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    result = step()
+    sync(device)
+    wall = (time.perf_counter() - t0) * 1e3
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return result, wall, peak
+
+
+def timed_row(
+    step: Callable[[], object], forward: Callable[[], object], device: torch.device, reps: int
+) -> dict[str, float | None]:
+    """``ms`` (median fwd+bwd), ``fwd_ms`` (median forward under no_grad), ``peak_extra_mib`` of one fwd+bwd.
+
+    ``step`` must already have run once (compilation and first-call allocations stay out of every number).
+    Steps slower than `SLOW_MS` get 1 warm-up and 3 repetitions.
+    """
+    _, wall, peak = measured_call(step, device)
+    slow = wall > SLOW_MS
+    warmup, n = (1, 3) if slow else (2, reps)
+    ms = median_ms(step, device, warmup, n)
+    with torch.no_grad():
+        fwd_ms = median_ms(forward, device, 1, n)
+    return {"ms": ms, "fwd_ms": fwd_ms, "peak_extra_mib": peak, "reps": n}
+
+
+def max_abs(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want|`` in fp32 (shapes must match)."""
+    if got.shape != want.shape:
+        raise ValueError(f"shape mismatch: {tuple(got.shape)} vs {tuple(want.shape)}")
+    return (got.float() - want.float()).abs().max().item()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` (Frobenius, fp32); 0 when both are zero."""
+    if got.shape != want.shape:
+        raise ValueError(f"shape mismatch: {tuple(got.shape)} vs {tuple(want.shape)}")
+    diff = (got.float() - want.float()).norm().item()
+    norm = want.float().norm().item()
+    return diff / norm if norm > 0 else diff
+
+
+def error_text(err: BaseException) -> str:
+    """A failure as one short line for the JSON (a failing contender is a result, not a crash)."""
+    return f"{type(err).__name__}: {err}"[:400]
+
+
+def write_json(path: str | Path, result: dict[str, Any]) -> None:
+    """Write ``result`` (indented) to ``path``; called after every row so a timeout leaves the rows so far."""
+    Path(path).write_text(json.dumps(result, indent=2))
