@@ -289,3 +289,35 @@ def test_inductor_mode_and_options_reach_inductor():
     _, other = pair({"rms_norm": "eager"}, layers=1)
     stats = compile_blocks(other, BLOCKS, options={"epilogue_fusion": False}).stats
     assert stats._inner.config == {"epilogue_fusion": False}
+
+
+class _EncoderBlock(torch.nn.Module):
+    """An encoder tower block's calling convention (HF Qwen-VL vision blocks): packed ``[T, C]`` items with the
+    tower's own ``cu_seqlens`` and a python-int ``max_seqlen`` that both change with every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, cu_seqlens, max_seqlen, position_embeddings):
+        cos, sin = position_embeddings
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        # max_seqlen used in arithmetic, as a varlen kernel would size its grid with it.
+        scale = 1.0 / (1 + max_seqlen)
+        return self.proj(hidden_states * cos + sin) * scale + lengths.sum() * 0
+
+
+def test_encoder_blocks_do_not_recompile_on_new_item_counts_and_lengths():
+    tower = torch.nn.Module()
+    tower.blocks = torch.nn.ModuleList([_EncoderBlock(), _EncoderBlock()])
+    stats = compile_blocks(tower, ["blocks.*"], backend="eager").stats
+    # Two or more items each time: dynamo specialises a size-2 cu_seqlens (one item) as it does sizes 0 and 1.
+    for lengths in ([4, 6], [3, 9, 2], [10, 6], [5, 5, 5, 1]):
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.randn(total, 8)
+        emb = (torch.randn(total, 8), torch.randn(total, 8))
+        for block in tower.blocks:
+            out = block(x, cu_seqlens=cu, max_seqlen=max(lengths), position_embeddings=emb)
+            assert out.shape == (total, 8)
+    assert stats.graphs == 1, f"recompiled: {stats.graphs} graphs for one encoder block type"

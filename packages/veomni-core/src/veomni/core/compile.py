@@ -9,8 +9,9 @@ compiled forward (recomputation reruns it), and ``fully_shard`` sees the blocks 
 Every block of one model type shares one code object, so dynamo compiles it once and the other blocks reuse
 that graph (their parameters are graph inputs). One counting backend is shared by all blocks of one call, so
 its count is the number of graphs dynamo built: `CompileStats`. Packed micro-batches differ in their document
-count, i.e. in the length of ``cu_seq_lens_q/k`` and in ``max_length_q/k``; `PACKING_DYNAMIC_SOURCES` makes
-those symbolic from the first compile, so a new document count does not recompile.
+count, i.e. in the length of ``cu_seq_lens_q/k`` and in ``max_length_q/k`` (an encoder tower's blocks: in their
+token count and ``max_seqlen``); `PACKING_DYNAMIC_SOURCES` and dim-0 marks make those symbolic from the first
+compile, so a new document or image count does not recompile.
 
 Lazy initialisation: code inside a block may set itself up on its first call (HF attention functions resolve
 their kernel then: a hardware probe building an attrs object, an ``importlib`` import), which dynamo cannot
@@ -38,7 +39,13 @@ __all__ = ["PACKING_DYNAMIC_SOURCES", "CompileStats", "CompiledBlocks", "compile
 # HF's packing kwargs vary from micro-batch to micro-batch: the length of ``cu_seq_lens_q/k`` (documents + 1) and
 # the python ints ``max_length_q/k``. Dynamo reads this list (regexes on source names, ``:0`` = dim 0 only)
 # when it first sees them, so they are symbolic from the first compile on.
-PACKING_DYNAMIC_SOURCES = (r".*\['cu_seq_lens_[qk]'\]:0", r".*\['max_length_[qk]'\]")
+PACKING_DYNAMIC_SOURCES = (
+    r".*\['cu_seq_lens_[qk]'\]:0",
+    r".*\['max_length_[qk]'\]",
+    # An encoder tower block's longest image/item (Qwen-VL vision blocks' ``max_seqlen`` kwarg): a python int
+    # that changes with the micro-batch's images (two recompiles in a 10-step VLM run before this was listed).
+    r".*\['max_seqlen'\]",
+)
 _MARK = "_veomni_compiled_forward"
 STATS_ATTR = "veomni_compile_stats"
 
