@@ -117,8 +117,11 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
         if backend == "nccl":
             raw["train"]["device"] = "cuda"
         checkpointed = (dp_replicate, sp, ep) in CHECKPOINTED and model is not GPT_OSS
-        for ac in (False, True) if checkpointed else (False,):
-            raw["parallel"]["activation_checkpointing"] = ac
+        # "keep": checkpointing that keeps the attention outputs (the dense model stands for the rest).
+        acs = (False, True, "keep") if model is DENSE else (False, True)
+        for ac in acs if checkpointed else (False,):
+            raw["parallel"]["activation_checkpointing"] = bool(ac)
+            raw["parallel"]["ac_keep_attention"] = ac == "keep"
             for rank_result in pool.run(_steps, raw, STEPS):
                 for got, want in zip(rank_result, reference, strict=True):
                     layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep} activation_checkpointing={ac}"

@@ -31,7 +31,7 @@ import attrs
 import torch
 from torch import nn
 
-from veomni.core.fsdp import _AC_MARK, _match_blocks, _to_pattern_tuple
+from veomni.core.fsdp import _AC_MARK, COMPILED_MARK, _match_blocks, _to_pattern_tuple
 from veomni.core.parallel_state import hand_state_to_compiled_region
 
 __all__ = ["PACKING_DYNAMIC_SOURCES", "CompileStats", "CompiledBlocks", "compile_blocks", "compile_stats"]
@@ -46,7 +46,7 @@ PACKING_DYNAMIC_SOURCES = (
     # that changes with the micro-batch's images (two recompiles in a 10-step VLM run before this was listed).
     r".*\['max_seqlen'\]",
 )
-_MARK = "_veomni_compiled_forward"
+_MARK = COMPILED_MARK
 STATS_ATTR = "veomni_compile_stats"
 
 

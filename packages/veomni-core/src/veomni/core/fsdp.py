@@ -11,6 +11,7 @@ Meta-device construction, materialisation and loading of full checkpoints are in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import attrs
@@ -24,7 +25,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from veomni.core.ep.plan import ExpertPlan, apply_expert_plan, expert_module_fqns, expert_shard_of
 from veomni.core.fqn import fqn_matches
@@ -42,6 +43,8 @@ __all__ = [
 
 # Marks a module whose forward `apply_fsdp2` replaced with a checkpointed one, so it is never wrapped twice.
 _AC_MARK = "_veomni_checkpointed_forward"
+# Set by `veomni.core.compile.compile_blocks` on a block whose forward it compiled.
+COMPILED_MARK = "_veomni_compiled_forward"
 
 
 def _float_dtype_or_none(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -84,6 +87,8 @@ class FSDPPolicy:
         reshard_after_forward: free gathered block/expert parameters after forward and re-gather in backward.
             The root unit never reshards after forward (see `apply_fsdp2`).
         activation_checkpointing: recompute each block's forward in backward (non-reentrant checkpoint).
+        ac_keep_attention: with ``activation_checkpointing``, save the attention kernels' outputs instead of
+            recomputing them (see `apply_activation_checkpointing`).
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
         pin_memory: pin the offloaded shards (faster copies; pinned memory counts against a container's memory
             limit). Used only with ``cpu_offload``.
@@ -97,8 +102,16 @@ class FSDPPolicy:
     output_dtype: torch.dtype | None = attrs.field(default=None, validator=_float_dtype_or_none)
     reshard_after_forward: bool = attrs.field(default=True, validator=_BOOL)
     activation_checkpointing: bool = attrs.field(default=False, validator=_BOOL)
+    ac_keep_attention: bool = attrs.field(default=False, validator=_BOOL)
     cpu_offload: bool = attrs.field(default=False, validator=_BOOL)
     pin_memory: bool = attrs.field(default=True, validator=_BOOL)
+
+    def __attrs_post_init__(self) -> None:
+        if self.ac_keep_attention and not self.activation_checkpointing:
+            raise ValueError(
+                "FSDPPolicy: ac_keep_attention=True selects what activation checkpointing saves, but "
+                "activation_checkpointing is False; set both or neither"
+            )
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         """The ``fully_shard`` mixed-precision policy (floating inputs are cast to ``param_dtype``)."""
@@ -245,12 +258,55 @@ def _fully_shard_keep_metadata(module: nn.Module, **kwargs: object) -> None:
                 setattr(p, key, value)
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
+def _attention_ops() -> frozenset[object]:
+    # The attention kernels' forward ops as the checkpoint's dispatch mode sees them (those this torch has):
+    # SDPA's backends, the flash op under torch's varlen_attn and the custom op wrapping it.
+    names = (
+        ("aten", "_scaled_dot_product_flash_attention"),
+        ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+        ("aten", "_scaled_dot_product_efficient_attention"),
+        ("aten", "_scaled_dot_product_cudnn_attention"),
+        ("aten", "_flash_attention_forward"),
+        ("aten", "_efficient_attention_forward"),
+        ("torch_attn", "_varlen_attn"),
+    )
+    with contextlib.suppress(ImportError):  # registers torch_attn::_varlen_attn (torch >= 2.10)
+        import torch.nn.attention.varlen  # noqa: F401
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+ATTENTION_OPS = _attention_ops()
+"""Ops whose outputs ``keep_attention`` checkpointing saves instead of recomputing."""
+
+
+def _keep_attention_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpoint_forward(module: nn.Module, keep_attention: bool = False) -> None:
     if getattr(module, _AC_MARK, False):
         raise ValueError(
             f"activation checkpointing: {type(module).__name__} already has a checkpointed forward"
         )
+    if keep_attention and getattr(module, COMPILED_MARK, False):
+        # The policy sees the ops dispatched under the checkpoint; a compiled block is one opaque graph there,
+        # so nothing would be kept and the setting would silently do nothing.
+        raise ValueError(
+            f"activation checkpointing with keep_attention: {type(module).__name__}'s forward is compiled, and "
+            "a compiled block's attention cannot be selected for saving; turn compilation off (ops.compile: off) "
+            "or checkpoint whole blocks (keep_attention off)"
+        )
     inner = module.forward
+    extra = (
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_attention_policy)}
+        if keep_attention
+        else {}
+    )
 
     # Patching the instance's forward (instead of wrapping the module in another module) keeps every FQN, and
     # with it the checkpoint keys, unchanged. FSDP's hooks run outside it: the unit is gathered before the
@@ -267,27 +323,33 @@ def _checkpoint_forward(module: nn.Module) -> None:
             with use_parallel_state(state):
                 return inner(*a, **k)
 
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
     object.__setattr__(module, _AC_MARK, True)
 
 
-def apply_activation_checkpointing(model: nn.Module, block_patterns: tuple[str, ...]) -> list[str]:
+def apply_activation_checkpointing(
+    model: nn.Module, block_patterns: tuple[str, ...], *, keep_attention: bool = False
+) -> list[str]:
     """Recompute each block's forward in backward, for a model trained without FSDP2 (`apply_fsdp2` does the
     same through ``FSDPPolicy.activation_checkpointing``).
 
     Args:
         model: the module; its FQNs and checkpoint keys are unchanged (the blocks' ``forward`` is wrapped).
         block_patterns: FQN patterns of the blocks, as in `FSDPPolicy.block_patterns`.
+        keep_attention: save the outputs of the attention kernels (`ATTENTION_OPS`: out ``[B, S, H, D]``-sized and
+            its log-sum-exp) and recompute everything else: backward then skips the attention forward, the
+            costliest op at long sequences. Eager blocks only (a compiled block is refused).
     Returns:
         the FQNs of the checkpointed blocks.
     Raises:
-        ValueError: a pattern matching nothing, nested blocks, or a block already checkpointed.
+        ValueError: a pattern matching nothing, nested blocks, a block already checkpointed, or keep_attention on
+            a compiled block.
     """
     blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [], "apply_activation_checkpointing")
     for fqn in blocks:
-        _checkpoint_forward(model.get_submodule(fqn))
+        _checkpoint_forward(model.get_submodule(fqn), keep_attention)
     return blocks
 
 
@@ -365,7 +427,7 @@ def apply_fsdp2(
     for fqn in blocks:
         block = model.get_submodule(fqn)
         if policy.activation_checkpointing:
-            _checkpoint_forward(block)
+            _checkpoint_forward(block, policy.ac_keep_attention)
         fully_shard(block, mesh=state.fsdp_mesh, reshard_after_forward=policy.reshard_after_forward, **common)
 
     # The root's parameters (embeddings, final norm, head) are the first needed when backward starts, and

@@ -154,6 +154,7 @@ def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dty
     return attrs.evolve(
         default_fsdp_policy(probe),
         activation_checkpointing=recipe.parallel.activation_checkpointing,
+        ac_keep_attention=recipe.parallel.ac_keep_attention,
         reshard_after_forward=recipe.parallel.reshard_after_forward,
         param_dtype=dtype if dtype != param_dtype else None,
         reduce_dtype=torch.float32,
@@ -175,7 +176,9 @@ def build_recipe_model(
         log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
         model = build_model(config, dtype=param_dtype, device=device, **_build_args(recipe, ops))
         if policy.activation_checkpointing:
-            apply_activation_checkpointing(model, policy.block_patterns)
+            apply_activation_checkpointing(
+                model, policy.block_patterns, keep_attention=policy.ac_keep_attention
+            )
         return model
     return build_model(
         config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)

@@ -253,6 +253,12 @@ class ParallelSection:
         False,
         "recompute each decoder layer's forward in backward (less activation memory, ~1/3 more compute)",
     )
+    ac_keep_attention: bool = _field(
+        False,
+        "with activation_checkpointing: save each layer's attention output instead of recomputing it in backward "
+        "(skips the costliest recompute at long sequences for [tokens, heads x head_dim] per layer; eager layers "
+        "only: needs ops.compile off)",
+    )
     reshard_after_forward: bool = _field(
         True, "free gathered layer parameters after forward and gather again in backward (less memory)"
     )
@@ -262,6 +268,11 @@ class ParallelSection:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RecipeError(f"parallel.{name}: expected >= 1, found {value}")
+        if self.ac_keep_attention and not self.activation_checkpointing:
+            raise RecipeError(
+                "parallel.ac_keep_attention: true chooses what activation checkpointing keeps, but "
+                "parallel.activation_checkpointing is false; set both or neither"
+            )
 
 
 @attrs.frozen(kw_only=True)
