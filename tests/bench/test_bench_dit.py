@@ -52,7 +52,7 @@ def test_plan_skips_what_cannot_run_here_with_a_reason():
     cpu, fp32 = torch.device("cpu"), torch.float32
     planned = dict(bench.plan(None, cpu, fp32))
     order = list(planned)
-    assert order[:2] == ["diffusers", "veomni"] and order[-2:] == ["veomni_compiled", "diffusers_compiled"]
+    assert order[:3] == ["diffusers", "veomni", "veomni_keep_attention"] and order[-2:] == ["veomni_compiled", "diffusers_compiled"]
     assert all(planned[n] is None for n in (*bench.FIRST, *bench.LAST))
     assert "CUDA" in planned["diffusers_native_cudnn"] and "CUDA" in planned["diffusers_native_flash"]
     assert "not run by default" in planned["diffusers_native_math"]
@@ -72,7 +72,7 @@ def test_unknown_contender_names_the_choices(capsys):
 @pytest.mark.slow
 def test_fp32_contenders_match_step_for_step(tmp_path):
     out = tmp_path / "dit.json"
-    names = "diffusers,veomni,diffusers_native_math,diffusers_native_cudnn"
+    names = "diffusers,veomni,veomni_keep_attention,diffusers_native_math,diffusers_native_cudnn"
     returned = bench.main([*SMOKE, "--precision", "fp32", "--contenders", names, "--out", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
@@ -83,7 +83,7 @@ def test_fp32_contenders_match_step_for_step(tmp_path):
     runs = result["contenders"]
     assert "CUDA" in runs["diffusers_native_cudnn"]["skipped"]
     base = runs["diffusers"]
-    for name in ("diffusers", "veomni", "diffusers_native_math"):
+    for name in ("diffusers", "veomni", "veomni_keep_attention", "diffusers_native_math"):
         r = runs[name]
         assert "error" not in r, r.get("error")
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])

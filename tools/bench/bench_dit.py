@@ -89,7 +89,7 @@ SIZES: dict[str, tuple[dict[str, Any], tuple[int, int, int, int], tuple[int, int
 }
 SHIFT = 3.0  # Wan2.1 T2V 480p scheduler flow_shift
 # Run order: the two eager paths, then diffusers' backends (cheap), then the compiled pair (compiling takes a while).
-FIRST, LAST = ("diffusers", "veomni"), ("veomni_compiled", "diffusers_compiled")
+FIRST, LAST = ("diffusers", "veomni", "veomni_keep_attention"), ("veomni_compiled", "diffusers_compiled")
 
 
 def vae_config(z_dim: int) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def target_check(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     best = max(diffusers, key=lambda n: diffusers[n]["samples_per_s"], default=None)
     out: dict[str, Any] = {"rule": "samples_per_s >= 1.5 x diffusers and peak_memory <= diffusers",
                            "fastest_diffusers": best}  # fmt: skip
-    for name in ("veomni", "veomni_compiled"):
+    for name in ("veomni", "veomni_keep_attention", "veomni_compiled"):
         r, base = results.get(name, {}), results.get("diffusers", {})
         if "samples_per_s" not in r or "samples_per_s" not in base:
             continue

@@ -177,8 +177,10 @@ class Veomni(DitContender):
     offered to ``build_model``; while it binds no kernels to diffusers models it refuses them, and the model
     is built with ``ops=None`` as `veomni.train.dit_setup` does (recorded in ``info["ops"]``)."""
 
-    def __init__(self, s: DitSettings, compiled: bool = False) -> None:
+    def __init__(self, s: DitSettings, compiled: bool = False, keep_attention: bool = False) -> None:
         self.s = s
+        if keep_attention and not s.ac:
+            raise ValueError("veomni_keep_attention chooses what checkpointing keeps: it needs --ac on")
         self.state = build_parallel_state(ParallelDims.for_world(1), s.device.type)
         ops: OpsConfig | None = _ops(s, "on" if compiled else "off")
         build = {"weights": s.weights, "dtype": s.dtype, "device": s.device, "task": "diffusion_transformer"}
@@ -200,7 +202,7 @@ class Veomni(DitContender):
             compile_note = "OpsConfig(compile='on') inside build_model"
         self.compile_stats = compile_stats(self.model)
         if s.ac:
-            apply_activation_checkpointing(self.model, patterns)
+            apply_activation_checkpointing(self.model, patterns, keep_attention=keep_attention)
         self.model.train()
         self.optimizer = build_adamw(
             self.model, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay
@@ -210,7 +212,10 @@ class Veomni(DitContender):
             "ops": ops_info,
             "attention": f"{active_backend()} (diffusers' dispatch inside diffusers' WanAttnProcessor)",
             "compile": compile_note,
-            "activation_checkpointing": f"veomni apply_activation_checkpointing({patterns})" if s.ac else "off",
+            "activation_checkpointing": (
+                f"veomni apply_activation_checkpointing({patterns}, keep_attention={keep_attention})"
+                if s.ac else "off"
+            ),
             "loss": "DitTask's: per-sample MSE in fp32, summed / samples",
             "optimizer": "veomni.train.optim.build_adamw; " + _adamw_info(s),
             "clip": "veomni.core.clip.clip_grad_norm",
@@ -289,6 +294,8 @@ BUILDERS: dict[str, Callable[[DitSettings], DitContender]] = {
     "diffusers_compiled": lambda s: Diffusers(s, compiled=True),
     "veomni": Veomni,
     "veomni_compiled": lambda s: Veomni(s, compiled=True),
+    # parallel.ac_keep_attention: the attention outputs saved, the rest of each block recomputed.
+    "veomni_keep_attention": lambda s: Veomni(s, keep_attention=True),
 }
 
 
