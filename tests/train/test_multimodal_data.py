@@ -194,8 +194,9 @@ def test_encoder_survives_spawned_workers(processor_dir, tmp_path):
     gives there what it gives in process."""
     from torch.utils.data import DataLoader
 
-    from veomni.train.data.loader import _identity, _PackedRows
+    from veomni.train.data.loader import _PackedRows
     from veomni.train.data.plan import index_dataset
+    from veomni.train.data.schedule import identity
     from veomni.train.data.sources import RowSource
 
     rows = tmp_path / "rows.jsonl"
@@ -219,7 +220,7 @@ def test_encoder_survives_spawned_workers(processor_dir, tmp_path):
         sampler=keys,
         num_workers=2,
         multiprocessing_context="spawn",
-        collate_fn=_identity,
+        collate_fn=identity,
     )
     for key, got in zip(keys, loader, strict=True):
         want = dataset[key]

@@ -27,11 +27,12 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from veomni.train.data.loader import DataTopology, Step, _identity, _Keys
+from veomni.train.data.loader import DataTopology, Step
 from veomni.train.data.media import ImageRef, image_ref, image_size, load_image
-from veomni.train.data.plan import MicroBatches, rank_schedule, steps_in_epoch
+from veomni.train.data.plan import MicroBatches, steps_in_epoch
+from veomni.train.data.schedule import PlannedSteps
 from veomni.train.data.sources import DataError, RowRef, RowSource
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class DitStep(Step):
     sample_tokens: tuple[int, ...] = ()
 
 
-class DitData:
+class DitData(PlannedSteps):
     """This rank's DiT training steps (the `veomni.train.data.TrainData` interface: iterate, ``state_dict``,
     ``load_state_dict``, ``total_steps``, ``summary``).
 
@@ -296,8 +297,7 @@ class DitData:
         self._plan_args = {"seed": seed, "per_micro": samples_per_micro_batch, "shuffle": shuffle}
         self._rows = _DitRows(source, self.shapes, media_root, self._plan_args, latents)
         self._tokens = np.array([rule.tokens(tuple(s)) for s in self.shapes.tolist()], dtype=np.int64)
-        self._plans: dict[int, MicroBatches] = {}
-        self._epoch, self._cursor, self._step, self._generation = 0, 0, 0, 0
+        self._init_schedule()
         if self.steps_in_epoch(0) == 0:
             raise DataError(
                 f"the training data makes {len(self.plan(0))} micro-batches of <= {samples_per_micro_batch} "
@@ -305,59 +305,16 @@ class DitData:
                 f"{topology.dp_size}); lower train.samples_per_step"
             )
 
-    @property
-    def per_step(self) -> int:
-        return self.grad_accum * self.topology.dp_size
-
-    def plan(self, epoch: int) -> MicroBatches:
-        if epoch not in self._plans:
-            self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-            self._plans[epoch] = dit_micro_batches(self.shapes, epoch=epoch, **self._plan_args)
-        return self._plans[epoch]
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return steps_in_epoch(len(self.plan(epoch)), 0, self.per_step)
-
-    def total_steps(self, epochs: int) -> int:
-        return sum(self.steps_in_epoch(e) for e in range(epochs))
-
-    def _keys(self, epoch: int, cursor: int) -> Iterator[tuple[int, int]]:
-        while True:
-            plan = self.plan(epoch)
-            for _, _, j in rank_schedule(
-                len(plan), cursor, self.grad_accum, self.topology.dp_size, self.topology.dp_rank
-            ):
-                yield epoch, j
-            epoch, cursor = epoch + 1, 0
+    def _make_plan(self, epoch: int) -> MicroBatches:
+        return dit_micro_batches(self.shapes, epoch=epoch, **self._plan_args)
 
     def __iter__(self) -> Iterator[DitStep]:
-        self._generation += 1
-        generation = self._generation
-        loader = DataLoader(
-            self._rows,
-            batch_size=None,
-            sampler=_Keys(self._keys(self._epoch, self._cursor)),
-            num_workers=self.num_workers,
-            collate_fn=_identity,
-            pin_memory=self.pin_memory,
-        )
-        batches = iter(loader)
-        while True:
-            plan = self.plan(self._epoch)
-            for _ in range(steps_in_epoch(len(plan), self._cursor, self.per_step)):
-                micro = [next(batches) for _ in range(self.grad_accum)]
-                if generation != self._generation:
-                    raise RuntimeError("DitData was re-iterated or reloaded; this iterator is stale")
-                rows = plan.rows[plan.offsets[self._cursor] : plan.offsets[self._cursor + self.per_step]]
-                tokens = self._tokens[rows]
-                step = DitStep(
-                    step=self._step, epoch=self._epoch, micro_batches=micro, tokens=int(tokens.sum()),
-                    valid_tokens=len(rows), sample_tokens=tuple(tokens.tolist()),
-                )  # fmt: skip
-                self._cursor += self.per_step
-                self._step += 1
-                yield step
-            self._epoch, self._cursor = self._epoch + 1, 0
+        for step, epoch, micro, rows in self._scheduled_steps(self._rows, "DitData"):
+            tokens = self._tokens[rows]
+            yield DitStep(
+                step=step, epoch=epoch, micro_batches=micro, tokens=int(tokens.sum()), valid_tokens=len(rows),
+                sample_tokens=tuple(tokens.tolist()),
+            )  # fmt: skip
 
     def _digest(self) -> str:
         h = hashlib.sha256(self.shapes.tobytes())

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 import numpy as np
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from veomni.train.data.encode import Encoder, Sample, encode_row
 from veomni.train.data.packing import collate, padding_batch
@@ -39,9 +39,9 @@ from veomni.train.data.plan import (
     MicroBatches,
     epoch_micro_batches,
     pack_rows,
-    rank_schedule,
     steps_in_epoch,
 )
+from veomni.train.data.schedule import KeySampler, PlannedSteps, identity
 from veomni.train.data.sources import DataError, OverlongError, RowSource
 
 log = logging.getLogger(__name__)
@@ -180,18 +180,6 @@ class _PackedRows(Dataset):
         return Sample(ids, np.zeros(len(ids), dtype=bool), row, media=media)
 
 
-class _Keys(Sampler):
-    def __init__(self, keys: Iterator[Any]) -> None:
-        self._keys = keys
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._keys
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
 def _note_replaced(batch: dict[str, Any], replaced: dict[int, str]) -> None:
     """Take the worker's list of rows it replaced by a filler off ``batch``; log each row the first time."""
     for row, message in batch.pop("replaced_rows", []):
@@ -204,7 +192,7 @@ def _note_replaced(batch: dict[str, Any], replaced: dict[int, str]) -> None:
         replaced[row] = message
 
 
-class TrainData:
+class TrainData(PlannedSteps):
     """This rank's training steps, forever (epoch after epoch); the loop stops after its step count.
 
     Args:
@@ -266,87 +254,29 @@ class TrainData:
             pad_id=pad_id,
             on_bad_row=on_bad_row,
         )
-        self._plans: dict[int, MicroBatches] = {}
-        self._epoch, self._cursor, self._step = 0, 0, 0
+        self._init_schedule()
         self.replaced: dict[int, str] = {}  # rows this rank's workers replaced by a filler -> their error
-        self._generation = 0
         if self.steps_in_epoch(0) == 0:
             raise DataError(
                 f"the training data makes {len(self.plan(0))} micro-batches of <= {self.budget} tokens, fewer than "
                 f"one step needs (grad_accum {grad_accum} x dp {topology.dp_size}); lower train.tokens_per_step"
             )
 
-    @property
-    def per_step(self) -> int:
-        """Micro-batches per step over all DP ranks (``grad_accum * dp``)."""
-        return self.grad_accum * self.topology.dp_size
-
-    def plan(self, epoch: int) -> MicroBatches:
-        """Epoch ``epoch``'s micro-batches (the last two epochs' plans are cached)."""
-        if epoch not in self._plans:
-            self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-            self._plans[epoch] = epoch_micro_batches(self.index, epoch=epoch, **self._plan_args)
-        return self._plans[epoch]
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        """Optimizer steps in a whole epoch."""
-        return steps_in_epoch(len(self.plan(epoch)), 0, self.per_step)
-
-    def total_steps(self, epochs: int) -> int:
-        """Steps in ``epochs`` whole epochs, from the exact token counts (what ``train.epochs`` means)."""
-        return sum(self.steps_in_epoch(e) for e in range(epochs))
-
-    def _keys(self, epoch: int, cursor: int) -> Iterator[tuple[int, int]]:
-        while True:
-            plan = self.plan(epoch)
-            for _, _, j in rank_schedule(
-                len(plan), cursor, self.grad_accum, self.topology.dp_size, self.topology.dp_rank
-            ):
-                yield epoch, j
-            epoch, cursor = epoch + 1, 0
+    def _make_plan(self, epoch: int) -> MicroBatches:
+        return epoch_micro_batches(self.index, epoch=epoch, **self._plan_args)
 
     def __iter__(self) -> Iterator[Step]:
-        self._generation += 1
-        generation = self._generation
-        loader = DataLoader(
-            self._dataset,
-            batch_size=None,
-            sampler=_Keys(self._keys(self._epoch, self._cursor)),
-            num_workers=self.num_workers,
-            collate_fn=_identity,
-            pin_memory=self.pin_memory,
-        )
-        batches = iter(loader)
-        while True:
-            plan = self.plan(self._epoch)
-            n_steps = steps_in_epoch(len(plan), self._cursor, self.per_step)
-            if n_steps == 0:
-                if self._cursor == 0:
-                    raise DataError(
-                        f"epoch {self._epoch} of the training data has fewer micro-batches than one step"
-                    )
-                self._epoch, self._cursor = self._epoch + 1, 0
-                continue
-            for _ in range(n_steps):
-                micro = [next(batches) for _ in range(self.grad_accum)]
-                if generation != self._generation:
-                    raise RuntimeError("TrainData was re-iterated or reloaded; this iterator is stale")
-                for batch in micro:
-                    _note_replaced(batch, self.replaced)
-                rows = plan.rows[plan.offsets[self._cursor] : plan.offsets[self._cursor + self.per_step]]
-                step = Step(
-                    step=self._step,
-                    epoch=self._epoch,
-                    micro_batches=micro,
-                    tokens=int(self.index.lengths[rows].sum()),
-                    valid_tokens=int(self.index.trained[rows].sum()),
-                    patches=0 if self.index.patches is None else int(self.index.patches[rows].sum()),
-                )
-                # The state names the next step, so a checkpoint taken after this step resumes after it.
-                self._cursor += self.per_step
-                self._step += 1
-                yield step
-            self._epoch, self._cursor = self._epoch + 1, 0
+        for step, epoch, micro, rows in self._scheduled_steps(self._dataset, "TrainData"):
+            for batch in micro:
+                _note_replaced(batch, self.replaced)
+            yield Step(
+                step=step,
+                epoch=epoch,
+                micro_batches=micro,
+                tokens=int(self.index.lengths[rows].sum()),
+                valid_tokens=int(self.index.trained[rows].sum()),
+                patches=0 if self.index.patches is None else int(self.index.patches[rows].sum()),
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last step handed out, plus what must match for it to mean the same data."""
@@ -489,9 +419,9 @@ class EvalData:
         loader = DataLoader(
             self._dataset,
             batch_size=None,
-            sampler=_Keys(self._keys()),
+            sampler=KeySampler(self._keys()),
             num_workers=self.num_workers,
-            collate_fn=_identity,
+            collate_fn=identity,
             pin_memory=self.pin_memory,
         )
         for batch in loader:
