@@ -1,0 +1,463 @@
+"""The sections of a training recipe (`veomni.train.recipe.Recipe`): one attrs class per YAML section, every field
+typed and documented in its metadata (``help``: the ``--help`` text; ``path``: resolved when loaded;
+``required``). Validation that needs one section only lives here; what spans sections is in ``recipe.py``.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Literal
+
+import attrs
+
+from veomni.kernels import OpsConfig
+from veomni.train.recipe_parse import RecipeError
+
+
+def _field(default: Any, help: str, *, path: bool = False, factory: bool = False) -> Any:
+    meta = {"help": help, "path": path}
+    if factory:
+        return attrs.field(factory=default, metadata=meta)
+    return attrs.field(default=default, metadata=meta)
+
+
+def _required(help: str, *, path: bool = False) -> Any:
+    return attrs.field(metadata={"help": help, "path": path, "required": True})
+
+
+@attrs.frozen(kw_only=True)
+class ModelSection:
+    config: str | dict | None = _field(
+        None,
+        "HF model config: a config.json file or a directory holding one, or an inline mapping with model_type "
+        "(None: the config in model.weights)",
+        path=True,
+    )
+    config_overrides: dict = _field(
+        dict,
+        "entries set on the config read from model.config (a path) or model.weights, e.g. {attention_dropout: 0.0}; "
+        "keys are checked against the config class when the run starts (an inline model.config takes them directly)",
+        factory=True,
+    )
+    weights: str | None = _required(
+        "HF checkpoint directory (safetensors) to start from; null trains from a random initialisation "
+        "(required, so that random weights are never an accident)",
+        path=True,
+    )
+    tokenizer: str | None = _field(
+        None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
+    )
+    task: Literal["text", "vlm", "dit"] = _field(
+        "text",
+        "training task: text (causal language modelling on packed documents), vlm (image-text-to-text on "
+        "data.kind=multimodal) or dit (a diffusers diffusion transformer trained by flow matching on "
+        "data.kind=dit, conditioned by the frozen models in dit.condition); it decides the model class, the "
+        "inputs, the loss, the FLOPs and the export",
+    )
+    backend: Literal["veomni", "hf"] = _field(
+        "veomni",
+        "veomni: our adapters, kernels and attention; hf: transformers' own model class, unpatched, with FSDP2 "
+        "only (no kernels, Ulysses SP or expert parallelism; the escape hatch for a model our adapter gets wrong)",
+    )
+    freeze: tuple[str, ...] = _field(
+        (),
+        "module names to freeze (globs, * = one name component, e.g. [model.visual]): no gradient, no optimizer "
+        "state, no gradient reduction; a name matching nothing is an error",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _field(
+        "bfloat16", "compute dtype of the forward and backward"
+    )
+    param_dtype: Literal["float32", "bfloat16", "float16"] = _field(
+        "float32",
+        "dtype the parameters, gradients and AdamW state are kept in: float32 (fp32 master weights, compute in "
+        "model.dtype) or model.dtype itself (pure low-precision training, as plain HF runs in bf16: half the "
+        "optimizer memory, gradients accumulated in that dtype)",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.config is None and self.weights is None:
+            raise RecipeError(
+                "model: give model.config (path or inline mapping) or model.weights; both are null"
+            )
+        if isinstance(self.config, dict) and self.task == "dit":
+            raise RecipeError(
+                "model.config: model.task=dit takes a diffusers config.json (a file or a directory holding one, "
+                "with _class_name), not an inline mapping"
+            )
+        if isinstance(self.config, dict):
+            if "model_type" not in self.config:
+                raise RecipeError(
+                    f"model.config: an inline config needs a model_type key; found {sorted(self.config)}"
+                )
+            _check_inline_config(self.config)
+            if self.config_overrides:
+                raise RecipeError(
+                    "model.config_overrides: model.config is an inline mapping; put "
+                    f"{sorted(self.config_overrides)} in it instead"
+                )
+        if self.param_dtype not in ("float32", self.dtype):
+            raise RecipeError(
+                f"model.param_dtype: expected float32 or model.dtype ({self.dtype}), found {self.param_dtype} "
+                "(parameters cannot be stored in a lower precision than the compute dtype)"
+            )
+        if self.task == "dit" and self.tokenizer is not None:
+            raise RecipeError(
+                f"model.tokenizer: model.task=dit reads the tokenizer from dit.condition/tokenizer; found "
+                f"{self.tokenizer!r} (remove it)"
+            )
+        if self.tokenizer is None and self.weights is None and self.task != "dit":
+            raise RecipeError(
+                "model.tokenizer: needed when model.weights is null (no checkpoint to take it from)"
+            )
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The directory the tokenizer is loaded from."""
+        return typing.cast(str, self.tokenizer if self.tokenizer is not None else self.weights)
+
+
+def _check_inline_config(config: dict) -> None:
+    # A key the config class does not read would be stored and ignored by transformers: the default model would
+    # train. Imported here, not at the top: reading a recipe should not import the modeling stack otherwise.
+    from veomni.models.registry import check_config_keys
+
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        check_config_keys(config["model_type"], values, "model.config")
+    except (ValueError, KeyError) as err:
+        raise RecipeError(str(err).strip("'\"")) from None
+
+
+@attrs.frozen(kw_only=True)
+class DataSection:
+    train_files: tuple[str, ...] = _required("training data files (a list; .jsonl or .parquet)", path=True)
+    eval_files: tuple[str, ...] = _field(
+        (), "evaluation data files, read whole every train.eval_interval steps", path=True
+    )
+    format: Literal["auto", "jsonl", "parquet"] = _field(
+        "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
+    )
+    kind: Literal["text", "conversation", "multimodal", "dit", "dit_latents"] = _field(
+        "conversation",
+        "text: pre-training on one string per row, every token trained; conversation: role/content messages "
+        "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text, "
+        "image and video parts, expanded by the model's image and video processors (model.task=vlm); dit: rows of "
+        "{video: <frames directory or list of frame files>, caption} or {image: <file>, caption} (model.task=dit); "
+        "dit_latents: the latents.jsonl of veomni-dit-embed (conditions encoded offline, model.task=dit)",
+    )
+    media_root: str | None = _field(
+        None,
+        "kind=multimodal, dit: directory that relative image/frame paths in the rows are read from (dit: None "
+        "reads them relative to the data file's directory)",
+        path=True,
+    )
+    patches_per_micro_batch: int | None = _field(
+        None,
+        "kind=multimodal: vision patches one micro-batch may hold (the second packing budget beside "
+        "train.tokens_per_micro_batch; None: no limit); a row above it is an error naming it",
+    )
+    video_fps: float | None = _field(
+        None,
+        "kind=multimodal: frames per second sampled from video files, and the rate a frame-list video without "
+        "its own fps was taken at (None: the model's video processor config, fps)",
+    )
+    video_max_frames: int | None = _field(
+        None,
+        "kind=multimodal: most frames sampled from one video file; a frame list above it is an error (None: the "
+        "model's video processor config, max_frames)",
+    )
+    text_field: str = _field("text", "kind=text: the row's field holding the text")
+    messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
+    loss_mask_field: str | None = _field(
+        "loss_mask",
+        "kind=conversation: per-message field (0/1 or bool) that overrides the default loss choice",
+    )
+    assistant_only_loss: bool = _field(
+        True, "kind=conversation: train on assistant messages only (the role headers are never trained)"
+    )
+    add_eos: bool = _field(True, "kind=text: append the tokenizer's EOS token to every text")
+    max_seq_len: int = _field(2048, "longest sample in tokens (at most train.tokens_per_micro_batch)")
+    overlong: Literal["truncate", "drop", "error"] = _field(
+        "truncate",
+        "a sample longer than max_seq_len: keep its first max_seq_len tokens, leave it out, or stop with an "
+        "error naming file and row (counts are reported by the data summary)",
+    )
+    on_bad_row: Literal["error", "skip"] = _field(
+        "error",
+        "a row that cannot be read or encoded (invalid JSON, a malformed conversation, a missing or corrupt image, "
+        "placeholders not matching images, an image over data.patches_per_micro_batch): stop with an error "
+        "naming file and row, or leave it out and report it (per kind at startup, in the data summary and "
+        "metrics.jsonl); over-long rows follow data.overlong instead",
+    )
+    max_bad_fraction: float = _field(
+        0.01,
+        "on_bad_row=skip: the most bad rows a dataset may hold, as a fraction of its rows; more (or every row) "
+        "is an error, since that is a broken path or field rather than a few broken rows",
+    )
+    shuffle: bool = _field(True, "shuffle samples every epoch (seeded by train.seed and the epoch)")
+    num_workers: int = _field(2, "DataLoader worker processes that read, tokenise and pack (0: in process)")
+
+    def __attrs_post_init__(self) -> None:
+        if not self.train_files:
+            raise RecipeError("data.train_files: expected at least one file, found an empty list")
+        if self.max_seq_len < 2:
+            raise RecipeError(f"data.max_seq_len: expected >= 2, found {self.max_seq_len}")
+        if self.num_workers < 0:
+            raise RecipeError(f"data.num_workers: expected >= 0, found {self.num_workers}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise RecipeError(f"data.max_bad_fraction: expected 0 <= x <= 1, found {self.max_bad_fraction}")
+        if self.patches_per_micro_batch is not None and self.patches_per_micro_batch < 1:
+            raise RecipeError(
+                f"data.patches_per_micro_batch: expected >= 1, found {self.patches_per_micro_batch}"
+            )
+        if self.video_fps is not None and not self.video_fps > 0:
+            raise RecipeError(f"data.video_fps: expected > 0, found {self.video_fps}")
+        if self.video_max_frames is not None and self.video_max_frames < 1:
+            raise RecipeError(f"data.video_max_frames: expected >= 1, found {self.video_max_frames}")
+
+
+@attrs.frozen(kw_only=True)
+class ParallelSection:
+    dp_replicate: int = _field(1, "HSDP replicas (gradients all-reduced across them)")
+    dp_shard: int | None = _field(None, "FSDP sharding degree (None: world size / (dp_replicate * sp))")
+    sp: int = _field(1, "Ulysses sequence-parallel degree (SP peers read the same samples)")
+    ep: int = _field(1, "expert-parallel degree (must divide dp_shard * sp)")
+    activation_checkpointing: bool = _field(
+        False,
+        "recompute each decoder layer's forward in backward (less activation memory, ~1/3 more compute)",
+    )
+    ac_keep_attention: bool = _field(
+        False,
+        "with activation_checkpointing: save each layer's attention output instead of recomputing it in backward "
+        "(skips the costliest recompute at long sequences for [tokens, heads x head_dim] per layer; eager layers "
+        "only: needs ops.compile off)",
+    )
+    reshard_after_forward: bool = _field(
+        True, "free gathered layer parameters after forward and gather again in backward (less memory)"
+    )
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "sp", "ep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RecipeError(f"parallel.{name}: expected >= 1, found {value}")
+        if self.ac_keep_attention and not self.activation_checkpointing:
+            raise RecipeError(
+                "parallel.ac_keep_attention: true chooses what activation checkpointing keeps, but "
+                "parallel.activation_checkpointing is false; set both or neither"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class OpsSection:
+    """One backend name per `veomni.kernels.OpsConfig` field; None picks the hardware default."""
+
+    attention: str | None = _field(None, "attention backend (sdpa, eager, flex, varlen, flash_attn_2, ...)")
+    cross_entropy: str | None = _field(None, "cross-entropy backend (eager, liger, ...)")
+    rms_norm: str | None = _field(None, "RMSNorm backend (eager, triton, torch, liger, ...)")
+    rope: str | None = _field(None, "rotary embedding backend (eager, triton, liger, ...)")
+    rope_vision: str | None = _field(None, "vision rotary embedding backend")
+    swiglu: str | None = _field(None, "SwiGLU MLP backend (eager, triton, liger, ...)")
+    moe_experts: str | None = _field(None, "MoE experts backend (eager, grouped GEMM backends, ...)")
+    load_balancing_loss: str | None = _field(None, "MoE load-balancing loss backend (eager, triton)")
+    compile: Literal["auto", "on", "off"] = _field(
+        "auto",
+        "torch.compile each decoder block with the chosen kernels inside: auto (on for CUDA, off elsewhere), on, off",
+    )
+
+    def to_ops_config(self, **kwargs: Any) -> OpsConfig:
+        """The validated `veomni.kernels.OpsConfig` for this machine (kwargs: ``hardware``, ``registry``).
+
+        Backend names are checked here, not at recipe load: a plugin may register its backend after the recipe
+        is read. An unknown or unrunnable name is a ValueError naming the alternatives.
+        """
+        return OpsConfig(**attrs.asdict(self), **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class OptimSection:
+    lr: float = _field(3e-4, "peak learning rate (AdamW)")
+    betas: tuple[float, float] = _field((0.9, 0.95), "AdamW betas")
+    eps: float = _field(1e-8, "AdamW epsilon")
+    weight_decay: float = _field(0.1, "decoupled weight decay")
+    schedule: Literal["cosine", "linear", "constant"] = _field(
+        "cosine", "decay after warmup, from lr to lr * min_lr_ratio at the last step"
+    )
+    warmup_steps: int = _field(0, "linear warmup from 0 to lr over this many steps")
+    min_lr_ratio: float = _field(0.1, "final lr as a fraction of lr (cosine and linear)")
+    max_grad_norm: float | None = _field(1.0, "clip the global gradient norm to this (None: no clipping)")
+    lr_multipliers: dict = _field(
+        dict,
+        "lr multiplier per module or parameter name glob, e.g. {model.visual: 0.1}; the deepest matching name "
+        "on a parameter's path wins; a name matching no trainable parameter is an error",
+        factory=True,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.lr <= 0:
+            raise RecipeError(f"optim.lr: expected > 0, found {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise RecipeError(f"optim.betas: expected two values in [0, 1), found {list(self.betas)}")
+        if self.warmup_steps < 0:
+            raise RecipeError(f"optim.warmup_steps: expected >= 0, found {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise RecipeError(f"optim.min_lr_ratio: expected a value in [0, 1], found {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise RecipeError(f"optim.max_grad_norm: expected > 0 or None, found {self.max_grad_norm}")
+        bad = {k: v for k, v in self.lr_multipliers.items()
+               if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}  # fmt: skip
+        if bad:
+            raise RecipeError(f"optim.lr_multipliers: expected numbers >= 0 per name, found {bad}")
+
+
+@attrs.frozen(kw_only=True)
+class TrainSection:
+    tokens_per_step: int | None = _field(
+        None,
+        "token budget of one optimizer step, summed over data-parallel ranks (required for model.task "
+        "text and vlm)",
+    )
+    tokens_per_micro_batch: int | None = _field(
+        None,
+        "token budget of one packed micro-batch on one data-parallel rank, before the SP split (required for "
+        "model.task text and vlm)",
+    )
+    samples_per_step: int | None = _field(
+        None,
+        "model.task=dit: samples (clips or images) per optimizer step, summed over data-parallel ranks; the DiT "
+        "batch contract replaces the token one",
+    )
+    samples_per_micro_batch: int | None = _field(
+        None,
+        "model.task=dit: at most this many samples per micro-batch on one data-parallel rank, all of one "
+        "(frames, height, width) shape",
+    )
+    steps: int | None = _field(None, "optimizer steps to run (set exactly one of steps and epochs)")
+    epochs: int | None = _field(
+        None,
+        "passes over the training data (set exactly one of steps and epochs); the step count then comes "
+        "from the packed real token counts, never an estimate",
+    )
+    seed: int = _field(0, "seed of model initialisation, data order and dropout")
+    device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto: cuda when available, else cpu")
+    eval_interval: int | None = _field(None, "evaluate on data.eval_files every this many steps")
+    log_interval: int = _field(10, "steps between console metric lines")
+
+    def __attrs_post_init__(self) -> None:
+        if self.seed < 0:
+            raise RecipeError(f"train.seed: expected >= 0, found {self.seed}")
+        for name in ("tokens_per_step", "tokens_per_micro_batch", "samples_per_step", "samples_per_micro_batch",
+                     "log_interval"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RecipeError(f"train.{name}: expected >= 1, found {value}")
+        self._check_contract("tokens", "text and vlm")
+        self._check_contract("samples", "dit")
+        if (self.tokens_per_step is None) == (self.samples_per_step is None):
+            raise RecipeError(
+                "train: set one batch contract, train.tokens_per_step/tokens_per_micro_batch (model.task text, "
+                "vlm) or train.samples_per_step/samples_per_micro_batch (model.task dit); found "
+                + (
+                    "both"
+                    if self.tokens_per_step is not None
+                    else "neither (train.tokens_per_step: required, missing)"
+                )
+            )
+
+    def _check_contract(self, unit: str, tasks: str) -> None:
+        step, micro = getattr(self, f"{unit}_per_step"), getattr(self, f"{unit}_per_micro_batch")
+        if (step is None) != (micro is None):
+            missing = f"{unit}_per_step" if step is None else f"{unit}_per_micro_batch"
+            raise RecipeError(
+                f"train.{missing}: required, missing (the {unit} contract of model.task {tasks})"
+            )
+        if step is not None and step % micro:
+            raise RecipeError(
+                f"train.{unit}_per_step={step} is not a multiple of train.{unit}_per_micro_batch={micro}"
+            )
+        if (self.steps is None) == (self.epochs is None):
+            raise RecipeError(
+                f"train: set exactly one of steps and epochs; found steps={self.steps}, epochs={self.epochs}"
+            )
+        for name in ("steps", "epochs", "eval_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RecipeError(f"train.{name}: expected >= 1 or None, found {value}")
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointSection:
+    dir: str = _field(
+        "outputs", "run directory: checkpoints, the resolved recipe and HF exports go here", path=True
+    )
+    interval: int | None = _field(None, "save every this many steps (None: only at the end)")
+    save_final: bool = _field(True, "save a checkpoint after the last step")
+    keep_last: int | None = _field(None, "keep only the newest this many checkpoints (None: keep all)")
+    resume: str = _field(
+        "auto", "auto: newest complete checkpoint in dir, if any; never; or a checkpoint path", path=True
+    )
+    async_save: bool = _field(False, "write checkpoints in the background while training continues")
+    hf_export: bool = _field(True, "export HF safetensors (with config and tokenizer) after the last step")
+    hf_export_interval: int | None = _field(None, "also export HF safetensors every this many steps")
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("interval", "keep_last", "hf_export_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RecipeError(f"checkpoint.{name}: expected >= 1 or None, found {value}")
+
+
+@attrs.frozen(kw_only=True)
+class LogSection:
+    console: bool = _field(True, "print a metrics line every train.log_interval steps on rank 0")
+    tensorboard_dir: str | None = _field(
+        None, "write TensorBoard events here (needs veomni-train[tensorboard])", path=True
+    )
+    wandb_project: str | None = _field(
+        None, "log to this Weights & Biases project (needs veomni-train[wandb])"
+    )
+
+
+@attrs.frozen(kw_only=True)
+class DitSection:
+    """model.task=dit only: the frozen condition models and the flow-matching inputs (`veomni.train.dit`)."""
+
+    condition: str | None = _field(
+        None,
+        "Wan diffusers pipeline directory holding the frozen condition models: tokenizer/, text_encoder/ (UMT5), "
+        "vae/ (AutoencoderKLWan), scheduler/ (and image_encoder/, image_processor/ for mode i2v); model.weights "
+        "is its transformer/ subfolder (or null)",
+        path=True,
+    )
+    condition_init: Literal["pretrained", "random"] = _field(
+        "pretrained",
+        "pretrained: load the text encoder and VAE weights from dit.condition; random: build them from their "
+        "configs with random weights seeded by train.seed (toy runs such as the quickstart; a real run never "
+        "wants it)",
+    )
+    mode: Literal["t2v", "i2v"] = _field(
+        "t2v", "t2v: text-to-video; i2v: image-to-video (first-frame latents and CLIP image embeddings)"
+    )
+    max_sequence_length: int = _field(512, "prompt length in tokens (Wan's pipelines use 512)")
+    latent_sample_mode: Literal["sample", "mode"] = _field(
+        "sample", "sample: draw latents from the VAE posterior; mode: take its mean"
+    )
+    prompt_dropout_prob: float = _field(
+        0.0, "probability of training a sample on the empty prompt (classifier-free guidance)"
+    )
+    shift: float | None = _field(
+        None, "timestep shift of the training schedule (None: the scheduler config's shift / flow_shift)"
+    )
+    text_encoder_dtype: Literal["float32", "bfloat16"] = _field(
+        "bfloat16", "dtype of the frozen text encoder (the VAE runs in float32, as Wan's pipelines run it)"
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_sequence_length < 1:
+            raise RecipeError(f"dit.max_sequence_length: expected >= 1, found {self.max_sequence_length}")
+        if not 0.0 <= self.prompt_dropout_prob <= 1.0:
+            raise RecipeError(
+                f"dit.prompt_dropout_prob: expected a value in [0, 1], found {self.prompt_dropout_prob}"
+            )
+        if self.shift is not None and not self.shift > 0:
+            raise RecipeError(f"dit.shift: expected > 0 or None, found {self.shift}")
