@@ -120,6 +120,8 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["data"]["max_seq_len"] = draw(st.integers(2, micro))
     raw["data"]["num_workers"] = draw(st.integers(0, 4))
     raw["model"]["param_dtype"] = draw(st.sampled_from(["float32", raw["model"]["dtype"]]))
+    if not raw["parallel"]["activation_checkpointing"]:
+        raw["parallel"]["ac_keep_attention"] = False  # it chooses what checkpointing keeps
     kept, other = draw(st.sampled_from([("steps", "epochs"), ("epochs", "steps")]))
     raw["train"][kept], raw["train"][other] = draw(st.integers(1, 10_000)), None
     if raw["train"]["eval_interval"] is None:
@@ -162,6 +164,7 @@ COUPLED = [
     {"train.tokens_per_step", "train.tokens_per_micro_batch", "data.max_seq_len"},
     {"data.eval_files", "train.eval_interval"},
     {"model.dtype", "model.param_dtype"},
+    {"parallel.activation_checkpointing", "parallel.ac_keep_attention"},
     {"model.config", "model.config_overrides", "model.weights", "model.tokenizer"},
 ]
 
@@ -287,6 +290,10 @@ def test_every_problem_is_reported_at_once(tmp_path):
         (lambda r: r["data"].update(train_files="/one.jsonl"), "data.train_files: expected list"),
         (lambda r: r["train"].update(steps=True), "train.steps: expected int | null, found bool"),
         (lambda r: r.update(parallel={"sp": 0}), "parallel.sp: expected >= 1"),
+        (
+            lambda r: r.update(parallel={"ac_keep_attention": True}),
+            "ac_keep_attention: true chooses what activation checkpointing keeps",
+        ),
         (lambda r: r["train"].update(seed=-1), "train.seed: expected >= 0"),
         (lambda r: r.update(model=[1]), "model: expected a mapping"),
     ],
