@@ -23,6 +23,7 @@ from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.export import export_hf
 from veomni.models.kernel_hooks import apply_ops
+from veomni.models.loading.diagnosis import dense_moe_diagnosis
 from veomni.models.loading.loader import CheckpointMismatchError, WrongModelError
 from veomni.models.qwen3_vl_moe.generated import patched_modeling_qwen3_vl_moe as ours
 from veomni.models.registry import MODELS
@@ -92,12 +93,12 @@ def test_no_kernels_is_bitwise_upstream_with_aux_loss(rows):
     [
         {"attention": "sdpa", "moe_experts": "torch"},
         pytest.param(
-            {"attention": "sdpa", "moe_experts": "triton", "load_balancing_loss": "triton", "rms_norm": "triton",
-             "swiglu": "triton", "rope": "triton", "cross_entropy": "triton"},
+            # The MoE kernels; the dense Triton kernels on this model's shapes: test_qwen3_vl.py, the GPU test below.
+            {"attention": "sdpa", "moe_experts": "triton", "load_balancing_loss": "triton"},
             marks=pytest.mark.triton_cpu,
         ),
     ],
-    ids=["experts=torch", "all-triton"],
+    ids=["experts=torch", "experts+lbl=triton"],
 )  # fmt: skip
 def test_kernels_attached_match_upstream(ops):
     ref, model = build_pair()
@@ -250,6 +251,17 @@ def test_dense_qwen3_vl_checkpoint_into_the_moe_class_is_a_clear_error(tmp_path)
         build_model(tiny_config(), weights=str(tmp_path), ops=eager_ops(), task=TASK)
     assert "model.language_model.layers.1.mlp" in str(err.value)
     assert IMAGE < VOCAB  # the placeholder ids of the shared fixtures fit the tiny vocabulary
+
+
+def test_dense_moe_diagnosis_both_ways_and_silent_otherwise():
+    dense = [f"model.layers.0.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    moe = ["model.layers.0.mlp.experts.gate_up_proj (tied with [])", "model.layers.0.mlp.gate.weight"]
+    (line,) = dense_moe_diagnosis(moe, dense)
+    assert "dense MLP" in line and "['model.layers.0.mlp']" in line
+    (line,) = dense_moe_diagnosis(dense, [k.split(" ")[0] for k in moe])
+    assert "MoE experts where the model has a dense MLP" in line
+    assert dense_moe_diagnosis(dense[:1], ["model.layers.0.mlp.gate_proj.bias"]) == []
+    assert dense_moe_diagnosis(moe, ["model.layers.1.mlp.gate_proj.weight"]) == []  # another layer: no claim
 
 
 @pytest.mark.cuda

@@ -15,6 +15,8 @@ import pytest
 import torch
 from test_vlm_train import draw, make_processor_dir, tiny_config, vlm_recipe
 
+from veomni.train.recipe import recipe_from_dict
+
 STEPS = 2
 LAYOUTS = [
     (2, 1, 1),
@@ -93,12 +95,6 @@ def _steps(ctx, raw: dict) -> dict:
     found = {"task_coef": run.task.aux_loss_coef, "model_coef": run.model.router_aux_loss_coef}
     flops = run.task.flops_per_token
     return {"stats": [train_step(run, s) for s in steps], "imageless": imageless, "flops": flops, **found}
-
-
-def recipe_from_dict(raw: dict):
-    from veomni.train.recipe import recipe_from_dict as build
-
-    return build(raw)
 
 
 @pytest.fixture(scope="module")
