@@ -12,6 +12,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.qwen3.patch_config",
     "veomni.models.qwen3_moe.patch_config",
     "veomni.models.qwen3_vl.patch_config",
+    "veomni.models.qwen3_vl_moe.patch_config",
     "veomni.models.seed_oss.patch_config",
     "veomni.models.deepseek_v3.patch_config",
 ]

@@ -512,6 +512,19 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "fused_kernels"},
     )
+    # Qwen3-VL-MoE: the Qwen3-VL adapter plus routed experts (EP over the language model's experts).
+    qwen3_vl_moe = "veomni.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe"
+    registry.register_config(
+        "qwen3_vl_moe", "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe:Qwen3VLMoeConfig"
+    )
+    registry.register_model(
+        "qwen3_vl_moe",
+        {
+            "image_text_to_text": f"{qwen3_vl_moe}:Qwen3VLMoeForConditionalGeneration",
+            "base": f"{qwen3_vl_moe}:Qwen3VLMoeModel",
+        },
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
 
 
 MODELS = ModelRegistry()

@@ -7,6 +7,7 @@ each sub-model none of whose keys was found, with what it expected and what the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from torch import nn
@@ -67,3 +68,40 @@ def submodel_diagnosis(
             f"{hint}"
         )
     return lines
+
+
+_DENSE_MLP = re.compile(r"^(.*\.mlp)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MOE_MLP = re.compile(r"^(.*\.mlp)\.(experts\.|gate\.weight$|router\.)")
+
+
+def dense_moe_diagnosis(missing: Sequence[str], unexpected: Sequence[str]) -> list[str]:
+    """A message line when the checkpoint has dense MLPs where the model has routed experts (or the reverse):
+    the weights of a dense model (``qwen3_vl``) given to its MoE sibling (``qwen3_vl_moe``), which no key rename
+    can fix.
+
+    Args:
+        missing: model keys the checkpoint lacks (a tied group may carry a ``" (tied with ...)"`` suffix).
+        unexpected: converted checkpoint keys the model does not have.
+    Returns:
+        zero or one line.
+    """
+    missing_keys = [k.split(" ")[0] for k in missing]
+    moe_missing = {m.group(1) for k in missing_keys if (m := _MOE_MLP.match(k))}
+    dense_extra = {m.group(1) for k in unexpected if (m := _DENSE_MLP.match(k))}
+    moe_extra = {m.group(1) for k in unexpected if (m := _MOE_MLP.match(k))}
+    dense_missing = {m.group(1) for k in missing_keys if (m := _DENSE_MLP.match(k))}
+    both = sorted(moe_missing & dense_extra)
+    if both:
+        return [
+            f"  the checkpoint has a dense MLP (gate_proj/up_proj/down_proj) where the model has MoE experts and a "
+            f"router, at {both[:_SHOWN]}{' ...' if len(both) > _SHOWN else ''}: these are the weights of a dense "
+            "model (e.g. qwen3_vl) given to its MoE sibling (e.g. qwen3_vl_moe); pass an MoE checkpoint, or build "
+            "the dense model"
+        ]
+    reverse = sorted(dense_missing & moe_extra)
+    if reverse:
+        return [
+            f"  the checkpoint has MoE experts where the model has a dense MLP, at {reverse[:_SHOWN]}: these are the "
+            "weights of an MoE model given to its dense sibling; pass a dense checkpoint, or build the MoE model"
+        ]
+    return []

@@ -34,7 +34,7 @@ from veomni.models.converters import (
     UnsupportedRecipeError,
     apply_converters,
 )
-from veomni.models.loading.diagnosis import submodel_diagnosis
+from veomni.models.loading.diagnosis import dense_moe_diagnosis, submodel_diagnosis
 from veomni.models.loading.lazy import LazyTensor, TensorLike, as_lazy, shape_of
 from veomni.models.loading.quantized import check_not_quantized
 from veomni.models.loading.safetensors_io import CheckpointFileError, CheckpointFiles
@@ -172,6 +172,7 @@ def _make_plan(
     if missing or unexpected or mismatched:
         lines = [f"the checkpoint in {files.directory} does not match {unwrapped_class(model).__name__}:"]
         lines += submodel_diagnosis(model, targets, tensors, origin, unexpected, convs)
+        lines += dense_moe_diagnosis(missing, unexpected)
         if missing:
             lines.append(f"  missing keys ({len(missing)}): {missing}")
         if unexpected:
