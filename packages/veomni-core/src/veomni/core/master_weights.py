@@ -11,10 +11,13 @@ the same arithmetic with one cast per optimizer step:
   checkpoints work on it exactly as on the FSDP2 model (same names, same global shapes, fp32 values);
 - each bf16 gradient is added into its master's fp32 ``grad`` as soon as autograd has accumulated it
   (``register_post_accumulate_grad_hook``) and then dropped, so bf16 gradients are transient and micro-batches
-  accumulate in fp32 -- FSDP2's fp32 ``reduce_dtype`` accumulation, bit for bit;
+  accumulate in fp32 -- what FSDP2's fp32 ``reduce_dtype`` does on one rank;
 - floating forward inputs of the root and of each block are cast to ``compute_dtype``, as each FSDP2 unit does
   (``cast_forward_inputs``), so even a float ``num_items_in_batch`` rounds alike on both paths;
 - after the optimizer step `MasterWeights.push` copies the masters into the bf16 parameters (one foreach copy).
+
+Losses, gradient norms, weights and AdamW state then equal FSDP2 mixed precision's bit for bit on CPU
+(tests/train/test_master_weights.py, dense and MoE, gradient accumulation, lr multipliers, a frozen module).
 
 It lives in core because it is a precision/parallelism primitive beside `veomni.core.fsdp.apply_fsdp2` (torch
 only, no trainer state): any loop that steps an optimizer over ``masters.module`` and calls ``push`` uses it.
@@ -191,9 +194,10 @@ def apply_master_weights(
     mirror = _mirror(model, by_id, {})
     want, got = list(model.state_dict(keep_vars=True)), list(mirror.state_dict(keep_vars=True))
     if want != got:
+        only_model, only_mirror = sorted(set(want) - set(got))[:6], sorted(set(got) - set(want))[:6]
         raise ValueError(
-            "apply_master_weights: the fp32 mirror's state-dict keys differ from the model's (state-dict hooks?): "
-            f"only in the model {sorted(set(want) - set(got))[:6]}, only in the mirror {sorted(set(got) - set(want))[:6]}"
+            "apply_master_weights: the fp32 mirror's state-dict keys differ from the model's (state-dict "
+            f"hooks?): only in the model {only_model}, only in the mirror {only_mirror}"
         )
     hooks = [
         module.register_forward_pre_hook(functools.partial(_cast_inputs, compute_dtype), with_kwargs=True)

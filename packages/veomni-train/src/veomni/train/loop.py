@@ -59,7 +59,8 @@ log = logging.getLogger("veomni.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Public names that moved to their own modules; kept importable from here.
 __all__ = ["Run", "build_recipe_model", "build_run", "evaluate", "flops_per_token", "meta_instance",
-           "model_config", "one_rank_path", "parallel_dims", "query_width", "setup_distributed", "train", "train_step"]  # fmt: skip
+           "model_config", "one_rank_path", "parallel_dims", "query_width", "setup_distributed", "train",
+           "train_step"]  # fmt: skip
 
 
 # ---------------------------------------------------------------- distributed setup
@@ -323,9 +324,10 @@ def build_run(recipe: Recipe) -> Run:
     model = build_recipe_model(recipe, config, probe, ops, state, device)
     hand_aux_loss_to_loop(model)
     masters = master_weights_of(model)
+    # On the one-rank master-weights path AdamW steps the fp32 masters (same names, so the same groups).
     optimizer = build_adamw(
-        model if masters is None else masters.module, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
-        weight_decay=recipe.optim.weight_decay, lr_multipliers=recipe.optim.lr_multipliers,
+        model if masters is None else masters.module, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
+        eps=recipe.optim.eps, weight_decay=recipe.optim.weight_decay, lr_multipliers=recipe.optim.lr_multipliers,
     )  # fmt: skip
     schedule = Schedule(
         kind=recipe.optim.schedule, warmup_steps=recipe.optim.warmup_steps, total_steps=steps,
