@@ -123,3 +123,22 @@ def test_compiled_contender_matches_eager_without_recompiles(tmp_path):
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-4)
     assert "veomni_compiled/veomni" in result["ratios"]
+
+
+def test_no_reshard_needs_fsdp2(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x.json", "--veomni-no-reshard"])
+    assert "--veomni-fsdp2" in capsys.readouterr().err
+    assert bench.parse_args(["--out", "x.json", "--veomni-no-reshard", "--veomni-fsdp2"]).veomni_fsdp2
+
+
+@pytest.mark.slow
+def test_veomni_master_weights_equal_fsdp2_mixed_precision(tmp_path):
+    # The default veomni contender (one rank: bf16 module over fp32 masters) and --veomni-fsdp2 (FSDP2 mixed
+    # precision on a one-rank mesh) run the same arithmetic: identical losses and grad norms, bf16 on CPU.
+    args = [*SMOKE, "--contenders", "veomni", "--grad-accum", "2"]
+    ours = bench.main([*args, "--out", str(tmp_path / "m.json")])["contenders"]["veomni"]
+    fsdp = bench.main([*args, "--veomni-fsdp2", "--out", str(tmp_path / "f.json")])["contenders"]["veomni"]
+    assert "master weights" in ours["precision"] and "FSDP2" in fsdp["precision"]
+    assert ours["losses"] == fsdp["losses"]
+    assert ours["grad_norms"] == fsdp["grad_norms"]

@@ -9,6 +9,11 @@ packed micro-batches: one row of ``--seq-len`` tokens holding several documents 
 ``position_ids`` restarting per document, labels shifted per document (-100 at each document's last token).
 The loss of an optimizer step is the token mean over all its micro-batches (``num_items_in_batch``).
 
+``veomni`` / ``veomni_compiled`` follow the trainer's one-rank choice (`veomni.train.loop.one_rank_path`): a plain
+bf16 module over fp32 master weights the optimizer steps (``--precision fp32``: plain fp32); ``--veomni-fsdp2``
+puts them on FSDP2 over a one-rank mesh instead (the trainer's ``parallel.force_fsdp2``, the path measured before
+2026-11-25's master-weights change).
+
 Contenders run in a fixed order (veomni, veomni_compiled, veomni_plain, veomni_plain_compiled, hf, hf_liger):
 Liger patches transformers' Qwen3 module globals for the rest of the process, so it must come last. The veomni
 contenders set ``ops.compile`` explicitly: ``off``, or ``on`` for the ``*_compiled`` ones (every decoder block
@@ -304,7 +309,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add(
         "--veomni-no-reshard",
         action="store_true",
-        help="FSDP2 reshard_after_forward=False for veomni (keeps gathered layers: one re-gather less)",
+        help="FSDP2 reshard_after_forward=False for veomni (keeps gathered layers: one re-gather less); needs "
+        "--veomni-fsdp2",
+    )
+    add(
+        "--veomni-fsdp2",
+        action="store_true",
+        help="veomni/veomni_compiled through FSDP2 on a one-rank mesh (the trainer's parallel.force_fsdp2) instead "
+        "of the trainer's one-rank default: a plain bf16 module over fp32 master weights (fp32: plain fp32)",
     )
     add(
         "--profile",
@@ -329,6 +341,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.hf_master == "bf16" and args.precision == "fp32":
         p.error("--hf-master bf16 contradicts --precision fp32")
+    if args.veomni_no_reshard and not args.veomni_fsdp2:
+        p.error(
+            "--veomni-no-reshard sets FSDP2's reshard_after_forward: add --veomni-fsdp2 (one rank trains no FSDP2)"
+        )
     try:
         args.veomni_ops = parse_ops(args.veomni_ops)
     except ValueError as err:
@@ -384,7 +400,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             device=device, weights=weights, lr=args.lr, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, precision=args.precision, ac=args.ac, hf_master=args.hf_master,
             veomni_ops=args.veomni_ops, veomni_reshard=not args.veomni_no_reshard,
-            profile_dir=args.profile,
+            veomni_fsdp2=args.veomni_fsdp2, profile_dir=args.profile,
         )  # fmt: skip
         for name in CONTENDERS:  # the fixed order: Liger's global patches must come last
             if name not in args.contenders:

@@ -25,7 +25,8 @@ MFU counts the ViT: ``flops_per_token * tokens + attention + vision_flops_per_pa
 matmul FLOPs per patch; the tower's own attention scores not counted).
 
 Contenders and settings are those of `bench_e2e.py` (see ``tools/bench/README.md``), with the image-text-to-text
-classes: veomni (FSDP2 on a one-rank mesh, fp32 masters, bf16 compute), veomni_compiled, veomni_plain (no FSDP2,
+classes: veomni (the trainer's one-rank default: a plain bf16 module over fp32 master weights; ``--veomni-fsdp2``:
+FSDP2 on a one-rank mesh with mixed precision), veomni_compiled, veomni_plain (no FSDP2,
 parameters in bf16 with ``--precision bf16``), veomni_plain_compiled, hf (SDPA, fp32 masters + autocast or pure
 bf16 with ``--hf-master bf16``), hf_liger (``apply_liger_kernel_to_qwen3_vl``: RoPE, RMSNorm, fused linear CE).
 """
@@ -238,6 +239,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--ac", choices=("none", "veomni", "all"), default="none")
     add("--veomni-ops", default="", help="OpsConfig overrides, e.g. attention=varlen")
     add(
+        "--veomni-fsdp2",
+        action="store_true",
+        help="veomni/veomni_compiled through FSDP2 on a one-rank mesh instead of the trainer's one-rank default",
+    )
+    add(
         "--profile",
         default=None,
         metavar="DIR",
@@ -303,7 +309,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         settings = Settings(
             device=device, weights=weights, lr=args.lr, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, precision=args.precision, ac=args.ac, hf_master=args.hf_master,
-            veomni_ops=args.veomni_ops, profile_dir=args.profile, task="image_text_to_text",
+            veomni_ops=args.veomni_ops, veomni_fsdp2=args.veomni_fsdp2, profile_dir=args.profile,
+            task="image_text_to_text",
         )  # fmt: skip
         for name in CONTENDERS:  # the fixed order: Liger's global patches must come last
             if name not in args.contenders:

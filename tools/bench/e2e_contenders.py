@@ -1,6 +1,8 @@
 """The contenders of `bench_e2e.py`: one model + optimizer setup each, behind a common `step` interface.
 
-veomni (FSDP2 on a one-rank mesh, fp32 masters), veomni_plain (no FSDP2, parameters in the compute dtype: the
+veomni (the trainer's default: on one rank a plain bf16 module over fp32 master weights the optimizer steps,
+`veomni.core.master_weights`, or FSDP2 on a one-rank mesh with ``veomni_fsdp2``; fp32 masters either way),
+veomni_plain (no FSDP2, parameters in the compute dtype: the
 trainer's one-rank path when ``model.param_dtype`` equals ``model.dtype``), each eager (``ops.compile="off"``)
 and with compiled decoder blocks (``*_compiled``: ``ops.compile="on"``, `veomni.core.compile.compile_blocks`
 inside `build_model`), HF with SDPA, and HF + Liger. Each ``step`` runs one optimizer step;
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from veomni.core.clip import clip_grad_norm
 from veomni.core.compile import CompileStats, compile_stats
 from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
+from veomni.core.master_weights import apply_master_weights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
@@ -51,6 +54,9 @@ class Settings:
     veomni_reshard: bool = (
         True  # FSDP2 reshard_after_forward (on one GPU, False skips the backward re-gather)
     )
+    # veomni/veomni_compiled on one rank: FSDP2 on a one-rank mesh (the trainer's parallel.force_fsdp2) instead of
+    # the trainer's default plain module (bf16 over fp32 master weights; fp32: plain fp32).
+    veomni_fsdp2: bool = False
     profile_dir: str | None = None  # write a torch.profiler table of 2 extra steps per contender
     task: str = "causal_lm"  # the registry task: "causal_lm" (bench_e2e) or "image_text_to_text" (bench_vlm)
 
@@ -107,8 +113,10 @@ def _ops_info(model: torch.nn.Module) -> dict[str, str]:
 
 
 class Veomni(Contender):
-    """build_model with OpsConfig defaults for the device, FSDP2 on a one-rank mesh, veomni's AdamW and clip;
-    decoder blocks compiled when ``compile_setting`` is ``"on"``."""
+    """What veomni-train runs (`veomni.train.loop.one_rank_path`): on one rank a plain module -- bf16 over fp32
+    master weights for ``--precision bf16`` (`veomni.core.master_weights`), fp32 for ``fp32`` -- or, on several
+    ranks or with ``veomni_fsdp2``, FSDP2 with mixed precision; OpsConfig defaults for the device, veomni's AdamW
+    and clip; decoder blocks compiled when ``compile_setting`` is ``"on"``."""
 
     def __init__(self, s: Settings, compile_setting: str = "off") -> None:
         self.s = s
@@ -117,34 +125,60 @@ class Veomni(Contender):
         config = MODELS.load_config(s.weights)
         with torch.device("meta"):
             probe = MODELS.model_class(config, s.task).cls._from_config(config)
+        bf16 = s.precision == "bf16"
         policy = attrs.evolve(
             default_fsdp_policy(probe),
-            param_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+            param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32,
             activation_checkpointing=s.ac in ("veomni", "all"),
             reshard_after_forward=s.veomni_reshard,
         )
         ops = _ops(s, compile_setting)
-        self.model = build_model(
-            s.weights, weights=s.weights, ops=ops, parallel_state=self.state, fsdp_policy=policy, task=s.task
-        )
+        self.fsdp = self.state.dims.world_size > 1 or s.veomni_fsdp2
+        if self.fsdp:
+            self.model = build_model(
+                s.weights,
+                weights=s.weights,
+                ops=ops,
+                parallel_state=self.state,
+                fsdp_policy=policy,
+                task=s.task,
+            )
+            precision = (
+                "FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute (param_dtype), fp32 gradient reduce"
+                if bf16 else "FSDP2 on a 1-rank mesh, fp32 throughout"
+            )  # fmt: skip
+        else:
+            self.model = build_model(
+                s.weights, weights=s.weights, ops=ops, device=s.device, task=s.task,
+                compute_dtype=torch.bfloat16 if bf16 else None,
+            )  # fmt: skip
+            if bf16:
+                apply_master_weights(self.model, torch.bfloat16, policy.block_patterns)
+            if policy.activation_checkpointing:
+                apply_activation_checkpointing(self.model, policy.block_patterns)
+            precision = (
+                "no FSDP (one rank): bf16 parameters over fp32 master weights the optimizer steps, gradients "
+                "accumulated in fp32 (veomni.core.master_weights)"
+                if bf16 else "no FSDP (one rank), fp32 throughout"
+            )  # fmt: skip
+        self.masters = master_weights_of(self.model)
+        self.trained = self.model if self.masters is None else self.masters.module
         self.compile_stats = compile_stats(self.model)
         self.model.train()
         self.optimizer = build_adamw(
-            self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
+            self.trained, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
         self.info = {
             "ops": _ops_info(self.model),
             "attn_implementation": self.model.config._attn_implementation,
-            "precision": (
-                "FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute (param_dtype), fp32 gradient reduce"
-                if s.precision == "bf16" else "FSDP2 on a 1-rank mesh, fp32 throughout"
-            ),
+            "precision": precision,
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
             "packing": "cu_seq_lens_q/k + max_length_q/k + position_ids (veomni.train.data.model_inputs)",
             "activation_checkpointing": policy.activation_checkpointing,
-            "reshard_after_forward": policy.reshard_after_forward,
         }  # fmt: skip
+        if self.fsdp:
+            self.info["reshard_after_forward"] = policy.reshard_after_forward
 
     def step(
         self, micro_batches: Sequence[dict[str, Any]], num_items: torch.Tensor
@@ -152,7 +186,8 @@ class Veomni(Contender):
         world = self.state.dims.world_size
         loss_sum = torch.zeros((), device=self.s.device)
         for i, batch in enumerate(micro_batches):
-            set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
+            if self.fsdp:
+                set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
             with use_parallel_state(self.state):
                 out = self.model(
                     **model_inputs(batch),
@@ -164,8 +199,10 @@ class Veomni(Contender):
             # veomni.train.loop's convention: FSDP averages over the world, the objective sums over ranks.
             (out.loss * world).backward()
             loss_sum += out.loss.detach().float()
-        norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
+        norm = clip_grad_norm(self.trained, self.s.max_grad_norm, self.state)
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.push()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm
 

@@ -1,7 +1,7 @@
 """veomni.core: meshes, Ulysses SP and EP collectives, FSDP2 application, cross-mesh clipping, loss maths.
 
 Depends on torch and attrs only. The submodules hold the details (`veomni.core.sp`, `veomni.core.ep`,
-`veomni.core.fsdp`, `veomni.core.clip`, `veomni.core.loss`); this file re-exports the common entry points.
+`veomni.core.fsdp`, `veomni.core.master_weights`, `veomni.core.clip`, `veomni.core.loss`); this file re-exports the common entry points.
 See docs/core.md for the conventions.
 """
 
@@ -17,6 +17,7 @@ from veomni.core.fsdp import (
     set_grad_sync,
 )
 from veomni.core.loss import count_valid_tokens, global_token_count, scale_loss_for_backward, sp_token_mean
+from veomni.core.master_weights import MasterWeights, apply_master_weights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import (
     ParallelState,
@@ -31,12 +32,14 @@ __all__ = [
     "ExpertPlan",
     "ExpertShard",
     "FSDPPolicy",
+    "MasterWeights",
     "ParallelDims",
     "ParallelState",
     "StateDictMismatchError",
     "apply_expert_plan",
     "apply_activation_checkpointing",
     "apply_fsdp2",
+    "apply_master_weights",
     "build_parallel_state",
     "clip_grad_norm",
     "combine_tokens",
@@ -48,6 +51,7 @@ __all__ = [
     "global_token_count",
     "heads_to_seq",
     "load_full_state_dict",
+    "master_weights_of",
     "materialize_sharded",
     "scale_loss_for_backward",
     "seq_to_heads",

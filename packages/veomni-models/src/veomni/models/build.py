@@ -60,12 +60,15 @@ def block_patterns(model: nn.Module) -> tuple[str, ...]:
 
 
 def _ops_for_compute(
-    ops: OpsConfig, dtype: torch.dtype, fsdp_policy: FSDPPolicy | None, state: ParallelState | None
-) -> OpsConfig:
-    """`OpsConfig.for_compute_dtype` for the dtype the model computes in (FSDP2's ``param_dtype`` when sharded
-    with mixed precision, else the parameter dtype), logging a changed default."""
+    ops: OpsConfig, dtype: torch.dtype, fsdp_policy: FSDPPolicy | None, state: ParallelState | None,
+    compute_dtype: torch.dtype | None = None,
+) -> OpsConfig:  # fmt: skip
+    """`OpsConfig.for_compute_dtype` for the dtype the model computes in (``compute_dtype`` when given, FSDP2's
+    ``param_dtype`` when sharded with mixed precision, else the parameter dtype), logging a changed default."""
     compute = dtype
-    if state is not None and fsdp_policy is not None and fsdp_policy.param_dtype is not None:
+    if compute_dtype is not None:
+        compute = compute_dtype
+    elif state is not None and fsdp_policy is not None and fsdp_policy.param_dtype is not None:
         compute = fsdp_policy.param_dtype
     adapted = ops.for_compute_dtype(compute)
     if adapted.attention != ops.attention:
@@ -159,6 +162,7 @@ def build_model(
     registry: ModelRegistry | None = None,
     backend: str = "veomni",
     freeze: Sequence[str] = (),
+    compute_dtype: torch.dtype | None = None,
 ) -> PreTrainedModel | nn.Module:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
@@ -199,11 +203,19 @@ def build_model(
             FSDP2 only. A warning names what is off.
         freeze: module-name globs (`veomni.core.freeze.freeze_modules`) whose parameters are frozen before
             FSDP2 wraps the model: no gradient, no reduction; a pattern matching nothing is an error.
+        compute_dtype: the dtype forward and backward will run in when the caller casts the parameters itself
+            after the build (`veomni.core.master_weights.apply_master_weights` over the fp32 ``dtype``); it only
+            chooses the kernels, as FSDP2's ``param_dtype`` does. Refused together with a ``parallel_state``.
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"build_model: dtype must be a floating torch.dtype, got {dtype!r}")
+    if compute_dtype is not None and parallel_state is not None:
+        raise ValueError(
+            "build_model: compute_dtype is for plain modules cast by the caller; under a parallel_state set "
+            "fsdp_policy.param_dtype"
+        )
     if backend not in ("veomni", "hf"):
         raise ValueError(f"build_model: backend must be 'veomni' or 'hf', got {backend!r}")
     registry = MODELS if registry is None else registry
@@ -245,7 +257,7 @@ def build_model(
     if not on_meta and parallel_state is None:
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
-        ops = _ops_for_compute(ops, dtype, fsdp_policy, parallel_state)  # type: ignore[arg-type]
+        ops = _ops_for_compute(ops, dtype, fsdp_policy, parallel_state, compute_dtype)  # type: ignore[arg-type]
         compiling = _will_compile_blocks(model, ops, parallel_state)  # type: ignore[arg-type]
         if compiling:
             adapted = ops.for_compiled_blocks()

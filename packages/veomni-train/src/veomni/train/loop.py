@@ -8,6 +8,7 @@ be checked without the model (data, warmup, SP head layout, vocabulary) is check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from veomni.core.fsdp import apply_activation_checkpointing
+from veomni.core.master_weights import MasterWeights, apply_master_weights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.kernels import Hardware, detect_hardware
@@ -57,7 +59,8 @@ log = logging.getLogger("veomni.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Public names that moved to their own modules; kept importable from here.
 __all__ = ["Run", "build_recipe_model", "build_run", "evaluate", "flops_per_token", "meta_instance",
-           "model_config", "parallel_dims", "query_width", "setup_distributed", "train", "train_step"]  # fmt: skip
+           "model_config", "one_rank_path", "parallel_dims", "query_width", "setup_distributed", "train",
+           "train_step"]  # fmt: skip
 
 
 # ---------------------------------------------------------------- distributed setup
@@ -106,7 +109,8 @@ def parallel_dims(recipe: Recipe, world_size: int) -> ParallelDims:
 
 @attrs.define
 class Run:
-    """Everything one training job holds."""
+    """Everything one training job holds (``masters``: the model's fp32 master weights on the one-rank
+    master-weights path, see `one_rank_path`; None elsewhere)."""
 
     recipe: Recipe
     state: ParallelState
@@ -124,6 +128,13 @@ class Run:
     step: int = 0
     skipped_steps: int = 0
     resumed_from: Path | None = None
+    masters: MasterWeights | None = None
+
+    @property
+    def trained(self) -> nn.Module:
+        """The module whose parameters the optimizer steps, clipping reads and checkpoints hold: the fp32 master
+        mirror on the one-rank master-weights path (`one_rank_path`), else the model itself."""
+        return self.model if self.masters is None else self.masters.module
 
 
 def model_config(recipe: Recipe) -> PretrainedConfig:
@@ -161,28 +172,54 @@ def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dty
     )
 
 
+def one_rank_path(recipe: Recipe, world_size: int) -> str:
+    """How `build_recipe_model` trains on ``world_size`` ranks: ``"fsdp2"`` (FSDP2, with mixed precision when
+    ``model.param_dtype`` is above ``model.dtype``), ``"plain"`` (one rank, parameters in the compute dtype) or
+    ``"master_weights"`` (one rank, a compute-dtype module over fp32 masters the optimizer steps:
+    `veomni.core.master_weights`). ``parallel.force_fsdp2`` keeps FSDP2 on one rank."""
+    if world_size > 1 or recipe.parallel.force_fsdp2:
+        return "fsdp2"
+    return "plain" if recipe.model.dtype == recipe.model.param_dtype else "master_weights"
+
+
 def build_recipe_model(
     recipe: Recipe, config: PretrainedConfig | str, probe: nn.Module, ops: Any, state: ParallelState,
     device: torch.device,
 ) -> nn.Module:  # fmt: skip
-    """The recipe's model as `build_run` builds it: FSDP2 (and EP) on ``state``'s meshes with the recipe's
-    precision, or a plain module on one rank when ``model.param_dtype == model.dtype`` (nothing to shard or
-    cast). ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
+    """The recipe's model as `build_run` builds it (`one_rank_path` says which): FSDP2 (and EP) on ``state``'s
+    meshes with the recipe's precision, or on one rank a plain module -- in ``model.param_dtype`` when it equals
+    ``model.dtype`` (nothing to shard or cast), else in ``model.dtype`` with fp32 masters attached
+    (`veomni.core.master_weights.master_weights_of` finds them; optimizer and checkpoints take their module).
+    ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
-    if state.dims.world_size == 1 and dtype == param_dtype:
-        # One rank and nothing to cast: FSDP2 would only add per-block hooks and parameter copies (42% of the
-        # step time of Qwen3-1.7B on one H100, docs/benchmarks.md), so the model stays a plain module.
+    path = one_rank_path(recipe, state.dims.world_size)
+    if path == "fsdp2":
+        if state.dims.world_size == 1:
+            log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
+        return build_model(
+            config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
+        )
+    # One rank: FSDP2 would only add per-block hooks and parameter copies (42% of the step time of Qwen3-1.7B on
+    # one H100 in pure bf16, half the throughput with mixed precision; docs/benchmarks.md), so the model stays a
+    # plain module.
+    if path == "plain":
         log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
         model = build_model(config, dtype=param_dtype, device=device, **_build_args(recipe, ops))
-        if policy.activation_checkpointing:
-            apply_activation_checkpointing(
-                model, policy.block_patterns, keep_attention=policy.ac_keep_attention
-            )
-        return model
-    return build_model(
-        config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
-    )
+    else:
+        log.info(
+            "one rank, %s compute over %s master weights: training a plain %s module, the optimizer stepping "
+            "%s masters (parallel.force_fsdp2=true trains through FSDP2 instead)",
+            recipe.model.dtype, recipe.model.param_dtype, recipe.model.dtype, recipe.model.param_dtype,
+        )  # fmt: skip
+        # Built (and loaded) in fp32 like FSDP2's masters; kernels chosen for the compute dtype.
+        model = build_model(
+            config, dtype=param_dtype, device=device, compute_dtype=dtype, **_build_args(recipe, ops)
+        )
+        apply_master_weights(model, dtype, policy.block_patterns)
+    if policy.activation_checkpointing:
+        apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)
+    return model
 
 
 def _build_args(recipe: Recipe, ops: Any) -> dict[str, Any]:
@@ -287,9 +324,11 @@ def build_run(recipe: Recipe) -> Run:
     torch.manual_seed(recipe.train.seed)
     model = build_recipe_model(recipe, config, probe, ops, state, device)
     hand_aux_loss_to_loop(model)
+    masters = master_weights_of(model)
+    # On the one-rank master-weights path AdamW steps the fp32 masters (same names, so the same groups).
     optimizer = build_adamw(
-        model, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
-        weight_decay=recipe.optim.weight_decay, lr_multipliers=recipe.optim.lr_multipliers,
+        model if masters is None else masters.module, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
+        eps=recipe.optim.eps, weight_decay=recipe.optim.weight_decay, lr_multipliers=recipe.optim.lr_multipliers,
     )  # fmt: skip
     schedule = Schedule(
         kind=recipe.optim.schedule, warmup_steps=recipe.optim.warmup_steps, total_steps=steps,
@@ -303,7 +342,7 @@ def build_run(recipe: Recipe) -> Run:
     run = Run(
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
-        total_steps=steps, task=task, config=config,
+        total_steps=steps, task=task, config=config, masters=masters,
     )  # fmt: skip
     _maybe_resume(run)
     return run
@@ -342,7 +381,10 @@ def _maybe_resume(run: Run) -> None:
         log.info("resume=auto: no complete checkpoint under %s; starting fresh", run.recipe.checkpoint.dir)
         return
     _check_resumable(run, path, read_trainer_state(path))
-    trainer_state, rank_state = run.checkpoints.load(path, run.model, run.optimizer)
+    trainer_state, rank_state = run.checkpoints.load(path, run.trained, run.optimizer)
+    if run.masters is not None:
+        # The loaded fp32 masters, frozen ones too, into the compute model.
+        run.masters.push(trainable_only=False)
     run.scheduler.load_state_dict(trainer_state["scheduler"])
     run.step = int(trainer_state["step"])
     run.skipped_steps = int(trainer_state.get("skipped_steps", 0))
@@ -364,7 +406,7 @@ def _maybe_resume(run: Run) -> None:
 
 def _save(run: Run) -> None:
     run.checkpoints.save(
-        run.step, run.model, run.optimizer,
+        run.step, run.trained, run.optimizer,
         trainer_state={
             "step": run.step, "scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
             "world_size": dist.get_world_size(), "dims": attrs.asdict(run.state.dims),
@@ -377,7 +419,9 @@ def _save(run: Run) -> None:
 
 def _export(run: Run, name: str) -> Path:
     out = Path(run.recipe.checkpoint.dir) / name
-    run.task.export(run.model, out, run.tokenizer, run.state)
+    # Exports hold the fp32 master values, as the FSDP2 path's do (not their compute-dtype rounding).
+    with run.masters.exposed() if run.masters is not None else contextlib.nullcontext():
+        run.task.export(run.model, out, run.tokenizer, run.state)
     return out
 
 

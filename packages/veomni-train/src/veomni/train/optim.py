@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from veomni.core.fqn import fqn_matches
+from veomni.core.master_weights import master_weights_of
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -65,6 +66,12 @@ def param_groups(
         ``[{"params": [...], "weight_decay": wd, "names": [...], "lr_multiplier": m (, "lr")}, ...]``;
         ``names`` is kept for logging.
     """
+    if master_weights_of(model) is not None:
+        # Its parameters are compute-dtype copies whose gradients the masters take: stepping them trains nothing.
+        raise ValueError(
+            f"{type(model).__name__} trains over fp32 master weights (veomni.core.master_weights): build the "
+            "optimizer on master_weights_of(model).module"
+        )
     groups: dict[tuple, dict] = {}
     used: set[str] = set()
     for name, param in model.named_parameters():

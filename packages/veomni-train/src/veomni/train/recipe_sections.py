@@ -235,6 +235,13 @@ class ParallelSection:
     reshard_after_forward: bool = _field(
         True, "free gathered layer parameters after forward and gather again in backward (less memory)"
     )
+    force_fsdp2: bool = _field(
+        False,
+        "on one rank, train through FSDP2 on a one-rank mesh as on many ranks; by default one rank trains a plain "
+        "module: in model.dtype when model.param_dtype equals it, else in model.dtype over fp32 master weights "
+        "held beside the optimizer (same numerics as FSDP2 mixed precision, about twice as fast). On more ranks "
+        "FSDP2 always applies",
+    )
 
     def __attrs_post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "sp", "ep"):

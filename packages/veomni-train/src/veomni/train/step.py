@@ -72,9 +72,12 @@ def train_step(run: Run, step: Step) -> dict[str, float]:
             set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
         loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
     max_norm = run.recipe.optim.max_grad_norm
-    grad_norm = clip_grad_norm(run.model, max_norm if max_norm is not None else math.inf, run.state)
+    # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
+    grad_norm = clip_grad_norm(run.trained, max_norm if max_norm is not None else math.inf, run.state)
     lr = current_lr(run)
     run.optimizer.step()
+    if run.masters is not None:
+        run.masters.push()  # the stepped fp32 masters, rounded into the compute parameters
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=run.state.loss_group)
