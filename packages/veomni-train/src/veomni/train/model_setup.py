@@ -1,0 +1,136 @@
+"""How the trainer builds the recipe's model: config, meta probe, FSDP2 policy and the one-rank paths
+(`one_rank_path`: FSDP2, a plain module, or a bf16 module over fp32 master weights), kernels validated for the
+training device. `veomni.train.loop.build_run` calls `build_recipe_model`; the dit setup and the benchmarks reuse
+the pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from veomni.core.fsdp import apply_activation_checkpointing
+from veomni.core.master_weights import apply_master_weights
+from veomni.core.parallel_state import ParallelState
+from veomni.kernels import Hardware, detect_hardware
+from veomni.models.build import build_model, default_fsdp_policy
+from veomni.models.registry import MODELS
+from veomni.train.preflight import PreflightError
+from veomni.train.recipe import Recipe
+from veomni.train.tasks import TASKS
+
+log = logging.getLogger("veomni.train")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_config(recipe: Recipe) -> PretrainedConfig:
+    """The recipe's model config, resolved: an inline mapping (with model_type), a path, or the weights' config."""
+    config = recipe.model.config
+    if isinstance(config, dict):
+        values = dict(config)
+        model_type = values.pop("model_type")
+        return AutoConfig.for_model(model_type, **values)
+    source = config if config is not None else recipe.model.weights
+    try:
+        return MODELS.load_config(source, **recipe.model.config_overrides)
+    except ValueError as err:
+        raise PreflightError(f"model.config_overrides: {err}") from None
+
+
+def meta_instance(config: PretrainedConfig | str, task: str = "causal_lm") -> nn.Module:
+    """The model class veomni builds for ``config`` and registry ``task``, on the meta device (no memory): for
+    block patterns and parameter counts, which the sharded model no longer shows whole."""
+    loaded = MODELS.load_config(config)
+    with torch.device("meta"):
+        return MODELS.model_class(loaded, task).cls._from_config(loaded)
+
+
+def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dtype: torch.dtype) -> Any:
+    # Mixed precision only when parameters are stored above the compute dtype; gradients are reduced in fp32
+    # either way (for pure bf16 too: FSDP casts them back to the parameter dtype after the reduction).
+    return attrs.evolve(
+        default_fsdp_policy(probe),
+        activation_checkpointing=recipe.parallel.activation_checkpointing,
+        ac_keep_attention=recipe.parallel.ac_keep_attention,
+        reshard_after_forward=recipe.parallel.reshard_after_forward,
+        param_dtype=dtype if dtype != param_dtype else None,
+        reduce_dtype=torch.float32,
+    )
+
+
+def one_rank_path(recipe: Recipe, world_size: int) -> str:
+    """How `build_recipe_model` trains on ``world_size`` ranks: ``"fsdp2"`` (FSDP2, with mixed precision when
+    ``model.param_dtype`` is above ``model.dtype``), ``"plain"`` (one rank, parameters in the compute dtype) or
+    ``"master_weights"`` (one rank, a compute-dtype module over fp32 masters the optimizer steps:
+    `veomni.core.master_weights`). ``parallel.force_fsdp2`` keeps FSDP2 on one rank."""
+    if world_size > 1 or recipe.parallel.force_fsdp2:
+        return "fsdp2"
+    return "plain" if recipe.model.dtype == recipe.model.param_dtype else "master_weights"
+
+
+def build_recipe_model(
+    recipe: Recipe, config: PretrainedConfig | str, probe: nn.Module, ops: Any, state: ParallelState,
+    device: torch.device,
+) -> nn.Module:  # fmt: skip
+    """The recipe's model as `build_run` builds it (`one_rank_path` says which): FSDP2 (and EP) on ``state``'s
+    meshes with the recipe's precision, or on one rank a plain module -- in ``model.param_dtype`` when it equals
+    ``model.dtype`` (nothing to shard or cast), else in ``model.dtype`` with fp32 masters attached
+    (`veomni.core.master_weights.master_weights_of` finds them; optimizer and checkpoints take their module).
+    ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
+    dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
+    policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
+    path = one_rank_path(recipe, state.dims.world_size)
+    if path == "fsdp2":
+        if state.dims.world_size == 1:
+            log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
+        return build_model(
+            config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
+        )
+    # One rank: FSDP2 would only add per-block hooks and parameter copies (42% of the step time of Qwen3-1.7B on
+    # one H100 in pure bf16, half the throughput with mixed precision; docs/benchmarks.md), so the model stays a
+    # plain module.
+    if path == "plain":
+        log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
+        model = build_model(config, dtype=param_dtype, device=device, **_build_args(recipe, ops))
+    else:
+        log.info(
+            "one rank, %s compute over %s master weights: training a plain %s module, the optimizer stepping "
+            "%s masters (parallel.force_fsdp2=true trains through FSDP2 instead)",
+            recipe.model.dtype, recipe.model.param_dtype, recipe.model.dtype, recipe.model.param_dtype,
+        )  # fmt: skip
+        # Built (and loaded) in fp32 like FSDP2's masters; kernels chosen for the compute dtype.
+        model = build_model(
+            config, dtype=param_dtype, device=device, compute_dtype=dtype, **_build_args(recipe, ops)
+        )
+        apply_master_weights(model, dtype, policy.block_patterns)
+    if policy.activation_checkpointing:
+        apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)
+    return model
+
+
+def _build_args(recipe: Recipe, ops: Any) -> dict[str, Any]:
+    hf = recipe.model.backend == "hf"
+    return {
+        "weights": recipe.model.weights, "ops": None if hf else ops, "backend": recipe.model.backend,
+        "task": TASKS[recipe.model.task].model_task, "freeze": recipe.model.freeze,
+    }  # fmt: skip
+
+
+def hand_aux_loss_to_loop(model: nn.Module) -> None:
+    """Zero the model's own MoE aux-loss coefficient: the loop adds the aux term itself, scaled per micro-batch
+    (`veomni.train.step`), so the model's returned loss must be the pure LM loss."""
+    if hasattr(model, "router_aux_loss_coef"):
+        model.router_aux_loss_coef = 0.0
+
+
+def _hardware(device: torch.device) -> Hardware:
+    # Kernels are validated against the device we train on (train.device=cpu on a GPU machine: CPU kernels).
+    hardware = detect_hardware()
+    if hardware.device_type != device.type:
+        hardware = Hardware(device_type=device.type, triton_interpret=hardware.triton_interpret)
+    return hardware
