@@ -301,3 +301,19 @@ def test_pure_bf16_trains_in_bf16(dist_pools, references, tmp_path, world_size):
     for step, want in zip(got["stats"], reference, strict=True):
         assert step["loss"] == pytest.approx(want["loss"], rel=2e-2)
         assert step["lr"] == want["lr"]
+
+
+def test_steps_stay_on_the_device_until_read(tmp_path):
+    """The loop's step hands back device tensors (no host read per step); `read_stats` reads a whole window at
+    once and gives what `train_step` gives."""
+    from veomni.train.loop import build_run
+    from veomni.train.step import read_stats, train_step, train_step_on_device
+
+    raw = tiny_recipe(str(tmp_path / "a"), DENSE, steps=3)
+    first, second = build_run(recipe_from_dict(raw)), build_run(recipe_from_dict(raw))
+    it_a, it_b = iter(first.train_data), iter(second.train_data)
+    lazy = [train_step_on_device(first, next(it_a)) for _ in range(3)]
+    assert all(isinstance(s["loss"], torch.Tensor) and isinstance(s["grad_norm"], torch.Tensor) for s in lazy)
+    read = read_stats(lazy)
+    eager = [train_step(second, next(it_b)) for _ in range(3)]
+    assert read == eager and all(isinstance(s["loss"], float) for s in read)

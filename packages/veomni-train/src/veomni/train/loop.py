@@ -56,7 +56,7 @@ from veomni.train.model_setup import (
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
-from veomni.train.step import evaluate, train_step
+from veomni.train.step import evaluate, read_stats, train_step, train_step_on_device
 from veomni.train.tasks import TASKS, Task, build_task, flops_per_token, query_width
 
 log = logging.getLogger("veomni.train")
@@ -348,32 +348,57 @@ def train(
     history: dict[str, Any] = {"loss": [], "eval": [], "exports": [], "skipped": []}
     peak = peak_flops(run.device)
     progress = _progress(run, rank0)
+    # Steps run without a host sync: their loss and grad norm stay on the device until the window is read, once
+    # per log interval (and before an eval, a checkpoint or the end), so the host queues the next step's work
+    # while the GPU finishes this one. Window seconds are wall time between reads (each read syncs).
+    pending: list[tuple[int, dict[str, Any], float, int, float]] = []
     window: list[tuple[dict[str, float], float, float, int, float]] = []
+    read_start = time.perf_counter()
+
+    def read_pending() -> None:
+        nonlocal pending
+        if not pending:
+            return
+        stats_list = read_stats([p[1] for p in pending])
+        per_step = (time.perf_counter() - read_start) / len(pending)
+        for (number, _, t_data, tokens, flops), stats in zip(pending, stats_list, strict=True):
+            skipped = bool(stats.pop("skipped"))
+            window.append((stats, per_step, t_data, tokens, flops))
+            if skipped:
+                history["skipped"].append(number)
+            else:
+                history["loss"].append(stats["loss"])
+            if rank0:
+                record = (
+                    {"step": number, "skipped": "no trained token"} if skipped else {"step": number, **stats}
+                )
+                _append_jsonl(metrics_file, {**record, "tokens": tokens, "seconds": per_step})
+            if on_step is not None and not skipped:
+                on_step(number, stats)
+        pending = []
+
     data_iter = iter(run.train_data)
     while run.step < run.total_steps:
         t0 = time.perf_counter()
+        if not pending:
+            read_start = t0  # evals and checkpoints between windows are not step time
         step = next(data_iter)
         t_data = time.perf_counter() - t0
-        stats = train_step(run, step)
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
-        elapsed = time.perf_counter() - t0
-        skipped = bool(stats.pop("skipped"))
-        window.append((stats, elapsed, t_data, step.tokens, 0.0 if skipped else run.task.step_flops(step)))
-        if skipped:
-            history["skipped"].append(run.step)
-        else:
-            history["loss"].append(stats["loss"])
-        if rank0:
-            record = (
-                {"step": run.step, "skipped": "no trained token"} if skipped else {"step": run.step, **stats}
-            )
-            _append_jsonl(metrics_file, {**record, "tokens": step.tokens, "seconds": elapsed})
-        if on_step is not None and not skipped:
-            on_step(run.step, stats)
+        stats = train_step_on_device(run, step)
+        flops = 0.0 if stats["skipped"] else run.task.step_flops(step)
+        pending.append((run.step, stats, t_data, step.tokens, flops))
         if progress is not None:
             progress.update(1)
-        if run.step % recipe.train.log_interval == 0 or run.step == run.total_steps:
+        evaluating = (
+            run.eval_data is not None
+            and recipe.train.eval_interval
+            and run.step % recipe.train.eval_interval == 0
+        )
+        saving = bool(recipe.checkpoint.interval and run.step % recipe.checkpoint.interval == 0)
+        logging_now = run.step % recipe.train.log_interval == 0 or run.step == run.total_steps
+        if logging_now or evaluating or saving:
+            read_pending()
+        if logging_now:
             _log_window(run, window, peak, sinks, progress)
             window = []
         if (

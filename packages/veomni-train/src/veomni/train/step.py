@@ -54,12 +54,28 @@ def current_lr(run: Run) -> float:
 
 
 def train_step(run: Run, step: Step) -> dict[str, float]:
-    """One optimizer step over ``step.micro_batches``.
+    """One optimizer step over ``step.micro_batches``, its numbers read back to the host (`train_step_on_device`
+    then `read_stats`; the trainer's loop reads them once per log window instead).
 
     Returns:
         ``loss``, ``grad_norm``, ``lr`` (identical on all ranks) and ``skipped`` (1.0 when the step held no trained
         token and so changed nothing; loss and grad norm are then NaN and never averaged into a log line).
     """
+    return read_stats([train_step_on_device(run, step)])[0]
+
+
+def read_stats(pending: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Host floats of `train_step_on_device` results: every device value of the list read in one transfer (one
+    host sync for the whole list)."""
+    keys = ("loss", "grad_norm")
+    on_device = [s[k] for s in pending for k in keys if isinstance(s[k], torch.Tensor)]
+    values = iter(torch.stack([v.float() for v in on_device]).tolist() if on_device else [])
+    return [{k: (next(values) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in pending]
+
+
+def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
+    """One optimizer step over ``step.micro_batches`` without a host sync: ``loss`` and ``grad_norm`` stay 0-d
+    fp32 device tensors (see `train_step` for the keys; `read_stats` reads them)."""
     run.step = step.step + 1
     if step.valid_tokens == 0:
         run.skipped_steps += 1
@@ -81,7 +97,7 @@ def train_step(run: Run, step: Step) -> dict[str, float]:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=run.state.loss_group)
-    return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0}
+    return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0}
 
 
 @torch.no_grad()
