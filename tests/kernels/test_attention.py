@@ -151,8 +151,18 @@ def test_bad_inputs_raise(name):
 
 def test_eager_rejects_segments_that_do_not_tile_the_sequence():
     q, k, v = _qkv(0, 1, 6, 1, 1, 4)
-    with pytest.raises(ValueError, match="rise strictly from 0 to S=6"):
+    with pytest.raises(ValueError, match="from 0 to S=6 without decreasing"):
         eager(q, k, v, cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_empty_segments_change_nothing(backend):
+    """Zero-length documents (the padding of shape-stable packing) attend to nothing and change no output."""
+    q, k, v = _qkv(0, 1, 6, 2, 2, 4)
+    fn = ATTENTION_FUNCTIONS[backend]
+    exact = fn(q, k, v, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32))
+    padded = fn(q, k, v, cu_seqlens=torch.tensor([0, 2, 2, 6, 6, 6], dtype=torch.int32))
+    torch.testing.assert_close(padded, exact, rtol=0, atol=0)
 
 
 # ----- composition with Ulysses SP on real gloo groups -----

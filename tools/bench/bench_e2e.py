@@ -204,6 +204,11 @@ def run_contender(
     if s.profile_dir:
         _profile(name, contender, steps[-2:], s)
     record: dict[str, Any] = dict(contender.info) | compile_record
+    graphs = getattr(contender, "graphs", None)
+    if graphs is not None:
+        record["cuda_graph_runs"] = {
+            "eager": graphs.eager_runs, "captures": graphs.captures, "replays": graphs.replays
+        }  # fmt: skip
     if device.type == "cuda":
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         record["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB

@@ -32,6 +32,7 @@ from veomni.kernels import OpsConfig
 from veomni.kernels.hardware import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.registry import MODELS
+from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import model_inputs
 from veomni.train.optim import build_adamw, param_groups
 
@@ -118,7 +119,7 @@ class Veomni(Contender):
     ranks or with ``veomni_fsdp2``, FSDP2 with mixed precision; OpsConfig defaults for the device, veomni's AdamW
     and clip; decoder blocks compiled when ``compile_setting`` is ``"on"``."""
 
-    def __init__(self, s: Settings, compile_setting: str = "off") -> None:
+    def __init__(self, s: Settings, compile_setting: str = "off", cuda_graphs: bool = False) -> None:
         self.s = s
         self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
         # FSDP blocks come from the class veomni builds; a meta instance costs nothing.
@@ -169,8 +170,13 @@ class Veomni(Contender):
         self.optimizer = build_adamw(
             self.trained, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
+        if cuda_graphs and self.fsdp:
+            raise ValueError("cuda_graphs: the one-rank path only (train.cuda_graphs refuses FSDP2)")
+        params = list(self.trained.parameters())
+        self.graphs = MicroBatchGraphs(self._forward_backward, params) if cuda_graphs else None
         self.info = {
             "ops": _ops_info(self.model),
+            "cuda_graphs": cuda_graphs,
             "attn_implementation": self.model.config._attn_implementation,
             "precision": precision,
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
@@ -188,23 +194,27 @@ class Veomni(Contender):
         for i, batch in enumerate(micro_batches):
             if self.fsdp:
                 set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
-            with use_parallel_state(self.state):
-                out = self.model(
-                    **model_inputs(batch),
-                    **vision_inputs(batch),
-                    shift_labels=batch["labels"],
-                    num_items_in_batch=num_items,
-                    use_cache=False,
-                )
-            # veomni.train.loop's convention: FSDP averages over the world, the objective sums over ranks.
-            (out.loss * world).backward()
-            loss_sum += out.loss.detach().float()
+            kwargs = {
+                **model_inputs(batch), **vision_inputs(batch), "shift_labels": batch["labels"],
+                "num_items_in_batch": num_items, "use_cache": False,
+            }  # fmt: skip
+            if self.graphs is not None:
+                loss_sum += self.graphs(static_packing(kwargs), world).float()
+            else:
+                loss_sum += self._forward_backward(kwargs, world).float()
         norm = clip_grad_norm(self.trained, self.s.max_grad_norm, self.state)
         self.optimizer.step()
         if self.masters is not None:
             self.masters.push()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return loss_sum, norm
+
+    def _forward_backward(self, kwargs: dict[str, Any], world: int) -> torch.Tensor:
+        with use_parallel_state(self.state):
+            out = self.model(**kwargs)
+        # veomni.train.loop's convention: FSDP averages over the world, the objective sums over ranks.
+        (out.loss * world).backward()
+        return out.loss.detach()
 
 
 class HF(Contender):
@@ -329,7 +339,7 @@ class VeomniPlain(Contender):
     for ``--precision bf16``, like BENCHMARKS.md's peer rows), veomni's AdamW and clipping; decoder blocks compiled
     when ``compile_setting`` is ``"on"``."""
 
-    def __init__(self, s: Settings, compile_setting: str = "off") -> None:
+    def __init__(self, s: Settings, compile_setting: str = "off", cuda_graphs: bool = False) -> None:
         self.s = s
         self.state = build_parallel_state(ParallelDims.for_world(dist.get_world_size()), s.device.type)
         ops = _ops(s, compile_setting)
@@ -345,8 +355,13 @@ class VeomniPlain(Contender):
         self.optimizer = build_adamw(
             self.model, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=s.weight_decay
         )
+        # train.cuda_graphs: each micro-batch's forward + backward replayed from a captured graph.
+        self.graphs = (
+            MicroBatchGraphs(self._forward_backward, list(self.model.parameters())) if cuda_graphs else None
+        )
         self.info = {
             "ops": _ops_info(self.model),
+            "cuda_graphs": cuda_graphs,
             "precision": f"no FSDP: {dtype} parameters, gradients and AdamW state",
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused)",
             "activation_checkpointing": ac,
@@ -357,27 +372,34 @@ class VeomniPlain(Contender):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), device=self.s.device)
         for batch in micro_batches:
-            with use_parallel_state(self.state):
-                out = self.model(
-                    **model_inputs(batch),
-                    **vision_inputs(batch),
-                    shift_labels=batch["labels"],
-                    num_items_in_batch=num_items,
-                    use_cache=False,
-                )
-            out.loss.backward()
-            loss_sum += out.loss.detach().float()
+            kwargs = {
+                **model_inputs(batch), **vision_inputs(batch), "shift_labels": batch["labels"],
+                "num_items_in_batch": num_items, "use_cache": False,
+            }  # fmt: skip
+            if self.graphs is not None:
+                loss_sum += self.graphs(static_packing(kwargs)).float()
+            else:
+                loss_sum += self._forward_backward(kwargs).float()
         norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return loss_sum, norm
+
+    def _forward_backward(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        with use_parallel_state(self.state):
+            out = self.model(**kwargs)
+        out.loss.backward()
+        return out.loss.detach()
 
 
 BUILDERS: dict[str, Callable[[Settings], Contender]] = {
     "veomni": Veomni,
     "veomni_compiled": lambda s: Veomni(s, compile_setting="on"),
+    "veomni_compiled_graphs": lambda s: Veomni(s, compile_setting="on", cuda_graphs=True),
     "veomni_plain": VeomniPlain,
     "veomni_plain_compiled": lambda s: VeomniPlain(s, compile_setting="on"),
+    "veomni_plain_compiled_graphs": lambda s: VeomniPlain(s, compile_setting="on", cuda_graphs=True),
+    "veomni_plain_graphs": lambda s: VeomniPlain(s, cuda_graphs=True),
     "hf": lambda s: HF(s, liger=False),
     "hf_liger": lambda s: HF(s, liger=True),
 }

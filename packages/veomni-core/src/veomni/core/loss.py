@@ -65,7 +65,7 @@ def global_token_count(
 def _as_count(tokens: torch.Tensor | int, like: torch.Tensor) -> torch.Tensor:
     if isinstance(tokens, torch.Tensor):
         return tokens.to(device=like.device)
-    return torch.tensor(int(tokens), device=like.device)
+    return torch.full((), int(tokens), device=like.device)  # a fill: no blocking host -> device copy
 
 
 def sp_token_mean(

@@ -34,6 +34,7 @@ from veomni.train.checkpoint import (
     latest_complete,
     read_trainer_state,
 )
+from veomni.train.cuda_graphs import MicroBatchGraphs
 from veomni.train.data import (
     DataTopology,
     EvalData,
@@ -56,7 +57,14 @@ from veomni.train.model_setup import (
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
-from veomni.train.step import evaluate, read_stats, train_step, train_step_on_device
+from veomni.train.step import (
+    check_cuda_graphs,
+    evaluate,
+    make_graphs,
+    read_stats,
+    train_step,
+    train_step_on_device,
+)
 from veomni.train.tasks import TASKS, Task, build_task, flops_per_token, query_width
 
 log = logging.getLogger("veomni.train")
@@ -132,6 +140,7 @@ class Run:
     skipped_steps: int = 0
     resumed_from: Path | None = None
     masters: MasterWeights | None = None
+    graphs: MicroBatchGraphs | None = None  # train.cuda_graphs
 
     @property
     def trained(self) -> nn.Module:
@@ -209,6 +218,8 @@ def build_run(recipe: Recipe) -> Run:
     device = setup_distributed(recipe.train.device)
     torch.manual_seed(recipe.train.seed)
     state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
+    if recipe.train.cuda_graphs:
+        check_cuda_graphs(recipe, dist.get_world_size(), device)
     setup = SETUPS[recipe.model.task](recipe, state, device)
     config, probe, ops, task = setup.config, setup.probe, setup.ops, setup.task
     tokenizer, train_data, eval_data = setup.tokenizer, setup.train_data, setup.eval_data
@@ -239,6 +250,8 @@ def build_run(recipe: Recipe) -> Run:
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
         total_steps=steps, task=task, config=config, masters=masters,
     )  # fmt: skip
+    if recipe.train.cuda_graphs:
+        run.graphs = make_graphs(run)
     _maybe_resume(run)
     return run
 

@@ -349,6 +349,11 @@ class TrainSection:
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto: cuda when available, else cpu")
     eval_interval: int | None = _field(None, "evaluate on data.eval_files every this many steps")
     log_interval: int = _field(10, "steps between console metric lines")
+    cuda_graphs: bool = _field(
+        False,
+        "replay each micro-batch's forward and backward from a captured CUDA graph (one GPU, model.task text, "
+        "packed rows; see veomni.train.cuda_graphs): removes the host launch cost of host-bound steps",
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.seed < 0:

@@ -17,6 +17,7 @@ skipped. ``N`` is global, so every rank skips the same steps and no collective i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,10 +27,13 @@ from torch.distributed.fsdp import FSDPModule
 from veomni.core.clip import clip_grad_norm
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_state import use_parallel_state
+from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
+from veomni.train.preflight import PreflightError
 
 if TYPE_CHECKING:
     from veomni.train.loop import Run
+    from veomni.train.recipe import Recipe
 
 
 def _forward_backward(
@@ -39,10 +43,26 @@ def _forward_backward(
         outputs = run.task.forward(run.model, batch, run.device, num_items)
     # The step's aux loss is the mean over its grad_accum * dp micro-batches (an SP group's ranks each hold a
     # share of their micro-batch's value; see router_aux_loss).
-    loss, objective = run.task.loss(outputs, 1.0 / (grad_accum * run.state.dims.dp))
+    return _backward(run, outputs, 1.0 / (grad_accum * run.state.dims.dp))
+
+
+def _backward(run: Run, outputs: Any, aux_scale: float) -> torch.Tensor:
+    loss, objective = run.task.loss(outputs, aux_scale)
     # FSDP averages gradients over the world; the objective is a sum over ranks (veomni.core.loss).
     (objective * run.state.dims.world_size).backward()
     return loss.detach()
+
+
+def graphed_forward_backward(run: Run) -> Callable[[dict[str, Any], float], torch.Tensor]:
+    """The micro-batch function `veomni.train.cuda_graphs.MicroBatchGraphs` captures: model kwargs (from
+    ``task.model_kwargs``) and the aux-loss scale in, the detached 0-d loss out, gradients accumulated."""
+
+    def forward_backward(kwargs: dict[str, Any], aux_scale: float) -> torch.Tensor:
+        with use_parallel_state(run.state):
+            outputs = run.model(**kwargs)
+        return _backward(run, outputs, aux_scale)
+
+    return forward_backward
 
 
 def current_lr(run: Run) -> float:
@@ -81,12 +101,17 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
         run.skipped_steps += 1
         return {"loss": math.nan, "grad_norm": math.nan, "lr": current_lr(run), "skipped": 1.0}
     grad_accum = len(step.micro_batches)
-    num_items = torch.tensor(step.valid_tokens, device=run.device, dtype=torch.float32)
+    # A fill kernel, not torch.tensor: a copy from pageable host memory would make the host wait for the GPU.
+    num_items = torch.full((), float(step.valid_tokens), device=run.device, dtype=torch.float32)
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
     for i, batch in enumerate(step.micro_batches):
         if isinstance(run.model, FSDPModule):
             set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
-        loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
+        if run.graphs is not None:
+            kwargs = static_packing(run.task.model_kwargs(batch, run.device, num_items))
+            loss_sum += run.graphs(kwargs, 1.0 / (grad_accum * run.state.dims.dp)).float()
+        else:
+            loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
     max_norm = run.recipe.optim.max_grad_norm
     # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
     grad_norm = clip_grad_norm(run.trained, max_norm if max_norm is not None else math.inf, run.state)
@@ -95,7 +120,8 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     if run.masters is not None:
         run.masters.push()  # the stepped fp32 masters, rounded into the compute parameters
     run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    # Captured graphs accumulate into the gradient tensors they were captured with: zero them, keep them.
+    run.optimizer.zero_grad(set_to_none=run.graphs is None)
     dist.all_reduce(loss_sum, group=run.state.loss_group)
     return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0}
 
@@ -123,3 +149,30 @@ def evaluate(run: Run) -> dict[str, float]:
         )
     loss = float(totals[0] / totals[1])
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def check_cuda_graphs(recipe: Recipe, world_size: int, device: torch.device) -> None:
+    """``train.cuda_graphs`` is for one GPU, the text task and no FSDP2 (`veomni.train.cuda_graphs` says why);
+    anything else is refused before the model is built."""
+    problems = []
+    if device.type != "cuda":
+        problems.append(f"a CUDA device, found {device.type}")
+    if world_size != 1:
+        problems.append(f"one rank (captured graphs hold no collectives), found {world_size}")
+    if recipe.parallel.force_fsdp2:
+        problems.append("the one-rank path, found parallel.force_fsdp2=true")
+    if recipe.model.task != "text":
+        problems.append(
+            f"model.task text (packed rows of one length; other tasks' input shapes vary), found {recipe.model.task}"
+        )
+    if problems:
+        raise PreflightError("train.cuda_graphs=true needs " + "; ".join(problems))
+
+
+def make_graphs(run: Run) -> MicroBatchGraphs:
+    """The run's `MicroBatchGraphs`: gradients accumulate into the parameters the optimizer steps."""
+    if isinstance(run.model, FSDPModule):
+        raise PreflightError(
+            "train.cuda_graphs=true cannot capture an FSDP2 model (per-step parameter buffers)"
+        )
+    return MicroBatchGraphs(graphed_forward_backward(run), list(run.trained.parameters()))

@@ -52,6 +52,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
 
 config = PatchConfig(
@@ -60,6 +61,7 @@ config = PatchConfig(
     description="DeepSeek-V3 (MLA, group-limited sigmoid router, shared experts) with RMSNorm, SwiGLU, RoPE and the "
     "LM loss dispatched through veomni's kernels, an fp32 router bias, and get_parallel_plan() for expert parallelism",
 )
+use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method(

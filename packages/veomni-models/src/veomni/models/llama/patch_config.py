@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward, rms_norm_forward
 
@@ -27,6 +28,7 @@ config = PatchConfig(
     target_file="patched_modeling_llama.py",
     description="Llama with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.override_method("LlamaRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(

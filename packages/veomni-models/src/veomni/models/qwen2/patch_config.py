@@ -20,6 +20,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     eager_attention_forward,
 )
 
+from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward, rms_norm_forward
 
@@ -28,6 +29,7 @@ config = PatchConfig(
     target_file="patched_modeling_qwen2.py",
     description="Qwen2 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.override_method("Qwen2RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(

@@ -53,6 +53,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
@@ -75,6 +76,7 @@ config = PatchConfig(
     description="Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, "
     "a dummy tower forward for ranks without images, and the fused LM loss",
 )
+use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.hf_attention import PREFIX")

@@ -36,6 +36,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3_vl import patch_config as dense
 
 config = PatchConfig(
@@ -45,6 +46,7 @@ config = PatchConfig(
     "forward (reused via name_map), routed experts through veomni's experts interface, the load-balancing loss "
     "from text_config, and get_parallel_plan() for expert parallelism",
 )
+use_veomni_masks(config, "create_causal_mask")
 config.name_map({"Qwen3VL": "Qwen3VLMoe"}, origin_module="transformers.models.qwen3_vl.modeling_qwen3_vl")
 for statement in dense.config.imports:
     config.add_import(statement)

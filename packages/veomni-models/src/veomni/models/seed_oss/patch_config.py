@@ -24,6 +24,7 @@ from transformers.models.seed_oss.modeling_seed_oss import (
     eager_attention_forward,
 )
 
+from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import causal_lm_forward, rms_norm_forward
 
@@ -32,6 +33,7 @@ config = PatchConfig(
     target_file="patched_modeling_seed_oss.py",
     description="Seed-OSS with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.override_method(

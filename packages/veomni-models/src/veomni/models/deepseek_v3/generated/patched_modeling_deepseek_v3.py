@@ -13,6 +13,8 @@
 #   - override_method DeepseekV3ForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
 #   - override_method DeepseekV3ForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
 #   - add_helper apply_mla_rope: MLA RoPE on the qk_rope_head_dim sub-dimension through the rope kernel, rope_interleave included
+#   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
 # ====================================================================================================
@@ -35,7 +37,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernel_forward_from_hub
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import (
     GenericForSequenceClassification,
@@ -50,6 +51,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+from veomni.models.hf_masks import create_causal_mask
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
 

@@ -10,6 +10,8 @@
 #   - override_method LlamaMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method LlamaForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
 #   - override_method LlamaAttention.forward: RoPE via kernels.get('rope', 'full')
+#   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 # ====================================================================================================
@@ -41,7 +43,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_kernel_forward_from_hub, use_kernelized_func
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -59,6 +60,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.configuration_llama import LlamaConfig
+from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 

@@ -10,6 +10,8 @@
 #   - override_method Qwen3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3Attention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen3ForCausalLM.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
+#   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 # ====================================================================================================
@@ -43,7 +45,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_kernel_forward_from_hub, use_kernelized_func
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -59,6 +60,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 

@@ -11,6 +11,8 @@
 #   - override_method Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen3MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); aux loss via router_aux_loss: the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded
 #   - override_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
@@ -51,7 +53,6 @@ from transformers.integrations import (
     use_kernel_forward_from_hub,
     use_kernelized_func,
 )
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -67,6 +68,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.core.ep import ExpertPlan

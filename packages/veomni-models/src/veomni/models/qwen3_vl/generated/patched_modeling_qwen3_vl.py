@@ -16,6 +16,8 @@
 #   - override_method Qwen3VLModel.__init__: build the patched vision and text sub-models (upstream's AutoModel.from_config would build transformers' own, unpatched classes)
 #   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
 #   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
+#   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
@@ -56,7 +58,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_kernel_forward_from_hub, use_kernelized_func
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -88,6 +89,7 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import (
     Qwen3VLTextConfig,
     Qwen3VLVisionConfig,
 )
+from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX

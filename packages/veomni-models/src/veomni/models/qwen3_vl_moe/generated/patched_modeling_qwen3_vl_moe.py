@@ -19,6 +19,8 @@
 #   - override_method Qwen3VLMoeForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); aux loss via router_aux_loss (load_balancing_loss kernel, SP-global statistics, None without router logits) scaled by self.router_aux_loss_coef
 #   - override_method Qwen3VLMoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)
 #   - override_method Qwen3VLMoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0
+#   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
@@ -68,7 +70,6 @@ from transformers.integrations import (
     use_kernel_forward_from_hub,
     use_kernelized_func,
 )
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -96,6 +97,7 @@ from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
     Qwen3VLMoeTextConfig,
     Qwen3VLMoeVisionConfig,
 )
+from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
