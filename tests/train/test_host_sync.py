@@ -72,7 +72,9 @@ def test_dense_train_step_never_waits_for_the_device(tmp_path):
     run = build_run(recipe_from_dict(tiny_recipe(str(tmp_path), DENSE, steps=2)))
     batches = iter(run.train_data)
     step = next(batches)
-    assert len(step.micro_batches) > 1 and step.micro_batches[0]["cu_seqlens"].numel() > 2  # packed, accumulated
+    assert (
+        len(step.micro_batches) > 1 and step.micro_batches[0]["cu_seqlens"].numel() > 2
+    )  # packed, accumulated
     with HostSyncCounter() as syncs:
         lazy = train_step_on_device(run, step)
     assert not syncs.counts, syncs.report()

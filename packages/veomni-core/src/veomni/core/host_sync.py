@@ -77,11 +77,15 @@ class HostSyncCounter(TorchDispatchMode):
             return kwargs.get("output_size") is None
         if func is aten.index.Tensor:
             return any(
-                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                for i in args[1]
+                if i is not None
             )
         return _host_copy(func, args, kwargs)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if self._is_sync(func, args, kwargs):
             name = str(func.overloadpacket.__name__)
