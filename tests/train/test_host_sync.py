@@ -60,7 +60,8 @@ def test_hf_mask_builder_syncs_where_ours_does_not(tmp_path):
 
     from veomni.models.build import build_model
 
-    ours = build_model(config, ops=OpsConfig(attention="sdpa"), init_device="cpu")
+    eager = dict.fromkeys(("cross_entropy", "rms_norm", "rope", "swiglu"), "eager")  # also on a GPU host
+    ours = build_model(config, ops=OpsConfig(attention="sdpa", compile="off", **eager), init_device="cpu")
     ours.load_state_dict(upstream.state_dict())
     with HostSyncCounter() as syncs:
         got = ours(input_ids=ids, use_cache=False, **row).logits
@@ -89,6 +90,7 @@ def test_gpu_train_step_has_no_synchronizing_call(tmp_path, model):
         pytest.skip("needs a CUDA GPU")
     raw = tiny_recipe(str(tmp_path), model, steps=3)
     raw["ops"] = {}  # the CUDA defaults (Triton experts for the MoE model)
+    raw["train"]["device"] = "cuda"
     raw["model"]["dtype"] = "bfloat16"
     run = build_run(recipe_from_dict(raw))
     batches = iter(run.train_data)

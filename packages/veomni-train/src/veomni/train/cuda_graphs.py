@@ -7,10 +7,11 @@ backward of a micro-batch with one call.
 How: a graph replays fixed kernels over fixed addresses, so every micro-batch must have one shape and live in
 one set of buffers.
 
-* Shape. Packed rows already have a fixed token count; what varies is the document count (the length of
-  ``cu_seq_lens_q/k``) and the longest document (``max_length_q/k``). `static_packing` pads the segment table
-  with empty documents up to the next power of two and passes the row length as the longest document (an
-  upper bound the varlen kernels accept), so a run needs a handful of graphs, one per document-count bucket.
+* Shape. A packed row's token count, its document count (the length of ``cu_seq_lens_q/k``) and its longest
+  document (``max_length_q/k``) vary. `static_packing` pads short rows to the micro-batch budget with one
+  ignored document, pads the segment table with empty documents up to the next power of two and passes the
+  row length as the longest document (an upper bound the varlen kernels accept), so a run needs a handful of
+  graphs, one per document-count bucket.
 * Buffers. The first micro-batch of each shape runs eagerly (it warms up compiled code, autotuning and lazy
   kernel set-up, none of which may happen during a capture); the second is captured into a graph whose inputs
   are static tensors, then replayed; from then on each micro-batch of that shape is copied into the inputs
@@ -42,25 +43,56 @@ def document_bucket(documents: int) -> int:
     return 1 << (documents - 1).bit_length()
 
 
-def static_packing(kwargs: dict[str, Any]) -> dict[str, Any]:
+def static_packing(kwargs: dict[str, Any], row_length: int | None = None) -> dict[str, Any]:
     """``kwargs`` of a packed causal-LM forward with shape-stable packing metadata (see the module docstring).
 
     Args:
-        kwargs: ``model(**kwargs)`` arguments with ``input_ids`` ``[1, S]`` and ``cu_seq_lens_q/k`` int32
-            ``[n + 1]`` on the device (no host read: ``n`` comes from the shape).
+        kwargs: ``model(**kwargs)`` arguments with ``input_ids``, ``position_ids`` (and optionally ``labels`` /
+            ``shift_labels``) ``[1, S]`` and ``cu_seq_lens_q/k`` int32 ``[n + 1]`` on the device (no host read:
+            ``n`` comes from the shape).
+        row_length: pad shorter rows to this many tokens (the packer's ``tokens_per_micro_batch``): the tail
+            becomes one more document of token 0 at positions 0, 1, ... whose labels are ignored (-100), so it
+            changes no loss and no gradient (for MoE models it does enter the router statistics).
     Returns:
-        a new dict: ``cu_seq_lens_q/k`` int32 ``[b + 1]`` with ``b = document_bucket(n)`` (the extra entries
-        repeat ``S``: empty documents), ``max_length_q/k = S``; everything else unchanged.
+        a new dict: tensors ``[1, row_length or S]``, ``cu_seq_lens_q/k`` int32 ``[b + 1]`` with
+        ``b = document_bucket(documents)`` (the extra entries repeat the row length: empty documents),
+        ``max_length_q/k`` = the row length; everything else unchanged.
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         raise ValueError("train.cuda_graphs needs packed micro-batches (cu_seq_lens_q), found none")
+    out = dict(kwargs)
     seq_len = kwargs["input_ids"].shape[-1]
+    if row_length is not None and seq_len < row_length:
+        out.update(_pad_row(kwargs, seq_len, row_length))
+        cu = torch.cat([cu, cu.new_full((1,), row_length)])
+        seq_len = row_length
     extra = document_bucket(cu.numel() - 1) - (cu.numel() - 1)
     padded = torch.cat([cu, cu[-1:].expand(extra)]) if extra else cu
-    out = dict(kwargs)
     out.update(dict.fromkeys(PACKING_KEYS, padded))
     out.update(dict.fromkeys(MAX_LENGTH_KEYS, seq_len))
+    return out
+
+
+# How each [1, S] input of a packed causal-LM forward is padded: the value of the pad document's tokens.
+_ROW_PADDING = {"input_ids": 0, "labels": -100, "shift_labels": -100}
+
+
+def _pad_row(kwargs: dict[str, Any], seq_len: int, row_length: int) -> dict[str, torch.Tensor]:
+    extra = row_length - seq_len
+    out = {}
+    for key, value in kwargs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[-1] != seq_len:
+            continue
+        if key == "position_ids":
+            tail = torch.arange(extra, device=value.device, dtype=value.dtype).unsqueeze(0)
+        elif key in _ROW_PADDING:
+            tail = value.new_full((1, extra), _ROW_PADDING[key])
+        else:
+            raise ValueError(
+                f"train.cuda_graphs: cannot pad the per-token input {key!r} of a short packed row"
+            )
+        out[key] = torch.cat([value, tail], dim=-1)
     return out
 
 

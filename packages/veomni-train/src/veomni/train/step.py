@@ -108,7 +108,8 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
         if isinstance(run.model, FSDPModule):
             set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
         if run.graphs is not None:
-            kwargs = static_packing(run.task.model_kwargs(batch, run.device, num_items))
+            kwargs = run.task.model_kwargs(batch, run.device, num_items)
+            kwargs = static_packing(kwargs, run.recipe.train.tokens_per_micro_batch)
             loss_sum += run.graphs(kwargs, 1.0 / (grad_accum * run.state.dims.dp)).float()
         else:
             loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
