@@ -57,8 +57,10 @@ sys.path.insert(
 from e2e_contenders import BUILDERS, Contender, Settings, _liger_problem  # noqa: E402
 
 # Run order; hf_liger last (global patches).
+# The default set; the *_graphs variants (train.cuda_graphs) run when named.
 CONTENDERS = ("veomni", "veomni_compiled", "veomni_plain", "veomni_plain_compiled", "hf", "hf_liger")
-VEOMNI = tuple(c for c in CONTENDERS if c.startswith("veomni"))
+OPTIONAL = ("veomni_compiled_graphs", "veomni_plain_compiled_graphs", "veomni_plain_graphs")
+VEOMNI = tuple(c for c in CONTENDERS + OPTIONAL if c.startswith("veomni"))
 IGNORE_INDEX = -100
 GIB = 2**30
 
@@ -336,7 +338,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--tmpdir", default=None, help="where the initial weights are saved (default: system temp)")
     args = p.parse_args(argv)
     args.contenders = [c for c in filter(None, args.contenders.split(","))]
-    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    unknown = sorted(set(args.contenders) - set(CONTENDERS + OPTIONAL))
     if unknown or not args.contenders:
         p.error(f"--contenders: unknown {unknown} (choose from {CONTENDERS})" if unknown else "--contenders is empty")  # fmt: skip
     for flag in ("seq_len", "grad_accum", "steps"):
@@ -407,7 +409,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             veomni_ops=args.veomni_ops, veomni_reshard=not args.veomni_no_reshard,
             veomni_fsdp2=args.veomni_fsdp2, profile_dir=args.profile,
         )  # fmt: skip
-        for name in CONTENDERS:  # the fixed order: Liger's global patches must come last
+        order = [c for c in CONTENDERS if c.startswith("veomni")] + list(OPTIONAL) + ["hf", "hf_liger"]
+        for name in order:  # the fixed order: Liger's global patches must come last
             if name not in args.contenders:
                 continue
             problem = _liger_problem(device) if name == "hf_liger" else None

@@ -506,7 +506,7 @@ def _cu_from_positions(positions: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     offsets = starts.reshape(-1).nonzero().reshape(-1)
-    end = torch.tensor([batch * seq], dtype=offsets.dtype, device=offsets.device)
+    end = offsets.new_full((1,), batch * seq)  # a fill: no blocking host -> device copy
     return torch.cat([offsets, end]).to(torch.int32)
 
 
