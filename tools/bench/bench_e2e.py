@@ -158,22 +158,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _profile(name: str, contender: Contender, steps: list[list[dict[str, Any]]], s: Settings) -> None:
-    """Two more steps under torch.profiler; the top ops by device time go to ``<profile_dir>/<name>.txt``."""
+def _profile(
+    name: str, contender: Contender, steps: list[list[dict[str, Any]]], s: Settings
+) -> dict[str, float] | None:
+    """Two more steps under torch.profiler; the top ops by device time go to ``<profile_dir>/<name>.txt``.
+
+    Returns (CUDA only) ``gpu_busy_fraction``: the union of kernel intervals over the profiled wall time (1.0: the
+    GPU never waited for the host), and that wall time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
+    _sync(s.device)
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         for micro_batches in steps:
-            num_items = torch.tensor(float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
+            num_items = torch.full((), float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
             contender.step(micro_batches, num_items)
         _sync(s.device)
+        wall_us = (time.perf_counter() - t0) * 1e6
     sort = "cuda_time_total" if s.device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
     os.makedirs(s.profile_dir, exist_ok=True)
     with open(os.path.join(s.profile_dir, f"{name}.txt"), "w") as f:
         f.write(table)
     print(f"[bench_e2e] profile of {name}:\n" + "\n".join(table.splitlines()[:22]), flush=True)
+    if s.device.type != "cuda":
+        return None
+    busy_us = _union_us(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return {"gpu_busy_fraction": min(1.0, busy_us / wall_us), "profiled_step_ms": wall_us / 1e3 / len(steps)}
+
+
+def _union_us(intervals: Any) -> float:
+    """Total length of the union of ``(start, end)`` intervals (overlapping kernels on several streams count once)."""
+    total, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        total += end - max(start, end_so_far)
+        end_so_far = end
+    return total
 
 
 def run_contender(
@@ -188,7 +215,7 @@ def run_contender(
     t0 = time.perf_counter()
     contender = BUILDERS[name](s)
     build_s = time.perf_counter() - t0
-    losses, norms, seconds = [], [], []
+    losses, norms, seconds, issued = [], [], [], []
     compile_before = _compile_seconds()
     graphs_after_warmup = None
     for i, micro_batches in enumerate(steps):
@@ -198,14 +225,14 @@ def run_contender(
         _sync(device)
         t0 = time.perf_counter()
         loss, norm = contender.step(micro_batches, num_items)
+        issued.append(time.perf_counter() - t0)  # host time to queue the step (== the step when host-bound)
         _sync(device)
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
         norms.append(norm)
     compile_record = _compile_record(contender, graphs_after_warmup, _compile_seconds() - compile_before)
-    if s.profile_dir:
-        _profile(name, contender, steps[-2:], s)
-    record: dict[str, Any] = dict(contender.info) | compile_record
+    profiled = _profile(name, contender, steps[-2:], s) if s.profile_dir else None
+    record: dict[str, Any] = dict(contender.info) | compile_record | (profiled or {})
     graphs = getattr(contender, "graphs", None)
     if graphs is not None:
         record["cuda_graph_runs"] = {
@@ -230,6 +257,7 @@ def run_contender(
         "first_step_s": seconds[0],
         "step_s": timed,
         "median_step_ms": statistics.median(timed) * 1e3,
+        "median_host_issue_ms": statistics.median(issued[warmup:]) * 1e3,
         "tokens_per_s_per_gpu": tokens / sum(timed),
         "mfu": sum(flops_per_step[warmup:]) / sum(timed) / peak if peak else None,
     }
