@@ -167,3 +167,33 @@ def test_export_loads_in_plain_transformers_and_generates(one_rank, assets):
         input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(), max_new_tokens=4, do_sample=False, **pixels
     )
     assert generated.shape == (1, ids.shape[1] + 4)
+
+
+def _build_error(ctx, raw: dict) -> str:
+    from veomni.train.loop import build_run
+
+    try:
+        build_run(recipe_from_dict(raw))
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_video_rows_are_refused_with_the_reason(dist_pools, assets, tmp_path):
+    """The data pipeline writes Qwen3-VL's video layout (per-frame runs behind timestamps), which Qwen2-VL and
+    Qwen2.5-VL do not read: a video row is an error naming why, never silently wrong positions."""
+    import json
+
+    frames = []
+    for k in range(2):
+        draw("red", "dot", (8, 8)).save(tmp_path / f"f{k}.png")
+        frames.append(f"f{k}.png")
+    turns = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 2},
+                                          {"type": "text", "text": "What blinks?"}]},
+             {"role": "assistant", "content": "A dot."}]  # fmt: skip
+    (tmp_path / "video.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    raw = recipe(assets, str(tmp_path / "out"))
+    raw["data"].update({"train_files": [str(tmp_path / "video.jsonl")], "media_root": str(tmp_path)})
+    message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
+    assert "video 0 cannot be encoded" in message, message
+    assert f"model_type '{assets['family']}'" in message and "Qwen3-VL's video layout" in message, message

@@ -233,6 +233,10 @@ def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
     return 6.0 * total
 
 
+VIDEO_LAYOUTS = frozenset({"qwen3_vl", "qwen3_vl_moe"})
+"""Model types whose video placeholders and positions the data pipeline writes (`veomni.models.qwen3_vl.video`)."""
+
+
 @attrs.frozen(kw_only=True)
 class VlmTask(TextTask):
     """Image-text-to-text training (``data.kind: multimodal``): `TextTask` plus the vision inputs.
@@ -248,10 +252,13 @@ class VlmTask(TextTask):
         collate_metadata: the model's picklable host-side vision layout (its ``vision_collate_metadata()``, e.g.
             Qwen2.5-VL's `veomni.models.qwen2_5_vl.window.WindowIndex`), run by the collator per micro-batch and
             passed to the model as ``vision_metadata``; None for models whose tower needs none.
+        no_video: None when the data pipeline writes this model's video placeholders and positions (Qwen3-VL's
+            layout: `veomni.models.qwen3_vl.video`), else why rows with videos are refused.
     """
 
     vision_flops_per_patch: float
     collate_metadata: Callable[..., Any] | None = None
+    no_video: str | None = None
     name: ClassVar[str] = "vlm"
     model_task: ClassVar[str] = "image_text_to_text"
 
@@ -272,6 +279,13 @@ class VlmTask(TextTask):
             collate_metadata=probe.vision_collate_metadata()
             if hasattr(probe, "vision_collate_metadata")
             else None,
+            no_video=None
+            if probe.config.model_type in VIDEO_LAYOUTS
+            else (
+                f"model_type {probe.config.model_type!r}: the data pipeline writes Qwen3-VL's video layout (one "
+                "placeholder run per temporal patch behind a timestamp), which this model does not read; video "
+                f"rows are supported for {sorted(VIDEO_LAYOUTS)}"
+            ),
         )
 
     def model_kwargs(

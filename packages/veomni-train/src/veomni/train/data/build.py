@@ -20,11 +20,16 @@ log = logging.getLogger(__name__)
 
 
 def encoder_for(
-    data: DataSection, tokenizer: PreTrainedTokenizerBase, vision_metadata: Callable[..., Any] | None = None
+    data: DataSection,
+    tokenizer: PreTrainedTokenizerBase,
+    vision_metadata: Callable[..., Any] | None = None,
+    no_video: str | None = None,
 ) -> Encoder:
     """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image and video processors from
     the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights) and collates with
-    the model's ``vision_metadata`` (`veomni.train.tasks.VlmTask.collate_metadata`; None for text data)."""
+    the model's ``vision_metadata`` (`veomni.train.tasks.VlmTask.collate_metadata`; None for text data).
+    ``no_video``: why this model's video rows cannot be encoded (`veomni.train.tasks.VlmTask.no_video`); rows with
+    a video are then refused with that reason."""
     if data.kind == "multimodal":
         from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
 
@@ -36,9 +41,8 @@ def encoder_for(
             data.assistant_only_loss,
             media_root=data.media_root,
             max_patches=data.patches_per_micro_batch,
-            video_rule=load_video_rule(
-                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
-            ),
+            video_rule=no_video
+            or load_video_rule(tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames),
             vision_metadata=vision_metadata,
         )
     if vision_metadata is not None:
@@ -130,11 +134,12 @@ def build_train_data(
     group: dist.ProcessGroup | None = None,
     pin_memory: bool = False,
     vision_metadata: Callable[..., Any] | None = None,
+    no_video: str | None = None,
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given)."""
     check_task_and_kind(recipe)
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video)
     source, index = index_files(
         recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
     )
@@ -166,11 +171,12 @@ def build_eval_data(
     group: dist.ProcessGroup | None = None,
     pin_memory: bool = False,
     vision_metadata: Callable[..., Any] | None = None,
+    no_video: str | None = None,
 ) -> EvalData | None:
     """The evaluation pass of this rank, or None when the recipe has no eval files."""
     if not recipe.data.eval_files:
         return None
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video)
     source, index = index_files(
         recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
     )
