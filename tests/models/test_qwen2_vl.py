@@ -68,9 +68,12 @@ def tiny_config(family: str, **vision):
     )  # fmt: skip
 
 
-def vlm_batch(rows: list[list[tuple[str, tuple[int, int, int]]]], seed: int = 0) -> dict[str, torch.Tensor]:
+def vlm_batch(
+    rows: list[list[tuple[str, tuple[int, int, int]]]], seed: int = 0, length: int | None = None
+) -> dict[str, torch.Tensor]:
     """Rows of text with one placeholder run per image or clip (``t * h * w / 4`` tokens, Qwen2-VL's layout),
-    right-padded with text to one length; labels are the ids with placeholders ignored."""
+    right-padded with text to one length (``length``: at least the longest row); labels are the ids with
+    placeholders ignored."""
     gen = torch.Generator().manual_seed(seed)
     ids_rows, pixels, grids = [], {"image": [], "video": []}, {"image": [], "video": []}
     for items in rows:
@@ -82,7 +85,7 @@ def vlm_batch(rows: list[list[tuple[str, tuple[int, int, int]]]], seed: int = 0)
             grids[kind].append((t, h, w))
         ids += torch.randint(0, 90, (3,), generator=gen).tolist()
         ids_rows.append(ids)
-    width = max(len(r) for r in ids_rows)
+    width = max(len(r) for r in ids_rows) if length is None else length
     ids_rows = [r + torch.randint(0, 90, (width - len(r),), generator=gen).tolist() for r in ids_rows]
     input_ids = torch.tensor(ids_rows)
     batch = {
