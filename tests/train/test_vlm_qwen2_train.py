@@ -1,7 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL through the trainer (task vlm): every dense (dp, sp, ep) layout on 2 gloo ranks gives the
-one-process per-step loss and grad norm (fp32) with micro-batches that hold no image on some ranks; Qwen2.5-VL's
-window layout is computed by the collator (not in the forward); resume is exact; the export loads in plain
-transformers and generates.
+one-process per-step loss and grad norm (fp32) with micro-batches that hold no image on some ranks; the tower's
+segment tables (Qwen2.5-VL: its window layout too) are computed by the collator, not in the forward; resume is
+exact; video rows are refused with the reason; the export loads in plain transformers and generates.
 
 Processor, data and recipe come from test_vlm_train / test_vlm_moe_train (images of varying sizes, then runs of
 text-only rows, unshuffled), with the tiny configs of tests/models/test_qwen2_vl.py at the trainer's vocabulary.
@@ -103,11 +103,10 @@ def one_rank(dist_pools, assets, tmp_path_factory) -> dict:
 def test_one_rank_trains_and_the_collator_lays_out_windows(one_rank, assets):
     losses = [s["loss"] for s in one_rank["stats"]]
     assert all(math.isfinite(x) for x in losses), losses
+    want = ["cu_seqlens", "max_seqlen"]  # the per-frame segments; Qwen2.5-VL adds its windows
     if assets["family"] == "qwen2_5_vl":
         want = ["cu_seqlens", "cu_window_seqlens", "max_seqlen", "max_window_seqlen", "window_index"]
-        assert one_rank["layouts"] and all(keys == want for keys in one_rank["layouts"])
-    else:
-        assert not one_rank["layouts"]  # Qwen2-VL's tower needs no host layout
+    assert one_rank["layouts"] and all(keys == want for keys in one_rank["layouts"])
 
 
 def test_every_layout_matches_one_process(dist_pools, assets, one_rank, tmp_path):

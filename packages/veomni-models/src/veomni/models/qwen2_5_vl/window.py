@@ -21,6 +21,8 @@ import attrs
 import numpy as np
 import torch
 
+from veomni.models.qwen2_vl.vision import FrameSegments
+
 
 @attrs.frozen
 class WindowIndex:
@@ -77,7 +79,7 @@ class WindowIndex:
         if grids.ndim != 2 or grids.shape[1] != 3:
             raise ValueError(f"grid_thw must be [n, 3] (t, h, w) per image/clip; found shape {grids.shape}")
         m, v = self.spatial_merge_size, self.merged_window
-        orders, windows, frames = [], [], []
+        orders, windows = [], []
         offset = 0
         for t, h, w in grids.tolist():
             if h % m or w % m or min(t, h, w) <= 0:
@@ -93,23 +95,16 @@ class WindowIndex:
             per_frame = gh * gw
             orders.append((order[None, :] + offset + per_frame * np.arange(t)[:, None]).reshape(-1))
             windows.append(np.tile(counts, t))
-            frames.append(np.full(t, h * w, dtype=np.int64))
             offset += t * per_frame
-        units = m * m
-        window_rows = np.concatenate(windows) * units if windows else np.zeros(0, np.int64)
-        frame_rows = np.concatenate(frames) if frames else np.zeros(0, np.int64)
+        window_rows = np.concatenate(windows) * m * m if windows else np.zeros(0, np.int64)
         return {
             "window_index": torch.from_numpy(np.concatenate(orders) if orders else np.zeros(0, np.int64)),
-            "cu_window_seqlens": _cumulative(window_rows),
+            "cu_window_seqlens": torch.from_numpy(
+                np.concatenate([[0], np.cumsum(window_rows)]).astype(np.int32)
+            ),
             "max_window_seqlen": int(window_rows.max(initial=0)),
-            "cu_seqlens": _cumulative(frame_rows),
-            "max_seqlen": int(frame_rows.max(initial=0)),
+            **FrameSegments()(grids),  # the full-attention blocks' per-frame table
         }
-
-
-def _cumulative(lengths: np.ndarray) -> torch.Tensor:
-    """``[0, l0, l0 + l1, ...]`` as int32 (the varlen attention convention)."""
-    return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
 
 __all__ = ["WindowIndex"]

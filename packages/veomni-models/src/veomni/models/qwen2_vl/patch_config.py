@@ -13,6 +13,8 @@ loss. Qwen2.5-VL's config (`veomni.models.qwen2_5_vl.patch_config`) reuses these
   ``cu_seqlens`` / ``max_seqlen`` taken from the keyword arguments when the collator precomputed them; under SP
   each rank embeds and attends its chunk of the patch rows (padded to ``sp * merge**2``, the padding a segment of
   its own) and the merged tokens are gathered once. ``dummy_forward`` for ranks without an image or video.
+* ``Qwen2VLForConditionalGeneration.vision_collate_metadata``: the picklable `FrameSegments` the trainer's collator
+  runs per micro-batch (the tower's ``cu_seqlens`` / ``max_seqlen``).
 * ``Qwen2VLModel.forward``: one tower pass over all images and clips, the features placed without host syncs, the
   dummy tower pass, the SP scatter (`veomni.models.qwen2_vl.vision.embed_visual`); ``vision_metadata`` carries
   the collator's precomputed segment tables to the tower.
@@ -45,7 +47,7 @@ from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.qwen2_vl.vision import embed_visual, vision_position_ids
+from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, vision_position_ids
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
@@ -68,7 +70,7 @@ IMPORTS = (
     "from veomni.models.causal_lm import lm_logits_and_loss",
     "from veomni.models.hf_attention import PREFIX",
     "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention",
-    "from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids",
+    "from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids",
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, "
     "sp_world_size",
     "from veomni.models.qwen3_vl.vision import dummy_vision_inputs",
@@ -327,3 +329,14 @@ def conditional_generation_forward(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+@config.override_method(
+    "Qwen2VLForConditionalGeneration.vision_collate_metadata",
+    description="injected: the picklable per-frame segment table (FrameSegments) the trainer's collator runs per "
+    "micro-batch, so the tower never reads grid_thw back from the device",
+)
+def vision_collate_metadata(self) -> FrameSegments:
+    """The host-side segment table of this model's vision tower; called with a micro-batch's joint image+video
+    ``grid_thw`` it returns the tower's ``vision_metadata`` (`FrameSegments.__call__`)."""
+    return FrameSegments()

@@ -11,11 +11,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+import numpy as np
 import torch
 from torch import nn
 
 from veomni.models.qwen3_vl.sp import scatter_visual_sp, sp_group_or_none
 from veomni.models.qwen3_vl.vision import parallel_world_size, patch_coordinates, scatter_visual
+
+
+@attrs.frozen
+class FrameSegments:
+    """Picklable per-frame segment table of the Qwen2-VL-family vision towers (every frame of every image/clip
+    attends within itself), run by the trainer's collator on each micro-batch's joint image-then-video grids so
+    that the tower never reads ``grid_thw`` back from the device (transformers' ``get_vision_cu_seqlens``)."""
+
+    def __call__(self, grid_thw: np.ndarray | torch.Tensor) -> dict[str, Any]:
+        """``cu_seqlens`` int32 ``[sum(t) + 1]`` (patch-row boundaries, one segment of ``h * w`` rows per frame)
+        and ``max_seqlen`` int, for int ``[n, 3]`` ``(t, h, w)`` grids; the keyword names the towers read."""
+        grids = np.asarray(grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw, dtype=np.int64)
+        if grids.ndim != 2 or grids.shape[1] != 3:
+            raise ValueError(f"grid_thw must be [n, 3] (t, h, w) per image/clip; found shape {grids.shape}")
+        rows = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+        cu = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+        return {"cu_seqlens": torch.from_numpy(cu), "max_seqlen": int(rows.max(initial=0))}
 
 
 def vision_position_ids(grid_thw: torch.Tensor, merge: int, total: int) -> torch.Tensor:
@@ -115,4 +134,4 @@ def embed_visual(
     return scatter_visual_sp(inputs_embeds, local_masks, feats, sp_group)[0]
 
 
-__all__ = ["embed_visual", "permute_rows", "vision_position_ids"]
+__all__ = ["FrameSegments", "embed_visual", "permute_rows", "vision_position_ids"]

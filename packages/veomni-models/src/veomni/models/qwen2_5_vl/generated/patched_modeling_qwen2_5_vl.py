@@ -21,7 +21,7 @@
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
-#   - add_import: from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids
+#   - add_import: from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs
 #   - add_import: from veomni.models.qwen2_5_vl.window import WindowIndex

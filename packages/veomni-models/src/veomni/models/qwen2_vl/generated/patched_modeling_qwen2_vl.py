@@ -14,13 +14,14 @@
 #   - override_method Qwen2VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
 #   - override_method Qwen2VLModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1, the collator's vision_metadata passed to the tower; under Ulysses SP the LM inputs are this rank's slice (position_ids required)
 #   - override_method Qwen2VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss; vision_metadata passed on
+#   - override_method Qwen2VLForConditionalGeneration.vision_collate_metadata: injected: the picklable per-frame segment table (FrameSegments) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
-#   - add_import: from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids
+#   - add_import: from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs
 #   - add_post_import_block: 1 block(s)
@@ -92,7 +93,7 @@ from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
-from veomni.models.qwen2_vl.vision import embed_visual, vision_position_ids
+from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
     gather_merged,
@@ -1431,6 +1432,12 @@ class Qwen2VLForConditionalGeneration(Qwen2VLPreTrainedModel, GenerationMixin):
         position_ids = torch.cat([text_positions, vision_positions], dim=0)
 
         return position_ids
+
+    # [PATCHED] injected: the picklable per-frame segment table (FrameSegments) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device (injected: not in upstream)
+    def vision_collate_metadata(self) -> FrameSegments:
+        """The host-side segment table of this model's vision tower; called with a micro-batch's joint image+video
+        ``grid_thw`` it returns the tower's ``vision_metadata`` (`FrameSegments.__call__`)."""
+        return FrameSegments()
 
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2VLPreTrainedModel", "Qwen2VLTextModel"]
