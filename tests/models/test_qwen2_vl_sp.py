@@ -114,3 +114,21 @@ def test_sp_loss_and_grads_equal_single_process(dist_pools, family, precomputed,
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
         assert r["worst_grad"] <= 1.0, r["worst_grad"]
     assert sum(r["local_visual"] for r in results) > 0
+
+
+def _missing_positions(ctx, family: str) -> str:
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    register_hf_attention()
+    model = FAMILIES[family][2](tiny_config(family))
+    model.set_attn_implementation("veomni_sdpa")
+    inputs, _, _ = _inputs(model, "images")
+    inputs["input_ids"] = slice_sequence(inputs["input_ids"], 1, state.sp_group)
+    with use_parallel_state(state), pytest.raises(ValueError) as err:
+        model(**inputs)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sp_without_position_ids_is_refused_naming_the_model(dist_pools, family):
+    for message in dist_pools.get(2).run(_missing_positions, family):
+        assert f"{family} under sequence parallelism (sp=2) needs position_ids" in message, message
