@@ -12,8 +12,8 @@
   tables), the merged tokens are gathered and put back in image order.
 * ``Qwen2_5_VLModel.forward`` / ``Qwen2_5_VLForConditionalGeneration.forward``: as Qwen2-VL's (one tower pass,
   features placed without host syncs, dummy pass, SP scatter, fused loss) plus upstream's ``second_per_grid_ts``.
-* ``Qwen2_5_VLForConditionalGeneration.vision_collate_metadata``: the picklable `WindowIndex` the trainer's
-  collator runs per micro-batch.
+* ``Qwen2_5_VisionTransformerPretrainedModel.vision_layout``: the picklable `WindowIndex`, which the trainer's
+  collator runs per micro-batch (through ``vision_collate_metadata``) and the dummy forward on its one-frame grid.
 
 Regenerate with ``uv run patchgen veomni.models.qwen2_5_vl.patch_config``.
 """
@@ -70,7 +70,9 @@ _REUSED = (
     ("Qwen2_5_VLVisionAttention.forward", qwen3_vl.vision_attention_forward,
      "veomni_* implementations and SP: encoder_attention on the packed tokens and cu_seqlens"),
     ("Qwen2_5_VisionTransformerPretrainedModel.dummy_forward", qwen2_vl.vision_dummy_forward,
-     "injected: the tower on one all-zero merged token, for ranks without image or video"),
+     "injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media"),
+    ("Qwen2_5_VLForConditionalGeneration.vision_collate_metadata", qwen2_vl.vision_collate_metadata,
+     "injected: the tower's picklable layout function (WindowIndex) the trainer's collator runs per micro-batch"),
 )  # fmt: skip
 for target, function, description in _REUSED:
     config.override_method(target, description=f"{description} (reused)", name_map=_VISION)(function)
@@ -282,10 +284,9 @@ def conditional_generation_forward(
 
 
 @config.override_method(
-    "Qwen2_5_VLForConditionalGeneration.vision_collate_metadata",
-    description="injected: the picklable window layout (WindowIndex) the trainer's collator runs per micro-batch",
+    "Qwen2_5_VisionTransformerPretrainedModel.vision_layout",
+    description="injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)",
 )
-def vision_collate_metadata(self) -> WindowIndex:
-    """The host-side window layout of this model's vision tower; called with a micro-batch's joint image+video
-    ``grid_thw`` it returns the tower's ``vision_metadata`` (`WindowIndex.__call__`)."""
-    return WindowIndex.from_config(self.config.vision_config)
+def vision_layout(self) -> WindowIndex:
+    """The function laying out this tower's window order and segment tables on the host from ``grid_thw``."""
+    return WindowIndex.from_config(self.config)

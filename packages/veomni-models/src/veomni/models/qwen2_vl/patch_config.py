@@ -209,10 +209,25 @@ def vision_dummy_forward(self) -> torch.Tensor:
     """Run the tower on the smallest valid input and return a 0-d tensor that is 0 but depends on every output,
     so that adding it to the loss graph gives every tower parameter a gradient.
 
-    Shapes come from the config, dtype and device from a live weight; nothing is cached.
+    Shapes come from the config, dtype and device from a live weight; nothing is cached. The segment tables of
+    the one-frame grid are laid out on the host (``vision_layout``), so the dummy pass never reads the device.
     """
     pixels, grid = dummy_vision_inputs(self.config, self.patch_embed.proj.weight)
-    return self(pixels, grid_thw=grid, return_dict=True).pooler_output.sum() * 0.0
+    merge = self.config.spatial_merge_size
+    tables = self.vision_layout()(torch.tensor([[1, merge, merge]]))
+    tables = {
+        k: v.to(pixels.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in tables.items()
+    }
+    return self(pixels, grid_thw=grid, return_dict=True, **tables).pooler_output.sum() * 0.0
+
+
+@config.override_method(
+    "Qwen2VisionTransformerPretrainedModel.vision_layout",
+    description="injected: the tower's picklable host-side segment table (FrameSegments: one segment per frame)",
+)
+def vision_layout(self) -> FrameSegments:
+    """The function laying out this tower's segment tables on the host from ``grid_thw`` (`FrameSegments`)."""
+    return FrameSegments()
 
 
 @config.override_method(
@@ -333,10 +348,10 @@ def conditional_generation_forward(
 
 @config.override_method(
     "Qwen2VLForConditionalGeneration.vision_collate_metadata",
-    description="injected: the picklable per-frame segment table (FrameSegments) the trainer's collator runs per "
+    description="injected: the tower's picklable layout function (vision_layout) the trainer's collator runs per "
     "micro-batch, so the tower never reads grid_thw back from the device",
 )
-def vision_collate_metadata(self) -> FrameSegments:
-    """The host-side segment table of this model's vision tower; called with a micro-batch's joint image+video
-    ``grid_thw`` it returns the tower's ``vision_metadata`` (`FrameSegments.__call__`)."""
-    return FrameSegments()
+def vision_collate_metadata(self):
+    """The host-side layout function of this model's vision tower (its ``vision_layout()``); called with a
+    micro-batch's joint image+video ``grid_thw`` it returns the tower's ``vision_metadata``."""
+    return self.model.visual.vision_layout()

@@ -10,11 +10,12 @@
 #   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (reused)
 #   - override_method Qwen2_5_VLAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin) (reused)
 #   - override_method Qwen2_5_VLVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and cu_seqlens (reused)
-#   - override_method Qwen2_5_VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (reused)
+#   - override_method Qwen2_5_VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused)
+#   - override_method Qwen2_5_VLForConditionalGeneration.vision_collate_metadata: injected: the tower's picklable layout function (WindowIndex) the trainer's collator runs per micro-batch (reused)
 #   - override_method Qwen2_5_VisionTransformerPretrainedModel.forward: window layout and segment tables from the collator's keywords (host fallback without them, no per-forward tolist loop on the device); rotary positions without host syncs; under SP the rows are put in window order, each rank embeds and attends its chunk, and the merged tokens are gathered once
 #   - override_method Qwen2_5_VLModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1, the collator's vision_metadata (window layout) passed to the tower; under Ulysses SP the LM inputs are this rank's slice (position_ids required)
 #   - override_method Qwen2_5_VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); vision_metadata passed on
-#   - override_method Qwen2_5_VLForConditionalGeneration.vision_collate_metadata: injected: the picklable window layout (WindowIndex) the trainer's collator runs per micro-batch
+#   - override_method Qwen2_5_VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
@@ -588,15 +589,26 @@ class Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLPreTrainedModel):
             pooler_output=merged_hidden_states,
         )
 
-    # [PATCHED] injected: the tower on one all-zero merged token, for ranks without image or video (reused) (injected: not in upstream)
+    # [PATCHED] injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused) (injected: not in upstream)
     def dummy_forward(self) -> torch.Tensor:
         """Run the tower on the smallest valid input and return a 0-d tensor that is 0 but depends on every output,
         so that adding it to the loss graph gives every tower parameter a gradient.
 
-        Shapes come from the config, dtype and device from a live weight; nothing is cached.
+        Shapes come from the config, dtype and device from a live weight; nothing is cached. The segment tables of
+        the one-frame grid are laid out on the host (``vision_layout``), so the dummy pass never reads the device.
         """
         pixels, grid = dummy_vision_inputs(self.config, self.patch_embed.proj.weight)
-        return self(pixels, grid_thw=grid, return_dict=True).pooler_output.sum() * 0.0
+        merge = self.config.spatial_merge_size
+        tables = self.vision_layout()(torch.tensor([[1, merge, merge]]))
+        tables = {
+            k: v.to(pixels.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in tables.items()
+        }
+        return self(pixels, grid_thw=grid, return_dict=True, **tables).pooler_output.sum() * 0.0
+
+    # [PATCHED] injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments) (injected: not in upstream)
+    def vision_layout(self) -> WindowIndex:
+        """The function laying out this tower's window order and segment tables on the host from ``grid_thw``."""
+        return WindowIndex.from_config(self.config)
 
 
 class Qwen2_5_VLRotaryEmbedding(nn.Module):
@@ -1490,11 +1502,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLPreTrainedModel, GenerationMi
 
         return position_ids
 
-    # [PATCHED] injected: the picklable window layout (WindowIndex) the trainer's collator runs per micro-batch (injected: not in upstream)
-    def vision_collate_metadata(self) -> WindowIndex:
-        """The host-side window layout of this model's vision tower; called with a micro-batch's joint image+video
-        ``grid_thw`` it returns the tower's ``vision_metadata`` (`WindowIndex.__call__`)."""
-        return WindowIndex.from_config(self.config.vision_config)
+    # [PATCHED] injected: the tower's picklable layout function (WindowIndex) the trainer's collator runs per micro-batch (reused) (injected: not in upstream)
+    def vision_collate_metadata(self):
+        """The host-side layout function of this model's vision tower (its ``vision_layout()``); called with a
+        micro-batch's joint image+video ``grid_thw`` it returns the tower's ``vision_metadata``."""
+        return self.model.visual.vision_layout()
 
 
 __all__ = [

@@ -12,9 +12,10 @@
 #   - override_method Qwen2VLAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin)
 #   - override_method Qwen2VisionTransformerPretrainedModel.forward: rotary positions without host syncs; cu_seqlens/max_seqlen from the collator when given; max_seqlen read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its patch slice and the merged tokens are gathered once
 #   - override_method Qwen2VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
+#   - override_method Qwen2VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side segment table (FrameSegments: one segment per frame)
 #   - override_method Qwen2VLModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1, the collator's vision_metadata passed to the tower; under Ulysses SP the LM inputs are this rank's slice (position_ids required)
 #   - override_method Qwen2VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss; vision_metadata passed on
-#   - override_method Qwen2VLForConditionalGeneration.vision_collate_metadata: injected: the picklable per-frame segment table (FrameSegments) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device
+#   - override_method Qwen2VLForConditionalGeneration.vision_collate_metadata: injected: the tower's picklable layout function (vision_layout) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
@@ -817,10 +818,21 @@ class Qwen2VisionTransformerPretrainedModel(Qwen2VLPreTrainedModel):
         """Run the tower on the smallest valid input and return a 0-d tensor that is 0 but depends on every output,
         so that adding it to the loss graph gives every tower parameter a gradient.
 
-        Shapes come from the config, dtype and device from a live weight; nothing is cached.
+        Shapes come from the config, dtype and device from a live weight; nothing is cached. The segment tables of
+        the one-frame grid are laid out on the host (``vision_layout``), so the dummy pass never reads the device.
         """
         pixels, grid = dummy_vision_inputs(self.config, self.patch_embed.proj.weight)
-        return self(pixels, grid_thw=grid, return_dict=True).pooler_output.sum() * 0.0
+        merge = self.config.spatial_merge_size
+        tables = self.vision_layout()(torch.tensor([[1, merge, merge]]))
+        tables = {
+            k: v.to(pixels.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in tables.items()
+        }
+        return self(pixels, grid_thw=grid, return_dict=True, **tables).pooler_output.sum() * 0.0
+
+    # [PATCHED] injected: the tower's picklable host-side segment table (FrameSegments: one segment per frame) (injected: not in upstream)
+    def vision_layout(self) -> FrameSegments:
+        """The function laying out this tower's segment tables on the host from ``grid_thw`` (`FrameSegments`)."""
+        return FrameSegments()
 
 
 @auto_docstring
@@ -1433,11 +1445,11 @@ class Qwen2VLForConditionalGeneration(Qwen2VLPreTrainedModel, GenerationMixin):
 
         return position_ids
 
-    # [PATCHED] injected: the picklable per-frame segment table (FrameSegments) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device (injected: not in upstream)
-    def vision_collate_metadata(self) -> FrameSegments:
-        """The host-side segment table of this model's vision tower; called with a micro-batch's joint image+video
-        ``grid_thw`` it returns the tower's ``vision_metadata`` (`FrameSegments.__call__`)."""
-        return FrameSegments()
+    # [PATCHED] injected: the tower's picklable layout function (vision_layout) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device (injected: not in upstream)
+    def vision_collate_metadata(self):
+        """The host-side layout function of this model's vision tower (its ``vision_layout()``); called with a
+        micro-batch's joint image+video ``grid_thw`` it returns the tower's ``vision_metadata``."""
+        return self.model.visual.vision_layout()
 
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2VLPreTrainedModel", "Qwen2VLTextModel"]
