@@ -146,7 +146,9 @@ def _resume(ctx, raw: dict, split: int, total: int) -> tuple[list[float], list[f
 
 def test_resume_is_exact(dist_pools, assets, tmp_path):
     if assets["family"] != "qwen2_5_vl":
-        pytest.skip("resume is model-agnostic: run for the family with the extra collator state (windows) only")
+        pytest.skip(
+            "resume is model-agnostic: run for the family with the extra collator state (windows) only"
+        )
     raw = recipe(assets, str(tmp_path), steps=3)
     want, got = dist_pools.get(1, "gloo").run(_resume, raw, 1, 3)[0]
     assert got == want
