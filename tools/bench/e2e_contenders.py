@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from veomni.core.clip import clip_grad_norm
 from veomni.core.compile import CompileStats, compile_stats
 from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
 from veomni.core.master_weights import apply_master_weights, master_weights_of
@@ -34,7 +33,7 @@ from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.registry import MODELS
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import model_inputs
-from veomni.train.optim import build_adamw, param_groups
+from veomni.train.optim import build_adamw, clip_and_step, param_groups
 
 # ---------------------------------------------------------------- contenders
 
@@ -213,8 +212,7 @@ class Veomni(Contender):
                 loss_sum += self.graphs(static_packing(kwargs), world).float()
             else:
                 loss_sum += self._forward_backward(kwargs, world).float()
-        norm = clip_grad_norm(self.trained, self.s.max_grad_norm, self.state)
-        self.optimizer.step()
+        norm = clip_and_step(self.optimizer, self.trained, self.s.max_grad_norm, self.state)
         if self.masters is not None:
             self.masters.push()
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
@@ -391,8 +389,7 @@ class VeomniPlain(Contender):
                 loss_sum += self.graphs(static_packing(kwargs)).float()
             else:
                 loss_sum += self._forward_backward(kwargs).float()
-        norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
-        self.optimizer.step()
+        norm = clip_and_step(self.optimizer, self.model, self.s.max_grad_norm, self.state)
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return loss_sum, norm
 
