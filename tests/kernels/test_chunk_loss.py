@@ -21,7 +21,10 @@ def _inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, *, ignore_every
 
 
 def _loss_and_grads(fn, h, w, labels, **kw):
-    h, w = h.detach().clone().requires_grad_(h.requires_grad), w.detach().clone().requires_grad_(w.requires_grad)
+    h, w = (
+        h.detach().clone().requires_grad_(h.requires_grad),
+        w.detach().clone().requires_grad_(w.requires_grad),
+    )
     loss, count = fn(h, w, labels, **kw)
     leaves = [t for t in (h, w) if t.requires_grad]
     grads = torch.autograd.grad(loss * 0.7, leaves)  # a non-unit upstream gradient reaches backward's scaling
@@ -40,7 +43,8 @@ def _fp64_oracle(h, w, labels, **kw):
 
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 7, 64])
 @pytest.mark.parametrize(
-    "features", [{}, {"logit_softcap": 2.5}, {"z_loss_weight": 1e-2}, {"logit_softcap": 4.0, "z_loss_weight": 1e-3}]
+    "features",
+    [{}, {"logit_softcap": 2.5}, {"z_loss_weight": 1e-2}, {"logit_softcap": 4.0, "z_loss_weight": 1e-3}],
 )
 def test_fp32_equals_eager_values_and_gradients(chunk_tokens, features):
     h, w, labels = _inputs(13, 16, 37, torch.float32)

@@ -38,7 +38,10 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         the `Kernels` now attached to every submodule.
     """
     from veomni.models.hf_attention import hf_attention_name, register_hf_attention
+    from veomni.models.seq_cls import check_loss_dispatch
 
+    # A fused cross-entropy only acts through a patched forward: refused (explicit) or made eager (defaulted).
+    ops = check_loss_dispatch(model, ops)
     needed = attention_capabilities_needed(model)
     if needed and getattr(model, "set_attn_implementation", None) is not None:
         adapted = ops.with_capabilities("attention", needed, _describe(model))
