@@ -21,9 +21,9 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from transformers.cache_utils import Cache
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
