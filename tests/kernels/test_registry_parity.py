@@ -15,8 +15,9 @@ import torch
 from veomni.kernels import KERNELS, detect_hardware
 
 Case = Callable[[torch.Generator], tuple[tuple, dict]]
-# Kernels run where the hardware is: CUDA when present, else CPU (Triton through its interpreter).
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Kernels run where the hardware is: CUDA when present, else an Ascend NPU (torch_npu registers torch.npu), else
+# CPU (Triton through its interpreter).
+DEVICE = {"cuda": "cuda", "npu": "npu"}.get(detect_hardware().device_type, "cpu")
 
 
 def _t(gen: torch.Generator, *shape: int, grad: bool = True) -> torch.Tensor:
