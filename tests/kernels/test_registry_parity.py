@@ -37,7 +37,26 @@ def _rope_case(rotary_dim: int | None) -> Case:
     return build
 
 
+def _mrope_case(gen):
+    b, s, d = 2, 5, 12
+    # Three position tables (temporal, height, width), each with HF's duplicated halves; sections 2 + 1 + 3 = D/2.
+    angles = torch.randn(3, b, s, d // 2, generator=gen).to(DEVICE)
+    angles = torch.cat([angles, angles], dim=-1)
+    q = _t(gen, b, 4, s, d)
+    return (q, _t(gen, b, 2, s, d), angles.cos(), angles.sin()), {"mrope_section": [2, 1, 3]}
+
+
+def _vision_rope_case(gen):
+    s, d = 9, 16
+    # ViT towers: height and width frequencies concatenated per patch, then duplicated halves.
+    angles = torch.randn(s, d // 2, generator=gen).to(DEVICE)
+    angles = torch.cat([angles, angles], dim=-1)
+    return (_t(gen, s, 4, d), _t(gen, s, 4, d), angles.cos(), angles.sin()), {}
+
+
 CASES: dict[tuple[str, str], Case] = {
+    ("rope", "mrope"): _mrope_case,
+    ("rope_vision", "full"): _vision_rope_case,
     ("rms_norm", "standard"): lambda g: ((_t(g, 3, 5, 37), _t(g, 37), 1e-6), {}),
     ("rms_norm", "offset"): lambda g: ((_t(g, 3, 5, 37), _t(g, 37), 1e-6), {}),
     ("rms_norm", "unweighted"): lambda g: ((_t(g, 7, 19), 1e-5), {}),

@@ -76,6 +76,11 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("attention", "default", "flash_attn_2", f"{_K}.attention.external:flash_attn_2", FLASH_2),
     ("attention", "default", "flash_attn_3", f"{_K}.attention.external:flash_attn_3", FLASH_3),
     ("attention", "default", "flash_attn_4", f"{_K}.attention.external:flash_attn_4", FLASH_4),
+    # Vision towers' 2-D rotary on packed [S, H, D] tokens, and the language model's multimodal rotary (M-RoPE).
+    ("rope_vision", "full", "eager", f"{_K}.rope.multimodal:apply_rope_vision_eager", ANYWHERE),
+    ("rope_vision", "full", "triton", f"{_K}.rope.multimodal_triton:apply_rope_vision_triton", TRITON),
+    ("rope", "mrope", "eager", f"{_K}.rope.multimodal:apply_mrope_eager", ANYWHERE),
+    ("rope", "mrope", "triton", f"{_K}.rope.multimodal_triton:apply_mrope_triton", TRITON),
     # Portable token-chunked linear CE (plain torch): the NPU default, and runnable anywhere.
     ("cross_entropy", "causal", "chunk_loss", f"{_K}.cross_entropy.chunked:causal_lm_cross_entropy", ANYWHERE),
     ("cross_entropy", "seq_cls", "chunk_loss", f"{_K}.cross_entropy.chunked:sequence_classification_cross_entropy", ANYWHERE),
@@ -86,6 +91,8 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("rms_norm", "residual", "npu", f"{_K}.npu_backend:fused_add_rms_norm", NPU),
     ("rope", "full", "npu", f"{_K}.npu_backend:apply_rope", NPU),
     ("rope", "partial", "npu", f"{_K}.npu_backend:apply_rope", NPU),
+    ("rope", "mrope", "npu", f"{_K}.npu_backend:apply_mrope", NPU),
+    ("rope_vision", "full", "npu", f"{_K}.npu_backend:apply_rope_vision", NPU),
     ("attention", "default", "npu", f"{_K}.npu_backend:attention", NPU),
     ("moe_experts", "routed", "npu", f"{_K}.npu_backend:moe_experts_routed", NPU),
     ("moe_experts", "grouped", "npu", f"{_K}.npu_backend:moe_experts_grouped", NPU),

@@ -45,8 +45,8 @@ FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
 COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {"rms_norm": "eager", "rope": "eager", "swiglu": "eager"}
 # Attention backends that take bf16/fp16 inputs only.
 HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"})
-# The registry op that each field selects for (rope_vision shares the rope kernels' registry entries).
-FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS} | {"rope_vision": "rope"}
+# The registry op that each field selects for (one op per field).
+FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS}
 
 
 def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -252,7 +252,7 @@ class Kernels:
     """The implementations one `OpsConfig` selects, built once; a model instance keeps its own.
 
     ``kernels.get("rms_norm", "standard")`` returns the plain tensor function of the backend that
-    ``config.rms_norm`` names; ``kernels.get("rope_vision", "full")`` the rope kernel of ``config.rope_vision``.
+    ``config.rms_norm`` names; ``kernels.get("rope_vision", "full")`` the vision rotary of ``config.rope_vision``.
     """
 
     config: OpsConfig

@@ -28,6 +28,7 @@ from veomni.kernels.moe_experts import torch_impl
 from veomni.kernels.moe_experts.common import check_grouped_inputs, check_routed_inputs, group_offsets
 from veomni.kernels.rms_norm.eager import check_inputs as check_norm_inputs
 from veomni.kernels.rope.eager import check_rope_inputs
+from veomni.kernels.rope.multimodal import check_vision_inputs, mrope_select
 
 # npu_fusion_attention's causal mode (sparse_mode=3, "rightDownCausal") takes this fixed 2048 x 2048 upper-triangle
 # mask whatever the sequence length; True marks a masked-out pair.
@@ -81,6 +82,27 @@ def apply_rope(
     cos = cos.to(q.dtype).unsqueeze(1)
     sin = sin.to(q.dtype).unsqueeze(1)
     return _rotary(q, cos, sin, rotary_dim), _rotary(k, cos, sin, rotary_dim)
+
+
+def apply_mrope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, mrope_section: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE: the section selection (`mrope_select`) then `apply_rope`; q ``[B, Hq, S, D]``, cos ``[3, B, S, D]``."""
+    cos3, sin3 = mrope_select(cos, sin, mrope_section)
+    return apply_rope(q, k, cos3, sin3)
+
+
+def apply_rope_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ViT 2-D rotary on ``npu_rotary_mul`` in fp32 (HF's vision formula): ``q [S, Hq, D]``, ``k [S, Hk, D]``,
+    ``cos/sin [S, D]``. Returns rotated q, k in their dtypes."""
+    check_vision_inputs(q, k, cos, sin)
+    # [S, H, D] -> [1, S, H, D] with cos [1, S, 1, D]: the BSND broadcast npu_rotary_mul accepts.
+    c, s = cos.float()[None, :, None], sin.float()[None, :, None]
+    q_out = torch_npu.npu_rotary_mul(q.float().unsqueeze(0), c, s)[0]
+    k_out = torch_npu.npu_rotary_mul(k.float().unsqueeze(0), c, s)[0]
+    return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
 def attention(

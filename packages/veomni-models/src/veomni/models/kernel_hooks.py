@@ -139,3 +139,24 @@ def apply_rope(
     if kernels is not None and kernels.config.rope != "eager":
         return kernels.get("rope", "full")(query, key, cos, sin)
     return upstream(query, key, cos, sin)
+
+
+def apply_rope_vision(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    upstream: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision tower's 2-D RoPE through ``module``'s kernel set (``rope_vision/full``), else ``upstream``.
+
+    Args:
+        query: ``[S, Hq, D]`` packed patch tokens; key: ``[S, Hk, D]``; cos, sin: ``[S, D]``.
+    Returns:
+        the rotated ``(query, key)``, same shapes and dtype.
+    """
+    kernels = getattr(module, ATTR, None)
+    if kernels is not None and kernels.config.rope_vision != "eager":
+        return kernels.get("rope_vision", "full")(query, key, cos, sin)
+    return upstream(query, key, cos, sin)
