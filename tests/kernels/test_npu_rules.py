@@ -118,7 +118,7 @@ def test_every_npu_registration_is_a_real_kernel_module():
     assert {(s.op, s.variant) for s in specs} == {
         ("attention", "default"), ("moe_experts", "grouped"), ("moe_experts", "routed"), ("rms_norm", "offset"),
         ("rms_norm", "residual"), ("rms_norm", "standard"), ("rms_norm", "unweighted"), ("rope", "full"),
-        ("rope", "partial"),
+        ("rope", "partial"), ("rope", "mrope"), ("rope_vision", "full"),
     }  # fmt: skip
     for s in specs:
         assert s.description.startswith("veomni.kernels.npu_backend:"), s

@@ -167,6 +167,8 @@ def test_implementation_matches_eager(spec):
     if problem:
         pytest.skip(f"{spec.backend}: {problem}")
     args, kwargs = CASES[(spec.op, spec.variant)](torch.Generator().manual_seed(0))
+    if spec.op == "cross_entropy" and spec.backend in CE_WITHOUT_SOFTCAP_ZLOSS:
+        kwargs = {}  # it raises NotImplementedError for these (tested in its own file); compare the plain CE
     tol = 1e-5
     if spec.backend in HALF_ONLY:
         # The kernel takes bf16 only: feed it bf16 and hold it to bf16 accuracy against fp32 eager on the same
@@ -187,8 +189,11 @@ def test_implementation_matches_eager(spec):
             )
 
 
-# Backends whose kernels accept only fp16/bf16 inputs.
-HALF_ONLY = {"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"}
+# Backends whose kernels accept only fp16/bf16 inputs (quack's grouped GEMM is bf16/fp16; its other ops are
+# held to the same bf16 standard).
+HALF_ONLY = {"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4", "quack"}
+# Cross-entropy backends without logit soft-cap and z-loss.
+CE_WITHOUT_SOFTCAP_ZLOSS = {"quack"}
 
 
 def _cast(obj, dtype: torch.dtype):

@@ -19,6 +19,8 @@ NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
 GROUPED_MM = Requirement(device_types=("cpu", "cuda"), min_capability=(9, 0))
 FLASH_2 = Requirement(device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",))
 FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
+# quack-kernels (CuTe-DSL): Hopper and newer; the import name is `quack`.
+QUACK = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("quack",))
 FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
 
 _K = "veomni.kernels"
@@ -84,6 +86,15 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     # Portable token-chunked linear CE (plain torch): the NPU default, and runnable anywhere.
     ("cross_entropy", "causal", "chunk_loss", f"{_K}.cross_entropy.chunked:causal_lm_cross_entropy", ANYWHERE),
     ("cross_entropy", "seq_cls", "chunk_loss", f"{_K}.cross_entropy.chunked:sequence_classification_cross_entropy", ANYWHERE),
+    # QuACK (optional extra, sm_90+): RMSNorm, fused linear CE and the experts' grouped GEMM (quack_backend.py).
+    ("rms_norm", "standard", "quack", f"{_K}.quack_backend:rms_norm_standard", QUACK),
+    ("rms_norm", "offset", "quack", f"{_K}.quack_backend:rms_norm_offset", QUACK),
+    ("rms_norm", "unweighted", "quack", f"{_K}.quack_backend:rms_norm_unweighted", QUACK),
+    ("rms_norm", "residual", "quack", f"{_K}.quack_backend:fused_add_rms_norm", QUACK),
+    ("cross_entropy", "causal", "quack", f"{_K}.quack_backend:causal_lm_cross_entropy", QUACK),
+    ("cross_entropy", "seq_cls", "quack", f"{_K}.quack_backend:sequence_classification_cross_entropy", QUACK),
+    ("moe_experts", "routed", "quack", f"{_K}.quack_backend:moe_experts_routed", QUACK),
+    ("moe_experts", "grouped", "quack", f"{_K}.quack_backend:moe_experts_grouped", QUACK),
     # Ascend NPU through torch_npu (npu_backend.py); parity tests are marked `npu`.
     ("rms_norm", "standard", "npu", f"{_K}.npu_backend:rms_norm_standard", NPU),
     ("rms_norm", "offset", "npu", f"{_K}.npu_backend:rms_norm_offset", NPU),
