@@ -1,5 +1,5 @@
-"""LM head + cross-entropy fwd+bwd (T3): veomni's fused Triton kernel vs our portable chunk_loss vs Liger vs eager,
-side by side, JSON out.
+"""LM head + cross-entropy fwd+bwd (T3): veomni's fused Triton kernel vs our portable chunk_loss vs Liger vs QuACK
+(when installed) vs eager, side by side, JSON out.
 
     python tools/bench/bench_linear_ce.py --out results.json [--sweep] [--configs] [--floor]
 
@@ -37,6 +37,12 @@ def _impls() -> dict[str, Callable]:
         "chunk_loss": chunked.causal_lm_cross_entropy,
         "eager": eager.causal_lm_cross_entropy,
     }
+    try:  # optional (veomni-kernels[quack], sm_90+)
+        from veomni.kernels import quack_backend
+
+        impls["quack"] = quack_backend.causal_lm_cross_entropy
+    except ImportError as err:
+        print(f"quack unavailable: {err}", file=sys.stderr)
     try:
         from veomni.kernels.cross_entropy import liger_impl
 
