@@ -86,6 +86,17 @@ def test_all_ignored_gives_zero_loss_and_zero_grads_and_frozen_weight():
     assert len(grads) == 1 and grads[0].shape == h.shape
 
 
+def test_no_grad_gives_the_loss_without_gradient_gemms():
+    h, w, labels = _inputs(10, 8, 13, torch.float32)
+    with torch.no_grad(), _LargestTensor() as probe:
+        loss, count = chunked.chunked_linear_cross_entropy(h, w, labels, chunk_tokens=4)
+    torch.testing.assert_close(loss, eager.causal_lm_cross_entropy(h, w, labels)[0].detach())
+    assert not loss.requires_grad and count.item() == 6
+    # One logits GEMM per chunk (3 chunks), no dX/dW GEMMs.
+    gemms = [name for name in probe.ops if name.split(".")[0] in ("mm", "addmm", "bmm")]
+    assert len(gemms) == 3, probe.ops
+
+
 def test_seq_cls_and_leading_dims():
     h, w, labels = _inputs(5, 12, 3, torch.float32, ignore_every=0)
     got = chunked.sequence_classification_cross_entropy(h, w, labels)
@@ -115,8 +126,10 @@ class _LargestTensor(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.largest = 0
+        self.ops: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor):

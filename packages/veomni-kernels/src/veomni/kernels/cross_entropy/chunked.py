@@ -88,9 +88,10 @@ def _chunk_forward(
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, softcap, z_weight, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, ignore_index, softcap, z_weight, chunk_tokens, grad_enabled):
         n, h = hidden.shape
-        need_dx, need_dw = hidden.requires_grad, weight.requires_grad
+        # Under no_grad (evaluation) no gradient GEMMs run: the loss alone costs one GEMM per chunk.
+        need_dx, need_dw = hidden.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
         dx = torch.empty((n, h), dtype=hidden.dtype, device=hidden.device) if need_dx else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -117,7 +118,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         g = grad_output.float()
         grad_x = (dx * g).to(dx.dtype) if need_dx else None
         grad_w = (dw * g).to(ctx.weight_dtype) if need_dw else None
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -152,7 +153,14 @@ def chunked_linear_cross_entropy(
     flat_labels = labels.reshape(-1)
     softcap = None if logit_softcap is None else float(logit_softcap)
     loss = _ChunkedLinearCrossEntropy.apply(
-        flat_hidden, weight, flat_labels, ignore_index, softcap, float(z_loss_weight), chunk_tokens
+        flat_hidden,
+        weight,
+        flat_labels,
+        ignore_index,
+        softcap,
+        float(z_loss_weight),
+        chunk_tokens,
+        torch.is_grad_enabled(),
     )
     return loss, (flat_labels != ignore_index).sum()
 
