@@ -155,13 +155,16 @@ def test_eager_rejects_segments_that_do_not_tile_the_sequence():
         eager(q, k, v, cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", pytest.param("varlen", marks=pytest.mark.cuda)])
 def test_empty_segments_change_nothing(backend):
     """Zero-length documents (the padding of shape-stable packing) attend to nothing and change no output."""
-    q, k, v = _qkv(0, 1, 6, 2, 2, 4)
+    if backend == "varlen" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device, dtype = ("cuda", torch.bfloat16) if backend == "varlen" else ("cpu", torch.float32)
+    q, k, v = (t.to(device, dtype) for t in _qkv(0, 1, 64, 2, 2, 64))
     fn = ATTENTION_FUNCTIONS[backend]
-    exact = fn(q, k, v, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32))
-    padded = fn(q, k, v, cu_seqlens=torch.tensor([0, 2, 2, 6, 6, 6], dtype=torch.int32))
+    exact = fn(q, k, v, cu_seqlens=torch.tensor([0, 20, 64], dtype=torch.int32, device=device))
+    padded = fn(q, k, v, cu_seqlens=torch.tensor([0, 20, 20, 64, 64, 64], dtype=torch.int32, device=device), max_seqlen=64)
     torch.testing.assert_close(padded, exact, rtol=0, atol=0)
 
 

@@ -57,8 +57,10 @@ sys.path.insert(
 from e2e_contenders import BUILDERS, Contender, Settings, _liger_problem  # noqa: E402
 
 # Run order; hf_liger last (global patches).
+# The default set; the *_graphs variants (train.cuda_graphs) run when named.
 CONTENDERS = ("veomni", "veomni_compiled", "veomni_plain", "veomni_plain_compiled", "hf", "hf_liger")
-VEOMNI = tuple(c for c in CONTENDERS if c.startswith("veomni"))
+OPTIONAL = ("veomni_compiled_graphs", "veomni_plain_compiled_graphs", "veomni_plain_graphs")
+VEOMNI = tuple(c for c in CONTENDERS + OPTIONAL if c.startswith("veomni"))
 IGNORE_INDEX = -100
 GIB = 2**30
 
@@ -138,7 +140,11 @@ def packed_batches(
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """``batch`` with its tensors (also those of nested dicts, e.g. ``vision_metadata``) on ``device``."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor) else _to(v, device) if isinstance(v, dict) else v
+        for k, v in batch.items()
+    }
 
 
 def _free(device: torch.device) -> None:
@@ -156,22 +162,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _profile(name: str, contender: Contender, steps: list[list[dict[str, Any]]], s: Settings) -> None:
-    """Two more steps under torch.profiler; the top ops by device time go to ``<profile_dir>/<name>.txt``."""
+def _profile(
+    name: str, contender: Contender, steps: list[list[dict[str, Any]]], s: Settings
+) -> dict[str, float] | None:
+    """Two more steps under torch.profiler; the top ops by device time go to ``<profile_dir>/<name>.txt``.
+
+    Returns (CUDA only) ``gpu_busy_fraction``: the union of kernel intervals over the profiled wall time (1.0: the
+    GPU never waited for the host), and that wall time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
+    _sync(s.device)
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         for micro_batches in steps:
-            num_items = torch.tensor(float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
+            num_items = torch.full((), float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
             contender.step(micro_batches, num_items)
         _sync(s.device)
+        wall_us = (time.perf_counter() - t0) * 1e6
     sort = "cuda_time_total" if s.device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
     os.makedirs(s.profile_dir, exist_ok=True)
     with open(os.path.join(s.profile_dir, f"{name}.txt"), "w") as f:
         f.write(table)
     print(f"[bench_e2e] profile of {name}:\n" + "\n".join(table.splitlines()[:22]), flush=True)
+    if s.device.type != "cuda":
+        return None
+    busy_us = _union_us(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return {"gpu_busy_fraction": min(1.0, busy_us / wall_us), "profiled_step_ms": wall_us / 1e3 / len(steps)}
+
+
+def _union_us(intervals: Any) -> float:
+    """Total length of the union of ``(start, end)`` intervals (overlapping kernels on several streams count once)."""
+    total, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        total += end - max(start, end_so_far)
+        end_so_far = end
+    return total
 
 
 def run_contender(
@@ -186,7 +219,7 @@ def run_contender(
     t0 = time.perf_counter()
     contender = BUILDERS[name](s)
     build_s = time.perf_counter() - t0
-    losses, norms, seconds = [], [], []
+    losses, norms, seconds, issued = [], [], [], []
     compile_before = _compile_seconds()
     graphs_after_warmup = None
     for i, micro_batches in enumerate(steps):
@@ -196,14 +229,14 @@ def run_contender(
         _sync(device)
         t0 = time.perf_counter()
         loss, norm = contender.step(micro_batches, num_items)
+        issued.append(time.perf_counter() - t0)  # host time to queue the step (== the step when host-bound)
         _sync(device)
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
         norms.append(norm)
     compile_record = _compile_record(contender, graphs_after_warmup, _compile_seconds() - compile_before)
-    if s.profile_dir:
-        _profile(name, contender, steps[-2:], s)
-    record: dict[str, Any] = dict(contender.info) | compile_record
+    profiled = _profile(name, contender, steps[-2:], s) if s.profile_dir else None
+    record: dict[str, Any] = dict(contender.info) | compile_record | (profiled or {})
     graphs = getattr(contender, "graphs", None)
     if graphs is not None:
         record["cuda_graph_runs"] = {
@@ -228,6 +261,7 @@ def run_contender(
         "first_step_s": seconds[0],
         "step_s": timed,
         "median_step_ms": statistics.median(timed) * 1e3,
+        "median_host_issue_ms": statistics.median(issued[warmup:]) * 1e3,
         "tokens_per_s_per_gpu": tokens / sum(timed),
         "mfu": sum(flops_per_step[warmup:]) / sum(timed) / peak if peak else None,
     }
@@ -336,7 +370,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--tmpdir", default=None, help="where the initial weights are saved (default: system temp)")
     args = p.parse_args(argv)
     args.contenders = [c for c in filter(None, args.contenders.split(","))]
-    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    unknown = sorted(set(args.contenders) - set(CONTENDERS + OPTIONAL))
     if unknown or not args.contenders:
         p.error(f"--contenders: unknown {unknown} (choose from {CONTENDERS})" if unknown else "--contenders is empty")  # fmt: skip
     for flag in ("seq_len", "grad_accum", "steps"):
@@ -407,7 +441,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             veomni_ops=args.veomni_ops, veomni_reshard=not args.veomni_no_reshard,
             veomni_fsdp2=args.veomni_fsdp2, profile_dir=args.profile,
         )  # fmt: skip
-        for name in CONTENDERS:  # the fixed order: Liger's global patches must come last
+        order = [c for c in CONTENDERS if c.startswith("veomni")] + list(OPTIONAL) + ["hf", "hf_liger"]
+        for name in order:  # the fixed order: Liger's global patches must come last
             if name not in args.contenders:
                 continue
             problem = _liger_problem(device) if name == "hf_liger" else None

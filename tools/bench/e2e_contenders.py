@@ -68,7 +68,11 @@ LIGER_PATCHES = {
     "qwen3": ("apply_liger_kernel_to_qwen3", {"rope": True, "rms_norm": True, "swiglu": True}),
     # Liger 0.8.5 has no SwiGLU patch for Qwen3-VL's text MLP.
     "qwen3_vl": ("apply_liger_kernel_to_qwen3_vl", {"rope": True, "rms_norm": True}),
+    "qwen2_5_vl": ("apply_liger_kernel_to_qwen2_5_vl", {"rope": True, "rms_norm": True, "swiglu": True}),
 }
+# Liger's VL fused-linear-CE forwards read ``outputs.rope_deltas``, which transformers 5.23 no longer returns: for
+# these the fused linear CE runs through `_liger_vl_forward` instead.
+LIGER_LCE_BY_HAND = ("qwen3_vl", "qwen2_5_vl")
 # Batch keys a vision-language forward takes besides the packed text inputs (None when the micro-batch has none).
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 
@@ -76,6 +80,13 @@ VISION_KEYS = ("pixel_values", "image_grid_thw")
 def vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The vision tensors of ``batch`` (empty for a text batch)."""
     return {k: batch[k] for k in VISION_KEYS if k in batch}
+
+
+def veomni_vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """`vision_inputs` plus the collator's ``vision_metadata`` (the tower's window layout), which veomni's models
+    take precomputed as the trainer gives it; HF's compute theirs in the forward."""
+    extra = {"vision_metadata": batch["vision_metadata"]} if batch.get("vision_metadata") is not None else {}
+    return {**vision_inputs(batch), **extra}
 
 
 class Contender:
@@ -195,7 +206,7 @@ class Veomni(Contender):
             if self.fsdp:
                 set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
             kwargs = {
-                **model_inputs(batch), **vision_inputs(batch), "shift_labels": batch["labels"],
+                **model_inputs(batch), **veomni_vision_inputs(batch), "shift_labels": batch["labels"],
                 "num_items_in_batch": num_items, "use_cache": False,
             }  # fmt: skip
             if self.graphs is not None:
@@ -232,7 +243,7 @@ class HF(Contender):
             patch_name, kernels = LIGER_PATCHES[self.model.config.model_type]
             # Liger 0.8.5's Qwen3-VL fused-linear-CE forward reads ``outputs.rope_deltas``, which transformers
             # 5.23's Qwen3VLModel no longer returns: patch its kernels, and run its fused linear CE ourselves.
-            by_hand = self.model.config.model_type == "qwen3_vl"
+            by_hand = self.model.config.model_type in LIGER_LCE_BY_HAND
             getattr(liger_transformers, patch_name)(
                 **kernels, cross_entropy=False, fused_linear_cross_entropy=not by_hand, model=self.model
             )
@@ -373,7 +384,7 @@ class VeomniPlain(Contender):
         loss_sum = torch.zeros((), device=self.s.device)
         for batch in micro_batches:
             kwargs = {
-                **model_inputs(batch), **vision_inputs(batch), "shift_labels": batch["labels"],
+                **model_inputs(batch), **veomni_vision_inputs(batch), "shift_labels": batch["labels"],
                 "num_items_in_batch": num_items, "use_cache": False,
             }  # fmt: skip
             if self.graphs is not None:

@@ -156,7 +156,12 @@ class MicroBatchGraphs:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        # Aliasing kept (cu_seq_lens_q is cu_seq_lens_k): compiled blocks guard on it, and a recompile inside a
+        # capture would invalidate it.
+        clones: dict[int, torch.Tensor] = {}
+        inputs = {
+            k: clones.setdefault(id(v), v.clone()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         try:
@@ -164,6 +169,8 @@ class MicroBatchGraphs:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = self.forward_backward(inputs, *constants)
         except RuntimeError as err:
+            del graph
+            torch.cuda.empty_cache()  # what the failed capture held in its pool
             raise RuntimeError(
                 "train.cuda_graphs: capturing the micro-batch's forward and backward failed, usually because "
                 "something in it reads a device value on the host (.item(), a data-dependent shape) or "

@@ -308,7 +308,7 @@ def flex_attention(
     if softcap is not None:
         # A captured tensor, not the Python float: compiled flex lifts a captured float to an unbacked scalar
         # that its fake-tensor pass cannot place (torch 2.11, PendingUnbackedSymbolNotFound).
-        cap = torch.tensor(softcap, dtype=torch.float32, device=q.device)
+        cap = torch.full((), softcap, dtype=torch.float32, device=q.device)  # a fill: no blocking copy
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score / cap)

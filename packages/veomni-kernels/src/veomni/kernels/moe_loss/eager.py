@@ -107,7 +107,7 @@ def router_stats_eager(
             probs = probs * weights[:, None]
         counts = counts + chosen.sum(0)
         prob_sums = prob_sums + probs.sum(0)
-    rows = weights.sum() if weights is not None else torch.tensor(float(tokens), device=device)
+    rows = weights.sum() if weights is not None else torch.full((), float(tokens), device=device)
     return RouterStats(counts.detach(), prob_sums, rows * len(router_logits))
 
 

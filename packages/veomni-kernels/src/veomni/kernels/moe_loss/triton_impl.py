@@ -205,7 +205,8 @@ def router_stats_triton(
     logits = logits.contiguous()
     row_weights = weights.repeat(layers).contiguous() if weights is not None else None
     counts, prob_sums = _RouterStatsFn.apply(logits, row_weights, top_k)
-    rows = weights.sum() if weights is not None else torch.tensor(float(tokens), device=device)
+    # A fill, not torch.tensor: a blocking host -> device copy would stall the host every step.
+    rows = weights.sum() if weights is not None else torch.full((), float(tokens), device=device)
     return RouterStats(counts, prob_sums, rows * layers)
 
 

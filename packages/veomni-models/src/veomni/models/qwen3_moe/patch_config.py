@@ -37,6 +37,7 @@ config = PatchConfig(
 )
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method(
