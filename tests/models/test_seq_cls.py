@@ -141,3 +141,34 @@ def test_fused_ce_on_an_unpatched_forward_is_an_error_and_a_default_becomes_eage
     assert loss_dispatch(mod.Qwen3Model(config)) == "none"
     assert check_loss_dispatch(mod.Qwen3Model(config), ops) is ops
     assert loss_dispatch(mod.Qwen3ForCausalLM(config)) == "veomni"
+
+
+def test_experts_backend_without_the_models_variants_is_refused_or_made_eager():
+    # gpt-oss's experts need the clamped_* kernels; the npu backend (NPU default) has none, the qwen3_moe ones it has.
+    import attrs
+
+    from veomni.kernels import KERNELS, KernelRegistry
+    from veomni.models.hf_experts import fit_experts_backend
+
+    reg = KernelRegistry()  # the registry as an NPU host with torch_npu sees it
+    for s in KERNELS.specs():
+        requires = attrs.evolve(s.requires, packages=()) if s.backend == "npu" else s.requires
+        reg.register(s.op, s.variant, s.backend, s.factory, requires, s.description, s.capabilities)
+    npu = Hardware(device_type="npu")
+
+    def causal_lm(model_type):
+        module, prefix, extra = FAMILIES[model_type]
+        config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
+        mod = importlib.import_module(f"veomni.models.{module}.generated.patched_modeling_{module}")
+        return getattr(mod, f"{prefix}ForCausalLM")(config)
+
+    gpt_oss = causal_lm("gpt_oss")
+    ops = OpsConfig(hardware=npu, registry=reg)
+    assert ops.moe_experts == "npu"
+    fixed = fit_experts_backend(gpt_oss, ops)
+    assert fixed.moe_experts == "eager" and fixed.defaulted == ops.defaulted
+    with pytest.raises(
+        ValueError, match=r"moe_experts='npu' has no \['clamped_grouped', 'clamped_routed'\] kernels"
+    ):
+        fit_experts_backend(gpt_oss, OpsConfig(hardware=npu, registry=reg, moe_experts="npu"))
+    assert fit_experts_backend(causal_lm("qwen3_moe"), ops) is ops

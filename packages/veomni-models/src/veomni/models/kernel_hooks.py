@@ -52,8 +52,13 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
                 adapted.attention,
             )  # fmt: skip
         ops = adapted
-    resolved = resolve_kernels(ops)
     experts = _has_hf_experts(model)
+    if experts:
+        from veomni.models.hf_experts import fit_experts_backend
+
+        # A backend without the variants this model's experts use (gpt-oss's clamped_*): refused or eager.
+        ops = fit_experts_backend(model, ops)
+    resolved = resolve_kernels(ops)
     if experts:
         from veomni.models.hf_experts import check_experts_modules
 
