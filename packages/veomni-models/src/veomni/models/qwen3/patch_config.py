@@ -27,6 +27,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
@@ -162,3 +163,12 @@ def causal_lm_forward(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen3ForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

@@ -11,12 +11,15 @@
 #   - override_method Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen3MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); aux loss via router_aux_loss: the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded
 #   - override_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - override_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
+#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -74,6 +77,8 @@ from veomni.models.kernel_hooks import apply_rope
 from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.core.ep import ExpertPlan
+from veomni.models.seq_cls import sequence_classification_forward
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
 def rotate_half(x):
@@ -716,6 +721,25 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
 
 class Qwen3MoeForSequenceClassification(GenericForSequenceClassification, Qwen3MoePreTrainedModel):
     pass
+
+    # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+        return sequence_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 class Qwen3MoeForTokenClassification(GenericForTokenClassification, Qwen3MoePreTrainedModel):
