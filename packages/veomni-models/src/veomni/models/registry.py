@@ -525,6 +525,17 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # Qwen2.5-Omni thinker (text + image + video + audio in, text out); talker / token2wav are not built.
+    qwen2_5_omni = "veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni"
+    registry.register_config(
+        "qwen2_5_omni_thinker",
+        "transformers.models.qwen2_5_omni.configuration_qwen2_5_omni:Qwen2_5OmniThinkerConfig",
+    )
+    registry.register_model(
+        "qwen2_5_omni_thinker",
+        {"any_to_any": f"{qwen2_5_omni}:Qwen2_5OmniThinkerForConditionalGeneration"},
+        fast_paths=set(),
+    )
 
 
 MODELS = ModelRegistry()

@@ -1,0 +1,322 @@
+"""Patches Qwen2.5-Omni's upstream modeling for veomni: the thinker only (text, image, video and audio in, text
+out), with dummy tower forwards for ranks without a modality, a checked audio scatter and the fused LM loss.
+
+* Excluded from the generated file: the talker, token2wav (DiT + BigVGAN vocoder) and the full
+  ``Qwen2_5OmniForConditionalGeneration`` that wires them. Nobody trains speech generation here; their checkpoint
+  weights are ignored *and reported* at load (`veomni.models.qwen2_5_omni.checkpoint`), and ``enable_talker`` /
+  ``generate(return_audio=True)`` on the thinker raise instead of doing nothing.
+* ``Qwen2_5OmniAudioEncoder.dummy_forward`` / ``Qwen2_5OmniVisionEncoder.dummy_forward`` (injected): the tower on
+  its smallest valid input (dtype and device from a live weight), returned as a 0-valued scalar depending on every
+  output, so a rank whose micro-batch lacks audio or pixels still runs the tower and FSDP's collectives match.
+* ``Qwen2_5OmniThinkerModel.forward``: upstream's order (audio, image, video scatter; mrope positions with audio
+  lengths and seconds-per-grid from the model's own ``get_rope_index``), plus the audio token/feature count check
+  upstream lacks (its ``masked_scatter`` silently uses a prefix) and the dummy forwards under world > 1.
+* ``Qwen2_5OmniThinkerForConditionalGeneration.forward``: LM head + loss through `lm_logits_and_loss` (a fused
+  linear cross-entropy never materialises ``[T, V]`` logits; eager equals upstream).
+
+Ulysses SP is not supported by this adapter yet (the registry does not list the ``sp`` fast path, so recipes
+asking for it are refused before a step runs). Regenerate with ``uv run patchgen veomni.models.qwen2_5_omni.patch_config``.
+"""
+
+from __future__ import annotations
+
+import torch
+from patchgen.config import PatchConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPooling,
+    Cache,
+    CausalLMOutputWithPast,
+    SinusoidsPositionEmbedding,
+    TransformersKwargs,
+    Unpack,
+    init,
+)
+
+from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.qwen2_5_omni.towers import (
+    TALKER_REFUSAL,
+    check_audio_tokens,
+    dummy_audio_inputs,
+    dummy_pixel_inputs,
+)
+from veomni.models.qwen3_vl.vision import parallel_world_size
+
+config = PatchConfig(
+    source_module="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
+    target_file="patched_modeling_qwen2_5_omni.py",
+    description="Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards "
+    "for ranks without a modality, a checked audio scatter and the fused LM loss",
+)
+use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import(
+    "from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_audio_tokens, dummy_audio_inputs, "
+    "dummy_pixel_inputs"
+)
+config.add_import("from veomni.models.qwen3_vl.vision import parallel_world_size")
+
+# Speech generation: the talker, the token2wav DiT and BigVGAN vocoder, their building blocks, and the full model.
+config.exclude_from_output(
+    "Qwen2_5OmniForConditionalGeneration",
+    "Qwen2_5OmniTalkerCausalLMOutputWithPast",
+    "Qwen2_5OmniTalkerModel",
+    "Qwen2_5OmniTalkerForConditionalGeneration",
+    "Qwen2_5OmniToken2WavModel",
+    "Qwen2_5OmniToken2WavDiTModel",
+    "Qwen2_5OmniToken2WavBigVGANModel",
+    "Qwen2_5OmniDiTRotaryEmbedding",
+    "TimeDelayNetBlock",
+    "Res2NetBlock",
+    "SqueezeExcitationBlock",
+    "AttentiveStatisticsPooling",
+    "SqueezeExcitationRes2NetBlock",
+    "ECAPA_TimeDelayNet",
+    "DiTInputEmbedding",
+    "DiTCodecEmbedding",
+    "Qwen2_5_OmniAdaLayerNormZero",
+    "Qwen2_5_OmniAdaLayerNormZero_Final",
+    "DiTMLP",
+    "deinterleave_head_dim",
+    "DiTAttention",
+    "SinusPositionEmbedding",
+    "DiTTimestepEmbedding",
+    "DiTDecoderLayer",
+    "Qwen2_5OmniSnakeBeta",
+    "Qwen2_5OmniUpSample1d",
+    "Qwen2_5OmniDownSample1d",
+    "Qwen2_5OmniAntiAliasedActivation1d",
+    "Qwen2_5OmniAMPBlock",
+    "Activation1d",
+    "UpSample1d",
+    "DownSample1d",
+    "SnakeBeta",
+    "AMPBlock",
+    "RungeKutta4ODESolver",
+    "kaiser_sinc_filter1d",
+)
+
+
+# ------------------------------------------------------------------------------------------------ towers
+
+
+@config.override_method(
+    "Qwen2_5OmniPreTrainedModel._init_weights",
+    description="upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)",
+)
+def init_weights(self, module) -> None:
+    super()._init_weights(module)
+    if isinstance(module, SinusoidsPositionEmbedding):
+        position_embeddings = module.compute_default_singular_positional_embedding()
+        init.copy_(module.positional_embedding, position_embeddings)
+
+
+@config.override_method(
+    "Qwen2_5OmniAudioEncoder.dummy_forward",
+    description="injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio",
+)
+def audio_dummy_forward(self) -> torch.Tensor:
+    """Run the tower on its smallest valid input and return a 0-d zero that depends on every output row, so
+    adding it to the loss graph gives every tower parameter a (zero) gradient. dtype/device from ``conv1``."""
+    features, lens = dummy_audio_inputs(self.num_mel_bins, self.conv1.weight)
+    out = self(features, feature_lens=lens, return_dict=True)
+    return out.last_hidden_state.sum() * 0.0
+
+
+@config.override_method(
+    "Qwen2_5OmniVisionEncoder.dummy_forward",
+    description="injected: the vision tower on one merge x merge zero image, for ranks without image or video",
+)
+def vision_dummy_forward(self) -> torch.Tensor:
+    """Run the tower on one ``merge x merge`` zero image; a 0-d zero depending on the merger output.
+    dtype/device from the patch embedding's weight."""
+    pixels, grid = dummy_pixel_inputs(self.config, self.patch_embed.proj.weight)
+    out = self(pixels, grid_thw=grid, return_dict=True)
+    return out.pooler_output.sum() * 0.0
+
+
+# ------------------------------------------------------------------------------------------------ thinker
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerModel.forward",
+    description="upstream's audio / image / video scatter and mrope positions, plus the audio token count check "
+    "upstream lacks and dummy tower forwards on ranks without audio or pixels under world > 1",
+)
+def thinker_model_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    input_features: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.LongTensor | None = None,
+    video_grid_thw: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    feature_attention_mask: torch.Tensor | None = None,
+    audio_feature_lengths: torch.LongTensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    use_audio_in_video: bool | None = None,
+    video_second_per_grid: torch.LongTensor | None = None,
+    mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple | BaseModelOutputWithPast:
+    if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
+        raise ValueError(
+            "You cannot specify both pixel_values/pixel_values_videos and mm_encoder_outputs at the same time"
+        )
+    if input_features is not None and feature_attention_mask is None and audio_feature_lengths is None:
+        raise ValueError(
+            "input_features ([B, n_mels, frames]) was given without feature_attention_mask ([B, frames]) or "
+            "audio_feature_lengths ([B]): the audio tower needs each clip's frame count"
+        )
+    if inputs_embeds is None:
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+    distributed = parallel_world_size() > 1
+
+    if input_features is not None:
+        audio_features = self.get_audio_features(
+            input_features, feature_attention_mask, audio_feature_lengths, return_dict=True, **kwargs
+        ).last_hidden_state
+        audio_features = audio_features.to(inputs_embeds.device, inputs_embeds.dtype)
+        _, _, audio_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
+        check_audio_tokens(audio_mask[..., 0], audio_features)
+        inputs_embeds = inputs_embeds.masked_scatter(audio_mask, audio_features)
+    elif distributed:
+        # This rank has no audio but others may: FSDP's gathers of the tower's parameters must still match.
+        inputs_embeds = inputs_embeds + self.audio_tower.dummy_forward().to(inputs_embeds.dtype)
+
+    mm_encoder_outputs = dict(mm_encoder_outputs) if mm_encoder_outputs is not None else {}
+    if mm_encoder_outputs.get("image") is None and pixel_values is not None:
+        mm_encoder_outputs["image"] = self.get_image_features(
+            pixel_values, image_grid_thw, return_dict=True, **kwargs
+        )
+    if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
+        mm_encoder_outputs["video"] = self.get_video_features(
+            pixel_values_videos, video_grid_thw, return_dict=True, **kwargs
+        )
+    if mm_encoder_outputs.get("image") is not None:
+        image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)
+        image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
+        image_mask, _, _ = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds)
+        inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
+    if mm_encoder_outputs.get("video") is not None:
+        video_embeds = torch.cat(mm_encoder_outputs["video"].pooler_output, dim=0)
+        video_embeds = video_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
+        _, video_mask, _ = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds)
+        inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
+    if pixel_values is None and pixel_values_videos is None and not mm_encoder_outputs and distributed:
+        inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)
+
+    if feature_attention_mask is not None:
+        audio_feature_lengths = torch.sum(feature_attention_mask, dim=1)
+    if position_ids is None:
+        position_ids = self.compute_3d_position_ids(
+            input_ids=input_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_audio_in_video=use_audio_in_video,
+            audio_feature_lengths=audio_feature_lengths,
+            video_second_per_grid=video_second_per_grid,
+        )
+
+    outputs = self.language_model(
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        return_dict=True,
+        **kwargs,
+    )
+    return BaseModelOutputWithPast(
+        last_hidden_state=outputs.last_hidden_state,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerForConditionalGeneration.forward",
+    description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs "
+    "the upstream head and loss",
+)
+def thinker_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    input_features: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.LongTensor | None = None,
+    video_grid_thw: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    feature_attention_mask: torch.Tensor | None = None,
+    audio_feature_lengths: torch.LongTensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    use_audio_in_video: bool | None = None,
+    video_second_per_grid: torch.LongTensor | None = None,
+    mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple | CausalLMOutputWithPast:
+    outputs = self.model(
+        input_ids=input_ids,
+        input_features=input_features,
+        pixel_values=pixel_values,
+        pixel_values_videos=pixel_values_videos,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        attention_mask=attention_mask,
+        feature_attention_mask=feature_attention_mask,
+        audio_feature_lengths=audio_feature_lengths,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        use_audio_in_video=use_audio_in_video,
+        video_second_per_grid=video_second_per_grid,
+        mm_encoder_outputs=mm_encoder_outputs,
+        **kwargs,
+    )
+    logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerForConditionalGeneration.enable_talker",
+    description="injected: a clear error (the talker is not part of veomni's thinker)",
+)
+def enable_talker(self) -> None:
+    """Always raises: speech generation needs the talker and token2wav, which veomni does not build."""
+    raise NotImplementedError(TALKER_REFUSAL)
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerForConditionalGeneration.generate",
+    description="injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, "
+    "talker_*) raise instead of being ignored",
+)
+def generate(self, *args, **kwargs):
+    """Text generation (``GenerationMixin.generate``); speech-generation arguments raise ``NotImplementedError``."""
+    speech = sorted(k for k in kwargs if k in ("return_audio", "speaker") or k.startswith("talker_"))
+    if speech and not (speech == ["return_audio"] and not kwargs["return_audio"]):
+        raise NotImplementedError(f"{TALKER_REFUSAL} (got speech arguments {speech})")
+    kwargs.pop("return_audio", None)
+    return super().generate(*args, **kwargs)
