@@ -65,12 +65,16 @@ def omni_batch(rows: list[list[tuple[str, int]]], seed: int = 0) -> dict[str, to
             ids += torch.randint(0, 90, (2,), generator=gen).tolist()
         ids_rows.append(ids)
     width = max(len(r) for r in ids_rows)
-    input_ids = torch.tensor([r + torch.randint(0, 90, (width - len(r),), generator=gen).tolist() for r in ids_rows])
+    input_ids = torch.tensor(
+        [r + torch.randint(0, 90, (width - len(r),), generator=gen).tolist() for r in ids_rows]
+    )
     labels = input_ids.masked_fill(input_ids >= AUDIO, -100)
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
     if clips:
         frames = max(c.shape[1] for c in clips)
-        batch["input_features"] = torch.stack([torch.nn.functional.pad(c, (0, frames - c.shape[1])) for c in clips])
+        batch["input_features"] = torch.stack(
+            [torch.nn.functional.pad(c, (0, frames - c.shape[1])) for c in clips]
+        )
         batch["feature_attention_mask"] = torch.stack(
             [torch.arange(frames) < c.shape[1] for c in clips]
         ).long()
@@ -92,7 +96,9 @@ def pair(seed: int = 0):
 
 
 def test_registry_and_generated_file_hold_the_thinker_only():
-    assert MODELS.model_class(tiny_config(), "any_to_any").cls is ours.Qwen2_5OmniThinkerForConditionalGeneration
+    assert (
+        MODELS.model_class(tiny_config(), "any_to_any").cls is ours.Qwen2_5OmniThinkerForConditionalGeneration
+    )
     names = set(vars(ours))
     assert not {n for n in names if "Talker" in n or "Token2Wav" in n or n.startswith("DiT")}
     assert "Qwen2_5OmniForConditionalGeneration" not in names
@@ -113,7 +119,9 @@ def test_eager_parity_with_upstream_on_a_mixed_batch():
             # Upstream never uses audio_bos_eos_token in the forward; neither do we.
             assert p.grad is None and name == "model.audio_tower.audio_bos_eos_token.weight", name
             continue
-        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad, theirs[name].grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
     # Every tower took part: audio and vision gradients are non-zero.
     assert model.model.audio_tower.conv1.weight.grad.abs().sum() > 0
     assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
@@ -128,7 +136,9 @@ def test_audio_changes_the_loss_and_miscounted_placeholders_raise():
     # One audio placeholder short: upstream's masked_scatter would silently use a prefix of the features.
     ids = batch["input_ids"].clone()
     ids[0, (ids[0] == AUDIO).nonzero()[0]] = 5
-    with pytest.raises(ValueError, match=r"audio placeholder tokens and audio features differ: 6 tokens .* 7 feature rows"):
+    with pytest.raises(
+        ValueError, match=r"audio placeholder tokens and audio features differ: 6 tokens .* 7 feature rows"
+    ):
         model(**dict(batch, input_ids=ids))
     with pytest.raises(ValueError, match="without feature_attention_mask"):
         model(input_ids=batch["input_ids"], input_features=batch["input_features"])

@@ -107,10 +107,11 @@ def test_processors_by_class_name():
 def test_tasks_cover_the_recipe_modalities():
     assert {"causal_lm", "image_text_to_text", "any_to_any", "diffusion_transformer"} <= set(TASKS)
     from transformers import Qwen2_5OmniThinkerConfig, Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
+
     from veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni import (
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 
     thinker = MODELS.model_class(Qwen2_5OmniThinkerConfig(), "any_to_any")
     assert thinker.cls is Qwen2_5OmniThinkerForConditionalGeneration and thinker.registered

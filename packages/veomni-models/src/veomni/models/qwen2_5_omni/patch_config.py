@@ -201,12 +201,16 @@ def thinker_model_forward(
     if mm_encoder_outputs.get("image") is not None:
         image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)
         image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-        image_mask, _, _ = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds)
+        image_mask, _, _ = self.get_placeholder_mask(
+            input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds
+        )
         inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
     if mm_encoder_outputs.get("video") is not None:
         video_embeds = torch.cat(mm_encoder_outputs["video"].pooler_output, dim=0)
         video_embeds = video_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-        _, video_mask, _ = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds)
+        _, video_mask, _ = self.get_placeholder_mask(
+            input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds
+        )
         inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
     if pixel_values is None and pixel_values_videos is None and not mm_encoder_outputs and distributed:
         inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)
