@@ -531,6 +531,11 @@ def _register_builtin(registry: ModelRegistry) -> None:
         "qwen2_5_omni_thinker",
         "transformers.models.qwen2_5_omni.configuration_qwen2_5_omni:Qwen2_5OmniThinkerConfig",
     )
+    # A full Omni checkpoint (model_type qwen2_5_omni): transformers' thinker config reads its thinker_config, so
+    # it builds the thinker; the thinker recipe strips "thinker." and talker / token2wav keys are ignored and logged.
+    registry.register_config(
+        "qwen2_5_omni", "transformers.models.qwen2_5_omni.configuration_qwen2_5_omni:Qwen2_5OmniThinkerConfig"
+    )
     registry.register_model(
         "qwen2_5_omni_thinker",
         {"any_to_any": f"{qwen2_5_omni}:Qwen2_5OmniThinkerForConditionalGeneration"},

@@ -1880,6 +1880,16 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | BaseModelOutputWithPast:
+        r"""
+        feature_attention_mask (`torch.Tensor` of shape `(num_audios, frames)`, *optional*):
+            1 for the mel frames of each clip in ``input_features`` (`(num_audios, num_mel_bins, frames)`), 0 for padding.
+        audio_feature_lengths (`torch.LongTensor` of shape `(num_audios,)`, *optional*):
+            Mel frames per clip, when ``feature_attention_mask`` is not given.
+        use_audio_in_video (`bool`, *optional*):
+            Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
+        video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
+            Seconds per temporal grid step of each video (mrope temporal positions).
+        """
         if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
             raise ValueError(
                 "You cannot specify both pixel_values/pixel_values_videos and mm_encoder_outputs at the same time"
@@ -2050,6 +2060,16 @@ class Qwen2_5OmniThinkerForConditionalGeneration(
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | CausalLMOutputWithPast:
+        r"""
+        feature_attention_mask (`torch.Tensor` of shape `(num_audios, frames)`, *optional*):
+            1 for the mel frames of each clip in ``input_features`` (`(num_audios, num_mel_bins, frames)`), 0 for padding.
+        audio_feature_lengths (`torch.LongTensor` of shape `(num_audios,)`, *optional*):
+            Mel frames per clip, when ``feature_attention_mask`` is not given.
+        use_audio_in_video (`bool`, *optional*):
+            Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
+        video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
+            Seconds per temporal grid step of each video (mrope temporal positions).
+        """
         outputs = self.model(
             input_ids=input_ids,
             input_features=input_features,
