@@ -27,6 +27,10 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     BaseModelOutputWithPooling,
     Cache,
     CausalLMOutputWithPast,
+    Qwen2_5OmniAudioEncoder,
+    Qwen2_5OmniThinkerConfig,
+    Qwen2_5OmniThinkerTextModel,
+    Qwen2_5OmniVisionEncoder,
     SinusoidsPositionEmbedding,
     TransformersKwargs,
     Unpack,
@@ -137,6 +141,23 @@ def vision_dummy_forward(self) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ thinker
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerModel.__init__",
+    description="upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers "
+    "(Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest",
+)
+def thinker_model_init(self, config: Qwen2_5OmniThinkerConfig):
+    super().__init__(config)
+    self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(config.audio_config)
+    self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config)
+    self.language_model = Qwen2_5OmniThinkerTextModel._from_config(config.text_config)
+    self.spatial_merge_size = config.vision_config.spatial_merge_size
+    self.rope_deltas = None
+    self.post_init()
+    # post_init collected the class list (the towers) and the children's (their layers) into this instance set.
+    self._no_split_modules = self._no_split_modules - {"Qwen2_5OmniAudioEncoder", "Qwen2_5OmniVisionEncoder"}
 
 
 @config.override_method(

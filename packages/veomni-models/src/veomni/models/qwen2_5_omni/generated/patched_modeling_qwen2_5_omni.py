@@ -9,6 +9,7 @@
 #   - override_method Qwen2_5OmniPreTrainedModel._init_weights: upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)
 #   - override_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the vision tower on one merge x merge zero image, for ranks without image or video
+#   - override_method Qwen2_5OmniThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
 #   - override_method Qwen2_5OmniThinkerModel.forward: upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks and dummy tower forwards on ranks without audio or pixels under world > 1
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker)
@@ -1686,6 +1687,7 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
     _no_split_modules = ["Qwen2_5OmniAudioEncoder", "Qwen2_5OmniVisionEncoder"]
     _can_compile_fullgraph = True
 
+    # [PATCHED] upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
     def __init__(self, config: Qwen2_5OmniThinkerConfig):
         super().__init__(config)
         self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(config.audio_config)
@@ -1694,6 +1696,11 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.rope_deltas = None
         self.post_init()
+        # post_init collected the class list (the towers) and the children's (their layers) into this instance set.
+        self._no_split_modules = self._no_split_modules - {
+            "Qwen2_5OmniAudioEncoder",
+            "Qwen2_5OmniVisionEncoder",
+        }
 
     @accepts_precomputed_kwargs(modality="video")
     @can_return_tuple
