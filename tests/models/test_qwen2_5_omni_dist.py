@@ -105,7 +105,9 @@ def _fsdp_step(ctx, path: str) -> dict:
     return {"loss": float(loss.detach()), "grads": grads, "sharded": isinstance(p, DTensor)}
 
 
-def test_fsdp2_with_audio_on_one_rank_and_images_on_the_other_matches_one_process(dist_pools, omni_checkpoint):
+def test_fsdp2_with_audio_on_one_rank_and_images_on_the_other_matches_one_process(
+    dist_pools, omni_checkpoint
+):
     results = dist_pools.get(2).run(_fsdp_step, omni_checkpoint)
     ref = Upstream.from_pretrained(omni_checkpoint)
     losses = [ref(**_rank_batch(rank)).loss for rank in (0, 1)]
@@ -119,7 +121,9 @@ def test_fsdp2_with_audio_on_one_rank_and_images_on_the_other_matches_one_proces
         if p.grad is None:
             assert name == "model.audio_tower.audio_bos_eos_token.weight", name  # unused upstream too
             continue
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
     # Both towers got the real (averaged) gradients on both ranks, though each rank saw one modality only.
     for name in ("model.audio_tower.conv1.weight", "model.visual.patch_embed.proj.weight"):
         assert grads[name].abs().sum() > 0
