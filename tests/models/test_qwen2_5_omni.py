@@ -6,6 +6,7 @@ and HF attention names the adapter computes exactly what upstream computes (loss
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen2_5OmniThinkerConfig
@@ -163,3 +164,30 @@ def test_talker_and_speech_generation_raise():
     batch = omni_batch([[("audio", 12)]])
     with pytest.raises(NotImplementedError, match=r"speech arguments \['speaker'\]"):
         model.generate(input_ids=batch["input_ids"], speaker="Chelsie")
+
+
+def test_host_positions_are_the_models_own_and_pickle():
+    import pickle
+
+    from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
+
+    _, model = pair()
+    batch = omni_batch([[("audio", 20), ("image", 4), ("audio", 9), ("image", 8)]])
+    positions = pickle.loads(pickle.dumps(Qwen2_5OmniPositions(tiny_config())))
+    got = positions(
+        batch["input_ids"][0].numpy(),
+        image_grid_thw=batch["image_grid_thw"].numpy(),
+        audio_frames=batch["feature_attention_mask"].sum(-1).numpy(),
+    )
+    want, _ = model.model.get_rope_index(
+        batch["input_ids"], batch["image_grid_thw"], None, batch["attention_mask"], False,
+        batch["feature_attention_mask"].sum(-1), None,
+    )  # fmt: skip
+    assert got.shape == (3, batch["input_ids"].shape[1])
+    np.testing.assert_array_equal(got, want[:, 0].numpy())
+    assert not (got[1] == got[0]).all()  # the images' rows/columns differ from the temporal axis
+    # The packed path (no attention_mask, explicit positions) gives the same loss as the model's own positions.
+    explicit = model(**{**batch, "attention_mask": None}, position_ids=torch.as_tensor(got)[:, None]).loss
+    assert torch.equal(explicit, model(**batch).loss)
+    # Without a mask upstream silently uses 1-D positions for the images; the adapter still builds mrope ones.
+    assert torch.equal(model(**{**batch, "attention_mask": None}).loss, explicit)

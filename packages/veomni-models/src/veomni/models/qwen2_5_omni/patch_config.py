@@ -10,7 +10,9 @@ out), with dummy tower forwards for ranks without a modality, a checked audio sc
   output, so a rank whose micro-batch lacks audio or pixels still runs the tower and FSDP's collectives match.
 * ``Qwen2_5OmniThinkerModel.forward``: upstream's order (audio, image, video scatter; mrope positions with audio
   lengths and seconds-per-grid from the model's own ``get_rope_index``), plus the audio token/feature count check
-  upstream lacks (its ``masked_scatter`` silently uses a prefix) and the dummy forwards under world > 1.
+  upstream lacks (its ``masked_scatter`` silently uses a prefix), mrope positions also without an attention mask
+  (upstream silently falls back to 1-D positions) and the dummy forwards under world > 1. Host-side positions
+  for the data loader: `veomni.models.qwen2_5_omni.positions`.
 * ``Qwen2_5OmniThinkerForConditionalGeneration.forward``: LM head + loss through `lm_logits_and_loss` (a fused
   linear cross-entropy never materialises ``[T, V]`` logits; eager equals upstream).
 
@@ -249,12 +251,17 @@ def thinker_model_forward(
     if feature_attention_mask is not None:
         audio_feature_lengths = torch.sum(feature_attention_mask, dim=1)
     if position_ids is None:
+        # Upstream builds mrope positions only when an attention mask is given and otherwise falls back to 1-D
+        # text positions, silently flattening images; a training batch without padding has none, so use ones.
+        mask_for_positions = attention_mask
+        if mask_for_positions is None and input_ids is not None and past_key_values is None:
+            mask_for_positions = torch.ones_like(input_ids)
         position_ids = self.compute_3d_position_ids(
             input_ids=input_ids,
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
+            attention_mask=mask_for_positions,
             past_key_values=past_key_values,
             use_audio_in_video=use_audio_in_video,
             audio_feature_lengths=audio_feature_lengths,

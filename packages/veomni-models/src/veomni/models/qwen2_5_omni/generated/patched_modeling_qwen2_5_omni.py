@@ -1951,12 +1951,17 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         if feature_attention_mask is not None:
             audio_feature_lengths = torch.sum(feature_attention_mask, dim=1)
         if position_ids is None:
+            # Upstream builds mrope positions only when an attention mask is given and otherwise falls back to 1-D
+            # text positions, silently flattening images; a training batch without padding has none, so use ones.
+            mask_for_positions = attention_mask
+            if mask_for_positions is None and input_ids is not None and past_key_values is None:
+                mask_for_positions = torch.ones_like(input_ids)
             position_ids = self.compute_3d_position_ids(
                 input_ids=input_ids,
                 image_grid_thw=image_grid_thw,
                 video_grid_thw=video_grid_thw,
                 inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
+                attention_mask=mask_for_positions,
                 past_key_values=past_key_values,
                 use_audio_in_video=use_audio_in_video,
                 audio_feature_lengths=audio_feature_lengths,
