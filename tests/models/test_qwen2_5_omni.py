@@ -191,3 +191,29 @@ def test_host_positions_are_the_models_own_and_pickle():
     assert torch.equal(explicit, model(**batch).loss)
     # Without a mask upstream silently uses 1-D positions for the images; the adapter still builds mrope ones.
     assert torch.equal(model(**{**batch, "attention_mask": None}).loss, explicit)
+
+
+def test_veomni_attention_in_the_towers_matches_upstream_eager():
+    """With a veomni_* implementation the towers attend through the encoder varlen entry (one call over all
+    chunks / windows, no per-chunk split); the result equals upstream's eager per-chunk loop."""
+    from loading_fixtures import EAGER
+
+    from veomni.kernels import OpsConfig
+    from veomni.models.build import build_model
+
+    ref, _ = pair()
+    model = build_model(tiny_config(), ops=OpsConfig(**{**EAGER, "attention": "sdpa"}), task="any_to_any",
+                        init_device="cpu")  # fmt: skip
+    model.load_state_dict(ref.state_dict())
+    assert model.model.audio_tower.config._attn_implementation.startswith("veomni_")
+    assert model.model.visual.config._attn_implementation.startswith("veomni_")
+    batch = omni_batch(MIXED)
+    want, got = ref(**batch), model(**batch)
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    theirs = dict(ref.named_parameters())
+    for name in ("model.audio_tower.layers.0.self_attn.q_proj.weight", "model.visual.blocks.0.attn.q.weight",
+                 "model.language_model.layers.0.self_attn.q_proj.weight"):  # fmt: skip
+        got_grad = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(got_grad, theirs[name].grad, rtol=1e-4, atol=1e-6)

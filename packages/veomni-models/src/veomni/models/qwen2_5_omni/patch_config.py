@@ -5,12 +5,16 @@ out), with dummy tower forwards for ranks without a modality, a checked audio sc
   ``Qwen2_5OmniForConditionalGeneration`` that wires them. Nobody trains speech generation here; their checkpoint
   weights are ignored *and reported* at load (`veomni.models.qwen2_5_omni.checkpoint`), and ``enable_talker`` /
   ``generate(return_audio=True)`` on the thinker raise instead of doing nothing.
+* Audio and vision attention: with a ``veomni_*`` implementation they call
+  `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
+  (audio chunks; vision windows or images), no per-chunk split or host sync; HF names run upstream's forwards.
 * ``Qwen2_5OmniAudioEncoder.dummy_forward`` / ``Qwen2_5OmniVisionEncoder.dummy_forward`` (injected): the tower on
   its smallest valid input (dtype and device from a live weight), returned as a 0-valued scalar depending on every
   output, so a rank whose micro-batch lacks audio or pixels still runs the tower and FSDP's collectives match.
 * ``Qwen2_5OmniThinkerModel.forward``: upstream's order (audio, image, video scatter; mrope positions with audio
   lengths and seconds-per-grid from the model's own ``get_rope_index``), plus the audio token/feature count check
-  upstream lacks (its ``masked_scatter`` silently uses a prefix), mrope positions also without an attention mask
+  upstream lacks (its ``masked_scatter`` silently uses a prefix), the towers called without the language
+  model's kwargs (packing ``cu_seq_lens_*`` of the text must never reach them), mrope positions also without an attention mask
   (upstream silently falls back to 1-D positions) and the dummy forwards under world > 1. Host-side positions
   for the data loader: `veomni.models.qwen2_5_omni.positions`.
 * ``Qwen2_5OmniThinkerForConditionalGeneration.forward``: LM head + loss through `lm_logits_and_loss` (a fused
@@ -36,10 +40,14 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     SinusoidsPositionEmbedding,
     TransformersKwargs,
     Unpack,
+    apply_rotary_pos_emb_vision,
     init,
 )
+from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 
 from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf_attention import PREFIX
+from veomni.models.hf_encoder_attention import encoder_attention
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
@@ -62,6 +70,10 @@ config.add_import(
     "dummy_pixel_inputs"
 )
 config.add_import("from veomni.models.qwen3_vl.vision import parallel_world_size")
+config.add_import("from veomni.models.hf_attention import PREFIX")
+config.add_import("from veomni.models.hf_encoder_attention import encoder_attention")
+# The HF-named implementations run upstream's own attention forwards, unchanged.
+config.add_import("from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream")
 
 # Speech generation: the talker, the token2wav DiT and BigVGAN vocoder, their building blocks, and the full model.
 config.exclude_from_output(
@@ -116,6 +128,58 @@ def init_weights(self, module) -> None:
     if isinstance(module, SinusoidsPositionEmbedding):
         position_embeddings = module.compute_default_singular_positional_embedding()
         init.copy_(module.positional_embedding, position_embeddings)
+
+
+@config.override_method(
+    "Qwen2_5OmniAudioAttention.forward",
+    description="veomni_* implementations: encoder_attention on the packed frames and the tower's chunk "
+    "cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward",
+)
+def audio_attention_forward(
+    self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, **kwargs
+) -> torch.Tensor:
+    if not (self.config._attn_implementation or "").startswith(PREFIX):
+        return _upstream.Qwen2_5OmniAudioAttention.forward(
+            self, hidden_states, cu_seqlens, max_seqlen, **kwargs
+        )
+    rows = hidden_states.shape[0]
+    query, key, value = (proj(hidden_states).reshape(rows, self.num_heads, -1)
+                         for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+    out = encoder_attention(
+        self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout,
+    )  # fmt: skip
+    return self.out_proj(out.reshape(rows, -1).contiguous())
+
+
+@config.override_method(
+    "Qwen2_5OmniVisionAttention.forward",
+    description="veomni_* implementations: encoder_attention on the packed patches and the tower's (window or "
+    "full) cu_seqlens; HF implementations: upstream's forward",
+)
+def vision_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    position_embeddings: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    if not (self.config._attn_implementation or "").startswith(PREFIX):
+        return _upstream.Qwen2_5OmniVisionAttention.forward(
+            self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs
+        )
+    rows = hidden_states.shape[0]
+    query, key, value = (
+        proj(hidden_states).reshape(rows, self.num_heads, -1) for proj in (self.q, self.k, self.v)
+    )
+    cos, sin = position_embeddings
+    query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
+    out = encoder_attention(
+        self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout,
+    )  # fmt: skip
+    return self.proj(out.reshape(rows, -1).contiguous())
 
 
 @config.override_method(
@@ -212,7 +276,7 @@ def thinker_model_forward(
 
     if input_features is not None:
         audio_features = self.get_audio_features(
-            input_features, feature_attention_mask, audio_feature_lengths, return_dict=True, **kwargs
+            input_features, feature_attention_mask, audio_feature_lengths, return_dict=True
         ).last_hidden_state
         audio_features = audio_features.to(inputs_embeds.device, inputs_embeds.dtype)
         _, _, audio_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
@@ -224,12 +288,10 @@ def thinker_model_forward(
 
     mm_encoder_outputs = dict(mm_encoder_outputs) if mm_encoder_outputs is not None else {}
     if mm_encoder_outputs.get("image") is None and pixel_values is not None:
-        mm_encoder_outputs["image"] = self.get_image_features(
-            pixel_values, image_grid_thw, return_dict=True, **kwargs
-        )
+        mm_encoder_outputs["image"] = self.get_image_features(pixel_values, image_grid_thw, return_dict=True)
     if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
         mm_encoder_outputs["video"] = self.get_video_features(
-            pixel_values_videos, video_grid_thw, return_dict=True, **kwargs
+            pixel_values_videos, video_grid_thw, return_dict=True
         )
     if mm_encoder_outputs.get("image") is not None:
         image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)

@@ -7,6 +7,8 @@
 # Description: Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards for ranks without a modality, a checked audio scatter and the fused LM loss
 # Patches applied:
 #   - override_method Qwen2_5OmniPreTrainedModel._init_weights: upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)
+#   - override_method Qwen2_5OmniAudioAttention.forward: veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
+#   - override_method Qwen2_5OmniVisionAttention.forward: veomni_* implementations: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
 #   - override_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the vision tower on one merge x merge zero image, for ranks without image or video
 #   - override_method Qwen2_5OmniThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
@@ -20,6 +22,9 @@
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_audio_tokens, dummy_audio_inputs, dummy_pixel_inputs
 #   - add_import: from veomni.models.qwen3_vl.vision import parallel_world_size
+#   - add_import: from veomni.models.hf_attention import PREFIX
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention
+#   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -101,6 +106,9 @@ from veomni.models.qwen2_5_omni.towers import (
     dummy_pixel_inputs,
 )
 from veomni.models.qwen3_vl.vision import parallel_world_size
+from veomni.models.hf_attention import PREFIX
+from veomni.models.hf_encoder_attention import encoder_attention
+from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 
 
 logger = logging.get_logger(__name__)
@@ -563,74 +571,22 @@ class Qwen2_5OmniAudioAttention(nn.Module):
         self.q_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=True)
         self.out_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=True)
 
+    # [PATCHED] veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int | None = None,
-        **kwargs,
+        self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, **kwargs
     ) -> torch.Tensor:
-        """Input shape: Batch x Time x Channel"""
-
-        seq_length, _ = hidden_states.size()
-
-        query_states = self.q_proj(hidden_states).reshape(seq_length, self.num_heads, -1)
-        key_states = self.k_proj(hidden_states).reshape(seq_length, self.num_heads, -1)
-        value_states = self.v_proj(hidden_states).reshape(seq_length, self.num_heads, -1)
-
-        query_states = query_states.transpose(0, 1).unsqueeze(0)
-        key_states = key_states.transpose(0, 1).unsqueeze(0)
-        value_states = value_states.transpose(0, 1).unsqueeze(0)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-
-        if is_flash_attention_requested(self.config):
-            # Flash Attention: Use cu_seqlens for variable length attention
-            max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs={"max_seqlen": max_seqlen})
-            attn_output, _ = attention_interface(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask=None,
-                scaling=self.scaling,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens,
-                max_length_q=max_seqlen,
-                max_length_k=max_seqlen,
-                is_causal=False,
-                **kwargs,
+        if not (self.config._attn_implementation or "").startswith(PREFIX):
+            return _upstream.Qwen2_5OmniAudioAttention.forward(
+                self, hidden_states, cu_seqlens, max_seqlen, **kwargs
             )
-        else:
-            # Other implementations: Process each chunk separately
-            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            splits = [
-                torch.split(tensor, lengths.tolist(), dim=2)
-                for tensor in (query_states, key_states, value_states)
-            ]
-            attn_outputs = [
-                attention_interface(
-                    self,
-                    q,
-                    k,
-                    v,
-                    attention_mask=None,
-                    scaling=self.scaling,
-                    dropout=0.0 if not self.training else self.attention_dropout,
-                    is_causal=False,
-                    **kwargs,
-                )[0]
-                for q, k, v in zip(*splits)
-            ]
-            attn_output = torch.cat(attn_outputs, dim=1)
-
-        attn_output = attn_output.reshape(seq_length, -1).contiguous()
-        attn_output = self.out_proj(attn_output)
-
-        return attn_output
+        rows = hidden_states.shape[0]
+        query, key, value = (proj(hidden_states).reshape(rows, self.num_heads, -1)
+                             for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        out = encoder_attention(
+            self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+        )  # fmt: skip
+        return self.out_proj(out.reshape(rows, -1).contiguous())
 
 
 class Qwen2_5OmniAudioEncoderLayer(GradientCheckpointingLayer):
@@ -1013,6 +969,7 @@ class Qwen2_5OmniVisionAttention(nn.Module):
         self.attention_dropout = 0.0
         self.is_causal = False
 
+    # [PATCHED] veomni_* implementations: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -1021,67 +978,21 @@ class Qwen2_5OmniVisionAttention(nn.Module):
         max_seqlen: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        seq_length = hidden_states.shape[0]
-        query_states = self.q(hidden_states).reshape(seq_length, self.num_heads, -1)
-        key_states = self.k(hidden_states).reshape(seq_length, self.num_heads, -1)
-        value_states = self.v(hidden_states).reshape(seq_length, self.num_heads, -1)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
-
-        query_states = query_states.transpose(0, 1).unsqueeze(0)
-        key_states = key_states.transpose(0, 1).unsqueeze(0)
-        value_states = value_states.transpose(0, 1).unsqueeze(0)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-
-        if is_flash_attention_requested(self.config):
-            # Flash Attention 2: Use cu_seqlens for variable length attention
-            max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs={"max_seqlen": max_seqlen})
-            attn_output, _ = attention_interface(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask=None,
-                scaling=self.scaling,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens,
-                max_length_q=max_seqlen,
-                max_length_k=max_seqlen,
-                is_causal=False,
-                **kwargs,
+        if not (self.config._attn_implementation or "").startswith(PREFIX):
+            return _upstream.Qwen2_5OmniVisionAttention.forward(
+                self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs
             )
-        else:
-            # Other implementations: Process each chunk separately
-            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            splits = [
-                torch.split(tensor, lengths.tolist(), dim=2)
-                for tensor in (query_states, key_states, value_states)
-            ]
-
-            attn_outputs = [
-                attention_interface(
-                    self,
-                    q,
-                    k,
-                    v,
-                    attention_mask=None,
-                    scaling=self.scaling,
-                    dropout=0.0 if not self.training else self.attention_dropout,
-                    is_causal=False,
-                    **kwargs,
-                )[0]
-                for q, k, v in zip(*splits)
-            ]
-            attn_output = torch.cat(attn_outputs, dim=1)
-
-        attn_output = attn_output.reshape(seq_length, -1).contiguous()
-        attn_output = self.proj(attn_output)
-        return attn_output
+        rows = hidden_states.shape[0]
+        query, key, value = (
+            proj(hidden_states).reshape(rows, self.num_heads, -1) for proj in (self.q, self.k, self.v)
+        )
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
+        out = encoder_attention(
+            self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+        )  # fmt: skip
+        return self.proj(out.reshape(rows, -1).contiguous())
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -1912,7 +1823,7 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
 
         if input_features is not None:
             audio_features = self.get_audio_features(
-                input_features, feature_attention_mask, audio_feature_lengths, return_dict=True, **kwargs
+                input_features, feature_attention_mask, audio_feature_lengths, return_dict=True
             ).last_hidden_state
             audio_features = audio_features.to(inputs_embeds.device, inputs_embeds.dtype)
             _, _, audio_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
@@ -1925,11 +1836,11 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         mm_encoder_outputs = dict(mm_encoder_outputs) if mm_encoder_outputs is not None else {}
         if mm_encoder_outputs.get("image") is None and pixel_values is not None:
             mm_encoder_outputs["image"] = self.get_image_features(
-                pixel_values, image_grid_thw, return_dict=True, **kwargs
+                pixel_values, image_grid_thw, return_dict=True
             )
         if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
             mm_encoder_outputs["video"] = self.get_video_features(
-                pixel_values_videos, video_grid_thw, return_dict=True, **kwargs
+                pixel_values_videos, video_grid_thw, return_dict=True
             )
         if mm_encoder_outputs.get("image") is not None:
             image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)
