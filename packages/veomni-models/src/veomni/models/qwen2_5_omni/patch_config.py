@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from patchgen.config import PatchConfig
+from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     BaseModelOutputWithPast,
     BaseModelOutputWithPooling,
@@ -43,7 +44,6 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     apply_rotary_pos_emb_vision,
     init,
 )
-from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
