@@ -217,3 +217,32 @@ def test_veomni_attention_in_the_towers_matches_upstream_eager():
                  "model.language_model.layers.0.self_attn.q_proj.weight"):  # fmt: skip
         got_grad = dict(model.named_parameters())[name].grad
         torch.testing.assert_close(got_grad, theirs[name].grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_gpu_default_ops_match_upstream():
+    """On a GPU: the default OpsConfig (veomni attention incl. the towers' encoder varlen entry, fused linear
+    cross-entropy) against upstream eager, fp32 with TF32 off; and the bf16 dummy forwards take the weights' dtype."""
+    from veomni.kernels import OpsConfig
+    from veomni.models.kernel_hooks import apply_ops
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref, model = pair()
+    ref, model = ref.cuda(), model.cuda()
+    apply_ops(model, OpsConfig(attention="sdpa", cross_entropy="triton"))
+    batch = {k: v.cuda() for k, v in omni_batch(MIXED, seed=4).items()}
+    want, got = ref(**batch), model(**batch)
+    assert got.logits is None  # the fused loss never materialises logits
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)
+    theirs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(
+                p.grad, theirs[name].grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    model.to(torch.bfloat16)
+    for tower in (model.model.audio_tower, model.model.visual):
+        assert tower.dummy_forward().dtype == torch.bfloat16
