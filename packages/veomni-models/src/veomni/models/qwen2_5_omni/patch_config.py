@@ -42,7 +42,13 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     TransformersKwargs,
     Unpack,
     apply_rotary_pos_emb_vision,
+    chunk_and_pad_features,
+    get_audio_cu_seqlens,
+    get_max_seqlen,
+    get_pool_indices,
+    get_valid_indices,
     init,
+    nn,
 )
 
 from veomni.models.causal_lm import lm_logits_and_loss
@@ -55,6 +61,7 @@ from veomni.models.qwen2_5_omni.towers import (
     dummy_audio_inputs,
     dummy_pixel_inputs,
 )
+from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
 from veomni.models.qwen3_vl.vision import parallel_world_size
 
 config = PatchConfig(
@@ -70,6 +77,9 @@ config.add_import(
     "dummy_pixel_inputs"
 )
 config.add_import("from veomni.models.qwen3_vl.vision import parallel_world_size")
+config.add_import(
+    "from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size"
+)
 config.add_import("from veomni.models.hf_attention import PREFIX")
 config.add_import("from veomni.models.hf_encoder_attention import encoder_attention")
 # The HF-named implementations run upstream's own attention forwards, unchanged.
@@ -136,9 +146,16 @@ def init_weights(self, module) -> None:
     "cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward",
 )
 def audio_attention_forward(
-    self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, **kwargs
+    self,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    sp_group=None,
+    **kwargs,
 ) -> torch.Tensor:
-    if not (self.config._attn_implementation or "").startswith(PREFIX):
+    # Under SP (sp_group from the tower's forward) every implementation goes through the encoder entry: only it
+    # runs the Ulysses exchange over this rank's slice of the frames.
+    if sp_group is None and not (self.config._attn_implementation or "").startswith(PREFIX):
         return _upstream.Qwen2_5OmniAudioAttention.forward(
             self, hidden_states, cu_seqlens, max_seqlen, **kwargs
         )
@@ -147,7 +164,7 @@ def audio_attention_forward(
                          for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
     out = encoder_attention(
         self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
-        dropout=0.0 if not self.training else self.attention_dropout,
+        dropout=0.0 if not self.training else self.attention_dropout, sp_group=sp_group,
     )  # fmt: skip
     return self.out_proj(out.reshape(rows, -1).contiguous())
 
@@ -180,6 +197,63 @@ def vision_attention_forward(
         dropout=0.0 if not self.training else self.attention_dropout,
     )  # fmt: skip
     return self.proj(out.reshape(rows, -1).contiguous())
+
+
+@config.override_method(
+    "Qwen2_5OmniAudioEncoder.forward",
+    description="upstream's forward; under Ulysses SP each rank runs the encoder layers on its slice of the "
+    "post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling",
+)
+def audio_encoder_forward(
+    self, input_features=None, feature_lens=None, aftercnn_lens=None, **kwargs: Unpack[TransformersKwargs]
+):
+    r"""
+    input_features (`torch.Tensor` of shape `(num_mel_bins, total_frames)`):
+        every clip's mel frames, concatenated (all of them on every rank, also under sequence parallelism).
+    feature_lens (`torch.LongTensor` of shape `(num_clips,)`):
+        mel frames per clip.
+    aftercnn_lens (`torch.LongTensor` of shape `(num_clips,)`, *optional*):
+        frames per clip after the convolutions (unused, as upstream).
+    """
+    padded_feature, chunk_lengths = chunk_and_pad_features(
+        input_features, feature_lens, self.n_window, kwargs=kwargs
+    )
+    valid_indices = get_valid_indices(chunk_lengths, kwargs=kwargs)
+    pool_indices = get_pool_indices(feature_lens, kwargs=kwargs)
+    cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
+    max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
+
+    padded_feature = padded_feature.to(self.conv1.weight.dtype)
+    frame_mask = torch.arange(padded_feature.shape[2], device=padded_feature.device) < chunk_lengths[:, None]
+    embed = nn.functional.gelu(self.conv1(padded_feature)) * frame_mask[:, None].long()
+    embed = nn.functional.gelu(self.conv2(embed)).transpose(1, 2)
+    embed = embed + self.positional_embedding.positional_embedding[: embed.shape[1]][None].to(embed.dtype)
+    hidden_states = torch.index_select(embed.reshape(-1, embed.shape[-1]), 0, valid_indices)
+
+    total = hidden_states.shape[0]
+    sp_group = sp_group_or_none()
+    if sp_group is not None:
+        # The conv front-end ran on every frame (cheap, and its chunks overlap no slice boundary); the encoder
+        # layers, where the time goes, run on this rank's slice. The padding attends as a segment of its own.
+        hidden_states = slice_patches(hidden_states, 1, sp_group)
+        padded = hidden_states.shape[0] * sp_world_size(sp_group)
+        if padded > total:
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded)])
+            if max_seqlen is not None:
+                max_seqlen = max(max_seqlen, padded - total)
+        kwargs = {**kwargs, "sp_group": sp_group}
+
+    for encoder_layer in self.layers:
+        hidden_states = encoder_layer(hidden_states, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs)[
+            0
+        ]
+
+    if sp_group is not None:
+        # Stride-2 pooling pairs frames that may sit on two ranks: gather once, pool and project everywhere.
+        hidden_states = gather_merged(hidden_states, total, sp_group)
+    hidden_states = (hidden_states[pool_indices] + hidden_states[pool_indices + 1]) / 2
+    hidden_states = self.proj(self.ln_post(hidden_states))
+    return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=hidden_states)
 
 
 @config.override_method(

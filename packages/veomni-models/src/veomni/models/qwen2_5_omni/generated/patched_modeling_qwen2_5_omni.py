@@ -9,6 +9,7 @@
 #   - override_method Qwen2_5OmniPreTrainedModel._init_weights: upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)
 #   - override_method Qwen2_5OmniAudioAttention.forward: veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
 #   - override_method Qwen2_5OmniVisionAttention.forward: veomni_* implementations: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
+#   - override_method Qwen2_5OmniAudioEncoder.forward: upstream's forward; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling
 #   - override_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the vision tower on one merge x merge zero image, for ranks without image or video
 #   - override_method Qwen2_5OmniThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
@@ -22,6 +23,7 @@
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_audio_tokens, dummy_audio_inputs, dummy_pixel_inputs
 #   - add_import: from veomni.models.qwen3_vl.vision import parallel_world_size
+#   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import encoder_attention
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
@@ -106,6 +108,7 @@ from veomni.models.qwen2_5_omni.towers import (
     dummy_pixel_inputs,
 )
 from veomni.models.qwen3_vl.vision import parallel_world_size
+from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import encoder_attention
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
@@ -573,9 +576,16 @@ class Qwen2_5OmniAudioAttention(nn.Module):
 
     # [PATCHED] veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
     def forward(
-        self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, **kwargs
+        self,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+        sp_group=None,
+        **kwargs,
     ) -> torch.Tensor:
-        if not (self.config._attn_implementation or "").startswith(PREFIX):
+        # Under SP (sp_group from the tower's forward) every implementation goes through the encoder entry: only it
+        # runs the Ulysses exchange over this rank's slice of the frames.
+        if sp_group is None and not (self.config._attn_implementation or "").startswith(PREFIX):
             return _upstream.Qwen2_5OmniAudioAttention.forward(
                 self, hidden_states, cu_seqlens, max_seqlen, **kwargs
             )
@@ -584,7 +594,7 @@ class Qwen2_5OmniAudioAttention(nn.Module):
                              for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
         out = encoder_attention(
             self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout,
+            dropout=0.0 if not self.training else self.attention_dropout, sp_group=sp_group,
         )  # fmt: skip
         return self.out_proj(out.reshape(rows, -1).contiguous())
 
@@ -803,6 +813,7 @@ class Qwen2_5OmniAudioEncoder(Qwen2_5OmniPreTrainedModel):
     def set_input_embeddings(self, value: nn.Module):
         self.conv1 = value
 
+    # [PATCHED] upstream's forward; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling
     @merge_with_config_defaults
     @capture_outputs(tie_last_hidden_states=False)
     @auto_docstring
@@ -810,10 +821,12 @@ class Qwen2_5OmniAudioEncoder(Qwen2_5OmniPreTrainedModel):
         self, input_features=None, feature_lens=None, aftercnn_lens=None, **kwargs: Unpack[TransformersKwargs]
     ):
         r"""
-        feature_lens (`torch.LongTensor` of shape `(batch_size,)`):
-            mel length
-        aftercnn_lens (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
-            mel length after cnn
+        input_features (`torch.Tensor` of shape `(num_mel_bins, total_frames)`):
+            every clip's mel frames, concatenated (all of them on every rank, also under sequence parallelism).
+        feature_lens (`torch.LongTensor` of shape `(num_clips,)`):
+            mel frames per clip.
+        aftercnn_lens (`torch.LongTensor` of shape `(num_clips,)`, *optional*):
+            frames per clip after the convolutions (unused, as upstream).
         """
         padded_feature, chunk_lengths = chunk_and_pad_features(
             input_features, feature_lens, self.n_window, kwargs=kwargs
@@ -823,30 +836,36 @@ class Qwen2_5OmniAudioEncoder(Qwen2_5OmniPreTrainedModel):
         cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
         max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
 
-        # Derive masks from chunk_lengths (traceable arithmetic + arange broadcasting)
         padded_feature = padded_feature.to(self.conv1.weight.dtype)
-        padded_mask = (
-            (torch.arange(padded_feature.shape[2], device=padded_feature.device) < chunk_lengths.unsqueeze(1))
-            .unsqueeze(1)
-            .long()
+        frame_mask = (
+            torch.arange(padded_feature.shape[2], device=padded_feature.device) < chunk_lengths[:, None]
         )
-        padded_embed = nn.functional.gelu(self.conv1(padded_feature)) * padded_mask
-        padded_embed = nn.functional.gelu(self.conv2(padded_embed)).transpose(1, 2)
-        padded_embed = padded_embed + self.positional_embedding.positional_embedding[
-            : padded_embed.shape[1], :
-        ].unsqueeze(0).to(padded_embed.dtype)
-        hidden_states = torch.index_select(padded_embed.reshape(-1, padded_embed.shape[-1]), 0, valid_indices)
+        embed = nn.functional.gelu(self.conv1(padded_feature)) * frame_mask[:, None].long()
+        embed = nn.functional.gelu(self.conv2(embed)).transpose(1, 2)
+        embed = embed + self.positional_embedding.positional_embedding[: embed.shape[1]][None].to(embed.dtype)
+        hidden_states = torch.index_select(embed.reshape(-1, embed.shape[-1]), 0, valid_indices)
+
+        total = hidden_states.shape[0]
+        sp_group = sp_group_or_none()
+        if sp_group is not None:
+            # The conv front-end ran on every frame (cheap, and its chunks overlap no slice boundary); the encoder
+            # layers, where the time goes, run on this rank's slice. The padding attends as a segment of its own.
+            hidden_states = slice_patches(hidden_states, 1, sp_group)
+            padded = hidden_states.shape[0] * sp_world_size(sp_group)
+            if padded > total:
+                cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded)])
+                if max_seqlen is not None:
+                    max_seqlen = max(max_seqlen, padded - total)
+            kwargs = {**kwargs, "sp_group": sp_group}
 
         for encoder_layer in self.layers:
-            layer_outputs = encoder_layer(
-                hidden_states,
-                cu_seqlens=cu_seqlens,
-                max_seqlen=max_seqlen,
-                **kwargs,
-            )
-            hidden_states = layer_outputs[0]
+            hidden_states = encoder_layer(
+                hidden_states, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs
+            )[0]
 
-        # Post-process: stride-2 average pooling using precomputed indices, then project
+        if sp_group is not None:
+            # Stride-2 pooling pairs frames that may sit on two ranks: gather once, pool and project everywhere.
+            hidden_states = gather_merged(hidden_states, total, sp_group)
         hidden_states = (hidden_states[pool_indices] + hidden_states[pool_indices + 1]) / 2
         hidden_states = self.proj(self.ln_post(hidden_states))
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=hidden_states)
