@@ -525,7 +525,8 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
-    # Qwen2.5-Omni thinker (text + image + video + audio in, text out); talker / token2wav are not built.
+    # Qwen2.5-Omni thinker (text + image + video + audio in, text out); talker / token2wav are not built. SP: the
+    # LM and the audio tower run on slices (the ViT runs whole on every SP rank).
     qwen2_5_omni = "veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni"
     registry.register_config(
         "qwen2_5_omni_thinker",
@@ -539,7 +540,7 @@ def _register_builtin(registry: ModelRegistry) -> None:
     registry.register_model(
         "qwen2_5_omni_thinker",
         {"any_to_any": f"{qwen2_5_omni}:Qwen2_5OmniThinkerForConditionalGeneration"},
-        fast_paths=set(),
+        fast_paths={"sp"},
     )
 
 

@@ -48,17 +48,41 @@ def dummy_pixel_inputs(vision_config, weight: torch.Tensor) -> tuple[torch.Tenso
     return pixels, torch.tensor([[1, merge, merge]], dtype=torch.long, device=weight.device)
 
 
-def check_audio_tokens(audio_mask: torch.Tensor, audio_features: torch.Tensor) -> None:
-    """Raise if the number of audio placeholder tokens differs from the audio tower's output rows.
+def check_placeholder_count(modality: str, mask: torch.Tensor, features: torch.Tensor) -> None:
+    """Raise if the placeholder tokens of ``modality`` differ in number from its feature rows.
+
+    Upstream checks images and videos but not audio: its ``masked_scatter`` then silently uses a prefix.
 
     Args:
-        audio_mask: ``[B, S]`` bool, True at audio placeholder positions.
-        audio_features: ``[N, H]`` the tower's pooled output for every clip of the micro-batch.
+        modality: ``"audio"``, ``"image"`` or ``"video"`` (for the message).
+        mask: ``[B, S]`` bool, True at the modality's placeholder positions.
+        features: ``[N, H]`` the tower's output for every item of the micro-batch.
     """
-    tokens = int(audio_mask.sum())
-    if tokens != audio_features.shape[0]:
+    tokens = int(mask.sum())
+    if tokens != features.shape[0]:
         raise ValueError(
-            f"audio placeholder tokens and audio features differ: {tokens} tokens in input_ids, "
-            f"{audio_features.shape[0]} feature rows from the audio tower (the processor expands each clip to "
-            "its feature length; was the text tokenized without the processor, or truncated?)"
+            f"{modality} placeholder tokens and {modality} features differ: {tokens} tokens in input_ids, "
+            f"{features.shape[0]} feature rows from the {modality} tower (the processor expands each item to its "
+            "feature length; was the text tokenized without the processor, or truncated?)"
+        )
+
+
+def check_thinker_sp_inputs(
+    input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, world: int
+) -> None:
+    """Refuse inputs the thinker cannot run under Ulysses SP, saying what is expected.
+
+    Args:
+        input_ids: this rank's ``[B, S_local]`` slice (placeholders are found by id, so it is required).
+        position_ids: this rank's slice ``[3, B, S_local]`` of the mrope ids computed on the full sequence.
+        world: the SP group size.
+    """
+    if input_ids is None:
+        raise ValueError(f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs input_ids")
+    if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
+        found = None if position_ids is None else tuple(position_ids.shape)
+        raise ValueError(
+            f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs position_ids [3, batch, "
+            f"local_seq_len]: this rank's slice of the mrope ids computed on the full sequence (a slice cannot "
+            f"rebuild them; veomni.models.qwen2_5_omni.positions computes them on the host); found {found}"
         )

@@ -21,9 +21,9 @@
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_audio_tokens, dummy_audio_inputs, dummy_pixel_inputs
+#   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, check_thinker_sp_inputs, dummy_audio_inputs, dummy_pixel_inputs
 #   - add_import: from veomni.models.qwen3_vl.vision import parallel_world_size
-#   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
+#   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import encoder_attention
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
@@ -103,12 +103,19 @@ from veomni.models.hf_masks import create_causal_mask, create_sliding_window_cau
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
-    check_audio_tokens,
+    check_placeholder_count,
+    check_thinker_sp_inputs,
     dummy_audio_inputs,
     dummy_pixel_inputs,
 )
 from veomni.models.qwen3_vl.vision import parallel_world_size
-from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
+from veomni.models.qwen3_vl.sp import (
+    gather_merged,
+    scatter_visual_sp,
+    slice_patches,
+    sp_group_or_none,
+    sp_world_size,
+)
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import encoder_attention
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
@@ -1839,15 +1846,17 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         distributed = parallel_world_size() > 1
+        # Under Ulysses SP the text inputs are this rank's slice; audio and pixels are the whole micro-batch's.
+        sp_group = sp_group_or_none()
+        if sp_group is not None:
+            check_thinker_sp_inputs(input_ids, position_ids, sp_world_size(sp_group))
 
+        # Every modality's features in sequence order, all of the micro-batch's (the towers run once per step).
+        features: dict[str, torch.Tensor] = {}
         if input_features is not None:
-            audio_features = self.get_audio_features(
+            features["audio"] = self.get_audio_features(
                 input_features, feature_attention_mask, audio_feature_lengths, return_dict=True
             ).last_hidden_state
-            audio_features = audio_features.to(inputs_embeds.device, inputs_embeds.dtype)
-            _, _, audio_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
-            check_audio_tokens(audio_mask[..., 0], audio_features)
-            inputs_embeds = inputs_embeds.masked_scatter(audio_mask, audio_features)
         elif distributed:
             # This rank has no audio but others may: FSDP's gathers of the tower's parameters must still match.
             inputs_embeds = inputs_embeds + self.audio_tower.dummy_forward().to(inputs_embeds.dtype)
@@ -1861,22 +1870,31 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
             mm_encoder_outputs["video"] = self.get_video_features(
                 pixel_values_videos, video_grid_thw, return_dict=True
             )
-        if mm_encoder_outputs.get("image") is not None:
-            image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)
-            image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-            image_mask, _, _ = self.get_placeholder_mask(
-                input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds
-            )
-            inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
-        if mm_encoder_outputs.get("video") is not None:
-            video_embeds = torch.cat(mm_encoder_outputs["video"].pooler_output, dim=0)
-            video_embeds = video_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-            _, video_mask, _ = self.get_placeholder_mask(
-                input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds
-            )
-            inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
+        for modality in ("image", "video"):
+            if mm_encoder_outputs.get(modality) is not None:
+                features[modality] = torch.cat(mm_encoder_outputs[modality].pooler_output, dim=0)
         if pixel_values is None and pixel_values_videos is None and not mm_encoder_outputs and distributed:
             inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)
+
+        if features:
+            image_mask, video_mask, audio_mask = self.get_placeholder_mask(
+                input_ids, inputs_embeds=inputs_embeds
+            )
+            masks = {"audio": audio_mask[..., 0], "image": image_mask[..., 0], "video": video_mask[..., 0]}
+            order = [m for m in ("audio", "image", "video") if m in features]
+            if sp_group is None:
+                # Upstream's scatter, one modality at a time (bitwise upstream), with the counts checked first.
+                for modality in order:
+                    check_placeholder_count(modality, masks[modality], features[modality])
+                    inputs_embeds = inputs_embeds.masked_scatter(
+                        masks[modality][..., None].expand_as(inputs_embeds),
+                        features[modality].to(inputs_embeds.device, inputs_embeds.dtype),
+                    )
+            else:
+                # Counts are checked over the full sequence; each rank keeps its token range of the features.
+                inputs_embeds, _, _ = scatter_visual_sp(
+                    inputs_embeds, [masks[m] for m in order], [features[m] for m in order], sp_group
+                )
 
         if feature_attention_mask is not None:
             audio_feature_lengths = torch.sum(feature_attention_mask, dim=1)
