@@ -4,9 +4,11 @@ audio / image / text batch, side by side in one process, JSON out.
     python3 tools/bench/bench_omni.py --out omni.json                       # Qwen2.5-Omni-7B-class thinker, 1 GPU
     python3 tools/bench/bench_omni.py --out smoke.json --tiny --steps 2 --warmup 1   # CPU smoke
 
-Model: Qwen2.5-Omni-7B's published thinker architecture (``Qwen2_5OmniThinkerConfig()`` defaults: a 32-layer
-Whisper-style audio tower of width 1280, a 32-block windowed ViT, a 28-layer Qwen2.5-7B text model; nothing
-downloaded), initialised once by plain transformers (seeded), saved, and loaded by both contenders.
+Model: Qwen2.5-Omni-7B's published thinker architecture (``Qwen2_5OmniThinkerConfig()`` defaults with the ViT width
+of the release: a 32-layer Whisper-style audio tower of width 1280, a 32-block windowed ViT of width 1280, a 28-layer
+Qwen2.5-7B text model; 8.9B parameters; nothing downloaded), initialised once by plain transformers (seeded),
+saved, and loaded by both contenders. Memory: bf16 parameters + gradients + bf16 AdamW states are 8 bytes per
+parameter, ~71 GB before activations: run it on an H200 (an 80 GB H100 is expected to run out of memory).
 
 Data (seeded, identical for both): ``--rows`` rows, each ``--seq-len`` tokens: a row holds one audio clip of
 ``--audio-seconds`` s (its ``seconds * 100`` mel frames -> ``seconds * 25`` audio tokens), one image of
@@ -46,7 +48,9 @@ from bench_common import environment, error_text, median_ms, release, write_json
 def thinker_config(tiny: bool) -> Qwen2_5OmniThinkerConfig:
     """The 7B thinker (transformers' defaults are Qwen2.5-Omni-7B's), or a CPU-sized one for smoke runs."""
     if not tiny:
-        return Qwen2_5OmniThinkerConfig()
+        # transformers' defaults are the release's except the ViT width (its default 3584 is the LM's; the
+        # released Qwen2.5-Omni-7B ViT is 1280 wide with 16 heads).
+        return Qwen2_5OmniThinkerConfig(vision_config={"hidden_size": 1280, "num_heads": 16})
     return Qwen2_5OmniThinkerConfig(
         text_config={"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2,
