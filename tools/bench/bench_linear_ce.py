@@ -1,4 +1,5 @@
-"""LM head + cross-entropy fwd+bwd (T3): veomni's fused Triton kernel vs Liger vs eager, side by side, JSON out.
+"""LM head + cross-entropy fwd+bwd (T3): veomni's fused Triton kernel vs our portable chunk_loss vs Liger vs QuACK
+(when installed) vs eager, side by side, JSON out.
 
     python tools/bench/bench_linear_ce.py --out results.json [--sweep] [--configs] [--floor]
 
@@ -24,14 +25,24 @@ from collections.abc import Callable
 import torch
 import triton
 
-from veomni.kernels.cross_entropy import eager, triton_impl
+from veomni.kernels.cross_entropy import chunked, eager, triton_impl
 
 T3 = (16_384, 2048, 151_936)
 SWEEP = [(t, 2048, v) for v in (32_000, 151_936) for t in (4096, 16_384, 32_768)]
 
 
 def _impls() -> dict[str, Callable]:
-    impls = {"triton": triton_impl.causal_lm_cross_entropy, "eager": eager.causal_lm_cross_entropy}
+    impls = {
+        "triton": triton_impl.causal_lm_cross_entropy,
+        "chunk_loss": chunked.causal_lm_cross_entropy,
+        "eager": eager.causal_lm_cross_entropy,
+    }
+    try:  # optional (veomni-kernels[quack], sm_90+)
+        from veomni.kernels import quack_backend
+
+        impls["quack"] = quack_backend.causal_lm_cross_entropy
+    except ImportError as err:
+        print(f"quack unavailable: {err}", file=sys.stderr)
     try:
         from veomni.kernels.cross_entropy import liger_impl
 

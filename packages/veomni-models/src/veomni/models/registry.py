@@ -543,6 +543,25 @@ def _register_builtin(registry: ModelRegistry) -> None:
         fast_paths={"sp"},
     )
 
+    # Qwen2-VL and Qwen2.5-VL: VLMs on the Qwen3-VL machinery (ViT SP, dummy tower pass); Qwen2.5-VL's windowed
+    # tower takes its window layout from the collator.
+    for model_type, prefix, config_name in (
+        ("qwen2_vl", "Qwen2VL", "Qwen2VLConfig"),
+        ("qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLConfig"),
+    ):
+        module = f"veomni.models.{model_type}.generated.patched_modeling_{model_type}"
+        registry.register_config(
+            model_type, f"transformers.models.{model_type}.configuration_{model_type}:{config_name}"
+        )
+        registry.register_model(
+            model_type,
+            {
+                "image_text_to_text": f"{module}:{prefix}ForConditionalGeneration",
+                "base": f"{module}:{prefix}Model",
+            },
+            fast_paths={"sp", "fused_kernels"},
+        )
+
 
 MODELS = ModelRegistry()
 """The default registry, filled with veomni's adapters at import."""
