@@ -108,12 +108,13 @@ def test_tasks_cover_the_recipe_modalities():
     assert {"causal_lm", "image_text_to_text", "any_to_any", "diffusion_transformer"} <= set(TASKS)
     from transformers import LlavaConfig, Qwen2_5OmniThinkerConfig
     from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+
+    from veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni import (
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
 
     thinker = MODELS.model_class(Qwen2_5OmniThinkerConfig(), "any_to_any")
-    assert thinker.cls is Qwen2_5OmniThinkerForConditionalGeneration and not thinker.registered
+    assert thinker.cls is Qwen2_5OmniThinkerForConditionalGeneration and thinker.registered
     # An unregistered VLM falls back to transformers' image-text-to-text class (qwen2_vl is registered now).
     assert MODELS.model_class(LlavaConfig(), "image_text_to_text").cls is LlavaForConditionalGeneration
     assert {"any_to_any", "image_text_to_text"} <= set(MODELS.supported_tasks(LlavaConfig()))
