@@ -131,7 +131,6 @@ class MicroBatchGraphs:
         self.params = [p for p in params if p.requires_grad]
         self._seen: set[Hashable] = set()
         self._graphs: dict[Hashable, _Captured] = {}
-        self._pool: Any = None
         self.eager_runs = self.captures = self.replays = 0
 
     def __call__(self, kwargs: dict[str, Any], *constants: Hashable) -> torch.Tensor:
@@ -156,17 +155,21 @@ class MicroBatchGraphs:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        grads_before = [p.grad for p in self.params]
         # Aliasing kept (cu_seq_lens_q is cu_seq_lens_k): compiled blocks guard on it, and a recompile inside a
         # capture would invalidate it.
         clones: dict[int, torch.Tensor] = {}
         inputs = {
-            k: clones.setdefault(id(v), v.clone()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+            k: clones.setdefault(id(v), v.clone()) if isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()
         }
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         try:
             # thread_local: a DataLoader pin-memory thread may call CUDA while this thread captures.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            # Each graph gets its own memory pool: a pool shared between graphs lets one graph's replay write
+            # where another graph's tensors live.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 output = self.forward_backward(inputs, *constants)
         except RuntimeError as err:
             del graph
@@ -176,8 +179,14 @@ class MicroBatchGraphs:
                 "something in it reads a device value on the host (.item(), a data-dependent shape) or "
                 f"allocates through a path graphs forbid; run with train.cuda_graphs: false. Cause: {err}"
             ) from err
-        if self._pool is None:
-            self._pool = graph.pool()
+        replaced = [
+            i for i, (p, g) in enumerate(zip(self.params, grads_before, strict=True)) if p.grad is not g
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"train.cuda_graphs: the captured backward replaced {len(replaced)} gradient tensors instead of "
+                "accumulating into them in place; their memory would belong to the graph and be overwritten"
+            )
         self.captures += 1
         # The capture only recorded the kernels: replay them for this micro-batch.
         graph.replay()
