@@ -20,6 +20,7 @@ GROUPED_MM = Requirement(device_types=("cpu", "cuda"), min_capability=(9, 0))
 FLASH_2 = Requirement(device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",))
 FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
 FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
+FLA = Requirement(device_types=("cuda",), packages=("fla",))
 
 _K = "veomni.kernels"
 BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
@@ -76,6 +77,12 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("attention", "default", "flash_attn_2", f"{_K}.attention.external:flash_attn_2", FLASH_2),
     ("attention", "default", "flash_attn_3", f"{_K}.attention.external:flash_attn_3", FLASH_3),
     ("attention", "default", "flash_attn_4", f"{_K}.attention.external:flash_attn_4", FLASH_4),
+    ("gated_delta_rule", "chunk", "eager", f"{_K}.linear_attention.eager:gated_delta_rule_eager", ANYWHERE),
+    ("gated_delta_rule", "chunk", "fla", f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla", FLA),
+    ("causal_conv1d", "standard", "eager", f"{_K}.linear_attention.eager:causal_conv1d_eager", ANYWHERE),
+    ("causal_conv1d", "standard", "fla", f"{_K}.linear_attention.fla_impl:causal_conv1d_fla", FLA),
+    ("rms_norm_gated", "standard", "eager", f"{_K}.linear_attention.eager:rms_norm_gated_eager", ANYWHERE),
+    ("rms_norm_gated", "standard", "fla", f"{_K}.linear_attention.fla_impl:rms_norm_gated_fla", FLA),
 ]
 
 
