@@ -525,6 +525,22 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # Qwen3-Next: Gated DeltaNet + gated full attention hybrid with routed + shared experts.
+    qwen3_next = "veomni.models.qwen3_next.generated.patched_modeling_qwen3_next"
+    registry.register_config(
+        "qwen3_next", "transformers.models.qwen3_next.configuration_qwen3_next:Qwen3NextConfig"
+    )
+    registry.register_model(
+        "qwen3_next",
+        {
+            "causal_lm": f"{qwen3_next}:Qwen3NextForCausalLM",
+            "base": f"{qwen3_next}:Qwen3NextModel",
+            "sequence_classification": f"{qwen3_next}:Qwen3NextForSequenceClassification",
+            "token_classification": f"{qwen3_next}:Qwen3NextForTokenClassification",
+            "question_answering": f"{qwen3_next}:Qwen3NextForQuestionAnswering",
+        },
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
 
 
 MODELS = ModelRegistry()
