@@ -158,7 +158,7 @@ def gated_delta_net_forward(
     # [B, T, conv_dim] in the conv weight's channel order: all q heads, all k heads, all v heads.
     mixed_qkv = torch.cat([x.flatten(2) for x in (query, key, value)], dim=-1)
     # Under Ulysses SP: the whole sequence of this rank's heads (and their conv rows); else the layer as is.
-    local = gdn_sequence_to_heads(self, mixed_qkv, b, a)
+    local = gdn_sequence_to_heads(self, mixed_qkv, b, a, kwargs.get("sp_unpadded_len"))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     mixed_qkv = kernels.get("causal_conv1d", "standard")(
         local.mixed_qkv, local.conv_weight, None, activation=self.activation, cu_seqlens=cu_seqlens

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.core.parallel_state import current_parallel_state_or_none
-from veomni.core.sp import all_to_all, heads_to_seq
+from veomni.core.sp import all_to_all, heads_to_seq, unpad
 
 __all__ = ["GdnLocal", "check_gdn_sp_heads", "gdn_heads_to_sequence", "gdn_sequence_to_heads"]
 
@@ -58,7 +58,13 @@ def check_gdn_sp_heads(num_k_heads: int, num_v_heads: int, sp_size: int) -> None
         )
 
 
-def gdn_sequence_to_heads(module: nn.Module, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> GdnLocal:
+def gdn_sequence_to_heads(
+    module: nn.Module,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    unpadded_len: int | None = None,
+) -> GdnLocal:
     """This rank's heads over the whole sequence (an identity view without SP).
 
     Args:
@@ -66,8 +72,10 @@ def gdn_sequence_to_heads(module: nn.Module, mixed_qkv: torch.Tensor, b: torch.T
             ``conv1d``, ``A_log``, ``dt_bias``).
         mixed_qkv: ``[B, S/P, 2*Hk*dk + Hv*dv]``, channels ordered all q heads, all k heads, all v heads.
         b, a: ``[B, S/P, Hv]``.
+        unpadded_len: the true full length when the shards were padded to a multiple of P and the packing
+            (``cu_seqlens``) describes the unpadded row (``sp_unpadded_len``); the tail is cut after the exchange.
     Returns:
-        `GdnLocal`, sequence length ``S`` (the padded full length) under SP.
+        `GdnLocal`, sequence length ``S`` (or ``unpadded_len``) under SP.
     """
     hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
     weight = module.conv1d.weight.squeeze(1)  # [C, W]
@@ -90,6 +98,8 @@ def gdn_sequence_to_heads(module: nn.Module, mixed_qkv: torch.Tensor, b: torch.T
     widths = [t.shape[-1] for t in per_rank]
     message = torch.cat([t.to(mixed_qkv.dtype) for t in per_rank], dim=-1)
     local = all_to_all(message, group, scatter_dim=2, gather_dim=1).squeeze(2)  # [B, S, local channels]
+    if unpadded_len is not None:
+        local = unpad(local, 1, unpadded_len)
     q, k, v, b, a = torch.split(local, widths, dim=-1)
     channels = torch.cat(
         [
@@ -105,8 +115,8 @@ def gdn_sequence_to_heads(module: nn.Module, mixed_qkv: torch.Tensor, b: torch.T
 
 
 def gdn_heads_to_sequence(module: nn.Module, core: torch.Tensor) -> torch.Tensor:
-    """Back to this rank's sequence shard with every value head: ``[B, S, Hv/P, dv] -> [B, S/P, Hv, dv]``
-    (identity without SP)."""
+    """Back to this rank's sequence shard with every value head: ``[B, S, Hv/P, dv] -> [B, ceil(S/P), Hv, dv]``
+    (zero-padding an unpadded ``S`` back to a multiple of P; identity without SP)."""
     group = _sp_group()
     if group is None:
         return core
