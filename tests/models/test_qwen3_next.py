@@ -189,3 +189,34 @@ def test_sp_equals_single_process(dist_pools, world):
         assert worst["missing"] == 0
         assert worst["logits"] < 1e-4, worst
         assert worst["grad"] <= 1.0, worst
+
+
+def test_per_expert_checkpoint_builds_and_exports_to_plain_transformers(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from veomni.models.build import build_model
+    from veomni.models.export import export_hf
+    from veomni.models.registry import MODELS
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    upstream, _ = build_pair()
+    upstream.save_pretrained(src)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        src_keys = set(f.keys())
+    # transformers saves Qwen3-Next in its original per-expert layout: loading must merge it (qwen2_moe recipe).
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in src_keys
+    assert MODELS.model_class(upstream.config, "causal_lm").cls is Qwen3NextForCausalLM
+    model = build_model(str(src), weights=str(src), ops=OpsConfig(**EAGER_OPS))
+    assert type(model) is Qwen3NextForCausalLM
+    inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}
+    assert_match(run(model, inputs), run(upstream, inputs), 2e-5)
+    export_hf(model, out)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert set(f.keys()) == src_keys  # back in the upstream layout, nothing missing or extra
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is upstream_modeling.Qwen3NextForCausalLM
+    prompt = inputs["input_ids"][:1, :6]
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.eval().generate(prompt, **settings), reloaded.generate(prompt, **settings))
+    assert torch.equal(upstream.eval().generate(prompt, **settings), reloaded.generate(prompt, **settings))
