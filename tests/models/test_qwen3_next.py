@@ -262,3 +262,24 @@ def test_expert_parallel_matches_the_whole_model(dist_pools):
         assert result["sharded"] == 6  # gate_up_proj and down_proj of the three MoE layers
         assert result["loss_err"] < 1e-5, result
         assert result["worst_grad_rel"] < 1e-4, result
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_fla_kernels_match_the_eager_oracles_on_gpu(packed):
+    # The whole adapter on fla's Gated DeltaNet kernels (and the CUDA defaults elsewhere) against the same weights on
+    # the eager oracles; fp32 weights, TF32-level agreement (fla's matmuls).
+    _, eager = build_pair()
+    eager = eager.cuda()
+    fast = copy.deepcopy(eager)
+    apply_ops(eager, OpsConfig(**EAGER_OPS))
+    apply_ops(fast, OpsConfig(attention="sdpa", moe_experts="torch", compile="off"))
+    assert (fast.config._experts_implementation, fast.veomni_kernels.config.gated_delta_rule) == (
+        "veomni",
+        "fla",
+    )
+    inputs = {k: v.cuda() for k, v in batch(lengths=(70, 3, 55), rows=1 if packed else 2).items()}
+    extra = packed_kwargs(inputs["position_ids"]) if packed else {}
+    if not packed:
+        inputs.pop("position_ids")
+    assert_match(run(fast, inputs, **extra), run(eager, inputs, **extra), 3e-3)
