@@ -13,6 +13,10 @@ are what differs). Data: one packed row of ``--tokens`` tokens of documents of r
 (`bench_e2e.packed_batches`); both get ``input_ids``, ``position_ids``, ``labels`` and the packing kwargs
 (``cu_seq_lens_q/k``, ``max_length_q/k``), which HF forwards to fla as ``cu_seqlens``.
 
+Off CUDA (the ``--tiny`` smoke) fla cannot run, and transformers' wrappers send its Gated DeltaNet to fla whenever
+fla is installed; the ``hf`` contender then runs transformers' own torch reference functions instead
+(`hf_torch_reference`), which ignore the packing (give the smoke a single document).
+
 Per contender: median fwd+bwd ms, forward ms, tokens/s, peak extra memory, loss; the JSON also has the loss and
 logits agreement between the two and the speed-up (target: >= 1.5x tokens/s).
 """
@@ -20,6 +24,7 @@ logits agreement between the two and the speed-up (target: >= 1.5x tokens/s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -27,6 +32,7 @@ from typing import Any
 
 import torch
 from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_modeling
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM as HFQwen3Next
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,9 +82,11 @@ def inputs_for(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def contender_row(model: torch.nn.Module, inputs: dict[str, Any], device: torch.device, reps: int) -> dict:
-    # The labels are already shifted per document: the loss takes them as shift_labels.
-    kwargs = {k: v for k, v in inputs.items() if k != "labels"}
-    kwargs["shift_labels"] = inputs["labels"]
+    # packed_batches' labels are already shifted per document; HF's labels path shifts them itself, so both
+    # contenders get them moved one position right (the target of token t is then shifted[t], as generated).
+    shifted = inputs["labels"]
+    labels = torch.cat([torch.full_like(shifted[:, :1], -100), shifted[:, :-1]], dim=1)
+    kwargs = {**{k: v for k, v in inputs.items() if k != "labels"}, "labels": labels}
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -101,7 +109,22 @@ def contender_row(model: torch.nn.Module, inputs: dict[str, Any], device: torch.
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+@contextlib.contextmanager
+def hf_torch_reference(device: torch.device):
+    """Off CUDA: point transformers' Qwen3-Next module at its torch functions (the wrappers' ``__wrapped__``)."""
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn")
+    saved = {n: getattr(hf_modeling, n) for n in names}
+    if device.type != "cuda":
+        for name, fn in saved.items():
+            setattr(hf_modeling, name, getattr(fn, "__wrapped__", fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(hf_modeling, name, fn)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
@@ -110,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--min-doc", type=int, default=64, help="shortest document of the packed row")
+    parser.add_argument("--max-doc", type=int, default=None, help="longest document (default: tokens / 4)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = model_config(args)
-    batch = packed_batches(1, args.tokens, config.vocab_size, 64, max(65, args.tokens // 4), seed=0)[0]
+    max_doc = args.max_doc or max(args.min_doc, args.tokens // 4)
+    batch = packed_batches(1, args.tokens, config.vocab_size, args.min_doc, max_doc, seed=0)[0]
     inputs = inputs_for(batch, device)
     result: dict[str, Any] = {"env": environment(device), "args": vars(args), "config": config.to_diff_dict()}
     result["documents"] = len(batch["doc_lens"])
@@ -140,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 model.load_state_dict(state)
                 result["hf_experts_implementation"] = model.config._experts_implementation
             model.train()
-            rows[name] = contender_row(model, inputs, device, args.reps)
+            with hf_torch_reference(device):
+                rows[name] = contender_row(model, inputs, device, args.reps)
         except Exception as err:  # a failing contender is a result, not a crash
             rows[name] = {"error": error_text(err)}
         finally:
@@ -153,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         result["speedup_tokens_per_s"] = rows["veomni"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
     write_json(args.out, result)
     print({k: v for k, v in result.items() if k not in ("env", "config")})
-    return 0
+    return result
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
