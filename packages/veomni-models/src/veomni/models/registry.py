@@ -541,6 +541,20 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # Qwen3.5 text model (Gated DeltaNet hybrid, dense MLP); its VLM class is not adapted yet.
+    qwen3_5 = "veomni.models.qwen3_5.generated.patched_modeling_qwen3_5"
+    registry.register_config(
+        "qwen3_5_text", "transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5TextConfig"
+    )
+    registry.register_model(
+        "qwen3_5_text",
+        {
+            "causal_lm": f"{qwen3_5}:Qwen3_5ForCausalLM",
+            "base": f"{qwen3_5}:Qwen3_5TextModel",
+            "sequence_classification": f"{qwen3_5}:Qwen3_5TextForSequenceClassification",
+        },
+        fast_paths={"sp", "fused_kernels"},
+    )
 
 
 MODELS = ModelRegistry()

@@ -17,7 +17,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
+#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
 #   - add_import: from veomni.core.ep import ExpertPlan
 # ====================================================================================================
 
@@ -77,7 +77,7 @@ from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextCon
 from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
+from veomni.models.qwen3_next.gdn import gated_delta_net_train
 from veomni.core.ep import ExpertPlan
 
 
@@ -720,26 +720,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         )
         # [B, T, conv_dim] in the conv weight's channel order: all q heads, all k heads, all v heads.
         mixed_qkv = torch.cat([x.flatten(2) for x in (query, key, value)], dim=-1)
-        # Under Ulysses SP: the whole sequence of this rank's heads (and their conv rows); else the layer as is.
-        local = gdn_sequence_to_heads(self, mixed_qkv, b, a, kwargs.get("sp_unpadded_len"))
-        cu_seqlens = kwargs.get("cu_seq_lens_q")
-        mixed_qkv = kernels.get("causal_conv1d", "standard")(
-            local.mixed_qkv, local.conv_weight, None, activation=self.activation, cu_seqlens=cu_seqlens
-        )
-        num_k, num_v = local.num_k_heads, local.num_v_heads
-        query, key, value = torch.split(
-            mixed_qkv, [num_k * self.head_k_dim, num_k * self.head_k_dim, num_v * self.head_v_dim], dim=-1
-        )
-        lead = mixed_qkv.shape[:2]
-        query, key = query.reshape(*lead, num_k, self.head_k_dim), key.reshape(*lead, num_k, self.head_k_dim)
-        value = value.reshape(*lead, num_v, self.head_v_dim)
-        # fp32 so that exp(A_log) cannot overflow in fp16 (as upstream).
-        g = -local.a_log.float().exp() * F.softplus(local.a.float() + local.dt_bias)
-        core = kernels.get("gated_delta_rule", "chunk")(
-            query, key, value, g, local.b.sigmoid(), use_qk_l2norm=True, cu_seqlens=cu_seqlens
-        )
-        core = gdn_heads_to_sequence(self, core)  # [B, S/P, Hv, dv]
-        return self.out_proj(self.norm(core, z).flatten(2))
+        return gated_delta_net_train(self, kernels, mixed_qkv, z, b, a, kwargs)
 
 
 class Qwen3NextMLP(nn.Module):
