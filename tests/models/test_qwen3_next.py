@@ -2,8 +2,8 @@
 Gated DeltaNet state resets per document); Ulysses SP and EP on real gloo ranks equal one process.
 
 Upstream's Gated DeltaNet dispatches to flash-linear-attention whenever it is installed, and fla's kernels are
-CUDA-only: on CPU the `torch_fallback` fixture points upstream's module at its own torch functions (the
-``__wrapped__`` originals), which is what upstream computes without fla.
+CUDA-only; the upstream models here run on CPU tensors, so the `torch_fallback` fixture points upstream's module
+at its own torch functions (the ``__wrapped__`` originals), which is what upstream computes without fla.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ EAGER_OPS = dict(
 
 @pytest.fixture(autouse=True)
 def torch_fallback(monkeypatch):
-    if not torch.cuda.is_available():
-        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                     "causal_conv1d_update"):  # fmt: skip
-            fn = getattr(upstream_modeling, name)
-            monkeypatch.setattr(upstream_modeling, name, getattr(fn, "__wrapped__", fn))
+    # Every upstream model here runs on CPU tensors (also on a GPU host); the cuda test uses no upstream model.
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):  # fmt: skip
+        fn = getattr(upstream_modeling, name)
+        monkeypatch.setattr(upstream_modeling, name, getattr(fn, "__wrapped__", fn))
 
 
 def tiny_config(**overrides) -> Qwen3NextConfig:

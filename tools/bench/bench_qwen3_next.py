@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import environment, error_text, rel_err, release, timed_row, write_json  # noqa: E402
 from bench_e2e import packed_batches  # noqa: E402
 
-from veomni.kernels import OpsConfig  # noqa: E402
+from veomni.kernels import Hardware, OpsConfig, detect_hardware  # noqa: E402
 from veomni.models.kernel_hooks import apply_ops  # noqa: E402
 from veomni.models.qwen3_next.generated.patched_modeling_qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 
@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if name == "veomni":
                 model = Qwen3NextForCausalLM(copy.deepcopy(config)).to(device, dtype)
                 model.load_state_dict(state)
-                ops = OpsConfig(compile="off")
+                # Defaults for the device the step runs on (a CPU smoke on a GPU host gets the CPU defaults).
+                hardware = detect_hardware() if device.type == "cuda" else Hardware(device_type=device.type)
+                ops = OpsConfig(compile="off", hardware=hardware)
                 apply_ops(model, ops.for_compute_dtype(dtype))
                 result["veomni_ops"] = {f: getattr(ops, f) for f in ("attention", "gated_delta_rule",
                                         "causal_conv1d", "rms_norm_gated", "moe_experts", "rms_norm")}  # fmt: skip
