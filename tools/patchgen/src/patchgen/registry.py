@@ -17,6 +17,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.deepseek_v3.patch_config",
     "veomni.models.qwen3_next.patch_config",
     "veomni.models.qwen3_5.patch_config",
+    "veomni.models.qwen3_5_moe.patch_config",
 ]
 
 

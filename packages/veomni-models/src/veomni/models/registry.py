@@ -555,6 +555,16 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "fused_kernels"},
     )
+    # Qwen3.5-MoE text model: Qwen3.5's layers with routed + shared experts (EP); its VLM class is not adapted yet.
+    qwen3_5_moe = "veomni.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe"
+    registry.register_config(
+        "qwen3_5_moe_text", "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeTextConfig"
+    )
+    registry.register_model(
+        "qwen3_5_moe_text",
+        {"causal_lm": f"{qwen3_5_moe}:Qwen3_5MoeForCausalLM", "base": f"{qwen3_5_moe}:Qwen3_5MoeTextModel"},
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
 
 
 MODELS = ModelRegistry()

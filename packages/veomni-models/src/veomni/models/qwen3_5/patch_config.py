@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 from patchgen.config import PatchConfig
-from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream_modeling
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Cache,
     TransformersKwargs,
     Unpack,
     apply_mask_to_padding_states,
+)
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet,
 )
 
 from veomni.models.hf_masks import use_veomni_masks
@@ -36,7 +38,10 @@ config = PatchConfig(
     "dispatched through veomni's kernels",
 )
 use_veomni_masks(config, "create_causal_mask")
-config.add_import("from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream_modeling")
+# The upstream layer under a family-neutral name, so Qwen3.5-MoE reuses this override with its own class.
+config.add_import(
+    "from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet"
+)
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train")
 config.override_method("Qwen3_5RMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
@@ -70,7 +75,7 @@ def gated_delta_net_forward(
 ) -> torch.Tensor:
     kernels = getattr(self, "veomni_kernels", None)
     if kernels is None or cache_params is not None:
-        return upstream_modeling.Qwen3_5GatedDeltaNet.forward(
+        return UpstreamGatedDeltaNet.forward(
             self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
         )
     hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)

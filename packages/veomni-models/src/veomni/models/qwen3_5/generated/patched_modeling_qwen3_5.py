@@ -14,7 +14,7 @@
 #   - override_method Qwen3_5GatedDeltaNet.forward: training: gated_delta_net_train (conv + delta-rule kernels with cu_seq_lens_q, Ulysses SP over heads); generation (a cache) or no kernels: upstream's forward
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream_modeling
+#   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
 # ====================================================================================================
@@ -98,7 +98,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import (
     Qwen3_5VisionConfig,
 )
 from veomni.models.hf_masks import create_causal_mask
-from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream_modeling
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
 
@@ -596,7 +596,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         kernels = getattr(self, "veomni_kernels", None)
         if kernels is None or cache_params is not None:
-            return upstream_modeling.Qwen3_5GatedDeltaNet.forward(
+            return UpstreamGatedDeltaNet.forward(
                 self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
             )
         hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
