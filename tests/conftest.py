@@ -31,9 +31,28 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here rather than in pyproject's marker list: the npu marker mirrors `cuda` for Ascend runners.
+    config.addinivalue_line("markers", "npu: needs an Ascend NPU and torch_npu (skipped without them)")
+
+
+def _npu_available() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return torch.npu.is_available()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = gpu_count()
+    npu = any(item.get_closest_marker("npu") for item in items) and _npu_available()
     for item in items:
+        if item.get_closest_marker("npu") and not npu:
+            item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
         if "cuda" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "triton_cpu" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,4 +1,5 @@
-"""Smoke and parity test of tools/bench/bench_vlm.py on CPU: a tiny Qwen3-VL, veomni against plain HF.
+"""Smoke and parity test of tools/bench/bench_vlm.py on CPU: a tiny Qwen3-VL and a tiny Qwen2.5-VL (windowed ViT,
+the window layout from the collator for veomni), veomni against plain HF.
 
 Every contender loads the same saved weights and trains on the same mixed image/text packed rows; in fp32 the
 losses and grad norms must agree step for step, which checks that the benchmark feeds both sides the same
@@ -40,9 +41,12 @@ def test_rows_are_full_and_placeholders_match_the_grids():
 
 
 @pytest.mark.slow
-def test_fp32_contenders_match_step_for_step(tmp_path):
+@pytest.mark.parametrize("model", ["qwen3_vl_2b", "qwen2_5_vl_7b"])
+def test_fp32_contenders_match_step_for_step(tmp_path, model):
     out = tmp_path / "vlm.json"
     args = [
+        "--model",
+        model,
         "--tiny",
         "--seq-len",
         "600",
@@ -59,6 +63,7 @@ def test_fp32_contenders_match_step_for_step(tmp_path):
     result = json.loads(out.read_text())
     runs = result["contenders"]
     assert sum(result["data"]["images_per_micro_batch"]) > 0
+    assert result["model"] == f"tiny {model} (smoke)"
     for r in runs.values():
         assert "error" not in r, r.get("error")
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])

@@ -106,15 +106,17 @@ def test_hf_backend_trains_under_fsdp2_and_refuses_sp(dist_pools, tmp_path, worl
 
 
 def _fallback_vlm_under_sp(ctx) -> str | None:
-    from transformers import Qwen2VLConfig
+    from transformers import LlavaConfig
 
     from veomni.kernels import OpsConfig
 
+    # An unregistered VLM (qwen2_vl is registered with veomni now, with its own ViT SP).
     state = build_parallel_state(ParallelDims(dp_shard=1, sp=ctx.world_size), ctx.device_type)
-    config = Qwen2VLConfig(
-        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                     "num_attention_heads": 2, "num_key_value_heads": 2},
-        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2},
+    config = LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 8, "patch_size": 4},
     )  # fmt: skip
     try:
         build_model(config, ops=OpsConfig(), parallel_state=state, task="image_text_to_text")
@@ -126,5 +128,5 @@ def _fallback_vlm_under_sp(ctx) -> str | None:
 @pytest.mark.parametrize("world_size, backend", backend_params(2))
 def test_a_fallback_vlm_is_refused_under_sp(dist_pools, world_size, backend):
     for error in dist_pools.get(world_size, backend).run(_fallback_vlm_under_sp):
-        assert error is not None and "Qwen2VLForConditionalGeneration" in error
+        assert error is not None and "LlavaForConditionalGeneration" in error
         assert "does not support Ulysses sequence parallelism" in error and "sp=2" in error

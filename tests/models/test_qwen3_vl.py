@@ -178,6 +178,11 @@ def test_images_videos_and_text_only_match_upstream(rows):
             {"attention": "sdpa", "rms_norm": "torch", "cross_entropy": "triton"},
             marks=pytest.mark.triton_cpu,
         ),
+        # The tower's 2-D RoPE through the rope_vision registry op; the portable chunked CE.
+        pytest.param(
+            {"attention": "sdpa", "rope_vision": "triton", "cross_entropy": "chunk_loss"},
+            marks=pytest.mark.triton_cpu,
+        ),
     ],
     ids=lambda ops: "+".join(f"{k}={v}" for k, v in ops.items()),
 )

@@ -106,16 +106,18 @@ def test_processors_by_class_name():
 
 def test_tasks_cover_the_recipe_modalities():
     assert {"causal_lm", "image_text_to_text", "any_to_any", "diffusion_transformer"} <= set(TASKS)
-    from transformers import Qwen2_5OmniThinkerConfig, Qwen2VLConfig
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    from transformers import LlavaConfig, Qwen2_5OmniThinkerConfig
+    from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
+
+    from veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni import (
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 
     thinker = MODELS.model_class(Qwen2_5OmniThinkerConfig(), "any_to_any")
-    assert thinker.cls is Qwen2_5OmniThinkerForConditionalGeneration and not thinker.registered
-    assert MODELS.model_class(Qwen2VLConfig(), "image_text_to_text").cls is Qwen2VLForConditionalGeneration
-    assert {"any_to_any", "image_text_to_text"} <= set(MODELS.supported_tasks(Qwen2VLConfig()))
+    assert thinker.cls is Qwen2_5OmniThinkerForConditionalGeneration and thinker.registered
+    # An unregistered VLM falls back to transformers' image-text-to-text class (qwen2_vl is registered now).
+    assert MODELS.model_class(LlavaConfig(), "image_text_to_text").cls is LlavaForConditionalGeneration
+    assert {"any_to_any", "image_text_to_text"} <= set(MODELS.supported_tasks(LlavaConfig()))
 
 
 def test_a_task_the_model_lacks_is_an_error_naming_its_tasks():
@@ -205,7 +207,7 @@ def test_diffusers_entries_name_the_missing_package(tmp_path):
 def test_the_auto_fallback_grants_sp_to_text_decoders_only():
     """A composite's vision tower calls attention per image on unsliced data: under SP it would be taken for a
     sequence shard, so a fallback VLM must not claim the SP fast path (build_model then refuses sp > 1)."""
-    from transformers import Qwen2VLConfig
+    from transformers import LlavaConfig
 
     assert "sp" in MODELS.model_class(MistralConfig(), "causal_lm").fast_paths
-    assert "sp" not in MODELS.model_class(Qwen2VLConfig(), "image_text_to_text").fast_paths
+    assert "sp" not in MODELS.model_class(LlavaConfig(), "image_text_to_text").fast_paths

@@ -55,6 +55,14 @@ def test_doctor_reports_backends_and_why_not():
     text = report()
     assert "kernel backends on" in text and "torch" in text
     assert "moe_experts" in text and "cross_entropy" in text
+    # Every backend with its variants, NPU acceptance and the reason it cannot run here (NPU and QuACK included).
+    quack = next(line for line in text.splitlines() if " cross_entropy " in line and " quack " in line)
+    assert "npu:no" in quack and "[causal,seq_cls]" in quack and ("unavailable: " in quack or quack.endswith(" ok"))
+    npu = next(line for line in text.splitlines() if " rms_norm " in line and " npu " in line)
+    assert "npu:ok" in npu
+    if "kernel backends on npu" not in text:
+        assert "unavailable: rms_norm/standard on 'npu' needs npu" in npu
+    assert "defaults here: attention=" in text
 
 
 def test_veomni_train_under_torchrun_on_two_cpu_ranks(tmp_path):

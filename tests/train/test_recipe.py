@@ -122,6 +122,8 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["model"]["param_dtype"] = draw(st.sampled_from(["float32", raw["model"]["dtype"]]))
     if not raw["parallel"]["activation_checkpointing"]:
         raw["parallel"]["ac_keep_attention"] = False  # it chooses what checkpointing keeps
+    if (raw["parallel"]["sp"] or 1) < 2:
+        raw["parallel"]["async_ulysses"] = False  # it overlaps the Ulysses exchange
     kept, other = draw(st.sampled_from([("steps", "epochs"), ("epochs", "steps")]))
     raw["train"][kept], raw["train"][other] = draw(st.integers(1, 10_000)), None
     if raw["train"]["eval_interval"] is None:
@@ -165,6 +167,7 @@ COUPLED = [
     {"data.eval_files", "train.eval_interval"},
     {"model.dtype", "model.param_dtype"},
     {"parallel.activation_checkpointing", "parallel.ac_keep_attention"},
+    {"parallel.sp", "parallel.async_ulysses"},
     {"model.config", "model.config_overrides", "model.weights", "model.tokenizer"},
 ]
 

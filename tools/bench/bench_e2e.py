@@ -140,7 +140,11 @@ def packed_batches(
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """``batch`` with its tensors (also those of nested dicts, e.g. ``vision_metadata``) on ``device``."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor) else _to(v, device) if isinstance(v, dict) else v
+        for k, v in batch.items()
+    }
 
 
 def _free(device: torch.device) -> None:

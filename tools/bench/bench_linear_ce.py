@@ -1,4 +1,5 @@
-"""LM head + cross-entropy fwd+bwd (T3): veomni's fused Triton kernel vs Liger vs eager, side by side, JSON out.
+"""LM head + cross-entropy fwd+bwd (T3): veomni's fused Triton kernel vs our portable chunk_loss vs Liger vs QuACK
+(when installed) vs eager, side by side, JSON out.
 
     python tools/bench/bench_linear_ce.py --out results.json [--sweep] [--configs] [--floor]
 
@@ -24,14 +25,42 @@ from collections.abc import Callable
 import torch
 import triton
 
-from veomni.kernels.cross_entropy import eager, triton_impl
+from veomni.kernels.cross_entropy import chunked, eager, triton_impl
 
 T3 = (16_384, 2048, 151_936)
 SWEEP = [(t, 2048, v) for v in (32_000, 151_936) for t in (4096, 16_384, 32_768)]
 
 
+def compiled_chunked_ce(chunks: int = 8) -> Callable:
+    """The peer of BENCHMARKS.md's T3 row: plain torch, the tokens in ``chunks`` pieces, each piece's LM head +
+    CE one ``torch.compile``d function (inductor fuses the fp32 upcast, log-softmax and gather; each piece keeps
+    its logits for backward). Returns ``(loss_sum, valid_count)`` like the registry's functions."""
+    import torch.nn.functional as F
+
+    @torch.compile(fullgraph=True)
+    def piece(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100, reduction="sum")
+
+    def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        losses = [piece(hc, w, yc) for hc, yc in zip(h.chunk(chunks), y.chunk(chunks), strict=True)]
+        return torch.stack(losses).sum(), (y != -100).sum()
+
+    return fn
+
+
 def _impls() -> dict[str, Callable]:
-    impls = {"triton": triton_impl.causal_lm_cross_entropy, "eager": eager.causal_lm_cross_entropy}
+    impls = {
+        "triton": triton_impl.causal_lm_cross_entropy,
+        "chunk_loss": chunked.causal_lm_cross_entropy,
+        "torch_compiled_8_chunks": compiled_chunked_ce(8),
+        "eager": eager.causal_lm_cross_entropy,
+    }
+    try:  # optional (veomni-kernels[quack], sm_90+)
+        from veomni.kernels import quack_backend
+
+        impls["quack"] = quack_backend.causal_lm_cross_entropy
+    except ImportError as err:
+        print(f"quack unavailable: {err}", file=sys.stderr)
     try:
         from veomni.kernels.cross_entropy import liger_impl
 

@@ -112,6 +112,12 @@ def implementations(shape: dict, inp: dict, with_eager: bool) -> dict:
         "veomni_triton": (moe_experts_routed_triton, None),
         "veomni_torch": (moe_experts_routed_torch, None),
     }
+    try:  # optional (veomni-kernels[quack], sm_90+): quack's varlen GEMM in our routing
+        from veomni.kernels.quack_backend import moe_experts_routed as moe_experts_routed_quack
+
+        impls["veomni_quack"] = (moe_experts_routed_quack, None)
+    except ImportError as err:
+        impls["veomni_quack"] = (None, f"ImportError: {err}"[:300])
     names = ["grouped_mm"] + (["eager"] if with_eager else [])
     for name in names:
         try:

@@ -45,6 +45,16 @@ def _liger() -> tuple[object | None, str]:
     return fn, md.version("liger-kernel")
 
 
+def _quack() -> object | None:
+    # Optional contender (veomni-kernels[quack], sm_90+): our registered quack backend, so its wrapper is timed too.
+    try:
+        from veomni.kernels import quack_backend
+    except ImportError as exc:
+        print(f"quack unavailable: {exc}", file=sys.stderr)
+        return None
+    return quack_backend.rms_norm_standard
+
+
 def _impls() -> tuple[dict[str, object], str]:
     liger, liger_note = _liger()
     impls = {
@@ -53,6 +63,7 @@ def _impls() -> tuple[dict[str, object], str]:
         "torch_F.rms_norm": lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps),
         "liger": liger,
         "veomni_triton": triton_impl.rms_norm_standard,
+        "quack": _quack(),
     }
     return {k: v for k, v in impls.items() if v is not None}, liger_note
 

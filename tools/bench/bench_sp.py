@@ -95,7 +95,8 @@ def make_recipe(args: argparse.Namespace, sp: int, max_len: int, world: int) -> 
                               dtype="bfloat16" if args.precision == "bf16" else "float32"),
         data=rc.DataSection(train_files=(SYNTHETIC,), max_seq_len=max_len, num_workers=0),
         parallel=rc.ParallelSection(sp=sp, activation_checkpointing=args.ac,
-                                    reshard_after_forward=not args.no_reshard),
+                                    reshard_after_forward=not args.no_reshard,
+                                    async_ulysses=args.async_ulysses and sp > 1),
         ops=rc.OpsSection(**args.ops),
         optim=rc.OptimSection(lr=args.lr, weight_decay=args.weight_decay, schedule="constant",
                               max_grad_norm=args.max_grad_norm),
@@ -317,6 +318,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--ops", default="", help="OpsConfig overrides, e.g. attention=flash_attn_3,rope=eager")
     add("--no-ac", dest="ac", action="store_false", help="turn activation checkpointing off")
     add("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
+    add("--async-ulysses", action="store_true",
+        help="parallel.async_ulysses on the SP > 1 configurations (projections overlap the exchange)")
     add("--same-data", action="store_true", help="every dp rank trains dp rank 0's document (parity check)")
     add("--seed", type=int, default=0, help="initial weights and data")
     add("--lr", type=float, default=1e-5)

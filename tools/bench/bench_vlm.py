@@ -1,8 +1,16 @@
 """Vision-language training steps (T8): veomni against HF transformers (SDPA) and HF + Liger on a Qwen3-VL-2B-class
-model with mixed image/text packed micro-batches, side by side in one process, JSON out.
+(or, with ``--model qwen2_5_vl_7b``, a Qwen2.5-VL-7B-class) model with mixed image/text packed micro-batches, side by
+side in one process, JSON out.
 
     python3 tools/bench/bench_vlm.py --out vlm.json [--contenders veomni,veomni_plain,hf,hf_liger] [--seq-len 8192]
     python3 tools/bench/bench_vlm.py --out smoke.json --tiny --seq-len 256 --steps 2 --warmup 1   # CPU smoke
+    python3 tools/bench/bench_vlm.py --model qwen2_5_vl_7b --out vlm25.json --hf-master bf16 --precision bf16
+
+Qwen2.5-VL-7B (``--model qwen2_5_vl_7b``): the published architecture (a 32-block windowed ViT of width 1280, patch
+14, windows of 112 pixels with full attention at blocks 7/15/23/31; a 28-layer Qwen2 text model of width 3584);
+veomni gets the window layout from the collator (`veomni.models.qwen2_5_vl.window.WindowIndex`, the trainer's
+path), HF computes it in every forward. 8.3B parameters: on one 80 GB GPU only bf16 parameters and AdamW state
+fit (``--hf-master bf16 --precision bf16`` for every contender), with ``--ac all`` (HF) / ``veomni`` for activations.
 
 Model: Qwen3-VL-2B-Instruct's published architecture (written inline, nothing downloaded; 24-block ViT of width
 1024 with deepstack at blocks 5/11/17, a 28-layer Qwen3 text model of width 2048), initialised once by plain
@@ -47,8 +55,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
 
+from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.train.data.encode import Sample
 from veomni.train.data.multimodal import MediaSample, collate_multimodal
@@ -100,14 +109,51 @@ TINY: dict[str, Any] = {
     "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
     "tie_word_embeddings": True,
 }  # fmt: skip
-# (height, width) in pixels; patch 16 and merge 2 make h*w/1024 tokens each.
+# Qwen2.5-VL-7B-Instruct's architecture (the published config.json, token ids included).
+QWEN2_5_VL_7B: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 152_064, "hidden_size": 3584, "intermediate_size": 18_944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128_000,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
+        "bos_token_id": 151_643, "eos_token_id": 151_645,
+    },
+    "vision_config": {
+        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584,
+        "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "hidden_act": "silu", "in_channels": 3,
+    },
+    "image_token_id": 151_655, "video_token_id": 151_656, "vision_start_token_id": 151_652,
+    "vision_end_token_id": 151_653, "tie_word_embeddings": False,
+}  # fmt: skip
+TINY_2_5: dict[str, Any] = {
+    "text_config": QWEN2_5_VL_7B["text_config"] | {
+        "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "vision_config": QWEN2_5_VL_7B["vision_config"] | {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64,
+        "patch_size": 16, "window_size": 64, "fullatt_block_indexes": [1],
+    },
+    "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
+}  # fmt: skip
+# --model -> (config class, full config, tiny config, label).
+MODELS = {
+    "qwen3_vl_2b": (Qwen3VLConfig, QWEN3_VL_2B, TINY, "Qwen3-VL-2B architecture"),
+    "qwen2_5_vl_7b": (Qwen2_5_VLConfig, QWEN2_5_VL_7B, TINY_2_5, "Qwen2.5-VL-7B architecture"),
+}
+# (height, width) in pixels, multiples of 16 * 2 and of 14 * 2: patch 16 (Qwen3-VL) and merge 2 make h*w/1024
+# tokens each, patch 14 (Qwen2.5-VL) h*w/784.
 IMAGE_SIZES = ((448, 448), (448, 672), (672, 448), (672, 672), (896, 672))
 TINY_IMAGE_SIZES = ((64, 64), (64, 96), (96, 64))
 
 
-def vlm_config(tiny: bool) -> Qwen3VLConfig:
-    """Qwen3-VL-2B's config (or the tiny smoke config), KV cache off as in training."""
-    config = Qwen3VLConfig(**(TINY if tiny else QWEN3_VL_2B))
+def vlm_config(tiny: bool, model: str = "qwen3_vl_2b") -> Qwen3VLConfig | Qwen2_5_VLConfig:
+    """``model``'s config (`MODELS`; or its tiny smoke config), KV cache off as in training."""
+    cls, full, small, _ = MODELS[model]
+    config = cls(**(small if tiny else full))
     config.text_config.use_cache = False
     return config
 
@@ -187,7 +233,10 @@ def packed_vlm_batches(
     rng = np.random.default_rng(seed)
     vision = config.vision_config
     width = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    # Image positions are the same rule for Qwen2.5-VL and Qwen3-VL (t = 1); Qwen2.5-VL's tower also gets its window
+    # layout from the collator, as in the trainer.
     positions = Qwen3VLPositions(int(config.image_token_id), int(vision.spatial_merge_size))
+    vision_metadata = WindowIndex.from_config(vision) if config.model_type == "qwen2_5_vl" else None
     batches, index = [], 0
     for _ in range(count):
         samples: list[Sample] = []
@@ -204,7 +253,7 @@ def packed_vlm_batches(
             samples.append(sample)
             used += len(sample.input_ids)
             index += 1
-        batch = collate_multimodal(samples, pad_id=0)
+        batch = collate_multimodal(samples, pad_id=0, vision_metadata=vision_metadata)
         batch["doc_lens"] = [len(s.input_ids) for s in samples]
         batch["num_valid"] = int((batch["labels"] != IGNORE_INDEX).sum())
         batch["images"] = sum(len(s.media.image_grid_thw) for s in samples)
@@ -224,7 +273,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="veomni,veomni_plain,hf,hf_liger",
         help=f"comma-separated subset of {CONTENDERS}",
     )
-    add("--tiny", action="store_true", help="a tiny Qwen3-VL instead of the 2B architecture (CPU smoke)")
+    add("--model", choices=sorted(MODELS), default="qwen3_vl_2b", help="the architecture to train")
+    add("--tiny", action="store_true", help="a tiny model of --model's family instead (CPU smoke)")
     add("--seq-len", type=int, default=8192, help="tokens per packed micro-batch row")
     add("--image-fraction", type=float, default=0.6, help="probability that a drawn sample has an image")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -285,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    config = vlm_config(args.tiny)
+    config = vlm_config(args.tiny, args.model)
     with torch.device("meta"):
         probe = AutoModelForImageTextToText.from_config(config)
     task = VlmTask.for_model(probe)
@@ -335,8 +385,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },  # fmt: skip
-        "model": "tiny Qwen3-VL (smoke)" if args.tiny else "Qwen3-VL-2B architecture",
-        "config": TINY if args.tiny else QWEN3_VL_2B,
+        "model": f"tiny {args.model} (smoke)" if args.tiny else MODELS[args.model][3],
+        "config": MODELS[args.model][2 if args.tiny else 1],
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "data": {
             "tokens_per_step": args.seq_len * args.grad_accum,

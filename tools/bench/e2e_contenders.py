@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from veomni.core.clip import clip_grad_norm
 from veomni.core.compile import CompileStats, compile_stats
 from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
 from veomni.core.master_weights import apply_master_weights, master_weights_of
@@ -34,7 +33,7 @@ from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.registry import MODELS
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import model_inputs
-from veomni.train.optim import build_adamw, param_groups
+from veomni.train.optim import build_adamw, clip_and_step, param_groups
 
 # ---------------------------------------------------------------- contenders
 
@@ -68,7 +67,11 @@ LIGER_PATCHES = {
     "qwen3": ("apply_liger_kernel_to_qwen3", {"rope": True, "rms_norm": True, "swiglu": True}),
     # Liger 0.8.5 has no SwiGLU patch for Qwen3-VL's text MLP.
     "qwen3_vl": ("apply_liger_kernel_to_qwen3_vl", {"rope": True, "rms_norm": True}),
+    "qwen2_5_vl": ("apply_liger_kernel_to_qwen2_5_vl", {"rope": True, "rms_norm": True, "swiglu": True}),
 }
+# Liger's VL fused-linear-CE forwards read ``outputs.rope_deltas``, which transformers 5.23 no longer returns: for
+# these the fused linear CE runs through `_liger_vl_forward` instead.
+LIGER_LCE_BY_HAND = ("qwen3_vl", "qwen2_5_vl")
 # Batch keys a vision-language forward takes besides the packed text inputs (None when the micro-batch has none).
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 
@@ -76,6 +79,13 @@ VISION_KEYS = ("pixel_values", "image_grid_thw")
 def vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The vision tensors of ``batch`` (empty for a text batch)."""
     return {k: batch[k] for k in VISION_KEYS if k in batch}
+
+
+def veomni_vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """`vision_inputs` plus the collator's ``vision_metadata`` (the tower's window layout), which veomni's models
+    take precomputed as the trainer gives it; HF's compute theirs in the forward."""
+    extra = {"vision_metadata": batch["vision_metadata"]} if batch.get("vision_metadata") is not None else {}
+    return {**vision_inputs(batch), **extra}
 
 
 class Contender:
@@ -195,15 +205,14 @@ class Veomni(Contender):
             if self.fsdp:
                 set_grad_sync(self.model, is_last_microstep=i == len(micro_batches) - 1)
             kwargs = {
-                **model_inputs(batch), **vision_inputs(batch), "shift_labels": batch["labels"],
+                **model_inputs(batch), **veomni_vision_inputs(batch), "shift_labels": batch["labels"],
                 "num_items_in_batch": num_items, "use_cache": False,
             }  # fmt: skip
             if self.graphs is not None:
                 loss_sum += self.graphs(static_packing(kwargs), world).float()
             else:
                 loss_sum += self._forward_backward(kwargs, world).float()
-        norm = clip_grad_norm(self.trained, self.s.max_grad_norm, self.state)
-        self.optimizer.step()
+        norm = clip_and_step(self.optimizer, self.trained, self.s.max_grad_norm, self.state)
         if self.masters is not None:
             self.masters.push()
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
@@ -232,7 +241,7 @@ class HF(Contender):
             patch_name, kernels = LIGER_PATCHES[self.model.config.model_type]
             # Liger 0.8.5's Qwen3-VL fused-linear-CE forward reads ``outputs.rope_deltas``, which transformers
             # 5.23's Qwen3VLModel no longer returns: patch its kernels, and run its fused linear CE ourselves.
-            by_hand = self.model.config.model_type == "qwen3_vl"
+            by_hand = self.model.config.model_type in LIGER_LCE_BY_HAND
             getattr(liger_transformers, patch_name)(
                 **kernels, cross_entropy=False, fused_linear_cross_entropy=not by_hand, model=self.model
             )
@@ -373,15 +382,14 @@ class VeomniPlain(Contender):
         loss_sum = torch.zeros((), device=self.s.device)
         for batch in micro_batches:
             kwargs = {
-                **model_inputs(batch), **vision_inputs(batch), "shift_labels": batch["labels"],
+                **model_inputs(batch), **veomni_vision_inputs(batch), "shift_labels": batch["labels"],
                 "num_items_in_batch": num_items, "use_cache": False,
             }  # fmt: skip
             if self.graphs is not None:
                 loss_sum += self.graphs(static_packing(kwargs)).float()
             else:
                 loss_sum += self._forward_backward(kwargs).float()
-        norm = clip_grad_norm(self.model, self.s.max_grad_norm, self.state)
-        self.optimizer.step()
+        norm = clip_and_step(self.optimizer, self.model, self.s.max_grad_norm, self.state)
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return loss_sum, norm
 

@@ -87,6 +87,7 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
+    scale_gradients: bool = True,
 ) -> Tensor:
     """Clip gradients in place to a global norm of ``max_norm``; return the global norm before clipping.
 
@@ -106,6 +107,8 @@ def clip_grad_norm(
         state: the parallel state the model was sharded with.
         norm_type: p > 0, or ``inf`` (max-abs, combined with MAX reductions).
         error_if_nonfinite: raise ``RuntimeError`` (on every rank alike) if the norm is nan or inf.
+        scale_gradients: False computes the norm only; the caller applies `clip_coefficient` itself (e.g.
+            inside a fused optimizer's ``grad_scale``, saving a pass over the gradients).
 
     Returns:
         The global norm, a 0-dim fp32 tensor on ``state.device``, identical on every rank.
@@ -161,7 +164,9 @@ def clip_grad_norm(
             f"clip_grad_norm: the total {p}-norm of the gradients is non-finite ({total.item()})"
         )
 
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if not scale_gradients:
+        return total
+    coef = clip_coefficient(total, max_norm)
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensors in buckets.values():
         for t in tensors:
@@ -172,3 +177,8 @@ def clip_grad_norm(
         # as each product is anyway.
         torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
     return total
+
+
+def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``: what `clip_grad_norm` multiplies every gradient by (0-d fp32)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -19,6 +19,8 @@ NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
 GROUPED_MM = Requirement(device_types=("cpu", "cuda"), min_capability=(9, 0))
 FLASH_2 = Requirement(device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",))
 FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
+# quack-kernels (CuTe-DSL): Hopper and newer; the import name is `quack`.
+QUACK = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("quack",))
 FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
 FLA = Requirement(device_types=("cuda",), packages=("fla",))
 
@@ -77,6 +79,35 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("attention", "default", "flash_attn_2", f"{_K}.attention.external:flash_attn_2", FLASH_2),
     ("attention", "default", "flash_attn_3", f"{_K}.attention.external:flash_attn_3", FLASH_3),
     ("attention", "default", "flash_attn_4", f"{_K}.attention.external:flash_attn_4", FLASH_4),
+    # Vision towers' 2-D rotary on packed [S, H, D] tokens, and the language model's multimodal rotary (M-RoPE).
+    ("rope_vision", "full", "eager", f"{_K}.rope.multimodal:apply_rope_vision_eager", ANYWHERE),
+    ("rope_vision", "full", "triton", f"{_K}.rope.multimodal_triton:apply_rope_vision_triton", TRITON),
+    ("rope", "mrope", "eager", f"{_K}.rope.multimodal:apply_mrope_eager", ANYWHERE),
+    ("rope", "mrope", "triton", f"{_K}.rope.multimodal_triton:apply_mrope_triton", TRITON),
+    # Portable token-chunked linear CE (plain torch): the NPU default, and runnable anywhere.
+    ("cross_entropy", "causal", "chunk_loss", f"{_K}.cross_entropy.chunked:causal_lm_cross_entropy", ANYWHERE),
+    ("cross_entropy", "seq_cls", "chunk_loss", f"{_K}.cross_entropy.chunked:sequence_classification_cross_entropy", ANYWHERE),
+    # QuACK (optional extra, sm_90+): RMSNorm, fused linear CE and the experts' grouped GEMM (quack_backend.py).
+    ("rms_norm", "standard", "quack", f"{_K}.quack_backend:rms_norm_standard", QUACK),
+    ("rms_norm", "offset", "quack", f"{_K}.quack_backend:rms_norm_offset", QUACK),
+    ("rms_norm", "unweighted", "quack", f"{_K}.quack_backend:rms_norm_unweighted", QUACK),
+    ("rms_norm", "residual", "quack", f"{_K}.quack_backend:fused_add_rms_norm", QUACK),
+    ("cross_entropy", "causal", "quack", f"{_K}.quack_backend:causal_lm_cross_entropy", QUACK),
+    ("cross_entropy", "seq_cls", "quack", f"{_K}.quack_backend:sequence_classification_cross_entropy", QUACK),
+    ("moe_experts", "routed", "quack", f"{_K}.quack_backend:moe_experts_routed", QUACK),
+    ("moe_experts", "grouped", "quack", f"{_K}.quack_backend:moe_experts_grouped", QUACK),
+    # Ascend NPU through torch_npu (npu_backend.py); parity tests are marked `npu`.
+    ("rms_norm", "standard", "npu", f"{_K}.npu_backend:rms_norm_standard", NPU),
+    ("rms_norm", "offset", "npu", f"{_K}.npu_backend:rms_norm_offset", NPU),
+    ("rms_norm", "unweighted", "npu", f"{_K}.npu_backend:rms_norm_unweighted", NPU),
+    ("rms_norm", "residual", "npu", f"{_K}.npu_backend:fused_add_rms_norm", NPU),
+    ("rope", "full", "npu", f"{_K}.npu_backend:apply_rope", NPU),
+    ("rope", "partial", "npu", f"{_K}.npu_backend:apply_rope", NPU),
+    ("rope", "mrope", "npu", f"{_K}.npu_backend:apply_mrope", NPU),
+    ("rope_vision", "full", "npu", f"{_K}.npu_backend:apply_rope_vision", NPU),
+    ("attention", "default", "npu", f"{_K}.npu_backend:attention", NPU),
+    ("moe_experts", "routed", "npu", f"{_K}.npu_backend:moe_experts_routed", NPU),
+    ("moe_experts", "grouped", "npu", f"{_K}.npu_backend:moe_experts_grouped", NPU),
     ("gated_delta_rule", "chunk", "eager", f"{_K}.linear_attention.eager:gated_delta_rule_eager", ANYWHERE),
     ("gated_delta_rule", "chunk", "fla", f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla", FLA),
     ("causal_conv1d", "standard", "eager", f"{_K}.linear_attention.eager:causal_conv1d_eager", ANYWHERE),
@@ -95,18 +126,6 @@ def _importer(target: str) -> KernelFn:
     return factory
 
 
-def _npu_unavailable(op: str, variant: str) -> KernelFn:
-    def factory() -> KernelFn:
-        # Only reachable when torch_npu imports (the requirement checks it), and veomni ships no NPU kernels
-        # yet: say so instead of running something else.
-        raise NotImplementedError(
-            f"{op}/{variant} on 'npu' is declared for config validation, but veomni ships no torch_npu kernel "
-            "for it yet; choose 'eager'"
-        )
-
-    return factory
-
-
 def _capabilities(op: str, backend: str) -> frozenset[str]:
     # Attention features live next to the kernels that check them (attention/features.py, torch only).
     if op != "attention":
@@ -117,13 +136,7 @@ def _capabilities(op: str, backend: str) -> frozenset[str]:
 
 
 def register_builtin() -> None:
-    """Register every row of `BUILTIN`, plus an ``npu`` declaration for each op that has one in its defaults."""
+    """Register every row of `BUILTIN`."""
     for op, variant, backend, target, requires in BUILTIN:
         caps = _capabilities(op, backend)
         KERNELS.register(op, variant, backend, _importer(target), requires, description=target, capabilities=caps)
-    for op, variant in sorted({(op, variant) for op, variant, *_ in BUILTIN}):
-        if op in _NPU_DECLARED:
-            KERNELS.register(op, variant, "npu", _npu_unavailable(op, variant), NPU, description="torch_npu")
-
-
-_NPU_DECLARED = ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")

@@ -9,6 +9,7 @@ Allowed values come from the registry, so third-party backends become valid by r
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -17,19 +18,23 @@ import torch
 from veomni.kernels.hardware import Hardware, detect_hardware
 from veomni.kernels.registry import KERNELS, KernelFn, KernelRegistry
 
+logger = logging.getLogger(__name__)
+
 # Per op, the default backend on each device type. Every OpsConfig field has a row (a test enforces it); a
 # default that the hardware cannot run (a missing package, say) falls back to `FALLBACK_BACKENDS` (attention:
 # sdpa) or "eager", the reference. CUDA attention defaults to varlen (torch's flash varlen kernel): packed rows
 # and vision towers attend per document/image instead of through an [S, S] mask (1.9x a Qwen3-VL step, see
 # docs/benchmarks.md); it runs bf16/fp16 only, so `OpsConfig.for_compute_dtype` makes an fp32 model use sdpa.
+# NPU column = the reference's Ascend table: torch_npu kernels where one exists, the portable chunk_loss CE, and an
+# explicit eager pin for SwiGLU and the load-balancing loss (no NPU kernel; eager is what the reference runs).
 DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "attention": {"cuda": "varlen", "npu": "npu", "cpu": "sdpa"},
-    "cross_entropy": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
+    "cross_entropy": {"cuda": "triton", "npu": "chunk_loss", "cpu": "eager"},
     "rms_norm": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rope": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
-    "rope_vision": {"cuda": "eager", "npu": "eager", "cpu": "eager"},
-    "swiglu": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
-    "moe_experts": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
+    "rope_vision": {"cuda": "eager", "npu": "npu", "cpu": "eager"},
+    "swiglu": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
+    "moe_experts": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
     # Gated DeltaNet ops (Qwen3-Next, Qwen3.5): flash-linear-attention's kernels when the [fla] extra is there.
     "gated_delta_rule": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
@@ -44,8 +49,8 @@ FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
 COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {"rms_norm": "eager", "rope": "eager", "swiglu": "eager"}
 # Attention backends that take bf16/fp16 inputs only.
 HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"})
-# The registry op that each field selects for (rope_vision shares the rope kernels' registry entries).
-FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS} | {"rope_vision": "rope"}
+# The registry op that each field selects for (one op per field).
+FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS}
 
 
 def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -204,13 +209,31 @@ def op_fields() -> list[str]:
 _NOT_BACKENDS = ("compile", "hardware", "registry", "defaulted")
 
 
+def npu_backends(field: str, registry: KernelRegistry = KERNELS) -> list[str]:
+    """The backends of ``field`` allowed on an Ascend NPU: those whose every variant declares ``npu`` among its
+    device types (eager and plain-torch ones included; CUDA/Triton ones never). The reference's NPU allow-list,
+    derived from the registry so a third-party NPU backend becomes allowed by registering."""
+    op = FIELD_OPS[field]
+    specs = [s for s in registry.specs() if s.op == op]
+    return sorted(
+        b for b in registry.backends(op) if all("npu" in s.requires.device_types for s in specs if s.backend == b)
+    )
+
+
 def _default_backend(field: str, hw: Hardware, registry: KernelRegistry) -> str:
     op = FIELD_OPS[field]
     preferred = DEFAULT_BACKENDS[field][hw.device_type]
-    if registry.backend_problem(op, preferred, hw) is None:
+    problem = registry.backend_problem(op, preferred, hw)
+    if problem is None:
         return preferred
     fallback = FALLBACK_BACKENDS.get(field, "eager")
-    return fallback if registry.backend_problem(op, fallback, hw) is None else "eager"
+    chosen = fallback if registry.backend_problem(op, fallback, hw) is None else "eager"
+    # Loud, not silent: the fast default for this device cannot run (a missing package, usually).
+    logger.warning(
+        "OpsConfig.%s: the %s default %r cannot run (%s); using %r. Set the field to choose.",
+        field, hw.device_type, preferred, problem, chosen,
+    )  # fmt: skip
+    return chosen
 
 
 def _check_explicit(field: str, value: str, hw: Hardware, registry: KernelRegistry) -> None:
@@ -220,9 +243,15 @@ def _check_explicit(field: str, value: str, hw: Hardware, registry: KernelRegist
         close = difflib.get_close_matches(value, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"OpsConfig.{field}={value!r} is not a known backend{hint}; allowed: {known}")
+    runnable = [b for b in known if registry.backend_problem(op, b, hw) is None]
+    if hw.device_type == "npu" and value not in npu_backends(field, registry):
+        # The reference's rule: a GPU backend (the GPU defaults included) is rejected on an Ascend NPU.
+        raise ValueError(
+            f"OpsConfig.{field}={value!r} is a GPU backend and is rejected on an Ascend NPU; allowed on npu: "
+            f"{npu_backends(field, registry)}. Runnable here: {runnable}"
+        )
     problem = registry.backend_problem(op, value, hw)
     if problem:
-        runnable = [b for b in known if registry.backend_problem(op, b, hw) is None]
         raise ValueError(f"OpsConfig.{field}={value!r} cannot run here: {problem}. Runnable here: {runnable}")
 
 
@@ -231,7 +260,7 @@ class Kernels:
     """The implementations one `OpsConfig` selects, built once; a model instance keeps its own.
 
     ``kernels.get("rms_norm", "standard")`` returns the plain tensor function of the backend that
-    ``config.rms_norm`` names; ``kernels.get("rope_vision", "full")`` the rope kernel of ``config.rope_vision``.
+    ``config.rms_norm`` names; ``kernels.get("rope_vision", "full")`` the vision rotary of ``config.rope_vision``.
     """
 
     config: OpsConfig

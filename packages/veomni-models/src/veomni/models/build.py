@@ -328,6 +328,19 @@ def build_model(
             report.mode,
             report.bytes_read / 2**20,
         )
+        if report.ignored:
+            # Whole sub-models can be skipped (an Omni checkpoint's talker / token2wav when the thinker is
+            # trained): say which and how many, so nothing is dropped without a word.
+            by_prefix: dict[str, int] = {}
+            for key in report.ignored:
+                by_prefix[key.split(".", 1)[0]] = by_prefix.get(key.split(".", 1)[0], 0) + 1
+            logger.warning(
+                "build_model: %d checkpoint tensors not loaded into %s (known-harmless per the model's ignore "
+                "patterns), by top-level prefix: %s",
+                len(report.ignored),
+                name,
+                by_prefix,
+            )
     return model
 
 

@@ -167,6 +167,7 @@ def hf_attention_function(backend: str) -> HFAttentionFn:
             **kwargs,
         )
 
+    attention.resolve_kernel = resolve  # type: ignore[attr-defined]  # for veomni.models.hf_async_sp
     attention.__name__ = attention.__qualname__ = f"{hf_attention_name(backend)}_attention"
     attention.__doc__ = (
         f"HF attention function running veomni's {backend!r} kernel; see veomni_attention_forward."
@@ -247,38 +248,42 @@ def veomni_attention_forward(
         )
         return out, None
 
+    sp = sp_kernel_kwargs(state, kwargs, features, batch=q.shape[0], local_len=q.shape[1], query_heads=q.shape[2])
+    out = ulysses_attention(
+        q, k, v, _run_kernel, state.sp_group, seq_dim=1, head_dim=2, unpadded_len=sp.pop("unpadded_len"),
+        kernel=kernel, causal=causal, scale=scaling, **sp,
+    )  # fmt: skip
+    return out, None
+
+
+def sp_kernel_kwargs(
+    state: ParallelState,
+    kwargs: dict[str, Any],
+    features: dict[str, Any],
+    *,
+    batch: int,
+    local_len: int,
+    query_heads: int,
+) -> dict[str, Any]:
+    """What a Ulysses call needs besides q/k/v (shared with `veomni.models.hf_async_sp`): ``unpadded_len``, the
+    full-sequence ``cu_seqlens`` / ``max_seqlen`` and the features, sinks cut to this rank's heads."""
     group = state.sp_group
-    padded_len = q.shape[1] * dist.get_world_size(group)
+    padded_len = local_len * dist.get_world_size(group)
     unpadded_len = kwargs.get("sp_unpadded_len")
     if unpadded_len is not None and not 0 < unpadded_len <= padded_len:
         raise ValueError(
-            f"sp_unpadded_len={unpadded_len} does not fit shards of {q.shape[1]} tokens on "
+            f"sp_unpadded_len={unpadded_len} does not fit shards of {local_len} tokens on "
             f"{dist.get_world_size(group)} ranks (expected 1 to {padded_len})"
         )
     full_len = padded_len if unpadded_len is None else unpadded_len
-    cu_seqlens, max_seqlen = _packing(kwargs, query.shape[0], query.shape[2], group=group, full_len=full_len)
+    cu_seqlens, max_seqlen = _packing(kwargs, batch, local_len, group=group, full_len=full_len)
+    features = dict(features)
     if features["sinks"] is not None:
         # The exchange hands rank r the r-th block of H / P query heads; the kernel sees only their sinks.
-        local_heads = query.shape[1] // dist.get_world_size(group)
+        local_heads = query_heads // dist.get_world_size(group)
         features["sinks"] = features["sinks"].narrow(0, dist.get_rank(group) * local_heads, local_heads)
     # The window needs no care: the kernel sees the full sequence, so it applies to global positions.
-    out = ulysses_attention(
-        q,
-        k,
-        v,
-        _run_kernel,
-        group,
-        seq_dim=1,
-        head_dim=2,
-        unpadded_len=unpadded_len,
-        kernel=kernel,
-        causal=causal,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        scale=scaling,
-        **features,
-    )
-    return out, None
+    return {"unpadded_len": unpadded_len, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, **features}
 
 
 def _features(kwargs: dict[str, Any]) -> dict[str, Any]:

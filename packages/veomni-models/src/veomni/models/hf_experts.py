@@ -21,6 +21,7 @@ transformers' own copy of it) runs those variants, after a numeric check of its 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -31,7 +32,10 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_
 
 from veomni.core.ep import combine_tokens, dispatch_tokens, expert_shards
 from veomni.core.parallel_state import current_parallel_state
+from veomni.kernels import OpsConfig
 from veomni.models.kernel_hooks import ATTR
+
+logger = logging.getLogger(__name__)
 
 EXPERTS_IMPLEMENTATION = "veomni"
 
@@ -277,6 +281,36 @@ def experts_mismatches(module: nn.Module) -> list[str]:
     if children:
         found.append(f"submodules: expected only act_fn, found also {children} (a kernel would skip them)")
     return found
+
+
+def fit_experts_backend(model: nn.Module, ops: OpsConfig) -> OpsConfig:
+    """``ops`` with a ``moe_experts`` backend that implements the kernel variants ``model``'s experts use (a
+    claimed class's, e.g. gpt-oss's ``clamped_*``, else ``routed``/``grouped``). A *defaulted* backend lacking
+    one (the NPU default has no clamped kernels) becomes ``eager``, logged; an explicit one raises naming the
+    backends that have them. ``defaulted`` is unchanged."""
+    backend = ops.moe_experts
+    if backend == "eager":
+        return ops
+    needed: set[str] = set()
+    for module in model.modules():
+        if is_hf_experts_module(module):
+            claim = claim_of(module)
+            needed |= {claim.routed, claim.grouped} if claim is not None else {"routed", "grouped"}
+    specs = [s for s in ops.registry.specs() if s.op == "moe_experts"]
+    missing = needed - {s.variant for s in specs if s.backend == backend}
+    if not missing:
+        return ops
+    if "moe_experts" not in ops.defaulted:
+        backends = {s.backend for s in specs}
+        having = sorted(b for b in backends if missing <= {s.variant for s in specs if s.backend == b})
+        raise ValueError(
+            f"OpsConfig.moe_experts={backend!r} has no {sorted(missing)} kernels, which this model's experts "
+            f"need; backends that have them: {having}"
+        )
+    logger.info("apply_ops: moe_experts default %r lacks %s for this model; using 'eager'", backend, sorted(missing))
+    changed = attrs.evolve(ops, moe_experts="eager")
+    object.__setattr__(changed, "defaulted", ops.defaulted)
+    return changed
 
 
 def check_experts_modules(model: nn.Module, backend: str) -> int:

@@ -38,7 +38,10 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         the `Kernels` now attached to every submodule.
     """
     from veomni.models.hf_attention import hf_attention_name, register_hf_attention
+    from veomni.models.seq_cls import check_loss_dispatch
 
+    # A fused cross-entropy only acts through a patched forward: refused (explicit) or made eager (defaulted).
+    ops = check_loss_dispatch(model, ops)
     needed = attention_capabilities_needed(model)
     if needed and getattr(model, "set_attn_implementation", None) is not None:
         adapted = ops.with_capabilities("attention", needed, _describe(model))
@@ -49,8 +52,13 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
                 adapted.attention,
             )  # fmt: skip
         ops = adapted
-    resolved = resolve_kernels(ops)
     experts = _has_hf_experts(model)
+    if experts:
+        from veomni.models.hf_experts import fit_experts_backend
+
+        # A backend without the variants this model's experts use (gpt-oss's clamped_*): refused or eager.
+        ops = fit_experts_backend(model, ops)
+    resolved = resolve_kernels(ops)
     if experts:
         from veomni.models.hf_experts import check_experts_modules
 
@@ -135,4 +143,25 @@ def apply_rope(
     kernels = getattr(module, ATTR, None)
     if kernels is not None and kernels.config.rope != "eager":
         return kernels.get("rope", "full")(query, key, cos, sin)
+    return upstream(query, key, cos, sin)
+
+
+def apply_rope_vision(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    upstream: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision tower's 2-D RoPE through ``module``'s kernel set (``rope_vision/full``), else ``upstream``.
+
+    Args:
+        query: ``[S, Hq, D]`` packed patch tokens; key: ``[S, Hk, D]``; cos, sin: ``[S, D]``.
+    Returns:
+        the rotated ``(query, key)``, same shapes and dtype.
+    """
+    kernels = getattr(module, ATTR, None)
+    if kernels is not None and kernels.config.rope_vision != "eager":
+        return kernels.get("rope_vision", "full")(query, key, cos, sin)
     return upstream(query, key, cos, sin)

@@ -525,6 +525,42 @@ def _register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # Qwen2.5-Omni thinker (text + image + video + audio in, text out); talker / token2wav are not built. SP: the
+    # LM and the audio tower run on slices (the ViT runs whole on every SP rank).
+    qwen2_5_omni = "veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni"
+    registry.register_config(
+        "qwen2_5_omni_thinker",
+        "transformers.models.qwen2_5_omni.configuration_qwen2_5_omni:Qwen2_5OmniThinkerConfig",
+    )
+    # A full Omni checkpoint (model_type qwen2_5_omni): transformers' thinker config reads its thinker_config, so
+    # it builds the thinker; the thinker recipe strips "thinker." and talker / token2wav keys are ignored and logged.
+    registry.register_config(
+        "qwen2_5_omni", "transformers.models.qwen2_5_omni.configuration_qwen2_5_omni:Qwen2_5OmniThinkerConfig"
+    )
+    registry.register_model(
+        "qwen2_5_omni_thinker",
+        {"any_to_any": f"{qwen2_5_omni}:Qwen2_5OmniThinkerForConditionalGeneration"},
+        fast_paths={"sp"},
+    )
+
+    # Qwen2-VL and Qwen2.5-VL: VLMs on the Qwen3-VL machinery (ViT SP, dummy tower pass); Qwen2.5-VL's windowed
+    # tower takes its window layout from the collator.
+    for model_type, prefix, config_name in (
+        ("qwen2_vl", "Qwen2VL", "Qwen2VLConfig"),
+        ("qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLConfig"),
+    ):
+        module = f"veomni.models.{model_type}.generated.patched_modeling_{model_type}"
+        registry.register_config(
+            model_type, f"transformers.models.{model_type}.configuration_{model_type}:{config_name}"
+        )
+        registry.register_model(
+            model_type,
+            {
+                "image_text_to_text": f"{module}:{prefix}ForConditionalGeneration",
+                "base": f"{module}:{prefix}Model",
+            },
+            fast_paths={"sp", "fused_kernels"},
+        )
     # Qwen3-Next: Gated DeltaNet + gated full attention hybrid with routed + shared experts.
     qwen3_next = "veomni.models.qwen3_next.generated.patched_modeling_qwen3_next"
     registry.register_config(

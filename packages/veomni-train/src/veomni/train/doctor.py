@@ -1,4 +1,9 @@
-"""``veomni-doctor``: what this machine has (devices, packages) and which kernel backends can run here, and why not."""
+"""``veomni-doctor``: what this machine has (devices, packages) and which kernel backends can run here, and why not.
+
+Per op it lists every registered backend with the variants it implements, whether it runs here (or the reason it
+does not: device, compute capability, missing package), whether an Ascend NPU would accept it (the NPU rule:
+GPU backends are rejected there), and the backend each OpsConfig field gets by default on this machine.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,13 @@ import sys
 
 import torch
 
-from veomni.kernels import DEFAULT_BACKENDS, KERNELS, detect_hardware
+from veomni.kernels import KERNELS, OpsConfig, detect_hardware, op_fields
+from veomni.kernels.config import npu_backends
 
 PACKAGES = (
-    "torch", "transformers", "triton", "liger-kernel", "flash-attn", "flash-attn-3", "safetensors", "tokenizers",
-    "diffusers", "tensorboard", "wandb", "veomni-core", "veomni-kernels", "veomni-models", "veomni-train",
+    "torch", "transformers", "triton", "liger-kernel", "flash-attn", "flash-attn-3", "quack-kernels", "torch_npu",
+    "safetensors", "tokenizers", "diffusers", "tensorboard", "wandb", "veomni-core", "veomni-kernels",
+    "veomni-models", "veomni-train",
 )  # fmt: skip
 
 
@@ -37,14 +44,20 @@ def report() -> str:
     lines.append("")
     lines += [f"{name:<16} {_version(name)}" for name in PACKAGES]
     hw = detect_hardware()
-    lines += ["", f"kernel backends on {hw.device_type} (default marked *):"]
+    # Built here so a default that cannot run shows up as its fallback (OpsConfig also logs why).
+    defaults = OpsConfig(hardware=hw)
+    lines += ["", f"kernel backends on {hw.describe()} (the default here marked *; npu: allowed on an Ascend NPU):"]
     for op in KERNELS.ops():
-        default = DEFAULT_BACKENDS.get(op, {}).get(hw.device_type)
+        default = getattr(defaults, op, None)
+        npu_ok = set(npu_backends(op)) if op in op_fields() else set()
         for backend in KERNELS.backends(op):
             problem = KERNELS.backend_problem(op, backend, hw)
-            mark = "*" if backend == default and problem is None else " "
+            mark = "*" if backend == default else " "
+            variants = ",".join(s.variant for s in KERNELS.specs() if (s.op, s.backend) == (op, backend))
+            npu = "npu:ok " if backend in npu_ok else "npu:no "
             status = "ok" if problem is None else f"unavailable: {problem}"
-            lines.append(f"  {mark} {op:<20} {backend:<14} {status}")
+            lines.append(f"  {mark} {op:<20} {backend:<14} {npu} [{variants}] {status}")
+    lines += ["", "defaults here: " + ", ".join(f"{f}={getattr(defaults, f)}" for f in op_fields())]
     return "\n".join(lines)
 
 

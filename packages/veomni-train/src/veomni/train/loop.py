@@ -65,7 +65,7 @@ from veomni.train.step import (
     train_step,
     train_step_on_device,
 )
-from veomni.train.tasks import TASKS, Task, build_task, flops_per_token, query_width
+from veomni.train.tasks import TASKS, Task, VlmTask, build_task, flops_per_token, query_width
 
 log = logging.getLogger("veomni.train")
 # Public names that moved to their own modules; kept importable from here.
@@ -193,8 +193,14 @@ def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Ta
     topology = DataTopology.from_parallel_state(state)
     # Tokenising the index is split over all ranks (each then holds the whole index).
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
-    train_data = build_train_data(recipe, tokenizer, topology, group=group, pin_memory=device.type == "cuda")
-    eval_data = build_eval_data(recipe, tokenizer, topology, group=group, pin_memory=device.type == "cuda")
+    # The model's host-side vision layout (Qwen2.5-VL's windows) runs in the collator, not in every forward; a model
+    # whose video placeholders the data pipeline cannot write refuses video rows.
+    vision = {}
+    if isinstance(task, VlmTask):
+        vision = {"vision_metadata": task.collate_metadata, "no_video": task.no_video}
+    pin = device.type == "cuda"
+    train_data = build_train_data(recipe, tokenizer, topology, group=group, pin_memory=pin, **vision)
+    eval_data = build_eval_data(recipe, tokenizer, topology, group=group, pin_memory=pin, **vision)
     return TaskSetup(
         tokenizer=tokenizer, config=config, probe=probe, ops=ops, task=task, train_data=train_data,
         eval_data=eval_data,

@@ -19,6 +19,7 @@ from veomni.core.master_weights import apply_master_weights
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
+from veomni.models.hf_async_sp import enable_async_ulysses
 from veomni.models.registry import MODELS
 from veomni.train.preflight import PreflightError
 from veomni.train.recipe import Recipe
@@ -88,9 +89,10 @@ def build_recipe_model(
     if path == "fsdp2":
         if state.dims.world_size == 1:
             log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
-        return build_model(
+        model = build_model(
             config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
         )
+        return _maybe_async_ulysses(recipe, model)
     # One rank: FSDP2 would only add per-block hooks and parameter copies (42% of the step time of Qwen3-1.7B on
     # one H100 in pure bf16, half the throughput with mixed precision; docs/benchmarks.md), so the model stays a
     # plain module.
@@ -110,6 +112,14 @@ def build_recipe_model(
         apply_master_weights(model, dtype, policy.block_patterns)
     if policy.activation_checkpointing:
         apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)
+    return model
+
+
+def _maybe_async_ulysses(recipe: Recipe, model: nn.Module) -> nn.Module:
+    # SP (and so async_ulysses, which needs sp > 1) exists only on the FSDP2 path.
+    if recipe.parallel.async_ulysses:
+        log.info("parallel.async_ulysses: %d attention layers overlap projections with the exchange",
+                 enable_async_ulysses(model))  # fmt: skip
     return model
 
 

@@ -235,6 +235,11 @@ class ParallelSection:
     reshard_after_forward: bool = _field(
         True, "free gathered layer parameters after forward and gather again in backward (less memory)"
     )
+    async_ulysses: bool = _field(
+        False,
+        "with sp > 1: start each of Q, K, V's sequence -> heads all-to-all as soon as it is projected, overlapping "
+        "the next projection (and, in backward, the projections' gradients); Qwen3 / Qwen3-MoE adapters",
+    )
     force_fsdp2: bool = _field(
         False,
         "on one rank, train through FSDP2 on a one-rank mesh as on many ranks; by default one rank trains a plain "
@@ -248,6 +253,11 @@ class ParallelSection:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RecipeError(f"parallel.{name}: expected >= 1, found {value}")
+        if self.async_ulysses and (self.sp or 1) < 2:
+            raise RecipeError(
+                f"parallel.async_ulysses: true overlaps the Ulysses exchange, but parallel.sp is {self.sp}; set "
+                "sp > 1 or async_ulysses: false"
+            )
         if self.ac_keep_attention and not self.activation_checkpointing:
             raise RecipeError(
                 "parallel.ac_keep_attention: true chooses what activation checkpointing keeps, but "

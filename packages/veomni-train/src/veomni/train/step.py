@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from veomni.core.clip import clip_grad_norm
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_state import use_parallel_state
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
+from veomni.train.optim import clip_and_step
 from veomni.train.preflight import PreflightError
 
 if TYPE_CHECKING:
@@ -113,11 +113,9 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
             loss_sum += run.graphs(kwargs, 1.0 / (grad_accum * run.state.dims.dp)).float()
         else:
             loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
-    max_norm = run.recipe.optim.max_grad_norm
-    # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
-    grad_norm = clip_grad_norm(run.trained, max_norm if max_norm is not None else math.inf, run.state)
     lr = current_lr(run)
-    run.optimizer.step()
+    # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
+    grad_norm = clip_and_step(run.optimizer, run.trained, run.recipe.optim.max_grad_norm, run.state)
     if run.masters is not None:
         run.masters.push()  # the stepped fp32 masters, rounded into the compute parameters
     run.scheduler.step()

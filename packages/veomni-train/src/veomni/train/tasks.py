@@ -11,7 +11,7 @@ and reading them from the root would silently drop them (the aux loss coefficien
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -233,6 +233,10 @@ def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
     return 6.0 * total
 
 
+VIDEO_LAYOUTS = frozenset({"qwen3_vl", "qwen3_vl_moe"})
+"""Model types whose video placeholders and positions the data pipeline writes (`veomni.models.qwen3_vl.video`)."""
+
+
 @attrs.frozen(kw_only=True)
 class VlmTask(TextTask):
     """Image-text-to-text training (``data.kind: multimodal``): `TextTask` plus the vision inputs.
@@ -245,9 +249,16 @@ class VlmTask(TextTask):
 
     Attributes:
         vision_flops_per_patch: `vision_flops_per_patch` of the tower (the LM term excludes the tower).
+        collate_metadata: the model's picklable host-side vision layout (its ``vision_collate_metadata()``, e.g.
+            Qwen2.5-VL's `veomni.models.qwen2_5_vl.window.WindowIndex`), run by the collator per micro-batch and
+            passed to the model as ``vision_metadata``; None for models whose tower needs none.
+        no_video: None when the data pipeline writes this model's video placeholders and positions (Qwen3-VL's
+            layout: `veomni.models.qwen3_vl.video`), else why rows with videos are refused.
     """
 
     vision_flops_per_patch: float
+    collate_metadata: Callable[..., Any] | None = None
+    no_video: str | None = None
     name: ClassVar[str] = "vlm"
     model_task: ClassVar[str] = "image_text_to_text"
 
@@ -265,6 +276,16 @@ class VlmTask(TextTask):
             query_width=query_width(probe.config),
             aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
             vision_flops_per_patch=vision,
+            collate_metadata=probe.vision_collate_metadata()
+            if hasattr(probe, "vision_collate_metadata")
+            else None,
+            no_video=None
+            if probe.config.model_type in VIDEO_LAYOUTS
+            else (
+                f"model_type {probe.config.model_type!r}: the data pipeline writes Qwen3-VL's video layout (one "
+                "placeholder run per temporal patch behind a timestamp), which this model does not read; video "
+                f"rows are supported for {sorted(VIDEO_LAYOUTS)}"
+            ),
         )
 
     def model_kwargs(
@@ -274,6 +295,12 @@ class VlmTask(TextTask):
         for key in model_keys():  # position_ids included: already moved, moving it again is a no-op
             value = batch.get(key)
             kwargs[key] = None if value is None else value.to(device, non_blocking=True)
+        if self.collate_metadata is not None:
+            tables = batch.get("vision_metadata") or {}
+            kwargs["vision_metadata"] = {
+                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in tables.items()
+            }
         return kwargs
 
     def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:

@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism: padding/slicing, all-to-all and gather collectives, the attention wrapper."""
 
+from veomni.core.sp.async_ulysses import async_ulysses_attention
 from veomni.core.sp.attention import kv_repeats_for_sp, sp_cross_attention, ulysses_attention
 from veomni.core.sp.comm import (
     all_reduce_sum,
@@ -21,6 +22,7 @@ from veomni.core.sp.padding import (
 
 __all__ = [
     "all_reduce_sum",
+    "async_ulysses_attention",
     "all_to_all",
     "gather_sequence",
     "heads_to_seq",

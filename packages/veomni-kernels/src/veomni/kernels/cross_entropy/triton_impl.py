@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from veomni.kernels.cross_entropy.chunked import mixed_addmm_supported
 from veomni.kernels.cross_entropy.eager import IGNORE_INDEX, check_inputs
 
 __all__ = ["LaunchConfig", "causal_lm_cross_entropy", "default_config", "linear_cross_entropy",
@@ -171,19 +172,6 @@ def _scale_copy(src: torch.Tensor, dst: torch.Tensor, g: torch.Tensor) -> None:
     if n:
         block = 4096
         _scale_copy_kernel[(triton.cdiv(n, block),)](src, dst, g, n, BLOCK=block, num_warps=8)
-
-
-@functools.cache
-def mixed_addmm_supported(device: torch.device) -> bool:
-    """Whether this torch accumulates half-precision products into an fp32 ``self`` in one cuBLAS call
-    (``addmm(fp32, half, half, out_dtype=float32)``; older releases required ``self`` in the half dtype)."""
-    acc = torch.zeros(16, 16, device=device)
-    half = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-    try:
-        torch.addmm(acc, half, half, torch.float32, out=acc)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:

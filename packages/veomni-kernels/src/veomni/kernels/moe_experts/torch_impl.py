@@ -80,15 +80,18 @@ class _GatherRows(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def _experts(x, offsets, gate_up_proj, down_proj, row_weights=None) -> torch.Tensor:
+def run_experts(x, offsets, gate_up_proj, down_proj, row_weights=None, mm=_GroupedMM.apply) -> torch.Tensor:
+    """SwiGLU experts over expert-major rows ``x [N, H]`` with group ``offsets [E + 1]``; ``mm(x, ends, w)`` is the
+    differentiable grouped GEMM (``torch._grouped_mm`` here, ``npu_grouped_matmul`` in the npu backend).
+    ``row_weights [N]`` (optional) scale each row before the down GEMM. Returns ``[N, H]``."""
     ends = offsets[1:]
-    gate, up = _GroupedMM.apply(x, ends, gate_up_proj).chunk(2, dim=-1)
+    gate, up = mm(x, ends, gate_up_proj).chunk(2, dim=-1)
     h = F.silu(gate) * up
     if row_weights is not None:
         # The routing weight scales h before the down GEMM (as in the triton backend), so the combine is a plain
         # sum and no fp32 copy of the [N, H] rows is made.
         h = h * row_weights.to(h.dtype).unsqueeze(-1)
-    return _GroupedMM.apply(h, ends, down_proj)
+    return mm(h, ends, down_proj)
 
 
 def moe_experts_grouped_torch(
@@ -104,7 +107,7 @@ def moe_experts_grouped_torch(
     """
     check_grouped_inputs(x, tokens_per_expert, gate_up_proj, down_proj)
     _check_layout(x, gate_up_proj)
-    return _experts(x, group_offsets(tokens_per_expert), gate_up_proj, down_proj)
+    return run_experts(x, group_offsets(tokens_per_expert), gate_up_proj, down_proj)
 
 
 def moe_experts_routed_torch(
@@ -124,11 +127,17 @@ def moe_experts_routed_torch(
     """
     check_routed_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
     _check_layout(hidden, gate_up_proj)
+    return route_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+def route_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mm=_GroupedMM.apply) -> torch.Tensor:
+    """The routed variant around `run_experts` (inputs already checked): permute ``hidden [T, H]`` expert-major,
+    run the experts with grouped GEMM ``mm``, un-permute and sum each token's ``k`` rows. Returns ``[T, H]``."""
     tokens, top_k = top_k_index.shape
     order, offsets = expert_major_order(top_k_index, gate_up_proj.shape[0])
     unsort = inverse_permutation(order)
     x = _GatherRows.apply(hidden, order // top_k, unsort, top_k)
-    y = _experts(x, offsets, gate_up_proj, down_proj, top_k_weights.reshape(-1)[order])
+    y = run_experts(x, offsets, gate_up_proj, down_proj, top_k_weights.reshape(-1)[order], mm=mm)
     # Back to (token, slot) order; torch sums low-precision rows with an fp32 accumulator and rounds once.
     rows = _GatherRows.apply(y, unsort, order, 1).view(tokens, top_k, y.shape[1])
     return rows.sum(1)

@@ -54,6 +54,7 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.deepseek_v3.modeling_deepseek_v3",
@@ -224,3 +225,12 @@ def get_parallel_plan(self) -> ExpertPlan:
     return ExpertPlan(
         patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
     )
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "DeepseekV3ForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

@@ -37,6 +37,7 @@ from veomni.models.gpt_oss.experts import reject_quantized
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.gpt_oss.modeling_gpt_oss",
@@ -160,3 +161,12 @@ def get_parallel_plan(self) -> ExpertPlan:
 
 
 __all__ = ["config", "reject_quantized"]
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "GptOssForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

@@ -23,6 +23,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward, rms_norm_forward
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen2.modeling_qwen2",
@@ -83,3 +84,12 @@ def attention_forward(
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen2ForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

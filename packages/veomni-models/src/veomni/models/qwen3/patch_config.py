@@ -24,8 +24,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
@@ -34,6 +36,7 @@ config = PatchConfig(
 )
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 
 
@@ -63,7 +66,11 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-@config.override_method("Qwen3Attention.forward", description="RoPE via kernels.get('rope', 'full')")
+@config.override_method(
+    "Qwen3Attention.forward",
+    description="RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the "
+    "Ulysses exchange (veomni.models.hf_async_sp)",
+)
 def attention_forward(
     self,
     hidden_states: torch.Tensor,
@@ -74,6 +81,23 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
+
+    if async_ulysses_active(self, past_key_values):
+        # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+        def project(x):
+            yield "v", self.v_proj(x).view(hidden_shape)
+            q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
+            q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
+            yield "q", q.transpose(1, 2)
+            yield "k", k.transpose(1, 2)
+
+        attn_output = async_sp_attention(
+            self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
+            scaling=self.scaling, sliding_window=self.sliding_window,
+            dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+        )  # fmt: skip
+        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
 
     query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
     key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
@@ -139,3 +163,12 @@ def causal_lm_forward(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen3ForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

@@ -27,6 +27,7 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import attention_forward, mlp_forward, rms_norm_forward
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
@@ -36,6 +37,7 @@ config = PatchConfig(
 )
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method(
@@ -109,3 +111,12 @@ def get_parallel_plan(self) -> ExpertPlan:
     return ExpertPlan(
         patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
     )
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen3MoeForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

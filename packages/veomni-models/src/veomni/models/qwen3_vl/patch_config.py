@@ -54,7 +54,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
 from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
     gather_merged,
@@ -77,7 +77,7 @@ config = PatchConfig(
     "a dummy tower forward for ranks without images, and the fused LM loss",
 )
 use_veomni_masks(config, "create_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.kernel_hooks import apply_rope, apply_rope_vision")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.hf_attention import PREFIX")
 config.add_import(
@@ -218,7 +218,7 @@ def vision_attention_forward(
         self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     )
     cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+    query_states, key_states = apply_rope_vision(self, query_states, key_states, cos, sin, apply_rotary_pos_emb_vision)
 
     # Under SP (sp_group from the tower's forward) every implementation name goes through the encoder entry:
     # only it runs the Ulysses exchange over this rank's slice of the packed tokens.

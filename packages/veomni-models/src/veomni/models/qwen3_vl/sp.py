@@ -49,14 +49,14 @@ def check_sp_inputs(
     """Refuse, with what was expected and what was found, inputs that cannot run under Ulysses SP.
 
     Args:
-        config: the ``Qwen3VLConfig``.
+        config: the composite VLM config (Qwen3-VL, Qwen3-VL-MoE, Qwen2-VL, Qwen2.5-VL; named in the errors).
         position_ids: must be this rank's slice of the mrope ids, ``[3 or 4, B, S_local]`` int.
         embeds: this rank's ``[B, S_local, H]`` input embeddings.
     """
     world = dist.get_world_size(group)
     if position_ids is None:
         raise ValueError(
-            f"qwen3_vl under sequence parallelism (sp={world}) needs position_ids: the multimodal rope ids "
+            f"{config.model_type} under sequence parallelism (sp={world}) needs position_ids: the multimodal rope ids "
             "([3 or 4, batch, local_seq_len], this rank's slice of the ids computed on the full sequence by "
             "the model's position-id function) cannot be rebuilt from a sequence slice; got None"
         )
@@ -68,20 +68,20 @@ def check_sp_inputs(
         or tuple(position_ids.shape[1:]) != expected
     ):
         raise ValueError(
-            f"qwen3_vl under sequence parallelism (sp={world}) expects position_ids of shape [3 or 4, {batch}, "
+            f"{config.model_type} under sequence parallelism (sp={world}) expects position_ids of shape [3 or 4, {batch}, "
             f"{local}] (mrope rows, batch, this rank's sequence slice); got {tuple(position_ids.shape)}"
         )
     implementation = config.text_config._attn_implementation or ""
     if not implementation.startswith(PREFIX):
         raise ValueError(
-            f"qwen3_vl under sequence parallelism (sp={world}) needs a veomni attention implementation in the "
+            f"{config.model_type} under sequence parallelism (sp={world}) needs a veomni attention implementation in the "
             f"language model (veomni_sdpa, veomni_eager, ...; they run the Ulysses all-to-all); got "
             f"{implementation!r}"
         )
     heads = config.vision_config.num_heads
     if heads % world:
         raise ValueError(
-            f"qwen3_vl vision tower under sequence parallelism: its {heads} attention heads must be divisible "
+            f"{config.model_type} vision tower under sequence parallelism: its {heads} attention heads must be divisible "
             f"by sp={world}"
         )
 

@@ -27,6 +27,7 @@ from transformers.models.seed_oss.modeling_seed_oss import (
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import causal_lm_forward, rms_norm_forward
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.seed_oss.modeling_seed_oss",
@@ -103,3 +104,12 @@ def attention_forward(
     attn_output = self.o_proj(attn_output)
     attn_output = nn.functional.dropout(attn_output, p=self.residual_dropout, training=self.training)
     return attn_output, attn_weights
+
+
+# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "SeedOssForSequenceClassification.forward",
+    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
+)(seq_cls_forward)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -18,9 +19,17 @@ from veomni.train.recipe import DataSection, Recipe
 log = logging.getLogger(__name__)
 
 
-def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encoder:
+def encoder_for(
+    data: DataSection,
+    tokenizer: PreTrainedTokenizerBase,
+    vision_metadata: Callable[..., Any] | None = None,
+    no_video: str | None = None,
+) -> Encoder:
     """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image and video processors from
-    the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights)."""
+    the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights) and collates with
+    the model's ``vision_metadata`` (`veomni.train.tasks.VlmTask.collate_metadata`; None for text data).
+    ``no_video``: why this model's video rows cannot be encoded (`veomni.train.tasks.VlmTask.no_video`); rows with
+    a video are then refused with that reason."""
     if data.kind == "multimodal":
         from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
 
@@ -32,9 +41,13 @@ def encoder_for(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Encode
             data.assistant_only_loss,
             media_root=data.media_root,
             max_patches=data.patches_per_micro_batch,
-            video_rule=load_video_rule(
-                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
-            ),
+            video_rule=no_video
+            or load_video_rule(tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames),
+            vision_metadata=vision_metadata,
+        )
+    if vision_metadata is not None:
+        raise ValueError(
+            f"a vision layout function was given for data.kind={data.kind!r}, which has no images"
         )
     return build_encoder(
         tokenizer,
@@ -120,11 +133,13 @@ def build_train_data(
     *,
     group: dist.ProcessGroup | None = None,
     pin_memory: bool = False,
+    vision_metadata: Callable[..., Any] | None = None,
+    no_video: str | None = None,
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given)."""
     check_task_and_kind(recipe)
-    encoder = encoder_for(recipe.data, tokenizer)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video)
     source, index = index_files(
         recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
     )
@@ -155,11 +170,13 @@ def build_eval_data(
     *,
     group: dist.ProcessGroup | None = None,
     pin_memory: bool = False,
+    vision_metadata: Callable[..., Any] | None = None,
+    no_video: str | None = None,
 ) -> EvalData | None:
     """The evaluation pass of this rank, or None when the recipe has no eval files."""
     if not recipe.data.eval_files:
         return None
-    encoder = encoder_for(recipe.data, tokenizer)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video)
     source, index = index_files(
         recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
     )

@@ -161,7 +161,9 @@ class _PackedRows(Dataset):
         if self.multimodal:
             from veomni.train.data.multimodal import collate_multimodal
 
-            batch = collate_multimodal(samples, **self.collate_args)
+            batch = collate_multimodal(
+                samples, **self.collate_args, vision_metadata=self.encoder.vision_metadata
+            )
         else:
             batch = collate(samples, **self.collate_args)
         batch["replaced_rows"] = replaced

@@ -32,7 +32,7 @@ can never silently disagree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -135,6 +135,8 @@ class MultimodalEncoder(ConversationEncoder):
         max_patches: vision patches one micro-batch may hold; a row above it is an error naming it.
         video_rule: the model's video rule, or why there is none (`load_video_rule`); rows with videos are
             refused without one, with the reason.
+        vision_metadata: the model's picklable host-side vision layout (its ``vision_collate_metadata()``, e.g.
+            Qwen2.5-VL's window index), run by `collate_multimodal` on each micro-batch's grids; None: none.
     """
 
     def __init__(
@@ -148,8 +150,10 @@ class MultimodalEncoder(ConversationEncoder):
         media_root: str | None,
         max_patches: int | None,
         video_rule: Qwen3VLVideoRule | str = "no video processor was given",
+        vision_metadata: Callable[[torch.Tensor], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(tokenizer, field, loss_mask_field, assistant_only)
+        self.vision_metadata = vision_metadata
         self.image_token_id = self._token_id(IMAGE_TOKEN, "data.kind is multimodal")
         self.image_processor, self.media_root, self.max_patches = image_processor, media_root, max_patches
         self.merge = int(image_processor.merge_size)
@@ -427,6 +431,7 @@ def collate_multimodal(
     sp_size: int = 1,
     pad_id: int = 0,
     table: tuple[TensorRule, ...] = COLLATE,
+    vision_metadata: Callable[[torch.Tensor], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Pack multimodal samples into one row: the text batch of `veomni.train.data.packing.collate`, plus one key
     per rule of the model's collate ``table`` (Qwen3-VL: `veomni.models.qwen3_vl.collate.COLLATE`):
@@ -436,7 +441,9 @@ def collate_multimodal(
     * ``pixel_values`` / ``pixel_values_videos`` float32 ``[patches, D]`` (all samples' rows concatenated) and
       ``image_grid_thw`` / ``video_grid_thw`` int64 ``[n, 3]``, NOT sliced under SP (the model slices the tower's
       input itself); None when the micro-batch holds none;
-    * ``num_patches`` int: image and video patches.
+    * ``num_patches`` int: image and video patches;
+    * ``vision_metadata``: ``vision_metadata(grids)`` of the joint image-then-video grids (the order the model's
+      tower runs them), the tower's precomputed layout, or None without a function or without media.
     """
     if not samples or any(s.media is None for s in samples):
         raise ValueError("collate_multimodal needs at least one sample, each with media")
@@ -456,6 +463,10 @@ def collate_multimodal(
         if rule.batch_axis is not None:
             tensor = tensor.unsqueeze(rule.batch_axis)
         batch[rule.key] = tensor.contiguous()
+    grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
+    batch["vision_metadata"] = (
+        None if vision_metadata is None or not grids else vision_metadata(torch.cat(grids))
+    )
     batch["num_patches"] = sum(s.media.num_patches for s in samples)
     batch["sample_index"] = [s.index for s in samples]
     return batch

@@ -11,12 +11,17 @@
 #   - override_method GptOssPreTrainedModel.get_correct_attn_implementation: veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF reads 'sdpa' in 'veomni_sdpa' as its own SDPA path, which gpt-oss refuses (it would drop the sinks)
 #   - override_method GptOssAttention.forward: RoPE via kernels.get('rope', 'full') on the duplicated cos/sin tables; window and sinks passed on
 #   - override_method GptOssForCausalLM.get_parallel_plan: expert parallelism: shard the four [E, ...] expert tensors (weights and biases) on dim 0
+#   - override_method GptOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
+#   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.gpt_oss.experts import GPT_OSS_EXPERTS, reject_quantized
 #   - add_import: from veomni.models.hf_experts import claim_experts
 #   - add_import: from veomni.core.ep import ExpertPlan
+#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -52,7 +57,6 @@ from transformers.integrations import (
     use_kernel_forward_from_hub,
     use_kernelized_func,
 )
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
     GenericForSequenceClassification,
     GenericForTokenClassification,
@@ -66,11 +70,14 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.gpt_oss.experts import GPT_OSS_EXPERTS, reject_quantized
 from veomni.models.hf_experts import claim_experts
 from veomni.core.ep import ExpertPlan
+from veomni.models.seq_cls import sequence_classification_forward
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -709,6 +716,25 @@ class GptOssForCausalLM(GptOssPreTrainedModel, GenerationMixin):
 
 class GptOssForSequenceClassification(GenericForSequenceClassification, GptOssPreTrainedModel):
     pass
+
+    # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+        return sequence_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 class GptOssForTokenClassification(GenericForTokenClassification, GptOssPreTrainedModel):

@@ -11,11 +11,15 @@
 #   - override_method Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen3MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); aux loss via router_aux_loss: the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded
 #   - override_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - override_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
+#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -70,8 +74,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 from veomni.models.kernel_hooks import apply_rope
+from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.core.ep import ExpertPlan
+from veomni.models.seq_cls import sequence_classification_forward
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
 def rotate_half(x):
@@ -189,6 +196,23 @@ class Qwen3MoeAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+
+        if async_ulysses_active(self, past_key_values):
+            # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+            def project(x):
+                yield "v", self.v_proj(x).view(hidden_shape)
+                q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
+                k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
+                q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
+                yield "q", q.transpose(1, 2)
+                yield "k", k.transpose(1, 2)
+
+            attn_output = async_sp_attention(
+                self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
+                scaling=self.scaling, sliding_window=self.sliding_window,
+                dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+            )  # fmt: skip
+            return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
 
         query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
         key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
@@ -697,6 +721,25 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
 
 class Qwen3MoeForSequenceClassification(GenericForSequenceClassification, Qwen3MoePreTrainedModel):
     pass
+
+    # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+        return sequence_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 class Qwen3MoeForTokenClassification(GenericForTokenClassification, Qwen3MoePreTrainedModel):

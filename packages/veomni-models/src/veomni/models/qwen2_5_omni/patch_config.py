@@ -1,0 +1,530 @@
+"""Patches Qwen2.5-Omni's upstream modeling for veomni: the thinker only (text, image, video and audio in, text
+out), with dummy tower forwards for ranks without a modality, a checked audio scatter and the fused LM loss.
+
+* Excluded from the generated file: the talker, token2wav (DiT + BigVGAN vocoder) and the full
+  ``Qwen2_5OmniForConditionalGeneration`` that wires them. Nobody trains speech generation here; their checkpoint
+  weights are ignored *and reported* at load (`veomni.models.qwen2_5_omni.checkpoint`), and ``enable_talker`` /
+  ``generate(return_audio=True)`` on the thinker raise instead of doing nothing.
+* Audio and vision attention: with a ``veomni_*`` implementation they call
+  `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
+  (audio chunks; vision windows or images), no per-chunk split or host sync; HF names run upstream's forwards.
+* ``Qwen2_5OmniAudioEncoder.dummy_forward`` / ``Qwen2_5OmniVisionEncoder.dummy_forward`` (injected): the tower on
+  its smallest valid input (dtype and device from a live weight), returned as a 0-valued scalar depending on every
+  output, so a rank whose micro-batch lacks audio or pixels still runs the tower and FSDP's collectives match.
+* ``Qwen2_5OmniThinkerModel.forward``: upstream's order (audio, image, video scatter; mrope positions with audio
+  lengths and seconds-per-grid from the model's own ``get_rope_index``), plus the audio token/feature count check
+  upstream lacks (its ``masked_scatter`` silently uses a prefix), the towers called without the language
+  model's kwargs (packing ``cu_seq_lens_*`` of the text must never reach them), mrope positions also without an attention mask
+  (upstream silently falls back to 1-D positions) and the dummy forwards under world > 1. Host-side positions
+  for the data loader: `veomni.models.qwen2_5_omni.positions`.
+* ``Qwen2_5OmniThinkerForConditionalGeneration.forward``: LM head + loss through `lm_logits_and_loss` (a fused
+  linear cross-entropy never materialises ``[T, V]`` logits; eager equals upstream).
+
+Ulysses SP: the language model runs on this rank's slice of ``input_ids`` / ``position_ids`` (required, ``[3, B,
+S_local]``, e.g. from `veomni.models.qwen2_5_omni.positions`) / labels; the audio tower slices its post-conv
+frames across the SP ranks and gathers them before pooling; the vision tower runs whole on every SP rank (correct,
+redundant: its SP slicing is future work); every rank scatters its token range of the features
+(`veomni.models.qwen3_vl.sp.scatter_visual_sp`, counts checked over the full sequence). Regenerate with ``uv run patchgen veomni.models.qwen2_5_omni.patch_config``.
+"""
+
+from __future__ import annotations
+
+import torch
+from patchgen.config import PatchConfig
+from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPooling,
+    Cache,
+    CausalLMOutputWithPast,
+    Qwen2_5OmniAudioEncoder,
+    Qwen2_5OmniThinkerConfig,
+    Qwen2_5OmniThinkerTextModel,
+    Qwen2_5OmniVisionEncoder,
+    SinusoidsPositionEmbedding,
+    TransformersKwargs,
+    Unpack,
+    apply_rotary_pos_emb_vision,
+    chunk_and_pad_features,
+    get_audio_cu_seqlens,
+    get_max_seqlen,
+    get_pool_indices,
+    get_valid_indices,
+    init,
+    nn,
+)
+
+from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf_attention import PREFIX
+from veomni.models.hf_encoder_attention import encoder_attention
+from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.qwen2_5_omni.towers import (
+    TALKER_REFUSAL,
+    check_placeholder_count,
+    check_thinker_sp_inputs,
+    dummy_audio_inputs,
+    dummy_pixel_inputs,
+)
+from veomni.models.qwen3_vl.sp import (
+    gather_merged,
+    scatter_visual_sp,
+    slice_patches,
+    sp_group_or_none,
+    sp_world_size,
+)
+from veomni.models.qwen3_vl.vision import parallel_world_size
+
+config = PatchConfig(
+    source_module="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
+    target_file="patched_modeling_qwen2_5_omni.py",
+    description="Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards "
+    "for ranks without a modality, a checked audio scatter and the fused LM loss",
+)
+use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import(
+    "from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, "
+    "check_thinker_sp_inputs, dummy_audio_inputs, dummy_pixel_inputs"
+)
+config.add_import("from veomni.models.qwen3_vl.vision import parallel_world_size")
+config.add_import(
+    "from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, "
+    "sp_world_size"
+)
+config.add_import("from veomni.models.hf_attention import PREFIX")
+config.add_import("from veomni.models.hf_encoder_attention import encoder_attention")
+# The HF-named implementations run upstream's own attention forwards, unchanged.
+config.add_import("from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream")
+
+# Speech generation: the talker, the token2wav DiT and BigVGAN vocoder, their building blocks, and the full model.
+config.exclude_from_output(
+    "Qwen2_5OmniForConditionalGeneration",
+    "Qwen2_5OmniTalkerCausalLMOutputWithPast",
+    "Qwen2_5OmniTalkerModel",
+    "Qwen2_5OmniTalkerForConditionalGeneration",
+    "Qwen2_5OmniToken2WavModel",
+    "Qwen2_5OmniToken2WavDiTModel",
+    "Qwen2_5OmniToken2WavBigVGANModel",
+    "Qwen2_5OmniDiTRotaryEmbedding",
+    "TimeDelayNetBlock",
+    "Res2NetBlock",
+    "SqueezeExcitationBlock",
+    "AttentiveStatisticsPooling",
+    "SqueezeExcitationRes2NetBlock",
+    "ECAPA_TimeDelayNet",
+    "DiTInputEmbedding",
+    "DiTCodecEmbedding",
+    "Qwen2_5_OmniAdaLayerNormZero",
+    "Qwen2_5_OmniAdaLayerNormZero_Final",
+    "DiTMLP",
+    "deinterleave_head_dim",
+    "DiTAttention",
+    "SinusPositionEmbedding",
+    "DiTTimestepEmbedding",
+    "DiTDecoderLayer",
+    "Qwen2_5OmniSnakeBeta",
+    "Qwen2_5OmniUpSample1d",
+    "Qwen2_5OmniDownSample1d",
+    "Qwen2_5OmniAntiAliasedActivation1d",
+    "Qwen2_5OmniAMPBlock",
+    "Activation1d",
+    "UpSample1d",
+    "DownSample1d",
+    "SnakeBeta",
+    "AMPBlock",
+    "RungeKutta4ODESolver",
+    "kaiser_sinc_filter1d",
+)
+
+
+# ------------------------------------------------------------------------------------------------ towers
+
+
+@config.override_method(
+    "Qwen2_5OmniPreTrainedModel._init_weights",
+    description="upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)",
+)
+def init_weights(self, module) -> None:
+    super()._init_weights(module)
+    if isinstance(module, SinusoidsPositionEmbedding):
+        position_embeddings = module.compute_default_singular_positional_embedding()
+        init.copy_(module.positional_embedding, position_embeddings)
+
+
+@config.override_method(
+    "Qwen2_5OmniAudioAttention.forward",
+    description="veomni_* implementations: encoder_attention on the packed frames and the tower's chunk "
+    "cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward",
+)
+def audio_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    sp_group=None,
+    **kwargs,
+) -> torch.Tensor:
+    # Under SP (sp_group from the tower's forward) every implementation goes through the encoder entry: only it
+    # runs the Ulysses exchange over this rank's slice of the frames.
+    if sp_group is None and not (self.config._attn_implementation or "").startswith(PREFIX):
+        return _upstream.Qwen2_5OmniAudioAttention.forward(
+            self, hidden_states, cu_seqlens, max_seqlen, **kwargs
+        )
+    rows = hidden_states.shape[0]
+    query, key, value = (proj(hidden_states).reshape(rows, self.num_heads, -1)
+                         for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+    out = encoder_attention(
+        self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout, sp_group=sp_group,
+    )  # fmt: skip
+    return self.out_proj(out.reshape(rows, -1).contiguous())
+
+
+@config.override_method(
+    "Qwen2_5OmniVisionAttention.forward",
+    description="veomni_* implementations: encoder_attention on the packed patches and the tower's (window or "
+    "full) cu_seqlens; HF implementations: upstream's forward",
+)
+def vision_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    position_embeddings: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    if not (self.config._attn_implementation or "").startswith(PREFIX):
+        return _upstream.Qwen2_5OmniVisionAttention.forward(
+            self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs
+        )
+    rows = hidden_states.shape[0]
+    query, key, value = (
+        proj(hidden_states).reshape(rows, self.num_heads, -1) for proj in (self.q, self.k, self.v)
+    )
+    cos, sin = position_embeddings
+    query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
+    out = encoder_attention(
+        self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout,
+    )  # fmt: skip
+    return self.proj(out.reshape(rows, -1).contiguous())
+
+
+@config.override_method(
+    "Qwen2_5OmniAudioEncoder.forward",
+    description="upstream's forward; under Ulysses SP each rank runs the encoder layers on its slice of the "
+    "post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling",
+)
+def audio_encoder_forward(
+    self, input_features=None, feature_lens=None, aftercnn_lens=None, **kwargs: Unpack[TransformersKwargs]
+):
+    r"""
+    input_features (`torch.Tensor` of shape `(num_mel_bins, total_frames)`):
+        every clip's mel frames, concatenated (all of them on every rank, also under sequence parallelism).
+    feature_lens (`torch.LongTensor` of shape `(num_clips,)`):
+        mel frames per clip.
+    aftercnn_lens (`torch.LongTensor` of shape `(num_clips,)`, *optional*):
+        frames per clip after the convolutions (unused, as upstream).
+    """
+    padded_feature, chunk_lengths = chunk_and_pad_features(
+        input_features, feature_lens, self.n_window, kwargs=kwargs
+    )
+    valid_indices = get_valid_indices(chunk_lengths, kwargs=kwargs)
+    pool_indices = get_pool_indices(feature_lens, kwargs=kwargs)
+    cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
+    max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
+
+    padded_feature = padded_feature.to(self.conv1.weight.dtype)
+    frame_mask = torch.arange(padded_feature.shape[2], device=padded_feature.device) < chunk_lengths[:, None]
+    embed = nn.functional.gelu(self.conv1(padded_feature)) * frame_mask[:, None].long()
+    embed = nn.functional.gelu(self.conv2(embed)).transpose(1, 2)
+    embed = embed + self.positional_embedding.positional_embedding[: embed.shape[1]][None].to(embed.dtype)
+    hidden_states = torch.index_select(embed.reshape(-1, embed.shape[-1]), 0, valid_indices)
+
+    total = hidden_states.shape[0]
+    sp_group = sp_group_or_none()
+    if sp_group is not None:
+        # The conv front-end ran on every frame (cheap, and its chunks overlap no slice boundary); the encoder
+        # layers, where the time goes, run on this rank's slice. The padding attends as a segment of its own.
+        hidden_states = slice_patches(hidden_states, 1, sp_group)
+        padded = hidden_states.shape[0] * sp_world_size(sp_group)
+        if padded > total:
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded)])
+            if max_seqlen is not None:
+                max_seqlen = max(max_seqlen, padded - total)
+        kwargs = {**kwargs, "sp_group": sp_group}
+
+    for encoder_layer in self.layers:
+        hidden_states = encoder_layer(hidden_states, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs)[
+            0
+        ]
+
+    if sp_group is not None:
+        # Stride-2 pooling pairs frames that may sit on two ranks: gather once, pool and project everywhere.
+        hidden_states = gather_merged(hidden_states, total, sp_group)
+    hidden_states = (hidden_states[pool_indices] + hidden_states[pool_indices + 1]) / 2
+    hidden_states = self.proj(self.ln_post(hidden_states))
+    return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=hidden_states)
+
+
+@config.override_method(
+    "Qwen2_5OmniAudioEncoder.dummy_forward",
+    description="injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio",
+)
+def audio_dummy_forward(self) -> torch.Tensor:
+    """Run the tower on its smallest valid input and return a 0-d zero that depends on every output row, so
+    adding it to the loss graph gives every tower parameter a (zero) gradient. dtype/device from ``conv1``."""
+    features, lens = dummy_audio_inputs(self.num_mel_bins, self.conv1.weight)
+    out = self(features, feature_lens=lens, return_dict=True)
+    return out.last_hidden_state.sum() * 0.0
+
+
+@config.override_method(
+    "Qwen2_5OmniVisionEncoder.dummy_forward",
+    description="injected: the vision tower on one merge x merge zero image, for ranks without image or video",
+)
+def vision_dummy_forward(self) -> torch.Tensor:
+    """Run the tower on one ``merge x merge`` zero image; a 0-d zero depending on the merger output.
+    dtype/device from the patch embedding's weight."""
+    pixels, grid = dummy_pixel_inputs(self.config, self.patch_embed.proj.weight)
+    out = self(pixels, grid_thw=grid, return_dict=True)
+    return out.pooler_output.sum() * 0.0
+
+
+# ------------------------------------------------------------------------------------------------ thinker
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerModel.__init__",
+    description="upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers "
+    "(Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest",
+)
+def thinker_model_init(self, config: Qwen2_5OmniThinkerConfig):
+    super().__init__(config)
+    self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(config.audio_config)
+    self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config)
+    self.language_model = Qwen2_5OmniThinkerTextModel._from_config(config.text_config)
+    self.spatial_merge_size = config.vision_config.spatial_merge_size
+    self.rope_deltas = None
+    self.post_init()
+    # post_init collected the class list (the towers) and the children's (their layers) into this instance set.
+    self._no_split_modules = self._no_split_modules - {"Qwen2_5OmniAudioEncoder", "Qwen2_5OmniVisionEncoder"}
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerModel.forward",
+    description="upstream's audio / image / video scatter and mrope positions, plus the audio token count check "
+    "upstream lacks and dummy tower forwards on ranks without audio or pixels under world > 1",
+)
+def thinker_model_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    input_features: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.LongTensor | None = None,
+    video_grid_thw: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    feature_attention_mask: torch.Tensor | None = None,
+    audio_feature_lengths: torch.LongTensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    use_audio_in_video: bool | None = None,
+    video_second_per_grid: torch.LongTensor | None = None,
+    mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple | BaseModelOutputWithPast:
+    r"""
+    feature_attention_mask (`torch.Tensor` of shape `(num_audios, frames)`, *optional*):
+        1 for the mel frames of each clip in ``input_features`` (`(num_audios, num_mel_bins, frames)`), 0 for padding.
+    audio_feature_lengths (`torch.LongTensor` of shape `(num_audios,)`, *optional*):
+        Mel frames per clip, when ``feature_attention_mask`` is not given.
+    use_audio_in_video (`bool`, *optional*):
+        Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
+    video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
+        Seconds per temporal grid step of each video (mrope temporal positions).
+    """
+    if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
+        raise ValueError(
+            "You cannot specify both pixel_values/pixel_values_videos and mm_encoder_outputs at the same time"
+        )
+    if input_features is not None and feature_attention_mask is None and audio_feature_lengths is None:
+        raise ValueError(
+            "input_features ([B, n_mels, frames]) was given without feature_attention_mask ([B, frames]) or "
+            "audio_feature_lengths ([B]): the audio tower needs each clip's frame count"
+        )
+    if inputs_embeds is None:
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+    distributed = parallel_world_size() > 1
+    # Under Ulysses SP the text inputs are this rank's slice; audio and pixels are the whole micro-batch's.
+    sp_group = sp_group_or_none()
+    if sp_group is not None:
+        check_thinker_sp_inputs(input_ids, position_ids, sp_world_size(sp_group))
+
+    # Every modality's features in sequence order, all of the micro-batch's (the towers run once per step).
+    features: dict[str, torch.Tensor] = {}
+    if input_features is not None:
+        features["audio"] = self.get_audio_features(
+            input_features, feature_attention_mask, audio_feature_lengths, return_dict=True
+        ).last_hidden_state
+    elif distributed:
+        # This rank has no audio but others may: FSDP's gathers of the tower's parameters must still match.
+        inputs_embeds = inputs_embeds + self.audio_tower.dummy_forward().to(inputs_embeds.dtype)
+
+    mm_encoder_outputs = dict(mm_encoder_outputs) if mm_encoder_outputs is not None else {}
+    if mm_encoder_outputs.get("image") is None and pixel_values is not None:
+        mm_encoder_outputs["image"] = self.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+    if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
+        mm_encoder_outputs["video"] = self.get_video_features(
+            pixel_values_videos, video_grid_thw, return_dict=True
+        )
+    for modality in ("image", "video"):
+        if mm_encoder_outputs.get(modality) is not None:
+            features[modality] = torch.cat(mm_encoder_outputs[modality].pooler_output, dim=0)
+    if pixel_values is None and pixel_values_videos is None and not mm_encoder_outputs and distributed:
+        inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)
+
+    if features:
+        image_mask, video_mask, audio_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
+        masks = {"audio": audio_mask[..., 0], "image": image_mask[..., 0], "video": video_mask[..., 0]}
+        order = [m for m in ("audio", "image", "video") if m in features]
+        if sp_group is None:
+            # Upstream's scatter, one modality at a time (bitwise upstream), with the counts checked first.
+            for modality in order:
+                check_placeholder_count(modality, masks[modality], features[modality])
+                inputs_embeds = inputs_embeds.masked_scatter(
+                    masks[modality][..., None].expand_as(inputs_embeds),
+                    features[modality].to(inputs_embeds.device, inputs_embeds.dtype),
+                )
+        else:
+            # Counts are checked over the full sequence; each rank keeps its token range of the features.
+            inputs_embeds, _, _ = scatter_visual_sp(
+                inputs_embeds, [masks[m] for m in order], [features[m] for m in order], sp_group
+            )
+
+    if feature_attention_mask is not None:
+        audio_feature_lengths = torch.sum(feature_attention_mask, dim=1)
+    if position_ids is None:
+        # Upstream builds mrope positions only when an attention mask is given and otherwise falls back to 1-D
+        # text positions, silently flattening images; a training batch without padding has none, so use ones.
+        mask_for_positions = attention_mask
+        if mask_for_positions is None and input_ids is not None and past_key_values is None:
+            mask_for_positions = torch.ones_like(input_ids)
+        position_ids = self.compute_3d_position_ids(
+            input_ids=input_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            inputs_embeds=inputs_embeds,
+            attention_mask=mask_for_positions,
+            past_key_values=past_key_values,
+            use_audio_in_video=use_audio_in_video,
+            audio_feature_lengths=audio_feature_lengths,
+            video_second_per_grid=video_second_per_grid,
+        )
+
+    outputs = self.language_model(
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        return_dict=True,
+        **kwargs,
+    )
+    return BaseModelOutputWithPast(
+        last_hidden_state=outputs.last_hidden_state,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerForConditionalGeneration.forward",
+    description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs "
+    "the upstream head and loss",
+)
+def thinker_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    input_features: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.LongTensor | None = None,
+    video_grid_thw: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    feature_attention_mask: torch.Tensor | None = None,
+    audio_feature_lengths: torch.LongTensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    use_audio_in_video: bool | None = None,
+    video_second_per_grid: torch.LongTensor | None = None,
+    mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple | CausalLMOutputWithPast:
+    r"""
+    feature_attention_mask (`torch.Tensor` of shape `(num_audios, frames)`, *optional*):
+        1 for the mel frames of each clip in ``input_features`` (`(num_audios, num_mel_bins, frames)`), 0 for padding.
+    audio_feature_lengths (`torch.LongTensor` of shape `(num_audios,)`, *optional*):
+        Mel frames per clip, when ``feature_attention_mask`` is not given.
+    use_audio_in_video (`bool`, *optional*):
+        Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
+    video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
+        Seconds per temporal grid step of each video (mrope temporal positions).
+    """
+    outputs = self.model(
+        input_ids=input_ids,
+        input_features=input_features,
+        pixel_values=pixel_values,
+        pixel_values_videos=pixel_values_videos,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        attention_mask=attention_mask,
+        feature_attention_mask=feature_attention_mask,
+        audio_feature_lengths=audio_feature_lengths,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        use_audio_in_video=use_audio_in_video,
+        video_second_per_grid=video_second_per_grid,
+        mm_encoder_outputs=mm_encoder_outputs,
+        **kwargs,
+    )
+    logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerForConditionalGeneration.enable_talker",
+    description="injected: a clear error (the talker is not part of veomni's thinker)",
+)
+def enable_talker(self) -> None:
+    """Always raises: speech generation needs the talker and token2wav, which veomni does not build."""
+    raise NotImplementedError(TALKER_REFUSAL)
+
+
+@config.override_method(
+    "Qwen2_5OmniThinkerForConditionalGeneration.generate",
+    description="injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, "
+    "talker_*) raise instead of being ignored",
+)
+def generate(self, *args, **kwargs):
+    """Text generation (``GenerationMixin.generate``); speech-generation arguments raise ``NotImplementedError``."""
+    speech = sorted(k for k in kwargs if k in ("return_audio", "speaker") or k.startswith("talker_"))
+    if speech and not (speech == ["return_audio"] and not kwargs["return_audio"]):
+        raise NotImplementedError(f"{TALKER_REFUSAL} (got speech arguments {speech})")
+    kwargs.pop("return_audio", None)
+    return super().generate(*args, **kwargs)

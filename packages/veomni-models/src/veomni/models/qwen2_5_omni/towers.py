@@ -1,0 +1,88 @@
+"""Hand-written pieces of the Qwen2.5-Omni thinker adapter that the generated modeling file calls.
+
+The dummy inputs of the audio and vision towers (ranks whose micro-batch lacks a modality still run the tower,
+so FSDP's collectives match across ranks), the audio placeholder check upstream skips (``masked_scatter``
+silently takes the first rows when counts differ) and the talker refusal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TALKER_REFUSAL = (
+    "veomni trains the Qwen2.5-Omni thinker only (text out): the talker and token2wav (speech generation) are "
+    "not built and their checkpoint weights are ignored and reported at load. Use transformers' "
+    "Qwen2_5OmniForConditionalGeneration on the exported thinker plus the original talker weights for speech."
+)
+
+# Mel frames of the audio dummy: conv2 (stride 2) turns 4 frames into 2, the stride-2 pooler those into 1 token.
+_DUMMY_AUDIO_FRAMES = 4
+
+
+def dummy_audio_inputs(num_mel_bins: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest valid audio-tower input: one clip of 4 zero mel frames.
+
+    Args:
+        num_mel_bins: the tower's ``config.num_mel_bins``.
+        weight: a live tower weight; the dummy takes its dtype and device (never cached).
+    Returns:
+        ``(input_features [num_mel_bins, 4] in weight's dtype, feature_lens int64 [1] = [4])``.
+    """
+    features = torch.zeros(num_mel_bins, _DUMMY_AUDIO_FRAMES, dtype=weight.dtype, device=weight.device)
+    return features, torch.tensor([_DUMMY_AUDIO_FRAMES], dtype=torch.long, device=weight.device)
+
+
+def dummy_pixel_inputs(vision_config, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest valid vision-tower input: one image of ``merge x merge`` zero patches.
+
+    Args:
+        vision_config: the tower's config (``in_channels``, ``temporal_patch_size``, ``patch_size``,
+            ``spatial_merge_size``).
+        weight: a live tower weight; the dummy takes its dtype and device.
+    Returns:
+        ``(pixel rows [merge**2, C * T_patch * P * P] in weight's dtype, grid_thw int64 [1, 3] = [1, m, m])``.
+    """
+    merge = vision_config.spatial_merge_size
+    row = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    pixels = torch.zeros(merge * merge, row, dtype=weight.dtype, device=weight.device)
+    return pixels, torch.tensor([[1, merge, merge]], dtype=torch.long, device=weight.device)
+
+
+def check_placeholder_count(modality: str, mask: torch.Tensor, features: torch.Tensor) -> None:
+    """Raise if the placeholder tokens of ``modality`` differ in number from its feature rows.
+
+    Upstream checks images and videos but not audio: its ``masked_scatter`` then silently uses a prefix.
+
+    Args:
+        modality: ``"audio"``, ``"image"`` or ``"video"`` (for the message).
+        mask: ``[B, S]`` bool, True at the modality's placeholder positions.
+        features: ``[N, H]`` the tower's output for every item of the micro-batch.
+    """
+    tokens = int(mask.sum())
+    if tokens != features.shape[0]:
+        raise ValueError(
+            f"{modality} placeholder tokens and {modality} features differ: {tokens} tokens in input_ids, "
+            f"{features.shape[0]} feature rows from the {modality} tower (the processor expands each item to its "
+            "feature length; was the text tokenized without the processor, or truncated?)"
+        )
+
+
+def check_thinker_sp_inputs(
+    input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, world: int
+) -> None:
+    """Refuse inputs the thinker cannot run under Ulysses SP, saying what is expected.
+
+    Args:
+        input_ids: this rank's ``[B, S_local]`` slice (placeholders are found by id, so it is required).
+        position_ids: this rank's slice ``[3, B, S_local]`` of the mrope ids computed on the full sequence.
+        world: the SP group size.
+    """
+    if input_ids is None:
+        raise ValueError(f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs input_ids")
+    if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
+        found = None if position_ids is None else tuple(position_ids.shape)
+        raise ValueError(
+            f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs position_ids [3, batch, "
+            f"local_seq_len]: this rank's slice of the mrope ids computed on the full sequence (a slice cannot "
+            f"rebuild them; veomni.models.qwen2_5_omni.positions computes them on the host); found {found}"
+        )

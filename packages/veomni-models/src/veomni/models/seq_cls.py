@@ -1,0 +1,177 @@
+"""Sequence classification through the kernel registry, and the rule that a fused CE needs a patched forward.
+
+`sequence_classification_forward` is the forward patchgen injects into every ``*ForSequenceClassification`` adapter.
+With ``cross_entropy`` set to a non-eager backend it pools the *hidden states* at each row's last non-pad token
+(upstream pools the logits; the score head is row-wise linear without bias, so both give the same logits), and a
+single-label classification loss goes through ``kernels.get("cross_entropy", "seq_cls")(pooled [B, H],
+score.weight [C, H], labels [B])``. Regression and multi-label losses are not cross-entropy: they stay upstream's.
+Without kernels, or with ``eager``, upstream's forward runs unchanged.
+
+`check_loss_dispatch` enforces that a non-eager ``cross_entropy`` is only ever bound to a model whose forward routes
+its loss through veomni (`LOSS_DISPATCHERS`): chosen explicitly for any other loss-computing head it is an error;
+left to the hardware default it becomes ``eager`` for that model, logged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+
+from veomni.kernels import OpsConfig
+from veomni.models.kernel_hooks import ATTR
+
+logger = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+LOSS_DISPATCHERS = ("lm_logits_and_loss", "sequence_classification_forward")
+"""Helpers through which a patched forward sends its loss to the ``cross_entropy`` kernel."""
+
+
+def last_non_pad_index(
+    model: nn.Module, input_ids: torch.Tensor | None, batch_size: int
+) -> torch.Tensor | int:
+    """Upstream's pooling position: the rightmost token that is not ``pad_token_id`` (left or right padding).
+
+    Returns ``[B]`` int32 indices, or ``-1`` (the last position) without a pad token or without ``input_ids``.
+    """
+    pad = model.config.get_text_config().pad_token_id
+    if pad is None and batch_size != 1:
+        raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
+    if pad is None or input_ids is None:
+        return -1
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
+    return (positions * (input_ids != pad).to(torch.int32)).argmax(-1)
+
+
+def _problem_type(config: Any, labels: torch.Tensor) -> str:
+    # HF's rule (ForSequenceClassificationLoss), which also records the inferred type on the config.
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    return config.problem_type
+
+
+def sequence_classification_forward(
+    model: nn.Module,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Any = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Any,
+) -> SequenceClassifierOutputWithPast:
+    """``*ForSequenceClassification.forward`` with the classification CE dispatched through the model's kernels.
+
+    Args (HF's): input_ids ``[B, S]`` or inputs_embeds ``[B, S, H]``; labels ``[B]`` int64 class ids
+    (``-100`` ignored), float for regression / multi-label.
+    Returns:
+        ``SequenceClassifierOutputWithPast`` with pooled logits ``[B, C]`` and the loss (0-d fp32 mean over
+        labelled rows; 0, not NaN, when every label is ignored) when labels are given.
+    """
+    kernels = getattr(model, ATTR, None)
+    if kernels is None or kernels.config.cross_entropy == "eager":
+        return GenericForSequenceClassification.forward(
+            model, input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+            **kwargs,
+        )  # fmt: skip
+    outputs = getattr(model, model.base_model_prefix)(
+        input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+    )  # fmt: skip
+    hidden = outputs.last_hidden_state
+    batch = hidden.shape[0]
+    index = last_non_pad_index(model, input_ids, batch)
+    if isinstance(index, torch.Tensor):
+        index = index.to(hidden.device)
+    pooled = hidden[torch.arange(batch, device=hidden.device), index]  # [B, H]
+    logits = model.score(pooled)
+    loss = None
+    if labels is not None:
+        labels = labels.to(hidden.device)
+        if _problem_type(model.config, labels) == "single_label_classification":
+            kernel = kernels.get("cross_entropy", "seq_cls")
+            loss_sum, count = kernel(pooled, model.score.weight, labels.view(-1).long())
+            loss = loss_sum / count.clamp(min=1)
+        else:  # MSE / BCE, not cross-entropy: upstream's loss on the (tiny) pooled logits
+            loss = model.loss_function(
+                logits=logits, labels=labels, pooled_logits=logits, config=model.config
+            )
+    return SequenceClassifierOutputWithPast(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+@can_return_tuple
+def seq_cls_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> SequenceClassifierOutputWithPast:
+    # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+    return sequence_classification_forward(
+        self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+    )  # fmt: skip
+
+
+def _forward_names(cls: type) -> set[str]:
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def loss_dispatch(model: nn.Module) -> str:
+    """``"veomni"`` when the forward routes its loss through a `LOSS_DISPATCHERS` helper, ``"upstream"`` when it
+    computes a loss itself (it calls ``loss_function``), ``"none"`` for a model without a loss (a base model)."""
+    names = _forward_names(type(model))
+    if names & set(LOSS_DISPATCHERS):
+        return "veomni"
+    return "upstream" if "loss_function" in names else "none"
+
+
+def check_loss_dispatch(model: nn.Module, ops: OpsConfig) -> OpsConfig:
+    """``ops`` fit for ``model``'s loss: raise if a non-eager ``cross_entropy`` was *chosen* for a model whose
+    forward computes its loss upstream's way (it would silently do nothing); a *defaulted* one becomes
+    ``eager`` for this model (logged). ``defaulted`` is unchanged."""
+    if ops.cross_entropy == "eager" or loss_dispatch(model) != "upstream":
+        return ops
+    name = type(model).__name__
+    if "cross_entropy" not in ops.defaulted:
+        raise ValueError(
+            f"OpsConfig.cross_entropy={ops.cross_entropy!r}, but {name}'s forward computes its loss upstream's "
+            f"way, which veomni has not patched to dispatch through the kernel registry (only forwards calling "
+            f"{list(LOSS_DISPATCHERS)} do: *ForCausalLM, *ForConditionalGeneration and *ForSequenceClassification "
+            f"of the registered families). Set cross_entropy='eager' for this model"
+        )
+    logger.info(
+        "apply_ops: %s computes its loss upstream's way; cross_entropy %r -> 'eager'", name, ops.cross_entropy
+    )
+    changed = attrs.evolve(ops, cross_entropy="eager")
+    object.__setattr__(changed, "defaulted", ops.defaulted)
+    return changed

@@ -1,0 +1,132 @@
+"""Audio parts of multimodal rows (``{"type": "audio", "audio": <path>}``) for the omni thinkers.
+
+Decoding needs the ``veomni-train[audio]`` extra: soundfile reads the file (any channel count, averaged to mono),
+scipy's polyphase filter resamples it to the feature extractor's ``sampling_rate``. The model's feature extractor
+(Whisper-style log-mel) then gives ``[num_mel_bins, frames]`` per clip, computed exactly as
+``Qwen2_5OmniProcessor`` does (padded to the extractor's window, then cut to the clip's valid frames, so the
+last frames match the processor bit for bit), and each clip's placeholder expands to transformers'
+``_get_feat_extract_output_lengths(frames)`` audio tokens.
+
+Bad input is an error naming the file and the row: an unreadable file, a missing extra, a clip longer than the
+extractor's window (``chunk_length`` seconds: the processor would silently truncate it, and the tokens after the
+cut would train on audio the model never heard).
+
+Collate rule (`collate_audio`): clips of a micro-batch are stacked along a new clip axis, frames right-padded to
+the longest clip with ``feature_attention_mask`` 0 there; a micro-batch without any clip gives ``None`` for both,
+and the model runs its audio tower's dummy forward instead (never a silently skipped tower).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
+
+from veomni.train.data.sources import DataError, RowRef
+
+
+def audio_path(value: Any, media_root: str | None, ref: RowRef, number: int) -> str:
+    """The absolute path of audio part ``number`` of row ``ref`` (relative paths are joined to ``media_root``)."""
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{ref}: audio {number} must be a file path (str), found {value!r:.80}")
+    if os.path.isabs(value):
+        return value
+    if media_root is None:
+        raise DataError(
+            f"{ref}: audio {number} has the relative path {value!r} but data.media_root is not set"
+        )
+    return os.path.join(media_root, value)
+
+
+def load_audio(path: str, sampling_rate: int, ref: RowRef, number: int) -> np.ndarray:
+    """Decode ``path`` to mono float32 samples at ``sampling_rate`` Hz.
+
+    Args:
+        path: an audio file soundfile can read (wav, flac, ogg, ...).
+        sampling_rate: the feature extractor's rate; other rates are resampled (polyphase, scipy).
+        ref, number: the row and the part's index among the row's audio parts (for errors).
+    Returns:
+        float32 ``[samples]``.
+    """
+    try:
+        import soundfile
+        from scipy.signal import resample_poly
+    except ImportError as err:
+        raise DataError(
+            f"{ref}: audio {number} ({path}) needs the audio extra (pip install 'veomni-train[audio]'): {err}"
+        ) from None
+    try:
+        samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    except (OSError, RuntimeError, soundfile.LibsndfileError) as err:
+        raise DataError(f"{ref}: audio {number} ({path}) cannot be decoded: {err}") from None
+    mono = samples.mean(axis=1)
+    if rate != sampling_rate:
+        # Exact rational ratio (44100 -> 16000 is 160/441): no drift in length, anti-aliased by the filter.
+        g = math.gcd(int(rate), int(sampling_rate))
+        mono = resample_poly(mono, sampling_rate // g, int(rate) // g)
+    if mono.size == 0:
+        raise DataError(f"{ref}: audio {number} ({path}) holds no samples")
+    return mono.astype(np.float32, copy=False)
+
+
+def audio_features(
+    clips: Sequence[np.ndarray], feature_extractor: Any, ref: RowRef, paths: Sequence[str]
+) -> tuple[list[np.ndarray], list[int]]:
+    """Log-mel features and LLM token counts of a row's clips, as ``Qwen2_5OmniProcessor`` computes them.
+
+    Args:
+        clips: float32 ``[samples]`` per clip at ``feature_extractor.sampling_rate`` (`load_audio`).
+        feature_extractor: the model's feature extractor (``WhisperFeatureExtractor``: ``n_samples``,
+            ``chunk_length``, ``sampling_rate``).
+        ref, paths: the row and each clip's file (for errors).
+    Returns:
+        ``(features, tokens)``: float32 ``[num_mel_bins, frames]`` per clip, and its number of audio tokens.
+    """
+    limit = int(feature_extractor.n_samples)
+    features, tokens = [], []
+    for number, (clip, path) in enumerate(zip(clips, paths, strict=True)):
+        if clip.shape[0] > limit:
+            rate = feature_extractor.sampling_rate
+            raise DataError(
+                f"{ref}: audio {number} ({path}) lasts {clip.shape[0] / rate:.2f} s, longer than the audio "
+                f"encoder's input window of {limit / rate:.2f} s (feature extractor chunk_length); split or trim it"
+            )
+        out = feature_extractor(
+            clip,
+            sampling_rate=feature_extractor.sampling_rate,
+            padding="max_length",
+            return_attention_mask=True,
+            return_tensors="np",
+        )
+        frames = int(out["attention_mask"][0].sum())
+        features.append(np.asarray(out["input_features"][0, :, :frames], dtype=np.float32))
+        tokens.append(int(_get_feat_extract_output_lengths(frames)))
+    return features, tokens
+
+
+def collate_audio(features: Sequence[np.ndarray]) -> dict[str, torch.Tensor | None]:
+    """The micro-batch's audio tensors from every clip of its samples, in order.
+
+    Args:
+        features: float32 ``[num_mel_bins, frames_i]`` per clip (any number, also 0).
+    Returns:
+        ``input_features`` float32 ``[clips, num_mel_bins, max frames]`` (zero-padded) and
+        ``feature_attention_mask`` int64 ``[clips, max frames]``; both None without any clip.
+    """
+    if not features:
+        return {"input_features": None, "feature_attention_mask": None}
+    bins = {f.shape[0] for f in features}
+    if len(bins) != 1:
+        raise ValueError(f"collate_audio: clips disagree on the mel bins: {sorted(bins)}")
+    width = max(f.shape[1] for f in features)
+    stacked = np.zeros((len(features), bins.pop(), width), dtype=np.float32)
+    mask = np.zeros((len(features), width), dtype=np.int64)
+    for i, f in enumerate(features):
+        stacked[i, :, : f.shape[1]] = f
+        mask[i, : f.shape[1]] = 1
+    return {"input_features": torch.from_numpy(stacked), "feature_attention_mask": torch.from_numpy(mask)}

@@ -1,0 +1,190 @@
+"""Omni thinker training steps: veomni's Qwen2.5-Omni thinker against plain transformers on one mixed
+audio / image / text batch, side by side in one process, JSON out.
+
+    python3 tools/bench/bench_omni.py --out omni.json                       # Qwen2.5-Omni-7B-class thinker, 1 GPU
+    python3 tools/bench/bench_omni.py --out smoke.json --tiny --steps 2 --warmup 1   # CPU smoke
+
+Model: Qwen2.5-Omni-7B's published thinker architecture (``Qwen2_5OmniThinkerConfig()`` defaults with the ViT width
+of the release: a 32-layer Whisper-style audio tower of width 1280, a 32-block windowed ViT of width 1280, a 28-layer
+Qwen2.5-7B text model; 8.9B parameters; nothing downloaded), initialised once by plain transformers (seeded),
+saved, and loaded by both contenders. Memory: bf16 parameters + gradients + bf16 AdamW states are 8 bytes per
+parameter, ~71 GB before activations: run it on an H200 (an 80 GB H100 is expected to run out of memory).
+
+Data (seeded, identical for both): ``--rows`` rows, each ``--seq-len`` tokens: a row holds one audio clip of
+``--audio-seconds`` s (its ``seconds * 100`` mel frames -> ``seconds * 25`` audio tokens), one image of
+``--image-side`` x ``--image-side`` patches (``side**2 / 4`` tokens) and text; labels are the text tokens. Mel
+features and pixel rows are seeded noise (the timing does not depend on their values).
+
+Contenders: ``veomni`` (`build_model` with the default OpsConfig: veomni attention, fused linear cross-entropy;
+the towers and text layers otherwise run upstream's code, so the gain is the loss and attention path) and ``hf``
+(transformers' class, SDPA). Both train bf16 parameters with AdamW (fp32 would not fit a 7B thinker's optimizer
+state on one 80 GB GPU without sharding); the step is forward + backward + optimizer step. Reported: median step
+time, tokens/s, peak memory, and the first step's loss of each (they must agree to bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import Qwen2_5OmniThinkerConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniThinkerForConditionalGeneration as Upstream,
+)
+
+from veomni.kernels import OpsConfig
+from veomni.models.build import build_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import environment, error_text, median_ms, release, write_json  # noqa: E402
+
+
+def thinker_config(tiny: bool) -> Qwen2_5OmniThinkerConfig:
+    """The 7B thinker (transformers' defaults are Qwen2.5-Omni-7B's), or a CPU-sized one for smoke runs."""
+    if not tiny:
+        # transformers' defaults are the release's except the ViT width (its default 3584 is the LM's; the
+        # released Qwen2.5-Omni-7B ViT is 1280 wide with 16 heads).
+        return Qwen2_5OmniThinkerConfig(vision_config={"hidden_size": 1280, "num_heads": 16})
+    return Qwen2_5OmniThinkerConfig(
+        text_config={"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}},
+        vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 2, "out_hidden_size": 128,
+                       "fullatt_block_indexes": [1]},
+        audio_config={"num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 96,
+                      "d_model": 64, "output_dim": 128},
+        audio_token_index=1000, image_token_index=1001, video_token_index=1002, audio_start_token_id=1003,
+        audio_end_token_id=1004, vision_start_token_id=1005, vision_end_token_id=1006,
+    )  # fmt: skip
+
+
+def mixed_batch(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, device: torch.device) -> dict:
+    """Rows of ``seq_len`` tokens, each: text, one audio clip, text, one image, text (module docstring)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    frames = int(args.audio_seconds * 100)
+    audio_tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1
+    side = args.image_side
+    image_tokens = side * side // 4
+    text_vocab = min(config.audio_token_id, config.image_token_id, config.vision_start_token_id) - 1
+    fixed = 4 + audio_tokens + image_tokens
+    if fixed + 8 > args.seq_len:
+        raise SystemExit(
+            f"--seq-len {args.seq_len} cannot hold {audio_tokens} audio + {image_tokens} image tokens"
+        )
+    rows = []
+    for _ in range(args.rows):
+        text = torch.randint(0, text_vocab, (args.seq_len - fixed,), generator=gen)
+        third = text.shape[0] // 3
+        rows.append(torch.cat([
+            text[:third], torch.tensor([config.audio_start_token_id]), torch.full((audio_tokens,), config.audio_token_id),
+            torch.tensor([config.audio_end_token_id]), text[third:2 * third], torch.tensor([config.vision_start_token_id]),
+            torch.full((image_tokens,), config.image_token_id), torch.tensor([config.vision_end_token_id]),
+            text[2 * third:],
+        ]))  # fmt: skip
+    input_ids = torch.stack(rows)
+    vc = config.vision_config
+    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "labels": input_ids.masked_fill(input_ids >= text_vocab, -100),
+        "input_features": torch.randn(args.rows, config.audio_config.num_mel_bins, frames, generator=gen),
+        "feature_attention_mask": torch.ones(args.rows, frames, dtype=torch.long),
+        "pixel_values": torch.randn(args.rows * side * side, width, generator=gen),
+        "image_grid_thw": torch.tensor([[1, side, side]] * args.rows),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    if name == "veomni":
+        ops = OpsConfig() if device.type == "cuda" else OpsConfig(attention="sdpa")
+        model = build_model(
+            path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any"
+        )
+    else:
+        model = Upstream.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    losses = []
+
+    def step() -> None:
+        loss = model(**batch).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = median_ms(step, device, args.warmup, args.steps)
+    tokens = batch["input_ids"].numel()
+    row = {
+        "contender": name,
+        "median_step_ms": ms,
+        "tokens_per_s": tokens / (ms / 1e3),
+        "first_loss": losses[0],
+    }
+    if device.type == "cuda":
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    # The caller's release() frees the model once this frame (the closure's only owner) is gone.
+    return row
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--tiny", action="store_true", help="a CPU-sized thinker (smoke test)")
+    p.add_argument("--contenders", default="veomni,hf")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--audio-seconds", type=float, default=10.0)
+    p.add_argument("--image-side", type=int, default=32, help="patches per side (32: 448x448 px, 256 tokens)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.tiny and args.seq_len == 4096:
+        args.seq_len, args.audio_seconds, args.image_side = 256, 1.0, 8
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = thinker_config(args.tiny)
+    result: dict[str, Any] = {
+        "bench": "omni_thinker_step",
+        "args": vars(args),
+        "env": environment(device),
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory() as path:
+        torch.manual_seed(args.seed)
+        Upstream(config).to(torch.bfloat16).save_pretrained(path)
+        batch = mixed_batch(config, args, device)
+        result["tokens_per_step"] = batch["input_ids"].numel()
+        for name in args.contenders.split(","):
+            try:
+                result["rows"].append(run_contender(name, path, batch, args, device))
+                release(device)
+            except Exception as err:  # one contender failing must not lose the others' numbers
+                traceback.print_exc()
+                result["rows"].append({"contender": name, "error": error_text(err)})
+                release(device)
+    by_name = {r["contender"]: r for r in result["rows"] if "error" not in r}
+    if "veomni" in by_name and "hf" in by_name:
+        result["speedup_vs_hf"] = by_name["veomni"]["tokens_per_s"] / by_name["hf"]["tokens_per_s"]
+    write_json(args.out, result)
+    print(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
