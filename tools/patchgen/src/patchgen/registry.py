@@ -16,6 +16,9 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.seed_oss.patch_config",
     "veomni.models.deepseek_v3.patch_config",
     "veomni.models.qwen2_5_omni.patch_config",
+    "veomni.models.qwen3_next.patch_config",
+    "veomni.models.qwen3_5.patch_config",
+    "veomni.models.qwen3_5_moe.patch_config",
 ]
 
 

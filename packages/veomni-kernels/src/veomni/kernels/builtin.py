@@ -22,6 +22,7 @@ FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("
 # quack-kernels (CuTe-DSL): Hopper and newer; the import name is `quack`.
 QUACK = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("quack",))
 FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
+FLA = Requirement(device_types=("cuda",), packages=("fla",))
 
 _K = "veomni.kernels"
 BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
@@ -107,6 +108,12 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("attention", "default", "npu", f"{_K}.npu_backend:attention", NPU),
     ("moe_experts", "routed", "npu", f"{_K}.npu_backend:moe_experts_routed", NPU),
     ("moe_experts", "grouped", "npu", f"{_K}.npu_backend:moe_experts_grouped", NPU),
+    ("gated_delta_rule", "chunk", "eager", f"{_K}.linear_attention.eager:gated_delta_rule_eager", ANYWHERE),
+    ("gated_delta_rule", "chunk", "fla", f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla", FLA),
+    ("causal_conv1d", "standard", "eager", f"{_K}.linear_attention.eager:causal_conv1d_eager", ANYWHERE),
+    ("causal_conv1d", "standard", "fla", f"{_K}.linear_attention.fla_impl:causal_conv1d_fla", FLA),
+    ("rms_norm_gated", "standard", "eager", f"{_K}.linear_attention.eager:rms_norm_gated_eager", ANYWHERE),
+    ("rms_norm_gated", "standard", "fla", f"{_K}.linear_attention.fla_impl:rms_norm_gated_fla", FLA),
 ]
 
 

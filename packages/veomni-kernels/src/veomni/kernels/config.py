@@ -36,6 +36,10 @@ DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "swiglu": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
     "moe_experts": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
+    # Gated DeltaNet ops (Qwen3-Next, Qwen3.5): flash-linear-attention's kernels when the [fla] extra is there.
+    "gated_delta_rule": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
+    "causal_conv1d": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
+    "rms_norm_gated": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
 }
 FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
 # Inside torch.compile'd blocks inductor fuses these ops' eager formulas into the kernels around them, which beats
@@ -71,7 +75,8 @@ class OpsConfig:
     """Backend per op. After construction every field holds a concrete, runnable backend name.
 
     Attributes:
-        attention, cross_entropy, rms_norm, rope, rope_vision, swiglu, moe_experts, load_balancing_loss:
+        attention, cross_entropy, rms_norm, rope, rope_vision, swiglu, moe_experts, load_balancing_loss,
+        gated_delta_rule, causal_conv1d, rms_norm_gated:
             backend names (``eager``, ``triton``, ``torch``, ``liger``, ``sdpa``, ``npu``, ...) or None for the
             hardware default.
         compile: ``torch.compile`` each decoder block (``fullgraph=True``, veomni's Triton kernels inside as
@@ -89,6 +94,9 @@ class OpsConfig:
     swiglu: str | None = _backend_field()
     moe_experts: str | None = _backend_field()
     load_balancing_loss: str | None = _backend_field()
+    gated_delta_rule: str | None = _backend_field()
+    causal_conv1d: str | None = _backend_field()
+    rms_norm_gated: str | None = _backend_field()
     compile: str = attrs.field(default="auto", validator=_compile_choice)
     hardware: Hardware = attrs.field(factory=detect_hardware)
     registry: KernelRegistry = attrs.field(default=KERNELS, repr=False, eq=False)

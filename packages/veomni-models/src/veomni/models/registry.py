@@ -561,6 +561,46 @@ def _register_builtin(registry: ModelRegistry) -> None:
             },
             fast_paths={"sp", "fused_kernels"},
         )
+    # Qwen3-Next: Gated DeltaNet + gated full attention hybrid with routed + shared experts.
+    qwen3_next = "veomni.models.qwen3_next.generated.patched_modeling_qwen3_next"
+    registry.register_config(
+        "qwen3_next", "transformers.models.qwen3_next.configuration_qwen3_next:Qwen3NextConfig"
+    )
+    registry.register_model(
+        "qwen3_next",
+        {
+            "causal_lm": f"{qwen3_next}:Qwen3NextForCausalLM",
+            "base": f"{qwen3_next}:Qwen3NextModel",
+            "sequence_classification": f"{qwen3_next}:Qwen3NextForSequenceClassification",
+            "token_classification": f"{qwen3_next}:Qwen3NextForTokenClassification",
+            "question_answering": f"{qwen3_next}:Qwen3NextForQuestionAnswering",
+        },
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
+    # Qwen3.5 text model (Gated DeltaNet hybrid, dense MLP); its VLM class is not adapted yet.
+    qwen3_5 = "veomni.models.qwen3_5.generated.patched_modeling_qwen3_5"
+    registry.register_config(
+        "qwen3_5_text", "transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5TextConfig"
+    )
+    registry.register_model(
+        "qwen3_5_text",
+        {
+            "causal_lm": f"{qwen3_5}:Qwen3_5ForCausalLM",
+            "base": f"{qwen3_5}:Qwen3_5TextModel",
+            "sequence_classification": f"{qwen3_5}:Qwen3_5TextForSequenceClassification",
+        },
+        fast_paths={"sp", "fused_kernels"},
+    )
+    # Qwen3.5-MoE text model: Qwen3.5's layers with routed + shared experts (EP); its VLM class is not adapted yet.
+    qwen3_5_moe = "veomni.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe"
+    registry.register_config(
+        "qwen3_5_moe_text", "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeTextConfig"
+    )
+    registry.register_model(
+        "qwen3_5_moe_text",
+        {"causal_lm": f"{qwen3_5_moe}:Qwen3_5MoeForCausalLM", "base": f"{qwen3_5_moe}:Qwen3_5MoeTextModel"},
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
 
 
 MODELS = ModelRegistry()

@@ -277,6 +277,9 @@ class OpsSection:
     swiglu: str | None = _field(None, "SwiGLU MLP backend (eager, triton, liger, ...)")
     moe_experts: str | None = _field(None, "MoE experts backend (eager, grouped GEMM backends, ...)")
     load_balancing_loss: str | None = _field(None, "MoE load-balancing loss backend (eager, triton)")
+    gated_delta_rule: str | None = _field(None, "Gated DeltaNet delta-rule backend (eager, fla)")
+    causal_conv1d: str | None = _field(None, "Gated DeltaNet short-convolution backend (eager, fla)")
+    rms_norm_gated: str | None = _field(None, "Gated DeltaNet output norm RMSNorm(x)*silu(z) backend (eager, fla)")
     compile: Literal["auto", "on", "off"] = _field(
         "auto",
         "torch.compile each decoder block with the chosen kernels inside: auto (on for CUDA, off elsewhere), on, off",

@@ -1,0 +1,63 @@
+"""The training path of a Gated DeltaNet layer after its input projections, shared by Qwen3-Next and Qwen3.5
+(which differ only in how q, k, v, z, beta and the decay logits are projected).
+
+Short convolution and delta rule through the instance's kernels with the packing's ``cu_seq_lens_q`` (state and
+conv window restart per document), Ulysses SP over heads (`veomni.models.qwen3_next.sp`), then the gated norm and
+``out_proj``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veomni.kernels import Kernels
+from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
+
+__all__ = ["gated_delta_net_train"]
+
+
+def gated_delta_net_train(
+    module: nn.Module,
+    kernels: Kernels,
+    mixed_qkv: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    kwargs: Mapping[str, Any],
+) -> torch.Tensor:
+    """One Gated DeltaNet layer from its projections (no cache).
+
+    Args:
+        module: the ``GatedDeltaNet`` (``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``, head counts and
+            dims, ``activation``).
+        kernels: the instance's kernel set (``causal_conv1d``, ``gated_delta_rule``; ``module.norm`` reads its own).
+        mixed_qkv: ``[B, T, 2*Hk*dk + Hv*dv]`` pre-conv channels (all q heads, all k heads, all v heads).
+        z: ``[B, T, Hv, dv]`` output gate; b, a: ``[B, T, Hv]`` beta and decay logits. ``T`` is this rank's
+            sequence shard under SP.
+        kwargs: the layer's forward kwargs (``cu_seq_lens_q``, ``sp_unpadded_len`` are read).
+    Returns:
+        ``[B, T, hidden]`` in the projections' dtype.
+    """
+    # Under Ulysses SP: the whole sequence of this rank's heads (and their conv rows); else the layer as is.
+    local = gdn_sequence_to_heads(module, mixed_qkv, b, a, kwargs.get("sp_unpadded_len"))
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    mixed_qkv = kernels.get("causal_conv1d", "standard")(
+        local.mixed_qkv, local.conv_weight, None, activation=module.activation, cu_seqlens=cu_seqlens
+    )
+    num_k, num_v, dk, dv = local.num_k_heads, local.num_v_heads, module.head_k_dim, module.head_v_dim
+    query, key, value = torch.split(mixed_qkv, [num_k * dk, num_k * dk, num_v * dv], dim=-1)
+    lead = mixed_qkv.shape[:2]
+    query, key = query.reshape(*lead, num_k, dk), key.reshape(*lead, num_k, dk)
+    value = value.reshape(*lead, num_v, dv)
+    # fp32 so that exp(A_log) cannot overflow in fp16 (as upstream).
+    g = -local.a_log.float().exp() * F.softplus(local.a.float() + local.dt_bias)
+    core = kernels.get("gated_delta_rule", "chunk")(
+        query, key, value, g, local.b.sigmoid(), use_qk_l2norm=True, cu_seqlens=cu_seqlens
+    )
+    core = gdn_heads_to_sequence(module, core)  # [B, T, Hv, dv]
+    return module.out_proj(module.norm(core, z).flatten(2))

@@ -1,0 +1,171 @@
+"""Patches Qwen3-Next's upstream modeling: Gated DeltaNet, norms, partial RoPE, MLPs and the losses through the
+instance's kernels, packed varlen linear attention, and the expert-parallel plan.
+
+- ``Qwen3NextGatedDeltaNet.forward``: training (no cache) runs the ``causal_conv1d`` and ``gated_delta_rule``
+  kernels with the packing's ``cu_seq_lens_q``, so the convolution window and the recurrent state restart at
+  every document of a packed row (upstream's torch fallback ignores ``cu_seqlens`` and leaks state across
+  documents). Under Ulysses SP the projections are exchanged to head-sharded, whole-sequence tensors first
+  (`veomni.models.qwen3_next.sp`). With a cache (generation) or without kernels it runs upstream's forward.
+- ``Qwen3NextRMSNorm`` (``1 + weight``, all fp32) via the ``rms_norm/offset`` kernel; the gated output norm via
+  ``rms_norm_gated``; attention's partial RoPE (``partial_rotary_factor``) via ``rope/partial``.
+- Dense MLP / shared expert via ``swiglu``; routed experts through HF's experts interface (``"veomni"``: the
+  ``moe_experts`` kernels and EP dispatch), as for Qwen3-MoE; LM head + loss and the aux loss as Qwen3-MoE.
+
+Regenerate with ``uv run patchgen veomni.models.qwen3_next.patch_config``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from patchgen.config import PatchConfig
+from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    ALL_ATTENTION_FUNCTIONS,
+    Cache,
+    FlashAttentionKwargs,
+    TransformersKwargs,
+    Unpack,
+    apply_mask_to_padding_states,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from veomni.core.ep import ExpertPlan
+from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.qwen3.patch_config import mlp_forward
+from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
+from veomni.models.qwen3_next.gdn import gated_delta_net_train
+
+config = PatchConfig(
+    source_module="transformers.models.qwen3_next.modeling_qwen3_next",
+    target_file="patched_modeling_qwen3_next.py",
+    description="Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses "
+    "dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism",
+)
+use_veomni_masks(config, "create_causal_mask")
+config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
+config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
+config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train")
+config.add_import("from veomni.core.ep import ExpertPlan")
+config.override_method("Qwen3NextMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
+    mlp_forward
+)
+config.override_method(
+    "Qwen3NextForCausalLM.forward",
+    description="LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)",
+)(moe_causal_lm_forward)
+
+
+@config.override_method(
+    "Qwen3NextRMSNorm.forward", description="(1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')"
+)
+def offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rms_norm != "eager":
+        return kernels.get("rms_norm", "offset")(x, self.weight, self.eps)
+    output = self._norm(x.float())
+    return (output * (1.0 + self.weight.float())).type_as(x)
+
+
+@config.override_method(
+    "Qwen3NextRMSNormGated.forward", description="RMSNorm(x) * silu(gate) via kernels.get('rms_norm_gated')"
+)
+def gated_rms_norm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rms_norm_gated != "eager":
+        return kernels.get("rms_norm_gated", "standard")(hidden_states, gate, self.weight, self.variance_epsilon)
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight * hidden_states.to(input_dtype)
+    return (hidden_states * F.silu(gate.to(torch.float32))).to(input_dtype)
+
+
+@config.override_method(
+    "Qwen3NextAttention.forward", description="partial RoPE via kernels.get('rope', 'partial'), output gate"
+)
+def gated_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    # q_proj emits each head's query followed by its output gate.
+    query_states, gate = torch.chunk(
+        self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1
+    )
+    gate = gate.reshape(*input_shape, -1)
+    query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings  # [B, S, R] with R = head_dim * partial_rotary_factor
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.rope != "eager":
+        query_states, key_states = kernels.get("rope", "partial")(
+            query_states, key_states, cos, sin, rotary_dim=cos.shape[-1]
+        )
+    else:
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = attn_output * torch.sigmoid(gate)
+    return self.o_proj(attn_output), attn_weights
+
+
+@config.override_method(
+    "Qwen3NextGatedDeltaNet.forward",
+    description="training: causal_conv1d + gated_delta_rule kernels with cu_seq_lens_q (state reset per "
+    "packed document) and Ulysses SP over heads; generation (a cache) or no kernels: upstream's forward",
+)
+def gated_delta_net_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cache_params: Cache | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is None or cache_params is not None:
+        return upstream_modeling.Qwen3NextGatedDeltaNet.forward(
+            self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
+        )
+    hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    # [B, T, conv_dim] in the conv weight's channel order: all q heads, all k heads, all v heads.
+    mixed_qkv = torch.cat([x.flatten(2) for x in (query, key, value)], dim=-1)
+    return gated_delta_net_train(self, kernels, mixed_qkv, z, b, a, kwargs)
+
+
+@config.override_method(
+    "Qwen3NextForCausalLM.get_parallel_plan",
+    description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",
+)
+def get_parallel_plan(self) -> ExpertPlan:
+    """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+    return ExpertPlan(
+        patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
+    )

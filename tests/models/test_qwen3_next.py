@@ -1,0 +1,285 @@
+"""The generated Qwen3-Next adapter against upstream transformers; packed varlen equals per-document runs (the
+Gated DeltaNet state resets per document); Ulysses SP and EP on real gloo ranks equal one process.
+
+Upstream's Gated DeltaNet dispatches to flash-linear-attention whenever it is installed, and fla's kernels are
+CUDA-only; the upstream models here run on CPU tensors, so the `torch_fallback` fixture points upstream's module
+at its own torch functions (the ``__wrapped__`` originals), which is what upstream computes without fla.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
+
+from veomni.core.parallel_dims import ParallelDims
+from veomni.core.parallel_state import build_parallel_state, use_parallel_state
+from veomni.core.sp import gather_sequence, slice_sequence
+from veomni.kernels import OpsConfig
+from veomni.models.hf_attention import packed_kwargs
+from veomni.models.kernel_hooks import apply_ops
+from veomni.models.qwen3_next.generated.patched_modeling_qwen3_next import Qwen3NextForCausalLM
+from veomni.models.qwen3_next.sp import check_gdn_sp_heads
+
+EAGER_OPS = dict(
+    attention="sdpa", rms_norm="eager", rope="eager", swiglu="eager", moe_experts="eager",
+    cross_entropy="eager", load_balancing_loss="eager", gated_delta_rule="eager", causal_conv1d="eager",
+    rms_norm_gated="eager",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def torch_fallback(monkeypatch):
+    # Every upstream model here runs on CPU tensors (also on a GPU host); the cuda test uses no upstream model.
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):  # fmt: skip
+        fn = getattr(upstream_modeling, name)
+        monkeypatch.setattr(upstream_modeling, name, getattr(fn, "__wrapped__", fn))
+
+
+def tiny_config(**overrides) -> Qwen3NextConfig:
+    # Qwen3-Next-80B-A3B's structure cut down: 3 linear-attention layers then 1 full-attention layer, grouped
+    # value heads (4 v heads on 2 k heads), partial RoPE (a quarter of head_dim), layer 0 dense, the rest
+    # routed + shared experts.
+    values = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+        mlp_only_layers=[0], num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        output_router_logits=True, router_aux_loss_coef=0.05, norm_topk_prob=True,
+    )  # fmt: skip
+    values.update(overrides)
+    config = Qwen3NextConfig(**values)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    return config
+
+
+def build_pair(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    config = tiny_config(**overrides)
+    torch.manual_seed(0)
+    upstream = upstream_modeling.Qwen3NextForCausalLM(copy.deepcopy(config))
+    with torch.no_grad():  # upstream zero-initialises the offset norms; random ones exercise the (1 + w) path
+        for name, p in upstream.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.normal_(0, 0.1)
+    ours = Qwen3NextForCausalLM(config)
+    missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
+    assert not missing and not unexpected
+    return upstream, ours
+
+
+def batch(lengths=(7, 12, 5), rows: int = 1, seed: int = 1) -> dict[str, torch.Tensor]:
+    """``rows`` packed rows of documents; each document's first token is unlabelled (no target crosses)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (rows, sum(lengths)), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].expand(rows, -1)
+    labels = ids.clone()
+    labels[:, torch.cumsum(torch.tensor((0, *lengths[:-1])), 0)] = -100
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def run(model, inputs, **extra) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, use_cache=False, **extra)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def assert_match(got, want, tol: float) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
+    assert got[2].keys() == want[2].keys()
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=tol, atol=tol * float(grad.abs().max()) + 1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+def test_without_kernels_is_bitwise_upstream():
+    upstream, ours = build_pair()
+    inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}  # two unpacked rows
+    want, got = run(upstream, inputs), run(ours, inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], g) for n, g in want[2].items())
+
+
+def test_eager_kernels_match_upstream():
+    upstream, ours = build_pair()
+    apply_ops(ours, OpsConfig(**EAGER_OPS))
+    assert ours.config._experts_implementation == "veomni"
+    inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}
+    assert_match(run(ours, inputs), run(upstream, inputs), 2e-5)
+
+
+def test_packed_row_equals_documents_run_alone():
+    _, ours = build_pair()
+    apply_ops(ours, OpsConfig(**EAGER_OPS))
+    inputs = batch(lengths=(7, 12, 5))
+    packed = run(ours, inputs, output_router_logits=False, **packed_kwargs(inputs["position_ids"]))
+    # The oracle: each document through the same model on its own (HF's loss over all labelled tokens).
+    ours.zero_grad(set_to_none=True)
+    bounds = [(0, 7), (7, 19), (19, 24)]
+    logits = torch.cat([ours(input_ids=inputs["input_ids"][:, a:b], use_cache=False,
+                             output_router_logits=False).logits for a, b in bounds], 1)  # fmt: skip
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], inputs["labels"][0, 1:], ignore_index=-100)
+    loss.backward()
+    alone = (
+        logits.detach(),
+        loss.detach(),
+        {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None},
+    )
+    assert_match(packed, alone, 2e-5)
+    # Without the packing kwargs the recurrent state and the conv window run across document boundaries.
+    leaky = run(ours, {k: v for k, v in inputs.items() if k != "position_ids"}, output_router_logits=False)
+    assert not torch.allclose(leaky[0][:, 7:], packed[0][:, 7:], atol=1e-3)
+
+
+def test_sp_head_counts_must_divide():
+    check_gdn_sp_heads(2, 4, 2)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) and linear_num_value_heads \(4\) must both "
+                                         r"be divisible by the SP size 4"):  # fmt: skip
+        check_gdn_sp_heads(2, 4, 4)
+
+
+def _sp_case(ctx, lengths: tuple[int, ...]) -> dict[str, float]:
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    group = state.sp_group
+    # Heads divisible by the SP size: 4 key heads, 8 value heads (grouped 2:1).
+    _, model = build_pair(linear_num_key_heads=4, linear_num_value_heads=8, num_key_value_heads=4)
+    apply_ops(model, OpsConfig(**EAGER_OPS))
+    inputs = batch(lengths=lengths, seed=4)
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    labels = torch.cat([inputs["labels"][:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # pre-shifted
+
+    def summed(logits, target):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+    kw = dict(packed_kwargs(positions), output_router_logits=False, use_cache=False)
+    ref = model(input_ids=ids, position_ids=positions, **kw).logits
+    summed(ref, labels).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with use_parallel_state(state):
+        local = model(input_ids=slice_sequence(ids, 1, group), position_ids=slice_sequence(positions, 1, group),
+                      sp_unpadded_len=ids.shape[1], **kw).logits  # fmt: skip
+    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
+    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
+    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0, "missing": 0}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            worst["missing"] += 1
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
+        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sp_equals_single_process(dist_pools, world):
+    # 25 tokens: not divisible by 2 or 4, so the SP padding path runs too.
+    for worst in dist_pools.get(world).run(_sp_case, (7, 13, 5)):
+        assert worst["missing"] == 0
+        assert worst["logits"] < 1e-4, worst
+        assert worst["grad"] <= 1.0, worst
+
+
+def test_per_expert_checkpoint_builds_and_exports_to_plain_transformers(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from veomni.models.build import build_model
+    from veomni.models.export import export_hf
+    from veomni.models.registry import MODELS
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    upstream, _ = build_pair()
+    upstream.save_pretrained(src)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        src_keys = set(f.keys())
+    # transformers saves Qwen3-Next in its original per-expert layout: loading must merge it (qwen2_moe recipe).
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in src_keys
+    assert MODELS.model_class(upstream.config, "causal_lm").cls is Qwen3NextForCausalLM
+    model = build_model(str(src), weights=str(src), ops=OpsConfig(**EAGER_OPS))
+    assert type(model) is Qwen3NextForCausalLM
+    inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}
+    assert_match(run(model, inputs), run(upstream, inputs), 2e-5)
+    export_hf(model, out)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert set(f.keys()) == src_keys  # back in the upstream layout, nothing missing or extra
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is upstream_modeling.Qwen3NextForCausalLM
+    prompt = inputs["input_ids"][:1, :6]
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.eval().generate(prompt, **settings), reloaded.generate(prompt, **settings))
+    assert torch.equal(upstream.eval().generate(prompt, **settings), reloaded.generate(prompt, **settings))
+
+
+def _ep_step(ctx) -> dict:
+    from veomni.core.ep import apply_expert_plan
+
+    _, model = build_pair()
+    # The oracle is our adapter unsharded with eager kernels: upstream's torch path cannot run packed rows.
+    reference = copy.deepcopy(model)
+    apply_ops(reference, OpsConfig(**EAGER_OPS))
+    batches = [batch(seed=10 + r) for r in range(ctx.world_size)]
+    # Oracle: the whole model on each rank's batch. Under EP, rank r's expert slices receive the gradient of every
+    # rank's loss (tokens travel to their experts), its dense parameters only that of its own loss.
+    ref_losses, ref_grads = [], []
+    for b in batches:
+        _, loss, grads = run(reference, b, **packed_kwargs(b["position_ids"]))
+        ref_losses.append(loss)
+        ref_grads.append(grads)
+    state = build_parallel_state(ParallelDims(dp_shard=ctx.world_size, ep=ctx.world_size), ctx.device_type)
+    shards = apply_expert_plan(model, model.get_parallel_plan(), ep_size=state.dims.ep, ep_rank=state.ep_rank)
+    apply_ops(model, OpsConfig(**{**EAGER_OPS, "moe_experts": "torch"}))
+    mine = batches[ctx.rank]
+    with use_parallel_state(state):
+        _, loss, grads = run(model, mine, **packed_kwargs(mine["position_ids"]))
+    worst = 0.0
+    for name, grad in grads.items():
+        if name in shards:
+            want = sum(g[name] for g in ref_grads)[shards[name].start : shards[name].stop]
+        else:
+            want = ref_grads[ctx.rank][name]
+        worst = max(worst, float((grad - want).abs().max() / want.abs().max().clamp(min=1e-12)))
+    return {
+        "loss_err": float((loss - ref_losses[ctx.rank]).abs()),
+        "worst_grad_rel": worst,
+        "sharded": len(shards),
+    }
+
+
+def test_expert_parallel_matches_the_whole_model(dist_pools):
+    for result in dist_pools.get(2).run(_ep_step):
+        assert result["sharded"] == 6  # gate_up_proj and down_proj of the three MoE layers
+        assert result["loss_err"] < 1e-5, result
+        assert result["worst_grad_rel"] < 1e-4, result
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_fla_kernels_match_the_eager_oracles_on_gpu(packed):
+    # The whole adapter on fla's Gated DeltaNet kernels (and the CUDA defaults elsewhere) against the same weights on
+    # the eager oracles; fp32 weights, TF32-level agreement (fla's matmuls).
+    _, eager = build_pair()
+    eager = eager.cuda()
+    fast = copy.deepcopy(eager)
+    apply_ops(eager, OpsConfig(**EAGER_OPS))
+    apply_ops(fast, OpsConfig(attention="sdpa", moe_experts="torch", compile="off"))
+    assert (fast.config._experts_implementation, fast.veomni_kernels.config.gated_delta_rule) == (
+        "veomni",
+        "fla",
+    )
+    inputs = {k: v.cuda() for k, v in batch(lengths=(70, 3, 55), rows=1 if packed else 2).items()}
+    extra = packed_kwargs(inputs["position_ids"]) if packed else {}
+    if not packed:
+        inputs.pop("position_ids")
+    assert_match(run(fast, inputs, **extra), run(eager, inputs, **extra), 3e-3)
