@@ -47,7 +47,7 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
-    task: Literal["text", "vlm", "dit"] = _field(
+    task: Literal["text", "vlm", "dit", "omni"] = _field(
         "text",
         "training task: text (causal language modelling on packed documents), vlm (image-text-to-text on "
         "data.kind=multimodal) or dit (a diffusers diffusion transformer trained by flow matching on "
