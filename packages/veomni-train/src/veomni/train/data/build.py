@@ -129,8 +129,8 @@ def check_task_and_kind(recipe: Recipe) -> None:
     otherwise)."""
     if (recipe.model.task in ("vlm", "omni")) != (recipe.data.kind == "multimodal"):
         raise DataError(
-            f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: the vlm and omni tasks train "
-            "on multimodal data and multimodal data needs the vlm or omni task"
+            f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: the vlm task trains on "
+            "multimodal data (so does omni) and multimodal data needs the vlm or omni task"
         )
 
 
