@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_multimodal_data import END, IMAGE, QUICKSTART, REF, START, VIDEO, VISION_TOKENS, png
+from test_multimodal_data import IMAGE, QUICKSTART, REF, START, VIDEO, VISION_TOKENS, png
 from test_vlm_train import vlm_recipe
 
 from veomni.train.data.encode import Sample
@@ -59,7 +59,7 @@ def thinker_config():
             "d_model": 32, "max_source_positions": 64, "n_window": 8, "output_dim": 64,
         },
         audio_token_index=AUDIO, image_token_index=IMAGE, video_token_index=VIDEO, audio_start_token_id=A_START,
-        audio_end_token_id=A_END, vision_start_token_id=START, vision_end_token_id=END,
+        audio_end_token_id=A_END, vision_start_token_id=START,
         tie_word_embeddings=False,
     )  # fmt: skip
 
