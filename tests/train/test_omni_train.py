@@ -221,12 +221,18 @@ def _steps(ctx, raw: dict, n: int, export: str) -> dict:
     return {"losses": [float(s["loss"]) for s in stats], "clips": clips}
 
 
-def test_one_rank_trains_and_exports(dist_pools, assets, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(dist_pools, assets, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("one")
+    raw = omni_recipe(assets, str(tmp / "run"), steps=3)
+    export = tmp / "export"
+    return {**dist_pools.get(1, "gloo").run(_steps, copy.deepcopy(raw), 3, str(export))[0], "export": export}
+
+
+def test_one_rank_trains_and_exports(one_rank, assets):
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration, WhisperFeatureExtractor
 
-    raw = omni_recipe(assets, str(tmp_path / "run"), steps=3)
-    export = tmp_path / "export"
-    got = dist_pools.get(1, "gloo").run(_steps, copy.deepcopy(raw), 3, str(export))[0]
+    got, export = one_rank, one_rank["export"]
     assert got["clips"] > 0
     assert all(math.isfinite(x) for x in got["losses"]), got
     assert got["losses"][-1] < got["losses"][0], got
@@ -267,3 +273,12 @@ def test_two_ranks_with_audio_on_one_rank_only(dist_pools, assets, tmp_path):
     assert any(min(c) == 0 < max(c) for c in per_step), per_step  # one rank with audio, one without
     for g in got:
         assert g["losses"] == got[0]["losses"] and all(math.isfinite(x) for x in g["losses"]), got
+
+
+def test_sp2_matches_one_rank(dist_pools, assets, one_rank, tmp_path):
+    """Ulysses SP=2: the language model and the audio tower run on slices; per-step losses equal one rank's."""
+    raw = omni_recipe(assets, str(tmp_path / "run"), steps=3)
+    raw["parallel"] = {"sp": 2}
+    got = dist_pools.get(2, "gloo").run(_steps, raw, 3, str(tmp_path / "export"))
+    for g in got:
+        assert g["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-5), (g, one_rank)
