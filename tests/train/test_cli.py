@@ -13,7 +13,7 @@ from veomni.train.recipe import builtin_recipes, load_recipe, recipe_fields
 @pytest.mark.parametrize("name", builtin_recipes())
 def test_every_shipped_recipe_validates(name):
     recipe = load_recipe(name)
-    single = ("quickstart", "quickstart_vlm", "quickstart_dit", "qwen3_0.6b", "qwen3_1.7b", "qwen3_vl_2b")
+    single = ("quickstart", "quickstart_vlm", "quickstart_omni", "quickstart_dit", "qwen3_0.6b", "qwen3_1.7b", "qwen3_vl_2b")
     dp = 1 if name in single else 8
     assert recipe.grad_accum(dp) >= 1
 

@@ -129,7 +129,7 @@ def test_recipe_rejects_bad_multipliers_and_unknown_tasks(tmp_path):
     with pytest.raises(RecipeError, match=r"optim.lr_multipliers: expected numbers >= 0.*'fast'"):
         recipe_from_dict(raw)
     raw = tiny_recipe(str(tmp_path), DENSE)
-    raw["model"]["task"] = "omni"
+    raw["model"]["task"] = "tts"
     with pytest.raises(RecipeError, match="model.task"):
         recipe_from_dict(raw)
 
@@ -159,7 +159,7 @@ def test_text_task_reads_the_language_model_config_of_a_composite():
     assert dense.aux_loss_coef == 0.0
     moe = build_task("text", meta_instance(_meta_model(MOE).config))
     assert moe.aux_loss_coef == 0.01
-    with pytest.raises(ValueError, match=r"model.task: expected one of \['dit', 'text', 'vlm'\], found 'tts'"):
+    with pytest.raises(ValueError, match=r"model.task: expected one of \['dit', 'omni', 'text', 'vlm'\], found 'tts'"):
         build_task("tts", probe)
 
 

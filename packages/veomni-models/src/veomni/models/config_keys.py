@@ -10,7 +10,8 @@ What a class accepts (`accepted_config_keys`):
   dataclass fields, its ``__init__`` parameters (classes with a hand-written ``__init__``), its
   ``attribute_map`` aliases, its settable properties, the attributes of a default instance, the optional keys
   its modeling file (and ``transformers.modeling_utils``) reads with ``getattr(config, "name", default)`` /
-  ``hasattr`` (Qwen3-MoE's ``head_dim``; the file is read as text, not imported), the keywords
+  ``hasattr`` or directly as ``self.config.name`` (Qwen3-MoE's ``head_dim``, the Qwen2.5-Omni thinker's
+  ``vision_start_token_id``; the file is read as text, not imported), the keywords
   ``PreTrainedConfig.__post_init__`` consumes (``torch_dtype``, ``num_labels``, ``attn_implementation``, ...) and,
   for classes with ``rope_parameters``, the legacy RoPE keywords it folds into them (``rope_theta``, ...);
 - ``stage="override"`` (attributes set on a built config, as ``build_model(config_overrides=...)`` does): the
@@ -80,6 +81,9 @@ def _quiet_hasattr(obj: object, name: str) -> bool:
 # ``getattr(config, "head_dim", ...)`` / ``hasattr(self.config, "x")``: optional keys that modeling code reads
 # without the config class declaring them (Qwen3-MoE's head_dim).
 _READ_PATTERN = re.compile(r"""\b(?:getattr|hasattr)\(\s*(?:self\.)?\w*config\s*,\s*["'](\w+)["']""")
+# ``self.config.vision_start_token_id``: a key read directly that the config class does not declare (the
+# Qwen2.5-Omni thinker's vision start token: checkpoints carry it, the thinker's rope index needs it).
+_DIRECT_READ = re.compile(r"""\bself\.config\.(\w+)\b(?!\s*\()""")
 
 
 @functools.cache
@@ -88,7 +92,8 @@ def _optional_reads(module_name: str) -> frozenset[str]:
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return frozenset()
     with open(spec.origin, encoding="utf-8") as handle:
-        return frozenset(_READ_PATTERN.findall(handle.read()))
+        text = handle.read()
+    return frozenset(_READ_PATTERN.findall(text)) | frozenset(_DIRECT_READ.findall(text))
 
 
 def _modeling_reads(cls: type[PretrainedConfig]) -> frozenset[str]:

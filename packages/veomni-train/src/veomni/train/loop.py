@@ -65,7 +65,7 @@ from veomni.train.step import (
     train_step,
     train_step_on_device,
 )
-from veomni.train.tasks import TASKS, Task, VlmTask, build_task, flops_per_token, query_width
+from veomni.train.tasks import TASKS, OmniTask, Task, VlmTask, build_task, flops_per_token, query_width
 
 log = logging.getLogger("veomni.train")
 # Public names that moved to their own modules; kept importable from here.
@@ -198,6 +198,8 @@ def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Ta
     vision = {}
     if isinstance(task, VlmTask):
         vision = {"vision_metadata": task.collate_metadata, "no_video": task.no_video}
+    if isinstance(task, OmniTask):  # audio parts: the thinker's token ids and position rule
+        vision["thinker_config"] = task.thinker_config
     pin = device.type == "cuda"
     train_data = build_train_data(recipe, tokenizer, topology, group=group, pin_memory=pin, **vision)
     eval_data = build_eval_data(recipe, tokenizer, topology, group=group, pin_memory=pin, **vision)
@@ -208,7 +210,7 @@ def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Ta
 
 
 SETUPS: dict[str, Callable[[Recipe, ParallelState, torch.device], TaskSetup]] = {
-    "text": text_setup, "vlm": text_setup, "dit": dit_setup,
+    "text": text_setup, "vlm": text_setup, "dit": dit_setup, "omni": text_setup,
 }  # fmt: skip
 """Recipe ``model.task`` -> the function preparing its `TaskSetup`."""
 

@@ -47,10 +47,10 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
     )
-    task: Literal["text", "vlm", "dit"] = _field(
+    task: Literal["text", "vlm", "dit", "omni"] = _field(
         "text",
         "training task: text (causal language modelling on packed documents), vlm (image-text-to-text on "
-        "data.kind=multimodal) or dit (a diffusers diffusion transformer trained by flow matching on "
+        "data.kind=multimodal), omni (an omni thinker on data.kind=multimodal rows that may hold audio parts) or dit (a diffusers diffusion transformer trained by flow matching on "
         "data.kind=dit, conditioned by the frozen models in dit.condition); it decides the model class, the "
         "inputs, the loss, the FLOPs and the export",
     )

@@ -326,7 +326,62 @@ class VlmTask(TextTask):
         return super().step_flops(step) + self.vision_flops_per_patch * step.patches
 
 
-TASKS = {"text": TextTask, "vlm": VlmTask, "dit": DitTask}
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+"""Audio tensors of an omni micro-batch (`veomni.train.data.omni.OmniMediaSample.collate_extra`)."""
+
+
+@attrs.frozen(kw_only=True)
+class OmniTask(VlmTask):
+    """Omni thinker training (Qwen2.5-Omni: text, images and audio in, text out; ``data.kind: multimodal``):
+    `VlmTask` plus the micro-batch's audio clips, ``input_features`` float32 ``[clips, mels, frames]`` and
+    ``feature_attention_mask`` int64 ``[clips, frames]`` (`veomni.train.data.omni`), both None without audio (the
+    thinker then runs its audio tower's dummy forward). The audio tower's weights are excluded from the per-token
+    FLOPs; its own FLOPs (per mel frame) are not counted yet.
+
+    Attributes:
+        thinker_config: the model config, for the data pipeline's token ids and positions
+            (`veomni.train.data.omni.OmniEncoder`).
+    """
+
+    thinker_config: Any = None
+    name: ClassVar[str] = "omni"
+    model_task: ClassVar[str] = "any_to_any"
+
+    @classmethod
+    def for_model(cls, probe: nn.Module) -> OmniTask:
+        base = super().for_model(probe)
+        audio = getattr(getattr(probe, "model", probe), "audio_tower", None)
+        if audio is None:
+            raise ValueError(
+                f"model.task=omni needs an omni thinker with a `model.audio_tower`; {type(probe).__name__} has none"
+            )
+        tower = sum(p.numel() for p in audio.parameters() if p.dim() >= 2)
+        return attrs.evolve(
+            base, flops_per_token=base.flops_per_token - 6.0 * tower, thinker_config=probe.config
+        )
+
+    def model_kwargs(
+        self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> dict[str, Any]:
+        kwargs = super().model_kwargs(batch, device, num_items)
+        for key in AUDIO_KEYS:
+            value = batch.get(key)
+            kwargs[key] = None if value is None else value.to(device, non_blocking=True)
+        return kwargs
+
+    def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
+        """As `VlmTask.export`, then the source's ``preprocessor_config.json`` over the image processor's: the
+        thinker's holds the image processor and the audio feature extractor in one file."""
+        import shutil
+
+        super().export(model, out, tokenizer, parallel_state)
+        source = Path(tokenizer.name_or_path) / "preprocessor_config.json"
+        if dist.get_rank() == 0 and source.is_file():
+            shutil.copyfile(source, out / "preprocessor_config.json")
+        dist.barrier()
+
+
+TASKS = {"text": TextTask, "vlm": VlmTask, "dit": DitTask, "omni": OmniTask}
 """Recipe ``model.task`` name -> task class (each has ``for_model(probe)``)."""
 
 

@@ -74,15 +74,17 @@ def check_thinker_sp_inputs(
 
     Args:
         input_ids: this rank's ``[B, S_local]`` slice (placeholders are found by id, so it is required).
-        position_ids: this rank's slice ``[3, B, S_local]`` of the mrope ids computed on the full sequence.
+        position_ids: this rank's slice ``[3, B, S_local]`` of the mrope ids computed on the full sequence, or
+            ``[4, B, S_local]`` with the text positions first (transformers' packed layout, as the trainer's
+            collator writes it: the text model reads row 0 for packed masks).
         world: the SP group size.
     """
     if input_ids is None:
         raise ValueError(f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs input_ids")
-    if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
+    if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] not in (3, 4):
         found = None if position_ids is None else tuple(position_ids.shape)
         raise ValueError(
-            f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs position_ids [3, batch, "
+            f"the Qwen2.5-Omni thinker under sequence parallelism (sp={world}) needs position_ids [3 or 4, batch, "
             f"local_seq_len]: this rank's slice of the mrope ids computed on the full sequence (a slice cannot "
             f"rebuild them; veomni.models.qwen2_5_omni.positions computes them on the host); found {found}"
         )

@@ -24,27 +24,34 @@ def encoder_for(
     tokenizer: PreTrainedTokenizerBase,
     vision_metadata: Callable[..., Any] | None = None,
     no_video: str | None = None,
+    thinker_config: Any = None,
 ) -> Encoder:
     """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image and video processors from
     the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights) and collates with
     the model's ``vision_metadata`` (`veomni.train.tasks.VlmTask.collate_metadata`; None for text data).
     ``no_video``: why this model's video rows cannot be encoded (`veomni.train.tasks.VlmTask.no_video`); rows with
-    a video are then refused with that reason."""
+    a video are then refused with that reason. ``thinker_config``: an omni thinker's config
+    (`veomni.train.tasks.OmniTask.thinker_config`): rows may then hold audio parts (`veomni.train.data.omni`)."""
     if data.kind == "multimodal":
         from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
 
-        return MultimodalEncoder(
-            tokenizer,
-            load_image_processor(tokenizer.name_or_path),
-            data.messages_field,
-            data.loss_mask_field,
+        args = (
+            tokenizer, load_image_processor(tokenizer.name_or_path), data.messages_field, data.loss_mask_field,
             data.assistant_only_loss,
+        )  # fmt: skip
+        kwargs = dict(
             media_root=data.media_root,
             max_patches=data.patches_per_micro_batch,
             video_rule=no_video
             or load_video_rule(tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames),
             vision_metadata=vision_metadata,
         )
+        if thinker_config is not None:
+            from veomni.train.data.omni import OmniEncoder, load_feature_extractor
+
+            extractor = load_feature_extractor(tokenizer.name_or_path)
+            return OmniEncoder(*args, feature_extractor=extractor, thinker_config=thinker_config, **kwargs)
+        return MultimodalEncoder(*args, **kwargs)
     if vision_metadata is not None:
         raise ValueError(
             f"a vision layout function was given for data.kind={data.kind!r}, which has no images"
@@ -118,11 +125,12 @@ def check_trained_tokens(source: RowSource, index: DatasetIndex, files: Sequence
 
 
 def check_task_and_kind(recipe: Recipe) -> None:
-    """``model.task=vlm`` trains on ``data.kind=multimodal`` and nothing else does (a `DataError` otherwise)."""
-    if (recipe.model.task == "vlm") != (recipe.data.kind == "multimodal"):
+    """``model.task=vlm`` / ``omni`` train on ``data.kind=multimodal`` and nothing else does (a `DataError`
+    otherwise)."""
+    if (recipe.model.task in ("vlm", "omni")) != (recipe.data.kind == "multimodal"):
         raise DataError(
             f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: the vlm task trains on "
-            "multimodal data and multimodal data needs the vlm task"
+            "multimodal data (so does omni) and multimodal data needs the vlm or omni task"
         )
 
 
@@ -135,11 +143,12 @@ def build_train_data(
     pin_memory: bool = False,
     vision_metadata: Callable[..., Any] | None = None,
     no_video: str | None = None,
+    thinker_config: Any = None,
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given)."""
     check_task_and_kind(recipe)
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config)
     source, index = index_files(
         recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
     )
@@ -172,11 +181,12 @@ def build_eval_data(
     pin_memory: bool = False,
     vision_metadata: Callable[..., Any] | None = None,
     no_video: str | None = None,
+    thinker_config: Any = None,
 ) -> EvalData | None:
     """The evaluation pass of this rank, or None when the recipe has no eval files."""
     if not recipe.data.eval_files:
         return None
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config)
     source, index = index_files(
         recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
     )

@@ -195,11 +195,16 @@ class MultimodalEncoder(ConversationEncoder):
             raise DataError(f"{what} but the tokenizer has no {token} token")
         return int(token_id)
 
+    extra_parts: tuple[str, ...] = ()  # part types a subclass reads (`_extra_part`), e.g. omni's "audio"
+
+    def _extra_part(self, kind: str, part: dict[str, Any], ref: RowRef) -> None:
+        raise NotImplementedError(f"{type(self).__name__} lists {kind!r} in extra_parts but reads none")
+
     def _parse(
         self, row: dict[str, Any], ref: RowRef
     ) -> tuple[list[dict[str, Any]], list[bool], list[ImageRef], list[VideoRef]]:
         """Messages for the template (media parts without payload), their loss flags, the row's images and
-        videos."""
+        videos; parts of `extra_parts` go to `_extra_part` (in order) and reach the template without payload."""
         messages, flags = self._messages(_text_only(row, self.field), ref)
         raw = row[self.field]
         images: list[ImageRef] = []
@@ -213,7 +218,7 @@ class MultimodalEncoder(ConversationEncoder):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
-                elif kind in ("image", "video") and kind not in part:
+                elif kind in (*self.extra_parts, "image", "video") and kind not in part:
                     raise DataError(f"{ref}: message {i} part {k} is a {kind} part without a {kind!r} field")
                 elif kind == "image":
                     images.append(image_ref(part["image"], self.media_root, ref, len(images)))
@@ -221,6 +226,9 @@ class MultimodalEncoder(ConversationEncoder):
                 elif kind == "video":
                     videos.append(self._video_ref(part, ref, len(videos)))
                     parts.append({"type": "video"})
+                elif kind in self.extra_parts:
+                    self._extra_part(kind, part, ref)
+                    parts.append({"type": kind})
                 else:
                     raise DataError(
                         f"{ref}: message {i} part {k} must be {{'type': 'text', 'text': str}}, "
@@ -467,6 +475,9 @@ def collate_multimodal(
     batch["vision_metadata"] = (
         None if vision_metadata is None or not grids else vision_metadata(torch.cat(grids))
     )
+    extra = [s.media for s in samples if hasattr(s.media, "collate_extra")]  # e.g. omni's audio clips
+    if extra:
+        batch.update(extra[0].collate_extra(extra))
     batch["num_patches"] = sum(s.media.num_patches for s in samples)
     batch["sample_index"] = [s.index for s in samples]
     return batch

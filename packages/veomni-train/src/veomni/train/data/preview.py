@@ -158,8 +158,13 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
     topology = DataTopology(dp_rank=opts["--dp-rank"], dp_size=opts["--dp-size"])
     budget = recipe.train.tokens_per_micro_batch
     out.write(f"recipe: {source_name}\ntokenizer: {recipe.model.tokenizer_path} (vocab {len(tokenizer)})\n")
+    omni = {}
+    if recipe.model.task == "omni":  # audio parts: the thinker's token ids and position rule
+        from veomni.train.loop import model_config
+
+        omni["thinker_config"] = model_config(recipe)
     if opts["--eval"]:
-        data = build_eval_data(recipe, tokenizer, topology)
+        data = build_eval_data(recipe, tokenizer, topology, **omni)
         if data is None:
             raise RecipeError("--eval: the recipe has no data.eval_files")
         out.write(
@@ -172,7 +177,7 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
         ]
         source = data.source
     else:
-        data = build_train_data(recipe, tokenizer, topology)
+        data = build_train_data(recipe, tokenizer, topology, **omni)
         s = data.summary()
         out.write(
             f"train data: {s['rows']:,} rows, {s['samples']:,} samples, {s['tokens']:,} tokens "
