@@ -1,4 +1,4 @@
-"""Smoke and parity test of tools/bench/bench_families.py on CPU: the gpt-oss and DeepSeek-V3 MoE blocks, ours vs HF.
+"""Smoke and parity test of tools/bench/bench_families.py on CPU: the gpt-oss, DeepSeek-V3 and Qwen3-VL-MoE blocks, ours vs HF.
 
 ``--size tiny`` runs every contender that works on a CPU in fp32 with shared weights and routing, so each must
 match the reference (transformers' default experts implementation) to float rounding: a contender fed other

@@ -1,6 +1,7 @@
-"""MoE blocks fwd+bwd, veomni vs HF transformers: gpt-oss's experts block and a DeepSeek-V3 MoE block, JSON out.
+"""MoE blocks fwd+bwd, veomni vs HF transformers: gpt-oss, DeepSeek-V3 and Qwen3-VL-MoE MoE blocks, JSON out.
 
-    python tools/bench/bench_families.py --out families.json [--blocks gpt_oss,deepseek_v3] [--tokens 8192]
+    python tools/bench/bench_families.py --out families.json [--blocks gpt_oss,deepseek_v3,qwen3_vl_moe]
+        [--tokens 8192]
         [--hf-impls eager,grouped_mm,batched_mm,deepgemm,sonicmoe] [--dsv3-experts 256] [--size full|tiny]
 
 Blocks (bf16 on CUDA; ``--size tiny`` runs small shapes in fp32 on the CPU: the parity check the tests run):
@@ -11,6 +12,8 @@ Blocks (bf16 on CUDA; ``--size tiny`` runs small shapes in fp32 on the CPU: the 
   routed experts top-8 and one shared expert, at DeepSeek-V3's layer: H=7168, moe I=2048, n_group 8, topk_group 4.
   Fits one 80 GB GPU uncut at 8192 tokens (weights 22.7 GB in bf16 plus as much again for their gradients);
   ``--dsv3-experts`` cuts the routed experts (recorded as ``cut`` in the JSON).
+- ``qwen3_vl_moe``: ``Qwen3VLMoeTextSparseMoeBlock`` = the softmax top-k router + experts (``[E, 2I, H]`` gate/up,
+  ``[E, H, I]`` down), at Qwen3-VL-30B-A3B's language-model layer: E=128, top-8, H=2048, moe I=768.
 
 Contenders, for each block, in this order:
 
@@ -64,17 +67,19 @@ from bench_common import (  # noqa: E402
     write_json,
 )
 
-BLOCKS = ("gpt_oss", "deepseek_v3")
+BLOCKS = ("gpt_oss", "deepseek_v3", "qwen3_vl_moe")
 SHAPES: dict[str, dict[str, dict[str, int]]] = {
     "full": {
         "gpt_oss": {"experts": 32, "top_k": 4, "hidden": 2880, "inter": 2880},
         "deepseek_v3": {"experts": 256, "top_k": 8, "hidden": 7168, "inter": 2048, "n_group": 8,
                         "topk_group": 4, "shared": 1},
+        "qwen3_vl_moe": {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768},
     },
     "tiny": {
         "gpt_oss": {"experts": 4, "top_k": 2, "hidden": 32, "inter": 16},
         "deepseek_v3": {"experts": 8, "top_k": 2, "hidden": 32, "inter": 16, "n_group": 4, "topk_group": 2,
                         "shared": 1},
+        "qwen3_vl_moe": {"experts": 8, "top_k": 2, "hidden": 32, "inter": 16},
     },
 }  # fmt: skip
 # block -> (transformers module, veomni generated module, block class, causal-LM class, routed kernel variant)
@@ -85,6 +90,9 @@ MODULES: dict[str, tuple[str, str, str, str, str]] = {
     "deepseek_v3": ("transformers.models.deepseek_v3.modeling_deepseek_v3",
                     "veomni.models.deepseek_v3.generated.patched_modeling_deepseek_v3", "DeepseekV3MoE",
                     "DeepseekV3ForCausalLM", "routed"),
+    "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+                     "veomni.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe",
+                     "Qwen3VLMoeTextSparseMoeBlock", "Qwen3VLMoeTextModel", "routed"),
 }  # fmt: skip
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
 VEOMNI_BACKENDS = ("torch", "triton")
@@ -99,6 +107,13 @@ def block_config(block: str, shape: dict[str, int]) -> Any:
 
         return GptOssConfig(
             hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_local_experts=shape["experts"],
+            num_experts_per_tok=shape["top_k"], num_hidden_layers=1, vocab_size=128,
+        )  # fmt: skip
+    if block == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeTextConfig
+
+        return Qwen3VLMoeTextConfig(
+            hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
             num_experts_per_tok=shape["top_k"], num_hidden_layers=1, vocab_size=128,
         )  # fmt: skip
     from transformers import DeepseekV3Config
