@@ -27,7 +27,9 @@ Contenders, for each block, in this order:
   modeling file after ``apply_ops(block, OpsConfig(moe_experts=backend))`` (other ops at the hardware default: the
   shared expert's SwiGLU is the Triton kernel on CUDA) with experts implementation ``"veomni"``: gpt-oss's experts
   are claimed for ``moe_experts/clamped_routed``, DeepSeek-V3's run ``moe_experts/routed``. Routers stay upstream's
-  on both sides. Nothing is ``torch.compile``d on either side.
+  on both sides. Nothing is ``torch.compile``d on either side, except with ``--compile``: then HF's default
+  (``hf_<impl>_compiled``) and veomni's torch backend (``veomni_torch_compiled``) also run as
+  ``torch.compile(block)``, as a compiled decoder layer would (inductor fuses the router and the glue).
 
 Every contender shares the same parameter tensors (one copy in memory), input and upstream gradient, so routing is
 identical. A step is ``out = block(hidden)`` then ``torch.autograd.grad`` for the input and every parameter (no
@@ -251,7 +253,7 @@ def run_contender(
     name: str, module: nn.Module, block: str, inputs: dict[str, torch.Tensor], cli: Any
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Time one contender; returns its row and its kept tensors for the parity check."""
-    names = [n for n, _ in module.named_parameters()]
+    names = [n.removeprefix("_orig_mod.") for n, _ in module.named_parameters()]  # torch.compile's wrapper
     leaves = [inputs["hidden"], *(p for _, p in module.named_parameters())]
 
     def forward() -> torch.Tensor:
@@ -276,11 +278,16 @@ def run_contender(
     return row, kept
 
 
-def contenders(block: str, cli: Any) -> list[tuple[str, str, str]]:
-    """``(name, kind, impl)`` in run order: HF's default experts implementation first, then the others, then ours."""
+def contenders(block: str, cli: Any) -> list[tuple[str, str, str, bool]]:
+    """``(name, kind, impl, compiled)`` in run order: HF's default experts implementation first, then the others,
+    then ours; with ``--compile`` also HF's default and our ``torch`` backend under ``torch.compile``."""
     default = hf_default_experts_impl(block, cli.shapes[block])
     hf = [default] + [i for i in cli.hf_impls if i != default]
-    return [(f"hf_{i}", "hf", i) for i in hf] + [(f"veomni_{b}", "veomni", b) for b in cli.veomni_backends]
+    rows = [(f"hf_{i}", "hf", i, False) for i in hf]
+    rows += [(f"veomni_{b}", "veomni", b, False) for b in cli.veomni_backends]
+    if cli.compile:
+        rows += [(f"hf_{default}_compiled", "hf", default, True), ("veomni_torch_compiled", "veomni", "torch", True)]
+    return rows
 
 
 def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str, Any]:
@@ -309,7 +316,7 @@ def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str,
         "cut": cli.cuts.get(block), "rows": [],
     }  # fmt: skip
     reference: tuple[str, dict[str, torch.Tensor]] | None = None
-    for name, kind, impl in order:
+    for name, kind, impl, compiled in order:
         row: dict[str, Any] = {"impl": name}
         section["rows"].append(row)
         if kind == "hf":
@@ -329,6 +336,12 @@ def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str,
             if kind == "veomni":
                 kernels = apply_ops(module, OpsConfig(moe_experts=impl))
                 row["ops"] = {f: getattr(kernels.config, f) for f in DEFAULT_BACKENDS}
+            if compiled:
+                # The block as a compiled decoder layer would run it: inductor fuses the router and the
+                # elementwise glue (gathers, biases, activation, combine) around the grouped GEMMs.
+                torch._dynamo.reset()
+                row["compiled"] = "torch.compile(block), inductor, dynamic=False"
+                module = torch.compile(module, dynamic=False)
             timing, kept = run_contender(name, module, block, inputs, cli)
             row |= timing
             if reference is None:
@@ -377,6 +390,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10; tiny 3)")
     parser.add_argument("--device", default=None, help="default: cuda if available (tiny: cpu)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also HF's default and veomni torch under torch.compile"
+    )
     cli = parser.parse_args(argv)
     tiny = cli.size == "tiny"
     cli.blocks = [b for b in cli.blocks.split(",") if b]
