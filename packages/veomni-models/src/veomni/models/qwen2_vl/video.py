@@ -150,7 +150,9 @@ class Qwen2VLVideoRule:
             )
         size = s["size"]
         if not size.get("shortest_edge") or not size.get("longest_edge"):
-            raise ValueError(f"the video processor's size must hold shortest_edge and longest_edge, found {size}")
+            raise ValueError(
+                f"the video processor's size must hold shortest_edge and longest_edge, found {size}"
+            )
         if fps is None and s["do_sample_frames"]:
             if s["fps"] is None:
                 raise ValueError("the video processor samples frames (do_sample_frames) but sets no fps")

@@ -22,7 +22,9 @@ from veomni.train.data.multimodal import MultimodalEncoder
 from veomni.train.data.sources import DataError
 
 
-def load_qwen2_vl_video_rule(path: str, *, fps: float | None, max_frames: int | None) -> Qwen2VLVideoRule | str:
+def load_qwen2_vl_video_rule(
+    path: str, *, fps: float | None, max_frames: int | None
+) -> Qwen2VLVideoRule | str:
     """The Qwen2-VL video rule of the model at ``path`` (`Qwen2VLVideoRule.from_pretrained`), or why there is none
     as a string: data without videos does not need one, and a video row reports it."""
     try:
