@@ -147,6 +147,17 @@ def _batch(items_per_row, seconds: list[float]) -> tuple[dict, torch.Tensor, lis
     return batch, torch.tensor(seconds), per_row_seconds
 
 
+def _host_positions(model, batch: dict, per_row: list[np.ndarray]) -> torch.Tensor:
+    """``[4, B, S]`` position ids as the data pipeline writes them: text row, then `Qwen2VLPositions`."""
+    rule = Qwen2VLPositions.from_config(model.config)
+    mrope = []
+    for row, items, secs in zip(batch["input_ids"].numpy(), VIDEO_ROWS, per_row, strict=True):
+        image = np.asarray([g for k, g in items if k == "image"]).reshape(-1, 3)
+        video = np.asarray([g for k, g in items if k == "video"]).reshape(-1, 3)
+        mrope.append(np.concatenate([np.arange(len(row))[None], rule(row, image, video, secs)]))
+    return torch.from_numpy(np.stack(mrope, axis=1))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_with_host_positions_equals_upstream_on_videos(family):
     """Our model fed the data pipeline's host positions (4 rows: text, then t/h/w) equals upstream computing them
@@ -155,14 +166,7 @@ def test_step_with_host_positions_equals_upstream_on_videos(family):
     batch, seconds, per_row = _batch(VIDEO_ROWS, SECONDS)
     extra = {"second_per_grid_ts": seconds} if family == "qwen2_5_vl" else {}
     ref_logits, ref_loss, ref_grads = run(ref, {**batch, **extra})
-
-    rule = Qwen2VLPositions.from_config(model.config)
-    mrope = []
-    for row, items, secs in zip(batch["input_ids"].numpy(), VIDEO_ROWS, per_row, strict=True):
-        image = np.asarray([g for k, g in items if k == "image"]).reshape(-1, 3)
-        video = np.asarray([g for k, g in items if k == "video"]).reshape(-1, 3)
-        mrope.append(np.concatenate([np.arange(len(row))[None], rule(row, image, video, secs)]))
-    position_ids = torch.from_numpy(np.stack(mrope, axis=1))  # [4, B, S]
+    position_ids = _host_positions(model, batch, per_row)
     if family == "qwen2_5_vl":  # the time axis really is spread: frame 1 of clip 0 sits 0.8 * 4 = 3 ids on
         assert position_ids[1, 0].unique().numel() > 3
     ours = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
@@ -277,3 +281,35 @@ def test_config_reading_sampling_and_errors(tmp_path):
         Qwen2VLVideoRule.from_pretrained(_config_dir(tmp_path / "n", {"num_frames": 8}))
     with pytest.raises(ValueError, match="samples frames .do_sample_frames. but sets no fps"):
         Qwen2VLVideoRule.from_pretrained(_config_dir(tmp_path / "s", {"do_sample_frames": True}))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_video_step_with_host_positions_and_kernels_matches_upstream(family):
+    """On a GPU: Triton RMSNorm / RoPE / SwiGLU / fused cross-entropy and the encoder entry with the collator's tables,
+    fed host positions, against upstream computing its own positions (fp32, TF32 off) on video rows."""
+    from veomni.kernels import OpsConfig
+    from veomni.models.kernel_hooks import apply_ops
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref, model = build_pair(family, "sdpa")
+    ref, model = ref.cuda(), model.cuda()
+    apply_ops(model, OpsConfig(attention="sdpa", rms_norm="triton", rope="triton", swiglu="triton",
+                               cross_entropy="triton"))  # fmt: skip
+    batch, seconds, per_row = _batch(VIDEO_ROWS, SECONDS)
+    extra = {"second_per_grid_ts": seconds} if family == "qwen2_5_vl" else {}
+    position_ids = _host_positions(model, batch, per_row)
+    grid = torch.cat([batch["image_grid_thw"], batch["video_grid_thw"]])
+    tables = {
+        k: v.cuda() if torch.is_tensor(v) else v for k, v in model.vision_collate_metadata()(grid).items()
+    }
+    batch = {k: v.cuda() for k, v in batch.items()}
+    want = run(ref, {**batch, **{k: v.cuda() for k, v in extra.items()}})
+    ours = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
+    got = run(model, {**ours, "position_ids": position_ids.cuda(), "vision_metadata": tables})
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for name, grad in got[2].items():
+        torch.testing.assert_close(
+            grad, want[2][name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )

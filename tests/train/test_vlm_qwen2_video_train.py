@@ -57,10 +57,10 @@ def tiny_config(family: str):
     )  # fmt: skip
 
 
-def encoder(path: str, family: str, media_root: str) -> Qwen2VLEncoder:
+def encoder(path: str, family: str, media_root: str, max_frames: int | None = None) -> Qwen2VLEncoder:
     return Qwen2VLEncoder(
         load_tokenizer(path), load_image_processor(path), "messages", "loss_mask", True, media_root=media_root,
-        max_patches=None, video_rule=load_qwen2_vl_video_rule(path, fps=None, max_frames=None),
+        max_patches=None, video_rule=load_qwen2_vl_video_rule(path, fps=None, max_frames=max_frames),
         positions=Qwen2VLPositions.from_config(tiny_config(family)),
     )  # fmt: skip
 
@@ -118,7 +118,7 @@ def test_expansion_and_positions_equal_the_processor_and_upstream(media, family)
         assert sample.mrope[0, first + 12] - sample.mrope[0, first] == 4
 
 
-def test_frame_list_without_a_rate_is_refused_where_time_matters(media, tmp_path):
+def test_clips_the_rule_cannot_take_are_refused(media, tmp_path):
     path = make_qwen2_processor_dir(
         tmp_path / "p", do_sample_frames=False
     )  # no sampling rate to fall back on
@@ -131,6 +131,10 @@ def test_frame_list_without_a_rate_is_refused_where_time_matters(media, tmp_path
         DataError, match=r"video 0 \(4 frame images\): a frame list without an fps; Qwen2.5-VL"
     ):
         encoder(path, "qwen2_5_vl", media["root"])(frames, REF)
+    # Without sampling every frame is kept: a clip above max_frames is refused (row and file named), not fed whole.
+    clip = row({"type": "video", "video": "clip.mov"})
+    with pytest.raises(DataError, match=r"clip.mov\): 7 frames, more than max_frames=4 .*set data.video_fps"):
+        encoder(path, "qwen2_vl", media["root"], max_frames=4).measure(clip, REF)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -63,6 +63,14 @@ class Qwen2VLEncoder(MultimodalEncoder):
             )
         self.positions = positions
 
+    def _video_plan(self, video: Any) -> tuple[Any, np.ndarray, tuple[int, int, int]]:
+        try:
+            return super()._video_plan(video)
+        except DataError:
+            raise
+        except ValueError as err:  # the rule refuses the clip (too many frames unsampled, too few to sample)
+            raise DataError(f"{video}: {err}") from None
+
     def _video_tokens(self, grid: tuple[int, int, int], indices: np.ndarray, fps: float) -> np.ndarray:
         """One run of the clip's ``<|video_pad|>`` tokens (the template's vision start/end stay around it)."""
         assert self.video_rule is not None and self.video_ids is not None
