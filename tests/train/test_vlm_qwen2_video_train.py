@@ -111,11 +111,31 @@ def test_expansion_and_positions_equal_the_processor_and_upstream(media, family)
         **({"second_per_grid_ts": seconds} if family == "qwen2_5_vl" else {}),
     )  # fmt: skip
     np.testing.assert_array_equal(sample.mrope, want[:, 0].numpy())
-    if (
-        family == "qwen2_5_vl"
-    ):  # tokens_per_second 4: the clip's second temporal patch is int(4 * 7/6) = 4 ids on
+    if family == "qwen2_5_vl":
+        # tokens_per_second 4: the clip's second temporal patch is int(4 * 7/6) = 4 ids on.
         first = int(np.flatnonzero(ids == VIDEO)[0])
         assert sample.mrope[0, first + 12] - sample.mrope[0, first] == 4
+
+    # The collator lays the tower's tables out over the joint image-then-video grids (the model's own layout
+    # function, as the trainer passes it): upstream's in-forward tables.
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from veomni.models.registry import MODELS
+    from veomni.train.data.encode import Sample
+    from veomni.train.data.multimodal import collate_multimodal
+
+    config = tiny_config(family)
+    layout = MODELS.model_class(config, "image_text_to_text").cls(config).vision_collate_metadata()
+    batch = collate_multimodal([Sample(ids, trained, 0, media=sample)], vision_metadata=layout)
+    grids = torch.cat([batch["image_grid_thw"], batch["video_grid_thw"]])
+    assert grids.tolist() == [[1, 6, 6], [2, 6, 8], [2, 4, 6]]
+    tables = batch["vision_metadata"]
+    assert torch.equal(tables["cu_seqlens"], get_vision_cu_seqlens(grids))
+    if family == "qwen2_5_vl":
+        index, cu_window = get_vision_window_index(grids, spatial_merge_size=2, window_size=8, patch_size=2)
+        assert torch.equal(tables["window_index"], index) and torch.equal(
+            tables["cu_window_seqlens"], cu_window
+        )
 
 
 def test_clips_the_rule_cannot_take_are_refused(media, tmp_path):
