@@ -211,3 +211,68 @@ def test_video_rows_under_sp2_match_one_rank(dist_pools, assets, one_rank, tmp_p
         for got, want in zip(result["stats"], one_rank["stats"], strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def make_asymmetric_data(root: Path, rows: int = 32) -> str:
+    """Runs of six short clip rows (frame lists; every third a video file), then two long text-only rows (about one
+    micro-batch each run), so that under data parallelism one rank's micro-batch holds clips and the other's none."""
+    lines = []
+    for k in range(rows):
+        if k % 8 < 6:
+            if k % 3 == 0:
+                write_video(root / f"{k}.mov", frames=4, height=8, width=8, fps=2)
+                clip: dict = {"type": "video", "video": f"{k}.mov"}
+            else:
+                frames = []
+                for f in range(2):
+                    draw("red" if k % 2 else "blue", ("dot", "square")[f], (8, 8)).save(root / f"{k}_{f}.png")
+                    frames.append(f"{k}_{f}.png")
+                clip = {"type": "video", "video": frames, "fps": 2}
+            user: list | str = [clip, {"type": "text", "text": "What blinks?"}]
+            answer = f"A {'red' if k % 2 else 'blue'} shape."
+        else:
+            user, answer = "Name some colours.", " ".join(["red green blue yellow"] * 24)
+        lines.append(
+            json.dumps(
+                {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+            )
+        )
+    path = root / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _layout_steps(ctx, raw: dict) -> dict:
+    from veomni.train.loop import build_run, train_step
+    from veomni.train.recipe import recipe_from_dict
+
+    run = build_run(recipe_from_dict(raw))
+    it = iter(run.train_data)
+    steps = [next(it) for _ in range(STEPS)]
+    clips = [
+        0 if b["video_grid_thw"] is None else len(b["video_grid_thw"]) for s in steps for b in s.micro_batches
+    ]
+    return {"stats": [train_step(run, s) for s in steps], "clips": clips}
+
+
+def test_data_parallel_ranks_with_and_without_clips_match_one_rank(dist_pools, tmp_path_factory):
+    """Qwen2.5-VL (the windowed tower), dp_replicate=2: at the same micro-batch one rank runs clips and the other
+    only its tower's dummy forward; per-step loss and grad norm equal one process on the same data."""
+    root = tmp_path_factory.mktemp("asymmetric")
+    (root / "media").mkdir()
+    assets = {
+        "processor": make_qwen2_processor_dir(root / "processor"),
+        "train": make_asymmetric_data(root / "media"),
+        "media": str(root / "media"),
+        "weights": initial_weights(root / "weights", "qwen2_5_vl"),
+    }
+    want = dist_pools.get(1, "gloo").run(_layout_steps, recipe(assets, str(root / "one")))[0]
+    results = dist_pools.get(2, "gloo").run(_layout_steps, recipe(assets, str(root / "dp"), dp_replicate=2))
+    assert sum(want["clips"]) > 0
+    assert any(bool(a) != bool(b) for a, b in zip(results[0]["clips"], results[1]["clips"], strict=True)), [
+        r["clips"] for r in results
+    ]
+    for result in results:
+        for got, ref in zip(result["stats"], want["stats"], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
