@@ -276,3 +276,21 @@ def test_data_parallel_ranks_with_and_without_clips_match_one_rank(dist_pools, t
         for got, ref in zip(result["stats"], want["stats"], strict=True):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_data_preview_shows_one_run_per_clip(assets, tmp_path):
+    """``veomni-preview`` on a Qwen2-VL-family recipe writes that family's layout: one untrained placeholder span per
+    clip inside the template's vision start/end, no timestamps."""
+    import io
+    import re
+
+    from veomni.train.data.preview import preview
+    from veomni.train.recipe import recipe_from_dict, save_recipe
+
+    path = tmp_path / "vlm.yaml"
+    save_recipe(recipe_from_dict(recipe(assets, str(tmp_path))), path)
+    out = io.StringIO()
+    preview([str(path), "--n", "4", "--samples", "0"], out)
+    text = out.getvalue()
+    assert " videos (grids [[2, " in text and "seconds>" not in text
+    assert re.search(r"\[\[<\|im_start\|>user\n<\|vision_start\|><video x\d+><\|vision_end\|>What", text), text
