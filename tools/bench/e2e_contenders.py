@@ -73,7 +73,7 @@ LIGER_PATCHES = {
 # these the fused linear CE runs through `_liger_vl_forward` instead.
 LIGER_LCE_BY_HAND = ("qwen3_vl", "qwen2_5_vl")
 # Batch keys a vision-language forward takes besides the packed text inputs (None when the micro-batch has none).
-VISION_KEYS = ("pixel_values", "image_grid_thw")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
