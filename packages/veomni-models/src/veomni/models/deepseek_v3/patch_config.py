@@ -53,7 +53,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
+from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, mlp_forward, rms_norm_forward, seq_cls_init
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -230,6 +230,10 @@ def get_parallel_plan(self) -> ExpertPlan:
 # Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
 config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.override_method(
+    "DeepseekV3ForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "DeepseekV3"}
+)(seq_cls_init)
 config.override_method(
     "DeepseekV3ForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",

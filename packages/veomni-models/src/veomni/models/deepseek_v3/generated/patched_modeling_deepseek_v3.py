@@ -12,6 +12,7 @@
 #   - override_method DeepseekV3Attention.forward: RoPE on the rotary sub-dimension via apply_mla_rope (kernels.get('rope', 'full'), rope_interleave handled); attention through the configured interface with v_head_dim != qk_head_dim
 #   - override_method DeepseekV3ForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
 #   - override_method DeepseekV3ForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
+#   - override_method DeepseekV3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method DeepseekV3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - add_helper apply_mla_rope: MLA RoPE on the qk_rope_head_dim sub-dimension through the rope kernel, rope_interleave included
 #   - drop_import_names: create_causal_mask
@@ -20,6 +21,7 @@
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -59,6 +61,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from veomni.models.seq_cls import init_sequence_classifier
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -763,6 +766,10 @@ class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
 
 class DeepseekV3ForSequenceClassification(GenericForSequenceClassification, DeepseekV3PreTrainedModel):
     pass
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: DeepseekV3Config) -> None:
+        init_sequence_classifier(self, config, DeepseekV3Model)
 
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple
