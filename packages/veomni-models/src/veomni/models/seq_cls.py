@@ -35,6 +35,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from veomni.kernels import OpsConfig
+from veomni.models.hf_attention import _sp_state
 from veomni.models.kernel_hooks import ATTR
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,18 @@ def sequence_classification_forward(
     Returns:
         ``SequenceClassifierOutputWithPast`` with pooled logits ``[B, C]`` and the loss (0-d fp32 mean over
         labelled rows; 0, not NaN, when every label is ignored) when labels are given.
+    Raises:
+        NotImplementedError: under Ulysses SP (a current parallel state with ``sp > 1``).
     """
+    sp_state = _sp_state()
+    if sp_state is not None:
+        # Each SP rank holds a slice of every row, so the pooled token (the row's last non-pad one) is on one rank
+        # only; pooling the local slice would silently classify from the wrong position.
+        raise NotImplementedError(
+            f"{type(model).__name__} under Ulysses sequence parallelism (sp={sp_state.dims.sp}): sequence "
+            "classification pools each row's last non-pad token, which only one SP rank holds, and this forward "
+            "does not gather it; train sequence classification with sp=1"
+        )
     kernels = getattr(model, ATTR, None)
     if kernels is None or kernels.config.cross_entropy == "eager":
         return GenericForSequenceClassification.forward(
