@@ -68,8 +68,9 @@ EAGER_OPS = dict(
     attention="sdpa", rms_norm="eager", rope="eager", swiglu="eager", cross_entropy="eager", moe_experts="eager",
     load_balancing_loss="eager", gated_delta_rule="eager", causal_conv1d="eager", rms_norm_gated="eager",
 )  # fmt: skip
-# The decoder's kernels on every host (Triton through its interpreter on CPU); the experts' grouped kernels in torch.
-KERNEL_OPS = {**EAGER_OPS, "rms_norm": "triton", "rope": "triton", "swiglu": "triton", "cross_entropy": "triton",
+# The decoder's kernels on every host (Triton through its interpreter on CPU); RMSNorm and the experts' grouped GEMMs
+# through their torch backends (their Triton kernels have their own parity tests; the interpreter is slow).
+KERNEL_OPS = {**EAGER_OPS, "rms_norm": "torch", "rope": "triton", "swiglu": "triton", "cross_entropy": "triton",
               "moe_experts": "torch"}  # fmt: skip
 
 
@@ -190,7 +191,7 @@ def test_kernels_reach_the_decoder_and_match_upstream(model_type):
     assert calls["rope"] == attentions["Attention"] > 0
     if model_type != "gpt_oss":
         assert calls["rms_norm"] == norms["RMSNorm"] > 0
-    if model_type not in ("gpt_oss", "deepseek_v3"):  # their layers here are routed experts only / no SwiGLU module
+    if model_type not in ("gpt_oss", "qwen3_moe"):  # every layer here is routed experts only (no SwiGLU module)
         assert calls["swiglu"] > 0
     assert calls["cross_entropy"] == 1
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
