@@ -252,6 +252,7 @@ def _sp_refusal_case(ctx) -> str:
     return str(err.value)
 
 
+@pytest.mark.slow  # starting the two-rank pool dominates (shared with other tests in a full run)
 def test_ulysses_sp_is_refused_not_pooled_from_a_slice(dist_pools):
     for message in dist_pools.get(2).run(_sp_refusal_case):
         assert "under Ulysses sequence parallelism (sp=2)" in message and "with sp=1" in message
