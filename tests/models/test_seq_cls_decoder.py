@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next
 
+from veomni.core.ep import apply_expert_plan
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
@@ -256,3 +257,42 @@ def _sp_refusal_case(ctx) -> str:
 def test_ulysses_sp_is_refused_not_pooled_from_a_slice(dist_pools):
     for message in dist_pools.get(2).run(_sp_refusal_case):
         assert "under Ulysses sequence parallelism (sp=2)" in message and "with sp=1" in message
+
+
+def _ep_case(ctx) -> dict:
+    # Each rank classifies its own batch with half of the experts; the oracle is the whole model on every batch.
+    # Under EP, rank r's expert slices get the gradient of every rank's loss, its other parameters only its own.
+    upstream, ours = _pair("qwen3_moe")
+    batches = []
+    for r in range(ctx.world_size):
+        ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(10 + r))
+        batches.append((ids, torch.tensor([r % 3, 2])))
+    ref = [_run(upstream, ids, labels) for ids, labels in batches]
+    plan = ours.get_parallel_plan()
+    state = build_parallel_state(ParallelDims(dp_shard=ctx.world_size, ep=ctx.world_size), ctx.device_type)
+    shards = apply_expert_plan(ours, plan, ep_size=state.dims.ep, ep_rank=state.ep_rank)
+    apply_ops(ours, OpsConfig(**{**EAGER_OPS, "moe_experts": "torch"}))
+    with use_parallel_state(state):
+        logits, loss, grads = _run(ours, *batches[ctx.rank])
+    worst = 0.0
+    for name, grad in grads.items():
+        if name in shards:
+            want = sum(r[2][name] for r in ref)[shards[name].start : shards[name].stop]
+        else:
+            want = ref[ctx.rank][2][name]
+        worst = max(worst, float((grad - want).abs().max() / want.abs().max().clamp(min=1e-12)))
+    return {
+        "sharded": sorted(shards),
+        "logits": float((logits - ref[ctx.rank][0]).abs().max()),
+        "loss": float((loss - ref[ctx.rank][1]).abs()),
+        "worst_grad_rel": worst,
+    }
+
+
+@pytest.mark.slow  # the two-rank pool (shared with the SP test above)
+def test_moe_classifier_under_expert_parallelism_matches_the_whole_model(dist_pools):
+    for result in dist_pools.get(2).run(_ep_case):
+        assert result["sharded"] == sorted(
+            f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1) for n in ("down_proj", "gate_up_proj")
+        )
+        assert result["logits"] < 1e-5 and result["loss"] < 1e-6 and result["worst_grad_rel"] < 1e-4, result

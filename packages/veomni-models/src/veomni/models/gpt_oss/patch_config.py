@@ -175,3 +175,7 @@ config.override_method(
     "GptOssForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
+config.override_method(
+    "GptOssForSequenceClassification.get_parallel_plan",
+    description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
+)(get_parallel_plan)

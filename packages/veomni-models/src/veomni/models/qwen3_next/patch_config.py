@@ -180,3 +180,7 @@ config.override_method(
     "Qwen3NextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Next"}
 )(seq_cls_init)
 config.override_method("Qwen3NextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.override_method(
+    "Qwen3NextForSequenceClassification.get_parallel_plan",
+    description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
+)(get_parallel_plan)

@@ -13,6 +13,7 @@
 #   - override_method GptOssForCausalLM.get_parallel_plan: expert parallelism: shard the four [E, ...] expert tensors (weights and biases) on dim 0
 #   - override_method GptOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method GptOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method GptOssForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
@@ -742,6 +743,17 @@ class GptOssForSequenceClassification(GenericForSequenceClassification, GptOssPr
             self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
         )  # fmt: skip
+
+    # [PATCHED] expert parallelism as for the causal LM (the classifier's decoder has the same model.* names) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        experts = "model.layers.*.mlp.experts"
+        return ExpertPlan(
+            patterns=tuple(
+                f"{experts}.{name}"
+                for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            )
+        )
 
 
 class GptOssForTokenClassification(GenericForTokenClassification, GptOssPreTrainedModel):

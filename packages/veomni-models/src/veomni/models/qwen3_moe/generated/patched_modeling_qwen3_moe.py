@@ -13,6 +13,7 @@
 #   - override_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
 #   - override_method Qwen3MoeForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method Qwen3MoeForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
@@ -747,6 +748,13 @@ class Qwen3MoeForSequenceClassification(GenericForSequenceClassification, Qwen3M
             self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
         )  # fmt: skip
+
+    # [PATCHED] expert parallelism as for the causal LM (the classifier's decoder has the same model.* names) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        return ExpertPlan(
+            patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
+        )
 
 
 class Qwen3MoeForTokenClassification(GenericForTokenClassification, Qwen3MoePreTrainedModel):
