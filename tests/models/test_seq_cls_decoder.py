@@ -310,3 +310,23 @@ def test_moe_classifier_under_expert_parallelism_matches_the_whole_model(dist_po
             f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1) for n in ("down_proj", "gate_up_proj")
         )
         assert result["logits"] < 1e-5 and result["loss"] < 1e-6 and result["worst_grad_rel"] < 1e-4, result
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_cuda_defaults_in_bf16_track_upstream_fp32(model_type):
+    # The CUDA hardware defaults (Triton RMSNorm / RoPE / SwiGLU / CE / experts) on a bf16 classifier, against
+    # upstream in fp32 (attention sdpa on both sides: no optional package needed).
+    upstream, ours = _pair(model_type)
+    ours = ours.to(torch.bfloat16)
+    kernels = apply_ops(ours, OpsConfig(attention="sdpa"))
+    assert kernels.config.rms_norm != "eager" and kernels.config.cross_entropy != "eager"
+    calls = _spy(kernels, ("rope", "cross_entropy"))
+    ids, labels = _batch()
+    want, got = _run(upstream, ids, labels), _run(ours, ids, labels)
+    assert calls["rope"] > 0 and calls["cross_entropy"] == 1
+    torch.testing.assert_close(got[0].float(), want[0], rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(got[1].float(), want[1], rtol=5e-2, atol=5e-2)
+    for name in ("score.weight", "model.embed_tokens.weight"):
+        rel = (got[2][name].float() - want[2][name]).norm() / want[2][name].norm()
+        assert rel < 5e-2, (name, float(rel))
