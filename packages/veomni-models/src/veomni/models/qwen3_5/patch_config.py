@@ -23,13 +23,20 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 
 from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_FORWARD,
+    SEQ_CLS_INIT,
+    causal_lm_forward,
+    mlp_forward,
+    seq_cls_init,
+)
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
     gated_rms_norm_forward,
     offset_rms_norm_forward,
 )
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_5.modeling_qwen3_5",
@@ -85,3 +92,13 @@ def gated_delta_net_forward(
         self, kernels, self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states),
         self.in_proj_a(hidden_states), kwargs,
     )  # fmt: skip
+
+
+# Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
+# seq_cls_init) and the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen3_5TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3Model": "Qwen3_5TextModel", "Qwen3Config": "Qwen3_5TextConfig"}
+)(seq_cls_init)
+config.override_method("Qwen3_5TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)

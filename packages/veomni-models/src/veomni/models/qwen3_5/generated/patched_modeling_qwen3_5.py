@@ -12,11 +12,15 @@
 #   - override_method Qwen3_5Attention.forward: partial RoPE via rope/partial, output gate
 #   - override_method Qwen3_5ForCausalLM.forward: LM head + loss via lm_logits_and_loss (as Qwen3)
 #   - override_method Qwen3_5GatedDeltaNet.forward: training: gated_delta_net_train (conv + delta-rule kernels with cu_seq_lens_q, Ulysses SP over heads); generation (a cache) or no kernels: upstream's forward
+#   - override_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -101,6 +105,8 @@ from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
 class Qwen3_5VisionRotaryEmbedding(nn.Module):
@@ -1862,6 +1868,29 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5PreTrainedModel, GenerationMixin):
 class Qwen3_5TextForSequenceClassification(GenericForSequenceClassification, Qwen3_5PreTrainedModel):
     config: Qwen3_5TextConfig
     input_modalities = ("text",)
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen3_5TextConfig) -> None:
+        init_sequence_classifier(self, config, Qwen3_5TextModel)
+
+    # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+        return sequence_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 class Qwen3_5ForSequenceClassification(GenericForSequenceClassification, Qwen3_5PreTrainedModel):
