@@ -101,6 +101,24 @@ def assert_match(got, want, tol: float) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
+def test_fresh_init_draws_every_weight_as_upstream_does():
+    # transformers skips the parameter-less sparse block of non-transformers code, from which upstream draws the
+    # router: ours initialises it on the router itself (it stayed all zeros before).
+    config = tiny_config()
+    torch.manual_seed(0)
+    upstream = dict(upstream_modeling.Qwen3NextForCausalLM(copy.deepcopy(config)).named_parameters())
+    torch.manual_seed(0)
+    ours = dict(Qwen3NextForCausalLM(config).named_parameters())
+    assert ours.keys() == upstream.keys()
+    for name, p in ours.items():
+        want = upstream[name].detach().float()
+        if want.std() == 0:  # norms, biases, dt_bias: deterministic values, equal exactly
+            torch.testing.assert_close(p.detach().float(), want, rtol=0, atol=0, msg=name)
+        elif "A_log" not in name:  # A_log: log-uniform, a handful of values per layer
+            assert abs(p.detach().float().std() / want.std() - 1) < 0.35, name
+            assert p.detach().abs().max() < 8 * config.initializer_range, name
+
+
 def test_without_kernels_is_bitwise_upstream():
     upstream, ours = build_pair()
     inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}  # two unpacked rows

@@ -24,11 +24,16 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     ALL_ATTENTION_FUNCTIONS,
     Cache,
     FlashAttentionKwargs,
+    Qwen3NextExperts,
+    Qwen3NextGatedDeltaNet,
+    Qwen3NextRMSNorm,
+    Qwen3NextTopKRouter,
     TransformersKwargs,
     Unpack,
     apply_mask_to_padding_states,
     apply_rotary_pos_emb,
     eager_attention_forward,
+    init,
 )
 
 from veomni.core.ep import ExpertPlan
@@ -49,6 +54,32 @@ config.add_import("from transformers.models.qwen3_next import modeling_qwen3_nex
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train")
 config.add_import("from veomni.core.ep import ExpertPlan")
+
+
+@config.override_method(
+    "Qwen3NextPreTrainedModel._init_weights",
+    description="upstream's init, with the router initialised on its own module rather than on the sparse block "
+    "that holds it",
+)
+def init_weights(self, module) -> None:
+    super()._init_weights(module)
+    std = self.config.initializer_range
+    if isinstance(module, Qwen3NextGatedDeltaNet):
+        init.ones_(module.dt_bias)
+        # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
+        init.copy_(module.A_log, torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_())
+    elif isinstance(module, Qwen3NextRMSNorm):
+        init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
+    elif isinstance(module, Qwen3NextExperts):
+        init.normal_(module.gate_up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std)
+    elif isinstance(module, Qwen3NextTopKRouter):
+        # Upstream draws the router from its SparseMoeBlock branch, but transformers treats classes outside its
+        # package as remote code and skips modules without parameters of their own: the block is never visited and
+        # the router kept its zeros (uniform routing). Same distribution; drawn before the experts, not after.
+        init.normal_(module.weight, mean=0.0, std=std)
+
+
 config.override_method("Qwen3NextMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
     mlp_forward
 )

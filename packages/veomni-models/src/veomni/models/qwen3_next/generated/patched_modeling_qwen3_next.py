@@ -6,6 +6,7 @@
 # Regenerate: patchgen veomni.models.qwen3_next.patch_config
 # Description: Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
 # Patches applied:
+#   - override_method Qwen3NextPreTrainedModel._init_weights: upstream's init, with the router initialised on its own module rather than on the sparse block that holds it
 #   - override_method Qwen3NextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3NextForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
 #   - override_method Qwen3NextRMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
@@ -926,24 +927,28 @@ class Qwen3NextPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _can_compile_fullgraph = True
 
+    # [PATCHED] upstream's init, with the router initialised on its own module rather than on the sparse block that holds it
     @torch.no_grad()
-    def _init_weights(self, module):
+    def _init_weights(self, module) -> None:
         super()._init_weights(module)
+        std = self.config.initializer_range
         if isinstance(module, Qwen3NextGatedDeltaNet):
             init.ones_(module.dt_bias)
-            # Lower bound kept away from 0 so log(A) never becomes -inf
+            # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
             init.copy_(
                 module.A_log,
                 torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_(),
             )
-        # We initialize with 0s to be 1 centered as the RMSNorm here does (1 + weight)
         elif isinstance(module, Qwen3NextRMSNorm):
-            init.zeros_(module.weight)
+            init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
         elif isinstance(module, Qwen3NextExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
-            init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
-        elif isinstance(module, Qwen3NextSparseMoeBlock):
-            init.normal_(module.gate.weight, mean=0.0, std=self.config.initializer_range)
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, Qwen3NextTopKRouter):
+            # Upstream draws the router from its SparseMoeBlock branch, but transformers treats classes outside its
+            # package as remote code and skips modules without parameters of their own: the block is never visited and
+            # the router kept its zeros (uniform routing). Same distribution; drawn before the experts, not after.
+            init.normal_(module.weight, mean=0.0, std=std)
 
 
 class Qwen3NextModel(Qwen3NextPreTrainedModel):
