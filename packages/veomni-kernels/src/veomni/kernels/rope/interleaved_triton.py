@@ -63,9 +63,7 @@ def _launch(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
 
 
 @torch.library.custom_op("veomni::rope_interleaved", mutates_args=())
-def rope_interleaved(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool
-) -> tuple[Tensor, Tensor]:
+def rope_interleaved(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
     """Rotate ``q [B, S, Hq, D]`` and ``k [B, S, Hk, D]`` pairwise by ``cos``/``sin`` (`interleaved` layouts);
     ``backward=True`` applies the transposed rotation (the gradient map). Returns new contiguous tensors."""
     return _launch(q, cos, sin, backward), _launch(k, cos, sin, backward)
@@ -85,15 +83,19 @@ def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signa
 def _backward(ctx, grad_q, grad_k):  # noqa: ANN001, ANN202 - torch.library's signature
     cos, sin = ctx.saved_tensors
     dq, dk = rope_interleaved(grad_q.contiguous(), grad_k.contiguous(), cos, sin, not ctx.backward)
-    return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
+    return (
+        (dq if ctx.needs_input_grad[0] else None),
+        (dk if ctx.needs_input_grad[1] else None),
+        None,
+        None,
+        None,
+    )
 
 
 rope_interleaved.register_autograd(_backward, setup_context=_setup)
 
 
-def apply_rope_interleaved_triton(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor
-) -> tuple[Tensor, Tensor]:
+def apply_rope_interleaved_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """`interleaved.apply_rope_interleaved_eager`'s maths in one Triton kernel per tensor, forward and backward.
 
     Args:
@@ -107,5 +109,7 @@ def apply_rope_interleaved_triton(
     check_interleaved_inputs(q, k, cos, sin)
     devices = {t.device for t in (q, k, cos, sin)}
     if len(devices) != 1:
-        raise ValueError(f"interleaved rope: q, k, cos and sin must be on one device; got {sorted(map(str, devices))}")
+        raise ValueError(
+            f"interleaved rope: q, k, cos and sin must be on one device; got {sorted(map(str, devices))}"
+        )
     return rope_interleaved(q, k, cos, sin, False)
