@@ -147,13 +147,18 @@ def test_interleaved_rope_oracle_and_kernel_match_diffusers(rope):
 
 @pytest.mark.triton_cpu
 def test_interleaved_rope_in_bf16_rounds_like_diffusers():
-    # diffusers rotates in float64 (the tables' dtype) and rounds once; we rotate in fp32 and round once.
+    # diffusers rotates in float64 (the tables' dtype) and rounds once; we rotate in fp32 and round once, so the
+    # results differ only where fp32 rounding moves a value across a bf16 rounding boundary (rare).
     _, x, _, (cos, sin) = _attention_case(True)
     q = x.detach().unflatten(2, (2, 12)).to(torch.bfloat16)
-    ref = WanKernelAttnProcessor(DIFFUSERS_OPS)._rotate(q, q, (cos, sin))[0]
+    ref = WanKernelAttnProcessor(DIFFUSERS_OPS)._rotate(q, q, (cos, sin))[0].float()
+    eager, _ = apply_rope_interleaved_eager(q, q, cos, sin)
+    assert eager.dtype == torch.bfloat16
+    assert (eager.float() == ref).float().mean() > 0.99
+    # Triton's CPU interpreter converts fp32 -> bf16 by its own rounding, not the GPU's round-to-nearest-even:
+    # hold the kernel to one bf16 step here (the CUDA twin of the registry parity walk checks the GPU rounding).
     got, _ = apply_rope_interleaved_triton(q, q, cos, sin)
-    assert (got.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
-    assert (got == ref).float().mean() > 0.99
+    assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-30).all()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["t2v", "i2v"])
