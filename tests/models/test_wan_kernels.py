@@ -14,10 +14,14 @@ import copy
 
 import pytest
 import torch
+from dist_harness import backend_params
 from loading_fixtures import gather_state_dict
+from torch.distributed.tensor import DTensor
 
 from veomni.core.compile import compile_blocks, compile_stats
-from veomni.core.fsdp import COMPILED_MARK, apply_activation_checkpointing
+from veomni.core.fsdp import COMPILED_MARK, FSDPPolicy, apply_activation_checkpointing, apply_fsdp2
+from veomni.core.parallel_dims import ParallelDims
+from veomni.core.parallel_state import build_parallel_state
 from veomni.kernels import KERNELS, OpsConfig, resolve_kernels
 from veomni.kernels.hardware import Hardware
 from veomni.kernels.registry import KernelRegistry
@@ -26,6 +30,7 @@ from veomni.kernels.rope.interleaved_triton import apply_rope_interleaved_triton
 from veomni.models.build import build_model
 from veomni.models.export_diffusers import export_diffusers
 from veomni.models.wan_kernels import DIFFUSERS_OPS, WanKernelAttnProcessor, WanOps, bind_wan_kernels, wan_ops
+from veomni.models.wan_sp import WanUlyssesAttnProcessor, apply_dit_sp
 
 diffusers = pytest.importorskip("diffusers")
 WanTransformer3DModel = diffusers.WanTransformer3DModel
@@ -265,3 +270,41 @@ def test_copy_keeps_bound_ops():
     bound = WanOps(rope=apply_rope_interleaved_eager)
     processor = WanKernelAttnProcessor(DIFFUSERS_OPS)
     assert copy.copy(processor).with_ops(bound).ops is bound
+
+
+def _sp_fsdp_compiled_vs_unsplit(ctx, src: str) -> None:
+    # build_model's order by hand, with aot_eager for the compile (inductor's CPU code generation is slow):
+    # kernels, Ulysses SP, compiled blocks, then FSDP2 per block with activation checkpointing.
+    torch._dynamo.reset()
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    ref = reference(src)
+    model = copy.deepcopy(ref)
+    bind_wan_kernels(model, ops(**ALL))
+    apply_dit_sp(model, state)
+    stats = compile_blocks(model, ("blocks.*",), backend="aot_eager").stats
+    policy = FSDPPolicy(
+        block_patterns=("blocks.*",),
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+        activation_checkpointing=True,
+    )
+    apply_fsdp2(model, state, policy)
+    assert {type(m.processor) for m in model.modules() if hasattr(m, "processor")} == {
+        WanUlyssesAttnProcessor
+    }
+    want = loss_and_grads(ref, inputs())
+    loss, sample, grads = loss_and_grads(model, inputs())
+    # FSDP2 averaged the gradients over the world (= the SP group): the unsplit gradient.
+    full = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
+    assert_same((loss, sample, full), want)
+    assert stats.graphs >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.triton_cpu
+@pytest.mark.parametrize("world_size, backend", backend_params(2)[:1])
+def test_sp_fsdp2_compiled_kernels_match_unsplit_diffusers(dist_pools, tmp_path, world_size, backend):
+    torch.manual_seed(11)
+    # 4 heads: SP 2 splits them; 12 tokens of 2 x 2 x 3 patches.
+    WanTransformer3DModel(**dict(T2V, num_attention_heads=4)).save_pretrained(str(tmp_path))
+    dist_pools.get(world_size, backend).run(_sp_fsdp_compiled_vs_unsplit, str(tmp_path))
