@@ -75,14 +75,14 @@ def loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, t
     return loss.detach(), sample.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def assert_same(got: tuple, want: tuple, exact: bool = False) -> None:
-    tol = dict(rtol=0, atol=0) if exact else TOL
-    torch.testing.assert_close(got[0], want[0], **tol)
-    torch.testing.assert_close(got[1], want[1], **tol)
+def assert_same(got: tuple, want: tuple) -> None:
+    """(loss, output, {name: grad}) equal to fp32 rounding; every gradient nonzero, so the check can fail."""
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
     assert got[2].keys() == want[2].keys()
     for name, grad in want[2].items():
         assert grad.abs().sum() > 0, name  # every parameter takes part, so the comparison can fail
-        torch.testing.assert_close(got[2][name], grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[2][name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _attention_case(self_attention: bool):
@@ -198,7 +198,10 @@ def test_build_with_kernels_matches_diffusers_and_exports_unchanged(wan, tmp_pat
     assert_same(loss_and_grads(model, inputs(i2v)), loss_and_grads(ref, inputs(i2v)))
     export_diffusers(model, str(tmp_path))
     back = WanTransformer3DModel.from_pretrained(str(tmp_path))
-    assert dict(back.config) == dict(ref.config)
+    drop = ("_name_or_path",)  # where each was loaded from
+    assert {k: v for k, v in back.config.items() if k not in drop} == {
+        k: v for k, v in ref.config.items() if k not in drop
+    }
     exported = back.state_dict()
     assert exported.keys() == ref_state.keys()
     for key, value in gather_state_dict(model, None).items():
@@ -215,10 +218,12 @@ def test_compiled_blocks_equal_eager_under_checkpointing(wan):
     for model in (eager, compiled):
         apply_activation_checkpointing(model, ("blocks.*",))
     want = loss_and_grads(eager, inputs(i2v))
-    assert_same(loss_and_grads(compiled, inputs(i2v)), want, exact=True)
+    # aot_eager runs the captured ops, but its backward sums the context's gradient contributions in another
+    # order than eager autograd (the text embedder's weight gradients differ by ~1e-9): fp32 tolerance.
+    assert_same(loss_and_grads(compiled, inputs(i2v)), want)
     graphs = result.stats.graphs
     assert 1 <= graphs <= 2  # one graph shared by every block (two: dynamo's automatic-dynamic retrace)
-    assert_same(loss_and_grads(compiled, inputs(i2v)), want, exact=True)
+    assert_same(loss_and_grads(compiled, inputs(i2v)), want)
     assert result.stats.graphs == graphs  # no recompile on the next step
 
 
