@@ -313,3 +313,32 @@ def test_sp_fsdp2_compiled_kernels_match_unsplit_diffusers(dist_pools, tmp_path,
     # 4 heads: SP 2 splits them; 12 tokens of 2 x 2 x 3 patches.
     WanTransformer3DModel(**dict(T2V, num_attention_heads=4)).save_pretrained(str(tmp_path))
     dist_pools.get(world_size, backend).run(_sp_fsdp_compiled_vs_unsplit, str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_cuda_bf16_kernels_and_compiled_blocks_track_diffusers(tmp_path, compile):
+    # The GPU defaults (rms_norm/rope triton eager, varlen attention; compiled: inductor with the eager formulas)
+    # on a Wan-shaped model of 1.3B's head size, bf16 with diffusers' fp32 modules, against diffusers' own.
+    config = dict(T2V, num_attention_heads=4, attention_head_dim=128, ffn_dim=256, num_layers=2)
+    torch.manual_seed(11)
+    WanTransformer3DModel(**config).save_pretrained(str(tmp_path))
+    hw = Hardware(device_type="cuda")
+    model = build_model(
+        str(tmp_path), weights=str(tmp_path), ops=OpsConfig(compile=compile, hardware=hw), device="cuda",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    assert model.veomni_kernels.config.attention == "varlen"
+    # ops=None: diffusers' own attention code in the same dtype policy (equal to from_pretrained: test_dit_build).
+    ref = build_model(str(tmp_path), weights=str(tmp_path), ops=None, device="cuda", dtype=torch.bfloat16)
+    batch = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in inputs().items()}
+    batch = {k: v.to("cuda") for k, v in batch.items()}
+    for _ in range(2):  # the second step runs the compiled graphs without the priming forward
+        got, want = loss_and_grads(model, batch), loss_and_grads(ref, batch)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=5e-2, atol=5e-2)
+    for name, grad in want[2].items():
+        cosine = torch.nn.functional.cosine_similarity(
+            got[2][name].float().flatten(), grad.float().flatten(), dim=0
+        )
+        assert cosine > 0.99, name
