@@ -109,21 +109,24 @@ def _attention_run(attn, processor, x, context, rotary):
     return out.detach(), x.grad.clone(), grads
 
 
+_ALONE = [
+    ("rms_norm", "triton"),
+    ("rms_norm", "torch"),
+    ("rope", "triton"),
+    ("attention", "sdpa"),
+    ("attention", "eager"),
+]
+# Cross-attention has no rotary embedding: rope is checked on self-attention only.
+ALONE_CASES = [(f, b, True) for f, b in _ALONE] + [(f, b, False) for f, b in _ALONE if f != "rope"]
+
+
 @pytest.mark.triton_cpu
 @pytest.mark.parametrize(
-    "field, backend",
-    [
-        ("rms_norm", "triton"),
-        ("rms_norm", "torch"),
-        ("rope", "triton"),
-        ("attention", "sdpa"),
-        ("attention", "eager"),
-    ],
+    "field, backend, self_attention",
+    ALONE_CASES,
+    ids=[f"{'self' if a else 'cross_i2v'}-{f}-{b}" for f, b, a in ALONE_CASES],
 )
-@pytest.mark.parametrize("self_attention", [True, False], ids=["self", "cross_i2v"])
 def test_each_kernel_alone_matches_diffusers_attention(field, backend, self_attention):
-    if field == "rope" and not self_attention:
-        pytest.skip("cross-attention has no rotary embedding")
     attn, x, context, rotary = _attention_case(self_attention)
     want = _attention_run(attn, WanAttnProcessor(), x, context, rotary)
     fields = dict(rms_norm="eager", rope="eager", attention="sdpa") | {field: backend}
