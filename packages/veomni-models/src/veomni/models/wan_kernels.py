@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 # diffusers' WanAttnProcessor hard-codes it too: the I2V context is [image tokens; 512 text tokens].
 WAN_TEXT_CONTEXT_LEN = 512
 OPS_ATTR = "_veomni_wan_ops"
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @attrs.frozen(eq=False)
