@@ -52,7 +52,8 @@ def test_plan_skips_what_cannot_run_here_with_a_reason():
     cpu, fp32 = torch.device("cpu"), torch.float32
     planned = dict(bench.plan(None, cpu, fp32))
     order = list(planned)
-    assert order[:3] == ["diffusers", "veomni", "veomni_keep_attention"] and order[-2:] == ["veomni_compiled", "diffusers_compiled"]
+    assert order[:4] == ["diffusers", "veomni", "veomni_kernels", "veomni_keep_attention"]
+    assert order[-2:] == ["veomni_compiled", "diffusers_compiled"]
     assert all(planned[n] is None for n in (*bench.FIRST, *bench.LAST))
     assert "CUDA" in planned["diffusers_native_cudnn"] and "CUDA" in planned["diffusers_native_flash"]
     assert "not run by default" in planned["diffusers_native_math"]
@@ -72,7 +73,7 @@ def test_unknown_contender_names_the_choices(capsys):
 @pytest.mark.slow
 def test_fp32_contenders_match_step_for_step(tmp_path):
     out = tmp_path / "dit.json"
-    names = "diffusers,veomni,veomni_keep_attention,diffusers_native_math,diffusers_native_cudnn"
+    names = "diffusers,veomni,veomni_kernels,veomni_keep_attention,diffusers_native_math,diffusers_native_cudnn"
     returned = bench.main([*SMOKE, "--precision", "fp32", "--contenders", names, "--out", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
@@ -83,7 +84,7 @@ def test_fp32_contenders_match_step_for_step(tmp_path):
     runs = result["contenders"]
     assert "CUDA" in runs["diffusers_native_cudnn"]["skipped"]
     base = runs["diffusers"]
-    for name in ("diffusers", "veomni", "veomni_keep_attention", "diffusers_native_math"):
+    for name in ("diffusers", "veomni", "veomni_kernels", "veomni_keep_attention", "diffusers_native_math"):
         r = runs[name]
         assert "error" not in r, r.get("error")
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])
@@ -99,6 +100,9 @@ def test_fp32_contenders_match_step_for_step(tmp_path):
         assert r["grad_norms"] == pytest.approx(base["grad_norms"], rel=1e-4)
     assert base["losses"][2] != pytest.approx(base["losses"][0], rel=1e-3)  # the optimizer did step
     assert runs["veomni"]["build"].startswith("veomni build_model")
+    # The kernels are bound (CPU defaults: diffusers' own RMSNorm / rotary code, veomni's sdpa attention).
+    assert runs["veomni"]["ops"] is None
+    assert runs["veomni_kernels"]["wan_ops"] == {"rms_norm": "eager", "rope": "eager", "attention": "sdpa"}
     assert result["parity"]["max_rel_diff_vs_diffusers"] < 1e-6
     assert result["ratios"]["veomni/diffusers"]["samples_per_s"] == pytest.approx(
         runs["veomni"]["samples_per_s"] / base["samples_per_s"]

@@ -46,6 +46,14 @@ def _mrope_case(gen):
     return (q, _t(gen, b, 2, s, d), angles.cos(), angles.sin()), {"mrope_section": [2, 1, 3]}
 
 
+def _interleaved_rope_case(gen):
+    b, s, d = 2, 5, 12
+    # Wan's tables: float64 [1, S, 1, D], each angle repeated for both dims of its pair; q a non-contiguous view.
+    angles = torch.randn(1, s, 1, d // 2, generator=gen, dtype=torch.float64).repeat_interleave(2, -1).to(DEVICE)
+    q = _t(gen, b, s, 3 * d)[..., : 2 * d].unflatten(-1, (2, d))
+    return (q, _t(gen, b, s, 1, d), angles.cos(), angles.sin()), {}
+
+
 def _vision_rope_case(gen):
     s, d = 9, 16
     # ViT towers: height and width frequencies concatenated per patch, then duplicated halves.
@@ -63,6 +71,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("rms_norm", "residual"): lambda g: ((_t(g, 6, 33), _t(g, 6, 33), _t(g, 33), 1e-6), {}),
     ("rope", "full"): _rope_case(None),
     ("rope", "partial"): _rope_case(4),
+    ("rope", "interleaved"): _interleaved_rope_case,
     ("swiglu", "standard"): lambda g: ((_t(g, 4, 3, 21), _t(g, 4, 3, 21)), {}),
     ("load_balancing_loss", "switch"): lambda g: (([_t(g, 9, 6), _t(g, 9, 6)], 6, 2), {}),
     # Head size 16: flex needs at least 16.

@@ -138,9 +138,9 @@ def test_transformers_checkpoint_for_a_diffusers_model_is_refused(wan, tmp_path)
         build_model(hf, weights=wan, ops=eager_ops())
 
 
-def test_diffusers_model_refuses_ops_and_sequence_parallelism(wan):
+def test_diffusers_model_refuses_ops_under_the_hf_backend_and_a_transformers_task(wan):
     with pytest.raises(ValueError, match="takes no OpsConfig"):
-        build_model(wan, weights=wan, ops=eager_ops())
+        build_model(wan, weights=wan, ops=eager_ops(), backend="hf")
     with pytest.raises(ValueError, match="does not support task 'causal_lm'"):
         build_model(wan, weights=wan, task="causal_lm")
 

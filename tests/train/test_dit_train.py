@@ -71,6 +71,31 @@ def test_sp2_matches_one_process(dist_pools, reference, tmp_path, activation_che
             assert got["lr"] == want["lr"]
 
 
+def _steps_with_ops(ctx, raw: dict, n: int) -> tuple[list[dict[str, float]], dict[str, str], set[str]]:
+    from veomni.models.wan_kernels import bound_wan_ops
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    processors = {type(m.processor).__name__ for m in run.model.modules() if hasattr(m, "processor")}
+    it = iter(run.train_data)
+    return [train_step(run, next(it)) for _ in range(n)], bound_wan_ops(run.model).names, processors
+
+
+@pytest.mark.triton_cpu
+def test_recipe_ops_bind_veomni_kernels_to_the_dit(dist_pools, reference, tmp_path):
+    # ops reach diffusers' Wan attention (veomni.models.wan_kernels): Triton RMSNorm and interleaved rotary (through
+    # the interpreter on CPU), veomni's eager attention; the fp32 steps equal the defaults' (diffusers' norm/rotary
+    # code, sdpa).
+    raw = dit_recipe(str(tmp_path))
+    raw["ops"] = {"rms_norm": "triton", "rope": "triton", "attention": "eager", "compile": "off"}
+    stats, names, processors = dist_pools.get(1, "gloo").run(_steps_with_ops, raw, 3)[0]
+    assert names == {"rms_norm": "triton", "rope": "triton", "attention": "eager"}
+    assert processors == {"WanKernelAttnProcessor"}
+    for got, want in zip(stats, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
 def _resume(ctx, raw: dict, split: int, total: int) -> tuple[list[float], list[float]]:
     from veomni.train.loop import _save, build_run, train_step
 

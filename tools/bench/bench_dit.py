@@ -17,11 +17,13 @@ normalisation, timestep from the shifted flow-matching table, noising, velocity 
 
 Contenders (`dit_contenders.py`): ``diffusers`` (its default attention backend), ``diffusers_<backend>`` (each
 diffusers attention backend usable on this machine), ``diffusers_compiled`` (``compile_repeated_blocks``),
-``veomni`` (veomni-train's one-rank path) and ``veomni_compiled`` (veomni's per-block compile). Same parameters
+``veomni`` (veomni-train's one-rank path, diffusers' attention code), ``veomni_kernels`` (veomni's RMSNorm / rotary /
+attention kernels bound, eager blocks), ``veomni_keep_attention`` (those with ``ac_keep_attention``) and
+``veomni_compiled`` (the kernels and veomni's per-block compile: ``OpsConfig(compile="on")``). Same parameters
 trained, same AdamW (fused, same groups and hyper-parameters), same dtype policy (``--precision``: parameters,
 gradients, AdamW state; ``_keep_in_fp32_modules`` fp32), same activation checkpointing (``--ac``, default on:
 without it one 480p x 81 sample needs far more than 80 GB). Contenders run one after the other in this process
-(diffusers, veomni, the backends, then the two compiled ones), each freed before the next (peak memory reset per
+(diffusers, the eager veomni ones, the backends, then the two compiled ones), each freed before the next (peak memory reset per
 contender); compiled ones start from ``torch._dynamo.reset()``.
 
 Each: warm-up steps, then timed steps (synchronised per step): samples/s, tokens/s, MFU (`DitFlops`: 6 x matmuls
@@ -89,7 +91,10 @@ SIZES: dict[str, tuple[dict[str, Any], tuple[int, int, int, int], tuple[int, int
 }
 SHIFT = 3.0  # Wan2.1 T2V 480p scheduler flow_shift
 # Run order: the two eager paths, then diffusers' backends (cheap), then the compiled pair (compiling takes a while).
-FIRST, LAST = ("diffusers", "veomni", "veomni_keep_attention"), ("veomni_compiled", "diffusers_compiled")
+FIRST, LAST = (
+    ("diffusers", "veomni", "veomni_kernels", "veomni_keep_attention"),
+    ("veomni_compiled", "diffusers_compiled"),
+)
 
 
 def vae_config(z_dim: int) -> dict[str, Any]:
@@ -237,7 +242,7 @@ def target_check(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     best = max(diffusers, key=lambda n: diffusers[n]["samples_per_s"], default=None)
     out: dict[str, Any] = {"rule": "samples_per_s >= 1.5 x diffusers and peak_memory <= diffusers",
                            "fastest_diffusers": best}  # fmt: skip
-    for name in ("veomni", "veomni_keep_attention", "veomni_compiled"):
+    for name in ("veomni", "veomni_kernels", "veomni_keep_attention", "veomni_compiled"):
         r, base = results.get(name, {}), results.get("diffusers", {})
         if "samples_per_s" not in r or "samples_per_s" not in base:
             continue

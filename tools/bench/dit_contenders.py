@@ -7,12 +7,18 @@
 - ``diffusers_<backend>``: the same with ``model.set_attention_backend(<backend>)``, one per diffusers attention
   backend (``diffusers_native_cudnn`` for ``_native_cudnn``, ``diffusers_flash`` for ``flash``, ...).
 - ``diffusers_compiled``: the same with diffusers' regional compilation, ``compile_repeated_blocks(fullgraph=True)``.
-- ``veomni``: what veomni-train builds on one rank when ``model.param_dtype`` equals ``model.dtype``
+- ``veomni``: veomni's build with ``ops=None`` (diffusers' own attention code) as veomni-train's one-rank path
+  builds it when ``model.param_dtype`` equals ``model.dtype``
   (`veomni.train.loop.build_recipe_model`): ``build_model`` on the diffusers config (meta construction, weights
   streamed by veomni's loader, ``_keep_in_fp32_modules`` honoured), veomni's activation checkpointing per
   ``_no_split_modules`` block, `build_adamw`, veomni's `clip_grad_norm`, `DitTask`'s loss formula.
-- ``veomni_compiled``: ``veomni`` with every block compiled by `veomni.core.compile.compile_blocks` (inductor,
-  ``fullgraph=True``) before checkpointing, as ``OpsConfig(compile="on")`` does for transformers models.
+- ``veomni_kernels``: ``veomni`` with the device's ``OpsConfig`` defaults bound (`veomni.models.wan_kernels`: veomni's
+  RMSNorm and interleaved-rotary Triton kernels and its attention kernel, ``varlen`` on CUDA for bf16), eager blocks:
+  what veomni-train builds with ``ops.compile: off``.
+- ``veomni_compiled``: ``veomni_kernels`` with ``OpsConfig(compile="on")``: ``build_model`` compiles every block
+  (`veomni.core.compile.compile_blocks`, inductor, ``fullgraph=True``; defaulted rms_norm/rope take the eager
+  formulas inductor fuses) before checkpointing: what veomni-train builds on CUDA by default (``compile: auto``).
+- ``veomni_keep_attention``: ``veomni_kernels`` with ``parallel.ac_keep_attention`` (eager blocks only).
 
 Both sides train the same parameters with the same AdamW hyper-parameters and parameter groups, in the same dtype
 policy (parameters, gradients and AdamW state in ``--precision``, ``_keep_in_fp32_modules`` in fp32).
@@ -173,33 +179,38 @@ def _ops(s: DitSettings, compile_setting: str) -> OpsConfig:
 
 
 class Veomni(DitContender):
-    """veomni-train's one-rank path (see the module docstring). ``OpsConfig`` defaults for the device are
-    offered to ``build_model``; while it binds no kernels to diffusers models it refuses them, and the model
-    is built with ``ops=None`` as `veomni.train.dit_setup` does (recorded in ``info["ops"]``)."""
+    """veomni-train's one-rank path (see the module docstring). ``kernels`` False builds with ``ops=None``
+    (diffusers' own attention code inside veomni's build, checkpointing, optimizer and loss: the baseline of the
+    binding); True with the device's ``OpsConfig`` defaults, as `veomni.train.dit_setup` passes them
+    (`veomni.models.wan_kernels`: veomni's RMSNorm, interleaved rotary and attention kernels). ``compiled`` is
+    ``OpsConfig(compile="on")``: ``build_model`` compiles every block (inductor) before checkpointing."""
 
-    def __init__(self, s: DitSettings, compiled: bool = False, keep_attention: bool = False) -> None:
+    def __init__(
+        self, s: DitSettings, compiled: bool = False, keep_attention: bool = False, kernels: bool = False
+    ) -> None:
+        from veomni.models.wan_kernels import bound_wan_ops
+
         self.s = s
         if keep_attention and not s.ac:
             raise ValueError("veomni_keep_attention chooses what checkpointing keeps: it needs --ac on")
+        if compiled and not kernels:
+            raise ValueError("the compiled veomni contender binds the kernels: OpsConfig(compile='on')")
         self.state = build_parallel_state(ParallelDims.for_world(1), s.device.type)
-        ops: OpsConfig | None = _ops(s, "on" if compiled else "off")
+        # OpsConfig(compile="on") compiles with inductor inside build_model; another dynamo backend (aot_eager for
+        # the CPU smoke test) gets the same kernels (`for_compiled_blocks`) and compile_blocks after the build.
+        by_build = compiled and s.compile_backend == "inductor"
+        ops = _ops(s, "on" if by_build else "off") if kernels else None
+        if compiled and not by_build:
+            ops = ops.for_compiled_blocks()
         build = {"weights": s.weights, "dtype": s.dtype, "device": s.device, "task": "diffusion_transformer"}
-        try:
-            self.model = build_model(s.weights, ops=ops, **build)
-            ops_info: Any = {k: getattr(ops, k) for k in ("attention", "rms_norm", "rope", "compile")}
-        except ValueError as err:
-            if "takes no OpsConfig" not in str(err):
-                raise
-            ops, ops_info = None, f"none: build_model refused OpsConfig ({err})"
-            self.model = build_model(s.weights, ops=None, **build)
+        self.model = build_model(s.weights, ops=ops, **build)
         patterns = block_patterns(self.model)
         compile_note = "off"
-        if compiled and ops is None:
-            compile_blocks(self.model, patterns, backend=s.compile_backend)
-            compile_note = (f"veomni.core.compile.compile_blocks({patterns}, backend={s.compile_backend!r}), "
-                            "applied by the bench: no recipe setting reaches it for a DiT yet")  # fmt: skip
+        if by_build:
+            compile_note = "OpsConfig(compile='on') inside build_model (inductor)"
         elif compiled:
-            compile_note = "OpsConfig(compile='on') inside build_model"
+            compile_blocks(self.model, patterns, backend=s.compile_backend)
+            compile_note = f"compile_blocks({patterns}, backend={s.compile_backend!r}) after build_model"
         self.compile_stats = compile_stats(self.model)
         if s.ac:
             apply_activation_checkpointing(self.model, patterns, keep_attention=keep_attention)
@@ -207,10 +218,13 @@ class Veomni(DitContender):
         self.optimizer = build_adamw(
             self.model, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay
         )
+        bound = bound_wan_ops(self.model).names
         self.info = {
             "build": f"veomni build_model(dtype={s.dtype}, device={s.device.type}, task='diffusion_transformer')",
-            "ops": ops_info,
-            "attention": f"{active_backend()} (diffusers' dispatch inside diffusers' WanAttnProcessor)",
+            "ops": None if ops is None else {k: getattr(ops, k) for k in ("attention", "rms_norm", "rope", "compile")},
+            "wan_ops": bound,
+            "attention": (f"{active_backend()} (diffusers' dispatch inside diffusers' WanAttnProcessor)"
+                          if ops is None else f"veomni attention {bound['attention']!r} (WanKernelAttnProcessor)"),
             "compile": compile_note,
             "activation_checkpointing": (
                 f"veomni apply_activation_checkpointing({patterns}, keep_attention={keep_attention})"
@@ -293,9 +307,10 @@ BUILDERS: dict[str, Callable[[DitSettings], DitContender]] = {
     "diffusers": Diffusers,
     "diffusers_compiled": lambda s: Diffusers(s, compiled=True),
     "veomni": Veomni,
-    "veomni_compiled": lambda s: Veomni(s, compiled=True),
-    # parallel.ac_keep_attention: the attention outputs saved, the rest of each block recomputed.
-    "veomni_keep_attention": lambda s: Veomni(s, keep_attention=True),
+    "veomni_kernels": lambda s: Veomni(s, kernels=True),
+    "veomni_compiled": lambda s: Veomni(s, kernels=True, compiled=True),
+    # parallel.ac_keep_attention: the attention outputs saved, the rest of each block recomputed (eager blocks).
+    "veomni_keep_attention": lambda s: Veomni(s, kernels=True, keep_attention=True),
 }
 
 

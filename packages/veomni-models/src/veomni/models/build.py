@@ -169,8 +169,9 @@ def build_model(
     Args:
         config_or_path: a config, or a directory / ``config.json`` (read with the registered config class). A
             diffusers ``config.json`` (``_class_name``) or `DiffusersConfig` builds that diffusers class through
-            `veomni.models.diffusers_build.build_diffusers_model` (no ``ops``, no EP; ``sp > 1`` applies
-            `veomni.models.wan_sp.apply_dit_sp`, for ``WanTransformer3DModel`` only).
+            `veomni.models.diffusers_build.build_diffusers_model` (no EP; ``sp > 1`` applies
+            `veomni.models.wan_sp.apply_dit_sp`, for ``WanTransformer3DModel`` only; ``ops`` None keeps diffusers'
+            attention code, an `OpsConfig` binds `veomni.models.wan_kernels` and compiles blocks as below).
         weights: a safetensors checkpoint (file, index or directory) of the same library as the config (a
             transformers checkpoint for a diffusers model, or the reverse, is a `CheckpointKindError`); None
             initialises with the model's ``_init_weights`` (diffusers: its ``__init__``) and says so in the
@@ -223,7 +224,11 @@ def build_model(
     on_meta = torch.device(init_device).type == "meta"
     config = registry.load_config(config_or_path, **dict(config_overrides or {}))
     if isinstance(config, DiffusersConfig):
-        # diffusers' own class either way (no veomni kernels for it yet), so both backends build the same.
+        # diffusers' own class either way; ops (None: diffusers' own attention code) binds veomni's kernels.
+        if ops is not None:
+            if backend == "hf":
+                _check_hf_backend(ops, parallel_state, expert_plan)
+            ops = _ops_for_compute(ops, dtype, fsdp_policy, parallel_state, compute_dtype)
         resolved = registry.model_class(config, task or DIFFUSERS_TASK, backend=backend)
         return build_diffusers_model(
             config,

@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.core.compile import compile_blocks
 from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
+from veomni.kernels import OpsConfig, op_fields
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.safetensors_io import resolve_checkpoint
 from veomni.models.loading.targets import unwrapped_class
@@ -205,16 +207,36 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
                 tensor.data.copy_(moved)
 
 
-def _refuse(ops: object, state: ParallelState | None, expert_plan: object, name: str) -> None:
-    if ops is not None:
-        raise ValueError(
-            f"build_model: {name} is a diffusers model; veomni binds no kernels to diffusers models yet, so it "
-            "takes no OpsConfig: pass ops=None"
-        )
+def _refuse(state: ParallelState | None, expert_plan: object, name: str) -> None:
     if expert_plan is not None or (state is not None and state.ep_enabled):
         raise ValueError(
             f"build_model: {name} is a diffusers model without experts; use ep=1, no expert_plan"
         )
+
+
+def _bind_kernels(model: nn.Module, ops: OpsConfig) -> bool:
+    """Bind ``ops``'s kernels (`veomni.models.wan_kernels.bind_wan_kernels`); return whether the blocks compile.
+
+    Compiled blocks take the eager formulas of the defaulted ``COMPILED_BLOCK_DEFAULTS`` fields (rms_norm, rope:
+    inductor fuses them with the adaLN and LayerNorm chains around them; `OpsConfig.for_compiled_blocks`).
+    """
+    from veomni.models.wan_kernels import bind_wan_kernels
+
+    if not isinstance(ops, OpsConfig):
+        raise TypeError(
+            f"build_model: ops must be a veomni.kernels.OpsConfig or None, got {type(ops).__name__}"
+        )
+    compiling = ops.compile_enabled
+    if compiling:
+        adapted = ops.for_compiled_blocks()
+        if adapted != ops:
+            logger.info(
+                "build_model: compiled DiT blocks fuse the eager formulas of the defaulted %s; set them in ops to "
+                "choose", sorted(f for f in op_fields() if getattr(adapted, f) != getattr(ops, f)),
+            )  # fmt: skip
+        ops = adapted
+    bind_wan_kernels(model, ops)
+    return compiling
 
 
 def build_diffusers_model(
@@ -230,7 +252,7 @@ def build_diffusers_model(
     load_mode: str,
     ignore_unexpected: Sequence[str],
     freeze: Sequence[str],
-    ops: object = None,
+    ops: OpsConfig | None = None,
     expert_plan: object = None,
 ) -> nn.Module:
     """`veomni.models.build.build_model` for a diffusers ``config`` resolved to ``cls`` (see there).
@@ -240,11 +262,17 @@ def build_diffusers_model(
     converters). Without: diffusers' own ``__init__`` runs on the CPU on every rank, rank 0's values are
     broadcast, then FSDP2 shards them (the full model is held on each rank's CPU once; warned). With
     ``parallel_state.dims.sp > 1``: `veomni.models.wan_sp.apply_dit_sp` (Wan only; other classes refused).
+
+    ``ops`` None keeps diffusers' own attention code. An `OpsConfig` binds veomni's RMSNorm / rotary / attention
+    kernels to every ``WanAttention`` (`veomni.models.wan_kernels.bind_wan_kernels`; Wan only) and, when
+    ``ops.compile_enabled``, compiles every block (`veomni.core.compile.compile_blocks`) before FSDP2, so that
+    FSDP2 and activation checkpointing wrap the compiled forwards. Parameters and buffers are the same either
+    way, so the diffusers export is too.
     """
-    from veomni.models.build import default_fsdp_policy
+    from veomni.models.build import block_patterns, default_fsdp_policy
 
     name = cls.__name__
-    _refuse(ops, parallel_state, expert_plan, name)
+    _refuse(parallel_state, expert_plan, name)
     sp = parallel_state is not None and parallel_state.sp_enabled
     if sp:
         check_dit_sp_supported(cls, parallel_state.dims.sp)
@@ -254,6 +282,7 @@ def build_diffusers_model(
     meta = weights is not None and on_meta
     model = _construct(cls, config.values, meta=meta)
     _cast(model, dtype)
+    compiling = ops is not None and _bind_kernels(model, ops)
     if sp:
         # Explicit: Ulysses SP is attention processors + sequence hooks (veomni.models.wan_sp), installed
         # while the parameters are still on meta, so a head count SP cannot split fails before allocation.
@@ -264,6 +293,10 @@ def build_diffusers_model(
         frozen = freeze_modules(model, freeze, where="build_model(freeze=...)")
         logger.info("build_model: froze %d parameter tensors of %s", len(frozen), freeze)
     saved = _buffers(model) if meta else {}
+    if compiling:
+        # After the kernels and SP processors are in place, before FSDP2 / checkpointing wrap the blocks.
+        patterns = fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model)
+        compile_blocks(model, patterns)
     policy = None
     if parallel_state is not None:
         policy = default_fsdp_policy(model) if fsdp_policy is None else fsdp_policy

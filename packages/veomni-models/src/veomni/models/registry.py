@@ -317,6 +317,12 @@ class ModelRegistry:
             "; ".join(off),
             " Ulysses SP still works through HF's attention interface." if fast else "",
         )
+        if isinstance(config, DiffusersConfig) and config.class_name == "WanTransformer3DModel":
+            # Not through the registry's fast paths but bound by veomni.models.diffusers_build itself.
+            logger.info(
+                "WanTransformer3DModel: Ulysses SP (veomni.models.wan_sp) and veomni's RMSNorm / rotary / attention "
+                "kernels (veomni.models.wan_kernels, given an OpsConfig) are applied by build_model all the same"
+            )
         return ResolvedModel(cls, False, frozenset(fast))
 
     def _auto_class(self, config: PretrainedConfig, task: str) -> type:

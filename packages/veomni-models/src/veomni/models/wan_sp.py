@@ -40,9 +40,14 @@ from veomni.core.parallel_state import ParallelState
 from veomni.core.sp import gather_sequence, slice_sequence, sp_cross_attention, ulysses_attention, unpad
 from veomni.core.sp.attention import kv_repeats_for_sp
 from veomni.models.loading.targets import unwrapped_class
+from veomni.models.wan_kernels import (  # noqa: F401 - WAN_TEXT_CONTEXT_LEN is part of this module's interface
+    DIFFUSERS_OPS,
+    WAN_TEXT_CONTEXT_LEN,
+    WanKernelAttnProcessor,
+    WanOps,
+    bound_wan_ops,
+)
 
-# diffusers' WanAttnProcessor hard-codes it too: the I2V context is [image tokens; 512 text tokens].
-WAN_TEXT_CONTEXT_LEN = 512
 _MARK = "_veomni_dit_sp"
 
 
@@ -67,118 +72,29 @@ class _SPContext:
         return self.seq_len
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Wan's interleaved-pair rotation, as diffusers' WanAttnProcessor applies it (same ops, same dtypes).
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
+class WanUlyssesAttnProcessor(WanKernelAttnProcessor):
+    """A `WanKernelAttnProcessor` for sequence-sharded hidden states (set by `apply_dit_sp`), with the `WanOps` of
+    the kernels bound to the model (`veomni.models.wan_kernels.bind_wan_kernels`; diffusers' own code without).
 
-
-def _self_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if getattr(attn, "fused_projections", False):
-        return attn.to_qkv(x).chunk(3, dim=-1)
-    return attn.to_q(x), attn.to_k(x), attn.to_v(x)
-
-
-def _cross_kv(attn: nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if getattr(attn, "fused_projections", False):
-        return attn.to_kv(context).chunk(2, dim=-1)
-    return attn.to_k(context), attn.to_v(context)
-
-
-def _image_kv(attn: nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if getattr(attn, "fused_projections", False):
-        return attn.to_added_kv(context).chunk(2, dim=-1)
-    return attn.add_k_proj(context), attn.add_v_proj(context)
-
-
-class WanUlyssesAttnProcessor:
-    """A ``WanAttention`` processor for sequence-sharded hidden states (set by `apply_dit_sp`).
-
-    Called by diffusers as ``processor(attn, hidden_states, encoder_hidden_states, attention_mask,
-    rotary_emb)`` with ``hidden_states`` ``[B, ceil(S/P), C]`` (this rank's shard, tail-padded on the last
-    ranks), ``encoder_hidden_states`` ``[B, L, C]`` replicated (``None`` for self-attention; for I2V
-    ``[B, L_img + 512, C]``) and ``rotary_emb`` this rank's ``(cos, sin)`` ``[1, ceil(S/P), 1, D]`` (float64
-    in diffusers). Returns ``[B, ceil(S/P), C]`` in the dtype of the query projection.
-
-    The attention itself goes through diffusers' ``dispatch_attention_fn`` (``[B, S, H, D]`` layout), so a
-    backend chosen with diffusers' ``set_attention_backend`` is honoured; diffusers' own context-parallel
-    config is not used.
+    ``hidden_states`` is ``[B, ceil(S/P), C]`` (this rank's shard, tail-padded on the last ranks),
+    ``encoder_hidden_states`` ``[B, L, C]`` replicated (None for self-attention; for I2V ``[B, L_img + 512, C]``)
+    and ``rotary_emb`` this rank's ``(cos, sin)`` ``[1, ceil(S/P), 1, D]``. Returns ``[B, ceil(S/P), C]``.
+    Self-attention goes through `ulysses_attention` (all-to-all to the full sequence and ``H/P`` heads, the tail
+    padding cut before attending); cross-attention attends the local queries to the replicated keys and values
+    (`sp_cross_attention`, no collective). diffusers' own context-parallel config is not used.
     """
 
-    _attention_backend = None
-    _parallel_config = None
-
-    def __init__(self, context: _SPContext) -> None:
+    def __init__(self, context: _SPContext, ops: WanOps = DIFFUSERS_OPS) -> None:
+        super().__init__(ops)
         self._context = context
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        return dispatch_attention_fn(
-            q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-        )
-
-    def __call__(
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        if attention_mask is not None:
-            raise ValueError(
-                "WanUlyssesAttnProcessor: an attention_mask over the sharded sequence is not supported (Wan "
-                f"passes none); got one of shape {tuple(attention_mask.shape)}"
-            )
-        if encoder_hidden_states is None:
-            out = self._self_attention(attn, hidden_states, rotary_emb)
-        else:
-            out = self._cross_attention(attn, hidden_states, encoder_hidden_states)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
-
-    def _self_attention(
-        self, attn: nn.Module, x: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor:
+    def _attend_self(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self._context
-        full = ctx.full_len(x.shape[1], "WanUlyssesAttnProcessor (self-attention)")
-        q, k, v = _self_qkv(attn, x)
-        # RMSNorm across all heads of one token: local to the token, so exact on the shard.
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        if rotary_emb is not None:
-            q, k = _apply_rotary(q, *rotary_emb), _apply_rotary(k, *rotary_emb)
-        out = ulysses_attention(q, k, v, self._attend, ctx.group, seq_dim=1, head_dim=2, unpadded_len=full)
-        return out.flatten(2, 3).type_as(q)
+        full = ctx.full_len(q.shape[1], "WanUlyssesAttnProcessor (self-attention)")
+        return ulysses_attention(q, k, v, self.attend, ctx.group, seq_dim=1, head_dim=2, unpadded_len=full)
 
-    def _cross_attention(self, attn: nn.Module, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        image_context = None
-        if attn.add_k_proj is not None:
-            image_len = context.shape[1] - WAN_TEXT_CONTEXT_LEN
-            if image_len < 0:
-                raise ValueError(
-                    "WanUlyssesAttnProcessor: an I2V cross-attention expects [image tokens; "
-                    f"{WAN_TEXT_CONTEXT_LEN} text tokens] as its context, got {context.shape[1]} tokens"
-                )
-            image_context, context = context[:, :image_len], context[:, image_len:]
-        q = attn.norm_q(attn.to_q(x))
-        k, v = _cross_kv(attn, context)
-        k = attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        image_out = None
-        if image_context is not None:
-            k_img, v_img = _image_kv(attn, image_context)
-            k_img = attn.norm_added_k(k_img)
-            k_img, v_img = (t.unflatten(2, (attn.heads, -1)) for t in (k_img, v_img))
-            image_out = sp_cross_attention(q, k_img, v_img, self._attend, seq_dim=1, head_dim=2)
-            image_out = image_out.flatten(2, 3).type_as(q)
-        out = sp_cross_attention(q, k, v, self._attend, seq_dim=1, head_dim=2).flatten(2, 3).type_as(q)
-        return out if image_out is None else out + image_out
+    def _attend_cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sp_cross_attention(q, k, v, self.attend, seq_dim=1, head_dim=2)
 
 
 def _wan_class() -> type:
@@ -284,7 +200,8 @@ def apply_dit_sp(model: nn.Module, state: ParallelState) -> nn.Module:
     if len(model.blocks) == 0:
         raise ValueError("apply_dit_sp: the model has no transformer blocks to shard the sequence through")
     ctx = _SPContext(state.sp_group)
-    processor = WanUlyssesAttnProcessor(ctx)
+    # Kernels bound before SP (`bind_wan_kernels`) stay bound; binding them later swaps the ops in place.
+    processor = WanUlyssesAttnProcessor(ctx, bound_wan_ops(model))
     for block in model.blocks:
         for attn in (block.attn1, block.attn2):
             attn.set_processor(processor)

@@ -24,6 +24,7 @@ from veomni.core.parallel_state import ParallelState
 from veomni.train.data import DataTopology
 from veomni.train.data.sources import RowSource
 from veomni.train.dit_task import DitFlops, DitTask
+from veomni.train.model_setup import _hardware
 from veomni.train.preflight import PreflightError, check_trainable
 from veomni.train.recipe import Recipe
 
@@ -196,14 +197,9 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     from veomni.train.dit_embed import check_latents, load_empty_prompt
     from veomni.train.loop import TaskSetup
 
-    chosen = {
-        k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None and (k, v) != ("compile", "auto")
-    }
-    if chosen:
-        raise PreflightError(
-            f"model.task=dit trains diffusers' own WanTransformer3DModel, to which veomni binds no kernels; ops sets "
-            f"{chosen}: remove them"
-        )
+    # veomni's RMSNorm / rotary / attention kernels bound to diffusers' Wan attention (veomni.models.wan_kernels),
+    # blocks compiled per ops.compile; validated for the training device like the text tasks' ops.
+    ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     config = transformer_config(recipe)
     probe = _probe(recipe, config, state.dims.sp)
     cond = condition_configs(recipe)
@@ -246,7 +242,7 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
         tokenizer=tokenizer,
         config=config,
         probe=probe,
-        ops=None,
+        ops=ops,
         task=task,
         train_data=train_data,
         eval_data=None,
