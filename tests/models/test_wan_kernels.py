@@ -273,6 +273,21 @@ def test_bad_bindings_are_refused(wan):
         bind_wan_kernels(reference(path), {"rope": "eager"})
 
 
+def test_a_defaulted_rope_backend_without_the_variant_keeps_diffusers_rotary(caplog):
+    # The NPU default (npu, no interleaved kernel) in miniature: a GPU registry whose default lacks the variant.
+    registry = KernelRegistry()
+    for spec in KERNELS.specs():
+        if (spec.op, spec.variant, spec.backend) != ("rope", "interleaved", "triton"):
+            registry.register(spec.op, spec.variant, spec.backend, spec.factory, spec.requires)
+    gpu = Hardware(device_type="cuda", capability=(9, 0))
+    config = OpsConfig(hardware=gpu, registry=registry, attention="sdpa")
+    assert config.rope == "triton" and "rope" in config.defaulted
+    with caplog.at_level("WARNING", logger="veomni.models.wan_kernels"):
+        bound = wan_ops(resolve_kernels(config))
+    assert bound.rope is None and bound.names["rope"] == "diffusers" and bound.rms_norm is not None
+    assert "has no rope/interleaved kernel; WanTransformer3DModel keeps diffusers' rotary" in caplog.text
+
+
 class _Foreign(WanAttnProcessor):
     """Someone else's processor (a subclass of diffusers' is still someone else's)."""
 

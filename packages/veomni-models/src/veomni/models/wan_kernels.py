@@ -65,7 +65,8 @@ def wan_ops(kernels: Kernels) -> WanOps:
     """The `WanOps` of a resolved kernel set: ``eager`` rms_norm/rope keep diffusers' code, others take ours.
 
     Raises:
-        ValueError: the rope backend has no ``interleaved`` variant (liger, npu), naming those that have one.
+        ValueError: an explicitly chosen rope backend has no ``interleaved`` variant (liger, npu), naming those that
+            have one; a *defaulted* one (npu) keeps diffusers' rotary with a warning.
     """
     config = kernels.config
     rms_norm = None if config.rms_norm == "eager" else kernels.get("rms_norm", "standard")
@@ -77,6 +78,15 @@ def wan_ops(kernels: Kernels) -> WanOps:
             have = [
                 b for b in config.registry.backends("rope") if _has_variant(config, "rope", "interleaved", b)
             ]
+            if "rope" in config.defaulted:  # the device default (npu) lacks the variant: loud, not an error
+                logger.warning(
+                    "OpsConfig.rope: the %s default %r has no rope/interleaved kernel; WanTransformer3DModel keeps "
+                    "diffusers' rotary (backends with one: %s)", config.hardware.device_type, config.rope, have,
+                )  # fmt: skip
+                names = {"rms_norm": config.rms_norm, "rope": "diffusers", "attention": config.attention}
+                return WanOps(
+                    rms_norm=rms_norm, rope=None, attention=kernels.get("attention", "default"), names=names
+                )
             raise ValueError(
                 f"WanTransformer3DModel rotates interleaved pairs, but OpsConfig.rope={config.rope!r} has no "
                 f"rope/interleaved kernel ({err.args[0]}); choose one of {have} ('eager' keeps diffusers' code)"
