@@ -28,6 +28,7 @@ from veomni.kernels.registry import KernelRegistry
 from veomni.kernels.rope.interleaved import apply_rope_interleaved_eager
 from veomni.kernels.rope.interleaved_triton import apply_rope_interleaved_triton
 from veomni.models.build import build_model
+from veomni.models.diffusers_build import _bind_kernels, dit_ops
 from veomni.models.export_diffusers import export_diffusers
 from veomni.models.wan_kernels import DIFFUSERS_OPS, WanKernelAttnProcessor, WanOps, bind_wan_kernels, wan_ops
 from veomni.models.wan_sp import WanUlyssesAttnProcessor, apply_dit_sp
@@ -271,6 +272,20 @@ def test_bad_bindings_are_refused(wan):
         bind_wan_kernels(torch.nn.Linear(2, 2), ops())
     with pytest.raises(TypeError, match="OpsConfig"):
         bind_wan_kernels(reference(path), {"rope": "eager"})
+
+
+def test_dit_defaults_take_sdpa_and_eager_blocks(wan):
+    # Measured on an H100 (docs/benchmarks.md 2026-11-25): varlen attention 1.5x slower than SDPA on one unpacked
+    # 32k sequence, compiled blocks 0.80x eager under checkpointing. Explicit choices are the user's.
+    path, _ = wan
+    gpu = Hardware(device_type="cuda", capability=(9, 0))
+    ops = OpsConfig(hardware=gpu)
+    assert ops.attention == "varlen" and ops.compile_enabled
+    adapted = dit_ops(ops)
+    assert adapted.attention == "sdpa" and adapted.defaulted == ops.defaulted
+    assert dit_ops(OpsConfig(hardware=gpu, attention="varlen")).attention == "varlen"
+    assert _bind_kernels(reference(path), ops) is False  # compile "auto" leaves DiT blocks eager
+    assert _bind_kernels(reference(path), OpsConfig(hardware=gpu, compile="on")) is True
 
 
 def test_a_defaulted_rope_backend_without_the_variant_keeps_diffusers_rotary(caplog):

@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -214,9 +215,25 @@ def _refuse(state: ParallelState | None, expert_plan: object, name: str) -> None
         )
 
 
+def dit_ops(ops: OpsConfig) -> OpsConfig:
+    """``ops`` with the DiT's measured defaults for the fields it left *defaulted*; explicit choices are kept.
+
+    * attention -> ``sdpa``: a DiT sample is one unpacked sequence, where the CUDA default ``varlen`` buys nothing
+      and measured 1.5x slower (Wan2.1-1.3B self-attention at 32,760 tokens on an H100, fwd+bwd: torch's varlen
+      flash 75.5 ms vs SDPA's flash 50.2 ms; docs/benchmarks.md 2026-11-25).
+    """
+    if "attention" not in ops.defaulted or ops.attention == "sdpa":
+        return ops
+    changed = attrs.evolve(ops, attention="sdpa")
+    object.__setattr__(changed, "defaulted", ops.defaulted)
+    return changed
+
+
 def _bind_kernels(model: nn.Module, ops: OpsConfig) -> bool:
     """Bind ``ops``'s kernels (`veomni.models.wan_kernels.bind_wan_kernels`); return whether the blocks compile.
 
+    Blocks compile only with ``compile: on``: ``auto`` stays eager for DiTs, whose compiled blocks measured 0.80x
+    eager under whole-block checkpointing (the recompute reruns the compiled graph; T9, docs/benchmarks.md).
     Compiled blocks take the eager formulas of the defaulted ``COMPILED_BLOCK_DEFAULTS`` fields (rms_norm, rope:
     inductor fuses them with the adaLN and LayerNorm chains around them; `OpsConfig.for_compiled_blocks`).
     """
@@ -226,7 +243,8 @@ def _bind_kernels(model: nn.Module, ops: OpsConfig) -> bool:
         raise TypeError(
             f"build_model: ops must be a veomni.kernels.OpsConfig or None, got {type(ops).__name__}"
         )
-    compiling = ops.compile_enabled
+    ops = dit_ops(ops)
+    compiling = ops.compile == "on"
     if compiling:
         adapted = ops.for_compiled_blocks()
         if adapted != ops:
@@ -265,7 +283,7 @@ def build_diffusers_model(
 
     ``ops`` None keeps diffusers' own attention code. An `OpsConfig` binds veomni's RMSNorm / rotary / attention
     kernels to every ``WanAttention`` (`veomni.models.wan_kernels.bind_wan_kernels`; Wan only) and, when
-    ``ops.compile_enabled``, compiles every block (`veomni.core.compile.compile_blocks`) before FSDP2, so that
+    ``ops.compile == "on"`` (not ``auto``: see `_bind_kernels`), compiles every block (`veomni.core.compile.compile_blocks`) before FSDP2, so that
     FSDP2 and activation checkpointing wrap the compiled forwards. Parameters and buffers are the same either
     way, so the diffusers export is too.
     """
