@@ -137,6 +137,20 @@ def test_registry_and_generated_file_hold_the_thinker_only():
     assert isinstance(model.model.language_model.layers[1].mlp, ours.Qwen3OmniMoeThinkerTextSparseMoeBlock)
 
 
+def test_fresh_init_draws_upstreams_weights():
+    """The experts and routers are initialised (transformers would skip their parameter-less sparse block in a
+    model defined outside its package, leaving torch.empty memory) with upstream's draws."""
+    states = []
+    for cls in (
+        upstream.Qwen3OmniMoeThinkerForConditionalGeneration,
+        ours.Qwen3OmniMoeThinkerForConditionalGeneration,
+    ):
+        torch.manual_seed(7)
+        states.append(cls(tiny_config()).state_dict())
+    assert sorted(states[0]) == sorted(states[1])
+    assert not [k for k, v in states[0].items() if not torch.equal(v, states[1][k])]
+
+
 def test_eager_parity_with_upstream_on_a_mixed_batch():
     ref, model = pair()
     batch = omni_batch(MIXED)

@@ -39,8 +39,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     MoeModelOutputWithPast,
     Qwen3OmniMoeAudioEncoder,
     Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerTextExperts,
     Qwen3OmniMoeThinkerTextModel,
-    Qwen3OmniMoeThinkerTextSparseMoeBlock,
+    Qwen3OmniMoeThinkerTextTopKRouter,
     Qwen3OmniMoeVisionEncoder,
     SinusoidsPositionEmbedding,
     TransformersKwargs,
@@ -202,15 +203,20 @@ def audio_attention_forward(
 
 @config.override_method(
     "Qwen3OmniMoePreTrainedModel._init_weights",
-    description="upstream's init without code2wav's code offsets (that class is excluded)",
+    description="upstream's init without code2wav's code offsets (that class is excluded); the experts and the "
+    "router initialised on their own modules, not on the sparse block that holds them",
 )
 def init_weights(self, module) -> None:
     super()._init_weights(module)
     std = getattr(self.config, "initializer_range", 0.02)
-    if isinstance(module, Qwen3OmniMoeThinkerTextSparseMoeBlock):
-        init.normal_(module.experts.gate_up_proj, mean=0.0, std=std)
-        init.normal_(module.experts.down_proj, mean=0.0, std=std)
-        init.normal_(module.gate.weight, mean=0.0, std=std)
+    # transformers treats a module outside its package as remote code and skips modules without parameters of
+    # their own (the sparse block upstream initialises its children from): the weights would stay torch.empty.
+    # Children are visited before their parent, so this draws the same numbers in the same order as upstream.
+    if isinstance(module, Qwen3OmniMoeThinkerTextExperts):
+        init.normal_(module.gate_up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std)
+    elif isinstance(module, Qwen3OmniMoeThinkerTextTopKRouter):
+        init.normal_(module.weight, mean=0.0, std=std)
     elif isinstance(module, SinusoidsPositionEmbedding):
         init.copy_(module.positional_embedding, module.compute_default_singular_positional_embedding())
 

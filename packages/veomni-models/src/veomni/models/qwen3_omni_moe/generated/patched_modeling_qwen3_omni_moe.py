@@ -19,7 +19,7 @@
 #   - override_method Qwen3OmniMoeThinkerForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (Qwen3-VL-MoE adapter)
 #   - override_method Qwen3OmniMoeThinkerModel.get_parallel_plan: expert parallelism for the base model: the language model's expert tensors on dim 0 (Qwen3-VL-MoE adapter)
 #   - override_method Qwen3OmniMoeAudioAttention.forward: veomni_* implementations or SP: encoder_attention on the packed frames and the tower's window cu_seqlens (no per-window split, no host sync); HF implementations: upstream's forward
-#   - override_method Qwen3OmniMoePreTrainedModel._init_weights: upstream's init without code2wav's code offsets (that class is excluded)
+#   - override_method Qwen3OmniMoePreTrainedModel._init_weights: upstream's init without code2wav's code offsets (that class is excluded); the experts and the router initialised on their own modules, not on the sparse block that holds them
 #   - override_method Qwen3OmniMoeAudioEncoder.forward: upstream's forward (conv front-end per 2*n_window-frame chunk, windowed attention); n_window checked; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (the padding a cu_seqlens segment of its own) and the frames are gathered once before the output projection
 #   - override_method Qwen3OmniMoeAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen3OmniMoeThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen3OmniMoeAudioEncoderLayer, Qwen3OmniMoeVisionBlock) as blocks, and blocks must not nest
@@ -235,15 +235,19 @@ class Qwen3OmniMoePreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False
     _supports_attention_backend = True
 
-    # [PATCHED] upstream's init without code2wav's code offsets (that class is excluded)
+    # [PATCHED] upstream's init without code2wav's code offsets (that class is excluded); the experts and the router initialised on their own modules, not on the sparse block that holds them
     @torch.no_grad()
     def _init_weights(self, module) -> None:
         super()._init_weights(module)
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, Qwen3OmniMoeThinkerTextSparseMoeBlock):
-            init.normal_(module.experts.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.experts.down_proj, mean=0.0, std=std)
-            init.normal_(module.gate.weight, mean=0.0, std=std)
+        # transformers treats a module outside its package as remote code and skips modules without parameters of
+        # their own (the sparse block upstream initialises its children from): the weights would stay torch.empty.
+        # Children are visited before their parent, so this draws the same numbers in the same order as upstream.
+        if isinstance(module, Qwen3OmniMoeThinkerTextExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, Qwen3OmniMoeThinkerTextTopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, SinusoidsPositionEmbedding):
             init.copy_(module.positional_embedding, module.compute_default_singular_positional_embedding())
 
