@@ -171,6 +171,11 @@ def _sp_case(ctx, ep: int) -> dict:
     batch = omni_batch(MIXED, seed=9)
     labels = batch.pop("labels")
     batch.pop("attention_mask")  # packed-style input: positions given, no padding mask
+    # One more text column makes the width (47) even: SP would pad an odd width with tokens that the routers see
+    # and that the SP-global load-balancing statistics count (no attention mask), which one process has not.
+    extra = torch.full_like(labels[:, :1], 7)
+    labels, batch["input_ids"] = (torch.cat([t, extra], dim=1) for t in (labels, batch["input_ids"]))
+    assert batch["input_ids"].shape[1] % ctx.world_size == 0
     position_ids, _ = model.model.get_rope_index(
         batch["input_ids"], batch["image_grid_thw"], None, torch.ones_like(batch["input_ids"]), False,
         batch["feature_attention_mask"].sum(-1), None,
@@ -197,7 +202,7 @@ def _sp_case(ctx, ep: int) -> dict:
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
-    worst, missing = 0.0, []
+    worst, worst_name, missing = 0.0, None, []
     for name, param in model.named_parameters():
         want = ref_grads.get(name)
         if want is None:
@@ -211,8 +216,10 @@ def _sp_case(ctx, ep: int) -> dict:
         else:
             got = param.grad.clone()
             dist.all_reduce(got, group=group)
-        worst = max(worst, float((got - want).abs().max() / (1e-5 * want.abs().max() + 1e-7)))
-    return {"loss": float(total), "ref_loss": float(ref), "worst_grad": worst, "missing": missing,
+        error = float((got - want).abs().max() / (1e-5 * want.abs().max() + 1e-7))
+        if error > worst:
+            worst, worst_name = error, name
+    return {"loss": float(total), "ref_loss": float(ref.detach()), "worst_grad": (worst, worst_name), "missing": missing,
             "experts_sharded": sorted(shards)}  # fmt: skip
 
 
@@ -224,5 +231,5 @@ def test_thinker_sp2_and_sp2_x_ep2_equal_one_process(dist_pools, ep):
     for result in dist_pools.get(2).run(_sp_case, ep):
         assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-5)
         assert not result["missing"]
-        assert result["worst_grad"] <= 1.0, result
+        assert result["worst_grad"][0] <= 1.0, result
         assert len(result["experts_sharded"]) == (2 if ep == 2 else 0)
