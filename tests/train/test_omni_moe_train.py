@@ -69,9 +69,9 @@ def assets(tmp_path_factory) -> dict:
             parts.append({"type": "image", "image": "a.png"})
         rows.append(row(*parts, answer=f"A tone of {220 * (1 + i % 4)} hertz."))
         if i % 2:
-            # A text-only row about one micro-batch long: under data parallelism one rank's micro-batch has audio
-            # while the other's has none.
-            rows.append(row(answer=" ".join(["red green blue yellow"] * 50)))
+            # A text-only row of ~490 of the 512 micro-batch tokens (no audio row fits beside it): under data
+            # parallelism one rank's micro-batch has audio while the other's has none.
+            rows.append(row(answer=" ".join(["red green blue yellow"] * 118)))
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     torch.manual_seed(0)
     weights = root / "weights"
