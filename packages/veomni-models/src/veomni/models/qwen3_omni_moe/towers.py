@@ -1,8 +1,8 @@
 """Hand-written pieces of the Qwen3-Omni-MoE thinker adapter that the generated modeling file calls.
 
 The audio tower's token rule (three stride-2 convolutions per ``2 * n_window``-frame chunk; upstream's formula
-hard-codes the 13 tokens of a full 100-frame chunk, so it holds only for ``n_window == 50``), the talker refusal,
-and the audio scatter under Ulysses SP. The dummy inputs of both towers are Qwen2.5-Omni's and Qwen3-VL's
+hard-codes the 13 tokens of a full 100-frame chunk, so it holds only for ``n_window == 50``) and the talker
+refusal. The dummy inputs of both towers and the placeholder check are Qwen2.5-Omni's and Qwen3-VL's
 (`veomni.models.qwen2_5_omni.towers`, `veomni.models.qwen3_vl.vision`).
 """
 

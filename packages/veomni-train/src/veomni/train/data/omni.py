@@ -9,8 +9,9 @@
    ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to
    ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images then
    expand exactly as for Qwen3-VL / Qwen2.5-VL rows; videos are refused (`veomni.train.tasks.VlmTask.no_video`).
-3. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`), with every
-   clip's frame count.
+3. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`, or
+   `veomni.models.qwen3_omni_moe.positions` for the Qwen3-Omni-MoE thinker, whose audio tower also has its own
+   token rule: 13 tokens per 100 mel frames), with every clip's frame count.
 4. `OmniMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
    `veomni.train.data.audio.collate_audio`: ``input_features`` / ``feature_attention_mask``, None without audio
    (the thinker then runs its audio tower's dummy forward).
