@@ -261,6 +261,15 @@ def test_host_positions_are_the_models_own_and_pickle():
     assert torch.equal(model(**{**batch, "attention_mask": None}).loss, explicit)
     with pytest.raises(TypeError, match="needs a Qwen3OmniMoeThinkerConfig"):
         Qwen3OmniMoePositions(tiny_config().text_config)
+    # A video whose time step is 0.03 s x 25 positions/s = 0.75: upstream's float positions do not fit int64.
+    video = np.array([1, V_START, VIDEO, VIDEO, V_END, 2])
+    assert positions(
+        video, video_grid_thw=np.array([[2, 2, 2]]), second_per_grids=np.array([0.04])
+    ).shape == (3, 6)
+    with pytest.raises(ValueError, match="not whole numbers"):
+        positions(video, video_grid_thw=np.array([[2, 2, 2]]), second_per_grids=np.array([0.03]))
+    with pytest.raises(ValueError, match="audio placeholders but no audio_frames"):
+        positions(batch["input_ids"][0].numpy(), image_grid_thw=batch["image_grid_thw"].numpy())
 
 
 def test_parallel_plan_shards_only_the_language_models_experts():
