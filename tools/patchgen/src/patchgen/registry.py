@@ -19,6 +19,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.qwen3_next.patch_config",
     "veomni.models.qwen3_5.patch_config",
     "veomni.models.qwen3_5_moe.patch_config",
+    "veomni.models.qwen3_omni_moe.patch_config",
 ]
 
 

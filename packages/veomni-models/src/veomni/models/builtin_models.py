@@ -130,6 +130,20 @@ def register_builtin(registry: ModelRegistry) -> None:
         {"any_to_any": f"{qwen2_5_omni}:Qwen2_5OmniThinkerForConditionalGeneration"},
         fast_paths={"sp"},
     )
+    # Qwen3-Omni-MoE thinker: Qwen3-VL's vision tower, routed experts (EP), the audio tower with SP; the talker and
+    # code2wav are not built. A full Omni checkpoint (model_type qwen3_omni_moe) builds the thinker from its
+    # thinker_config; the thinker recipe strips "thinker." and talker / code2wav keys are ignored and logged.
+    qwen3_omni_moe = "veomni.models.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe"
+    for model_type in ("qwen3_omni_moe_thinker", "qwen3_omni_moe"):
+        registry.register_config(
+            model_type,
+            "transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe:Qwen3OmniMoeThinkerConfig",
+        )
+    registry.register_model(
+        "qwen3_omni_moe_thinker",
+        {"any_to_any": f"{qwen3_omni_moe}:Qwen3OmniMoeThinkerForConditionalGeneration"},
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
 
     # Qwen2-VL and Qwen2.5-VL: VLMs on the Qwen3-VL machinery (ViT SP, dummy tower pass); Qwen2.5-VL's windowed
     # tower takes its window layout from the collator.

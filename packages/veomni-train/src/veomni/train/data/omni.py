@@ -9,8 +9,9 @@
    ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to
    ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images then
    expand exactly as for Qwen3-VL / Qwen2.5-VL rows; videos are refused (`veomni.train.tasks.VlmTask.no_video`).
-3. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`), with every
-   clip's frame count.
+3. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`, or
+   `veomni.models.qwen3_omni_moe.positions` for the Qwen3-Omni-MoE thinker, whose audio tower also has its own
+   token rule: 13 tokens per 100 mel frames), with every clip's frame count.
 4. `OmniMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
    `veomni.train.data.audio.collate_audio`: ``input_features`` / ``feature_attention_mask``, None without audio
    (the thinker then runs its audio tower's dummy forward).
@@ -29,11 +30,24 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
+from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
 from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio
 from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, _expand
 from veomni.train.data.sources import DataError, RowRef
 
 AUDIO_TOKEN = "<|AUDIO|>"
+
+POSITIONS = {"qwen2_5_omni_thinker": Qwen2_5OmniPositions, "qwen3_omni_moe_thinker": Qwen3OmniMoePositions}
+"""Thinker ``model_type`` -> its picklable host-side rules: mrope positions (``__call__``) and, where the audio
+tower's token rule is not Qwen2.5-Omni's (`veomni.train.data.audio.audio_features`), ``audio_tokens(frames)``."""
+
+
+def thinker_positions(thinker_config: Any) -> Any:
+    """The position-id function of the thinker ``thinker_config`` describes (an error lists the known ones)."""
+    model_type = getattr(thinker_config, "model_type", None)
+    if model_type not in POSITIONS:
+        raise DataError(f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}")
+    return POSITIONS[model_type](thinker_config)
 
 
 @attrs.frozen(eq=False)
@@ -100,7 +114,7 @@ class OmniEncoder(MultimodalEncoder):
                     f"{token_id}; they must be the same token"
                 )
         self.feature_extractor = feature_extractor
-        self.positions = Qwen2_5OmniPositions(thinker_config)
+        self.positions = thinker_positions(thinker_config)
         # The audio paths of the row being parsed: `_parse` collects them through `_extra_part` (one row at a
         # time; an encoder is used by one worker thread).
         self._audio_paths: list[str] = []
@@ -122,6 +136,8 @@ class OmniEncoder(MultimodalEncoder):
         rate = int(self.feature_extractor.sampling_rate)
         clips = [load_audio(p, rate, ref, k) for k, p in enumerate(paths)]
         features, tokens = audio_features(clips, self.feature_extractor, ref, paths)
+        if hasattr(self.positions, "audio_tokens"):  # Qwen3-Omni: 13 tokens per 100-frame chunk
+            tokens = [self.positions.audio_tokens(f.shape[1]) for f in features]
         blocks = [np.full(n, self.audio_token_id, np.int64) for n in tokens]
         ids, trained = _expand(ids, trained & (ids != self.audio_token_id), list(zip(where.tolist(), blocks, strict=True)))
         return ids, trained, images, videos, features

@@ -1,0 +1,42 @@
+"""Smoke and parity test of tools/bench/bench_omni_moe.py on CPU: the batch's placeholders follow the thinker's own
+token rule and grids, and a tiny thinker's first loss is the same for veomni and plain transformers (same weights,
+same batch: a contender that dropped the audio or the pixels would start elsewhere)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from bench_loader import load_bench
+
+bench = load_bench("bench_omni_moe.py")
+
+
+def test_batch_placeholders_match_the_token_rule_and_grids():
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    args = bench.parse_args(["--out", "unused.json", "--tiny", "--rows", "2"])
+    config = bench.thinker_config(args)
+    batch = bench.mixed_batch(config, args, torch.device("cpu"))
+    frames = batch["input_features"].shape[-1]
+    for ids in batch["input_ids"]:
+        assert ids.numel() == args.seq_len
+        assert int((ids == bench.AUDIO).sum()) == int(_get_feat_extract_output_lengths(torch.tensor(frames)))
+        assert int((ids == bench.IMAGE).sum()) == args.image_side**2 // 4
+    assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
+    assert not bool((batch["labels"] >= bench.AUDIO - 1).any())
+
+
+@pytest.mark.slow
+def test_tiny_contenders_start_from_the_same_loss(tmp_path):
+    out = tmp_path / "omni_moe.json"
+    bench.main(["--out", str(out), "--tiny", "--steps", "1", "--warmup", "0"])
+    result = json.loads(out.read_text())
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert not [r for r in rows.values() if "error" in r], rows
+    assert rows["veomni"]["experts_implementation"] == "veomni"
+    assert rows["veomni"]["first_loss"] == pytest.approx(
+        rows["hf"]["first_loss"], rel=1e-3
+    )  # bf16 parameters
+    assert result["speedup_vs_hf"] > 0
