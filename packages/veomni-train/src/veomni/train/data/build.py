@@ -47,10 +47,20 @@ def encoder_for(
             vision_metadata=vision_metadata,
         )
         if thinker_config is not None:
-            from veomni.train.data.omni import OmniEncoder, load_feature_extractor
+            from veomni.train.data.omni import OmniEncoder, load_feature_extractor, load_omni_video_rule
 
             extractor = load_feature_extractor(tokenizer.name_or_path)
-            return OmniEncoder(*args, feature_extractor=extractor, thinker_config=thinker_config, **kwargs)
+            kwargs["video_rule"] = no_video or load_omni_video_rule(
+                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
+            )
+            return OmniEncoder(
+                *args, feature_extractor=extractor, thinker_config=thinker_config,
+                use_audio_in_video=data.use_audio_in_video, **kwargs,
+            )  # fmt: skip
+        if data.use_audio_in_video:
+            raise DataError(
+                "data.use_audio_in_video is on, but only model.task=omni reads audio (a thinker with an audio tower)"
+            )
         return MultimodalEncoder(*args, **kwargs)
     if vision_metadata is not None:
         raise ValueError(
