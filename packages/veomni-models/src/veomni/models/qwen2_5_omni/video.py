@@ -61,7 +61,12 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
 
     @classmethod
     def from_pretrained(
-        cls, path: str, *, fps: float | None = None, max_frames: int | None = None
+        cls,
+        path: str,
+        *,
+        fps: float | None = None,
+        max_frames: int | None = None,
+        frame_pixels: tuple[int, int] | None = None,
     ) -> Qwen2_5OmniVideoRule:
         """From the model directory's ``video_preprocessor_config.json`` (else ``preprocessor_config.json``, as
         transformers resolves it) over `QWEN2_VL_VIDEO_DEFAULTS`, with the processor's call-time ``size``.
@@ -69,6 +74,8 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
         Args:
             path: the model (or tokenizer) directory.
             fps, max_frames: ``data.video_fps`` / ``data.video_max_frames`` (None: the config's, else the defaults).
+            frame_pixels: ``(min, max)`` pixels per resized frame, what a processor call's ``videos_kwargs`` size
+                sets (None: the processor's default).
         Raises:
             ValueError: a fixed ``num_frames``, an unsupported interpolation, ``max_frames`` below the temporal
                 patch size, or ``fps <= 0``.
@@ -92,6 +99,8 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
             )
         # The processor passes its own size to the video processor on every call (its videos_kwargs default).
         size = Qwen2_5OmniProcessor.videos_kwargs["size"]
+        if frame_pixels is not None:
+            size = {"shortest_edge": frame_pixels[0], "longest_edge": frame_pixels[1]}
         rule = cls(
             patch_size=int(settings["patch_size"]),
             temporal_patch_size=int(settings["temporal_patch_size"]),

@@ -51,16 +51,16 @@ def encoder_for(
 
             extractor = load_feature_extractor(tokenizer.name_or_path)
             kwargs["video_rule"] = no_video or load_omni_video_rule(
-                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
-            )
+                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames,
+                frame_pixels=data.video_frame_pixels,
+            )  # fmt: skip
             return OmniEncoder(
                 *args, feature_extractor=extractor, thinker_config=thinker_config,
                 use_audio_in_video=data.use_audio_in_video, **kwargs,
             )  # fmt: skip
-        if data.use_audio_in_video:
-            raise DataError(
-                "data.use_audio_in_video is on, but only model.task=omni reads audio (a thinker with an audio tower)"
-            )
+        for key in ("use_audio_in_video", "video_frame_pixels"):
+            if getattr(data, key) not in (None, False):
+                raise DataError(f"data.{key} is set, but only model.task=omni reads it (Qwen2.5-Omni's video rule)")
         return MultimodalEncoder(*args, **kwargs)
     if vision_metadata is not None:
         raise ValueError(

@@ -86,13 +86,15 @@ def load_feature_extractor(path: str) -> Any:
 
 
 def load_omni_video_rule(
-    path: str, *, fps: float | None, max_frames: int | None
+    path: str, *, fps: float | None, max_frames: int | None, frame_pixels: tuple[int, int] | None = None
 ) -> Qwen2_5OmniVideoRule | str:
-    """`Qwen2_5OmniVideoRule.from_pretrained` at ``path`` with ``data.video_fps`` / ``data.video_max_frames``; a
-    config that cannot be used gives the reason as a string instead (data without videos needs none, and a video
-    row reports it)."""
+    """`Qwen2_5OmniVideoRule.from_pretrained` at ``path`` with ``data.video_fps`` / ``data.video_max_frames`` /
+    ``data.video_frame_pixels``; a config that cannot be used gives the reason as a string instead (data without
+    videos needs none, and a video row reports it)."""
     try:
-        return Qwen2_5OmniVideoRule.from_pretrained(path, fps=fps, max_frames=max_frames)
+        return Qwen2_5OmniVideoRule.from_pretrained(
+            path, fps=fps, max_frames=max_frames, frame_pixels=frame_pixels
+        )
     except (OSError, ValueError) as err:
         return f"{path} holds no usable Qwen2.5-Omni video processor config ({err})"
 

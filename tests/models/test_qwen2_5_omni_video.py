@@ -1,0 +1,206 @@
+"""Qwen2.5-Omni thinker with videos, and videos with their audio tracks (``use_audio_in_video``).
+
+Oracles: transformers' ``Qwen2_5OmniProcessor`` placeholder methods (``replace_video_token``, which dispatches to
+``replace_video_with_audio_token``; the processor's constructor and its video processor need torchvision, so it is
+built with just the attributes those methods read), the upstream thinker's ``get_rope_index`` and its
+forward/backward (fp32, eager) on the same inputs; and FSDP2 over 2 gloo ranks, one with a video and one without,
+against one process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from loading_fixtures import eager_ops, state
+from test_qwen2_5_omni import A_END, A_START, AUDIO, IMAGE, MELS, V_END, V_START, VIDEO, audio_tokens, pair
+from test_qwen2_5_omni_dist import omni_checkpoint  # noqa: F401  (fixture)
+from torch.distributed.tensor import DTensor
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniThinkerForConditionalGeneration as Upstream,
+)
+
+from veomni.core.parallel_state import use_parallel_state
+from veomni.models.build import build_model
+from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
+from veomni.models.qwen2_5_omni.video import VideoTokens, video_placeholder_ids
+
+TOKENS = VideoTokens(VIDEO, AUDIO, A_START, A_END)
+NAMES = {VIDEO: "<|VIDEO|>", AUDIO: "<|AUDIO|>", A_START: "<|audio_bos|>", A_END: "<|audio_eos|>"}
+PATCH_ROW = 3 * 2 * 2 * 2  # channels * temporal patch * patch**2 of the tiny tower
+
+
+def hf_processor():
+    """``Qwen2_5OmniProcessor`` with what its video placeholder methods read (its constructor needs torchvision)."""
+    from transformers import Qwen2_5OmniProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    processor = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
+    processor.video_processor = Qwen3VLVideoProcessor(merge_size=2)  # only merge_size is read
+    processor.video_token, processor.audio_token = NAMES[VIDEO], NAMES[AUDIO]
+    processor.audio_bos_token, processor.audio_eos_token = NAMES[A_START], NAMES[A_END]
+    return processor
+
+
+def expand(grid, seconds: float, clip_tokens: int | None) -> np.ndarray:
+    return video_placeholder_ids(grid, 2, TOKENS, seconds, audio_tokens=clip_tokens, position_id_per_seconds=25,
+                                 seconds_per_chunk=2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("grid", "seconds", "frames"),
+    [((3, 4, 4), 1.0, None), ((3, 4, 4), 1.0, 290), ((5, 4, 6), 0.8, 120), ((2, 2, 2), 2.0, 700),
+     ((4, 4, 4), 0.6667, 410)],
+)  # fmt: skip
+def test_video_placeholders_equal_the_processors(grid, seconds, frames):
+    clip_tokens = None if frames is None else audio_tokens(frames)
+    got = "".join(NAMES[int(i)] for i in expand(grid, seconds, clip_tokens))
+    want = hf_processor().replace_video_token(
+        {"video_grid_thw": [np.asarray(grid)], "video_second_per_grid": [seconds]}, 0,
+        processed_audio={"num_audio_tokens": [clip_tokens]}, video_to_audio_indices=[0],
+        load_audio_from_video=frames is not None, position_id_per_seconds=25, seconds_per_chunk=2.0,
+    )  # fmt: skip
+    assert got == want
+    if frames is not None:  # interleaved: a video run, an audio run, then video again
+        assert got.startswith("<|audio_bos|><|VIDEO|>") and "<|AUDIO|><|VIDEO|>" in got
+
+
+def video_batch(items: list[tuple], use_audio_in_video: bool, seed: int = 0) -> dict:
+    """One row: text, then per item ``("video", grid, seconds, audio frames or None)``, ``("audio", frames)`` or
+    ``("image", side)``; upstream's inputs (attention_mask, use_audio_in_video, video_second_per_grid)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[int] = torch.randint(0, 90, (3,), generator=gen).tolist()
+    clips, videos, grids, seconds, images, image_grids = [], [], [], [], [], []
+    for item in items:
+        if item[0] == "video":
+            _, grid, sec, frames = item
+            clip = None if frames is None else audio_tokens(frames)
+            ids += [V_START, *expand(grid, sec, clip).tolist(), V_END]
+            videos.append(torch.randn(int(np.prod(grid)), PATCH_ROW, generator=gen))
+            grids.append(grid)
+            seconds.append(sec)
+            if frames is not None:
+                clips.append(torch.randn(MELS, frames, generator=gen))
+        elif item[0] == "audio":
+            ids += [A_START] + [AUDIO] * audio_tokens(item[1]) + [A_END]
+            clips.append(torch.randn(MELS, item[1], generator=gen))
+        else:
+            ids += [V_START] + [IMAGE] * (item[1] ** 2 // 4) + [V_END]
+            images.append(torch.randn(item[1] ** 2, PATCH_ROW, generator=gen))
+            image_grids.append((1, item[1], item[1]))
+        ids += torch.randint(0, 90, (2,), generator=gen).tolist()
+    input_ids = torch.tensor([ids])
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+             "labels": input_ids.masked_fill(input_ids >= AUDIO, -100), "use_audio_in_video": use_audio_in_video}  # fmt: skip
+    if videos:
+        batch.update(pixel_values_videos=torch.cat(videos), video_grid_thw=torch.tensor(grids),
+                     video_second_per_grid=torch.tensor(seconds))  # fmt: skip
+    if images:
+        batch.update(pixel_values=torch.cat(images), image_grid_thw=torch.tensor(image_grids))
+    if clips:
+        width = max(c.shape[1] for c in clips)
+        batch["input_features"] = torch.stack([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in clips])
+        batch["feature_attention_mask"] = torch.stack([torch.arange(width) < c.shape[1] for c in clips]).long()
+    return batch
+
+
+ROWS = {
+    "video": ([("video", (3, 4, 4), 1.0, None)], False),
+    "video+image+audio": ([("image", 4), ("video", (2, 4, 6), 0.5, None), ("audio", 40)], False),
+    "audio_in_video": ([("video", (3, 4, 4), 1.0, 290)], True),
+    "audio_in_video+audio+image": ([("audio", 30), ("video", (4, 2, 4), 0.8, 150), ("image", 4)], True),
+}
+
+
+def host_positions(batch: dict) -> np.ndarray:
+    from test_qwen2_5_omni import tiny_config
+
+    positions = Qwen2_5OmniPositions(tiny_config(), use_audio_in_video=batch["use_audio_in_video"])
+    frames = batch.get("feature_attention_mask")
+    return positions(
+        batch["input_ids"][0].numpy(), batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+        None if frames is None else frames.sum(-1).numpy(), batch.get("video_second_per_grid"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_host_positions_equal_upstream_get_rope_index(name):
+    ref, _ = pair()
+    batch = video_batch(*ROWS[name])
+    frames = batch.get("feature_attention_mask")
+    want, _ = ref.model.get_rope_index(
+        batch["input_ids"], batch.get("image_grid_thw"), batch["video_grid_thw"], batch["attention_mask"],
+        batch["use_audio_in_video"], None if frames is None else frames.sum(-1), batch["video_second_per_grid"],
+    )  # fmt: skip
+    got = host_positions(batch)
+    np.testing.assert_array_equal(got, want[:, 0].numpy())
+    video = (batch["input_ids"][0] == VIDEO).numpy()
+    assert len(set(got[0, video].tolist())) == batch["video_grid_thw"][:, 0].sum()  # one time step per grid step
+    if batch["use_audio_in_video"]:  # the track's tokens sit between the video's, time-aligned
+        audio = np.flatnonzero((batch["input_ids"][0] == AUDIO).numpy())
+        assert audio[0] < np.flatnonzero(video)[-1]
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_step_equals_upstream_forward_backward(name):
+    ref, model = pair(seed=3)
+    batch = video_batch(*ROWS[name], seed=4)
+    want = ref(**batch)
+    # Ours as the trainer runs it: no attention mask, the host positions.
+    positions = torch.as_tensor(host_positions(batch))[:, None]
+    got = model(**{**batch, "attention_mask": None}, position_ids=positions)
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    theirs = dict(ref.named_parameters())
+    for key, p in model.named_parameters():
+        if theirs[key].grad is None:
+            assert p.grad is None, key
+            continue
+        torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=key: f"{n}: {m}")
+    assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+    if "audio" in name:
+        assert model.model.audio_tower.conv1.weight.grad.abs().sum() > 0
+
+
+def test_video_changes_the_loss_and_its_audio_track_too():
+    _, model = pair()
+    batch = video_batch(*ROWS["audio_in_video"])
+    base = model(**batch).loss
+    assert not torch.allclose(model(**{**batch, "pixel_values_videos": batch["pixel_values_videos"] * 2}).loss, base)
+    assert not torch.allclose(model(**{**batch, "input_features": batch["input_features"] * 2}).loss, base)
+
+
+def _rank_batch(rank: int) -> dict:
+    # Rank 0: an audio-in-video row (vision and audio towers on real inputs); rank 1: audio only (no pixels).
+    items, flag = ([("video", (2, 2, 4), 1.0, 60)], True) if rank == 0 else ([("audio", 20)], False)
+    return video_batch(items, flag, seed=31 + rank)
+
+
+def _fsdp_step(ctx, path: str) -> dict:
+    pstate = state(ctx)
+    model = build_model(path, weights=path, ops=eager_ops(), parallel_state=pstate, task="any_to_any")
+    batch = _rank_batch(ctx.rank)
+    positions = torch.as_tensor(host_positions(batch))[:, None]
+    with use_parallel_state(pstate):
+        loss = model(**{**batch, "attention_mask": None}, position_ids=positions).loss
+        loss.backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
+             for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+    return {"loss": float(loss.detach()), "grads": grads}
+
+
+def test_fsdp2_with_a_video_on_one_rank_only_matches_one_process(dist_pools, omni_checkpoint):  # noqa: F811
+    results = dist_pools.get(2).run(_fsdp_step, omni_checkpoint)
+    ref = Upstream.from_pretrained(omni_checkpoint)
+    losses = [ref(**_rank_batch(rank)).loss for rank in (0, 1)]
+    (sum(losses) / 2).backward()  # FSDP2 averages gradients over the ranks
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(float(losses[rank].detach()), rel=1e-5)
+    for key, p in ref.named_parameters():
+        if p.grad is None:
+            assert key == "model.audio_tower.audio_bos_eos_token.weight", key
+            continue
+        torch.testing.assert_close(results[0]["grads"][key], p.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=key: f"{n}: {m}")  # fmt: skip
+    assert results[0]["grads"]["model.visual.patch_embed.proj.weight"].abs().sum() > 0
