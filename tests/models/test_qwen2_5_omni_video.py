@@ -3,8 +3,8 @@
 Oracles: transformers' ``Qwen2_5OmniProcessor`` placeholder methods (``replace_video_token``, which dispatches to
 ``replace_video_with_audio_token``; the processor's constructor and its video processor need torchvision, so it is
 built with just the attributes those methods read), the upstream thinker's ``get_rope_index`` and its
-forward/backward (fp32, eager) on the same inputs; and FSDP2 over 2 gloo ranks, one with a video and one without,
-against one process.
+forward/backward (fp32, eager) on the same inputs. FSDP2 with a video on one rank only:
+test_qwen2_5_omni_video_dist.py.
 """
 
 from __future__ import annotations
@@ -12,16 +12,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from loading_fixtures import eager_ops, state
-from test_qwen2_5_omni import A_END, A_START, AUDIO, IMAGE, MELS, V_END, V_START, VIDEO, audio_tokens, pair
-from test_qwen2_5_omni_dist import omni_checkpoint  # noqa: F401  (fixture)
-from torch.distributed.tensor import DTensor
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-    Qwen2_5OmniThinkerForConditionalGeneration as Upstream,
-)
+from models.test_qwen2_5_omni import (
+    A_END,
+    A_START,
+    AUDIO,
+    IMAGE,
+    MELS,
+    V_END,
+    V_START,
+    VIDEO,
+    audio_tokens,
+    pair,
+    tiny_config,
+)  # fmt: skip
 
-from veomni.core.parallel_state import use_parallel_state
-from veomni.models.build import build_model
 from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
 from veomni.models.qwen2_5_omni.video import VideoTokens, video_placeholder_ids
 
@@ -113,8 +117,6 @@ ROWS = {
 
 
 def host_positions(batch: dict) -> np.ndarray:
-    from test_qwen2_5_omni import tiny_config
-
     positions = Qwen2_5OmniPositions(tiny_config(), use_audio_in_video=batch["use_audio_in_video"])
     frames = batch.get("feature_attention_mask")
     return positions(
@@ -169,38 +171,3 @@ def test_video_changes_the_loss_and_its_audio_track_too():
     base = model(**batch).loss
     assert not torch.allclose(model(**{**batch, "pixel_values_videos": batch["pixel_values_videos"] * 2}).loss, base)
     assert not torch.allclose(model(**{**batch, "input_features": batch["input_features"] * 2}).loss, base)
-
-
-def _rank_batch(rank: int) -> dict:
-    # Rank 0: an audio-in-video row (vision and audio towers on real inputs); rank 1: audio only (no pixels).
-    items, flag = ([("video", (2, 2, 4), 1.0, 60)], True) if rank == 0 else ([("audio", 20)], False)
-    return video_batch(items, flag, seed=31 + rank)
-
-
-def _fsdp_step(ctx, path: str) -> dict:
-    pstate = state(ctx)
-    model = build_model(path, weights=path, ops=eager_ops(), parallel_state=pstate, task="any_to_any")
-    batch = _rank_batch(ctx.rank)
-    positions = torch.as_tensor(host_positions(batch))[:, None]
-    with use_parallel_state(pstate):
-        loss = model(**{**batch, "attention_mask": None}, position_ids=positions).loss
-        loss.backward()
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
-             for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
-    return {"loss": float(loss.detach()), "grads": grads}
-
-
-def test_fsdp2_with_a_video_on_one_rank_only_matches_one_process(dist_pools, omni_checkpoint):  # noqa: F811
-    results = dist_pools.get(2).run(_fsdp_step, omni_checkpoint)
-    ref = Upstream.from_pretrained(omni_checkpoint)
-    losses = [ref(**_rank_batch(rank)).loss for rank in (0, 1)]
-    (sum(losses) / 2).backward()  # FSDP2 averages gradients over the ranks
-    for rank, result in enumerate(results):
-        assert result["loss"] == pytest.approx(float(losses[rank].detach()), rel=1e-5)
-    for key, p in ref.named_parameters():
-        if p.grad is None:
-            assert key == "model.audio_tower.audio_bos_eos_token.weight", key
-            continue
-        torch.testing.assert_close(results[0]["grads"][key], p.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=key: f"{n}: {m}")  # fmt: skip
-    assert results[0]["grads"]["model.visual.patch_embed.proj.weight"].abs().sum() > 0

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from test_multimodal_data import REF, START, VIDEO, png
-from test_omni_train import AUDIO, MELS, TEMPLATE, make_omni_dir, omni_recipe, thinker_config, tone
+from test_omni_train import AUDIO, MELS, TEMPLATE, _sample, make_omni_dir, omni_recipe, thinker_config, tone
 
 from veomni.train.data.encode import Sample
 from veomni.train.data.multimodal import collate_multimodal
@@ -130,7 +130,7 @@ def test_audio_in_video_expands_like_the_processor_with_upstream_positions(asset
     assert frames == [50, 250]
     tokens = [int(_get_feat_extract_output_lengths(n)) for n in frames]
     names = {VIDEO: "<|VIDEO|>", AUDIO: "<|AUDIO|>", 1028: "<|audio_bos|>", 1030: "<|audio_eos|>"}
-    start = int(np.flatnonzero(ids == START)[1]) + 1  # the video's <|vision_start|> (the image's is after it)
+    start = int(np.flatnonzero(ids == START)[0]) + 1  # the video's <|vision_start|> (the image's follows)
     stop = start + 2 * 8 * 8 // 4 + tokens[1] + 2
     want = hf_processor().replace_video_token(
         {"video_grid_thw": sample.video_grid_thw, "video_second_per_grid": [2.0]}, 0,
@@ -149,10 +149,10 @@ def test_audio_in_video_expands_like_the_processor_with_upstream_positions(asset
     )  # fmt: skip
     np.testing.assert_array_equal(sample.mrope, want_pos[:, 0].numpy())
 
-    batch = collate_multimodal([Sample(ids, trained, 0, media=sample), Sample(*enc(row(), REF), 1)])
+    batch = collate_multimodal([Sample(ids, trained, 0, media=sample), _sample(enc, row(), 1)])
     assert batch["video_grid_thw"].tolist() == [[2, 8, 8]] and batch["pixel_values_videos"].shape == (128, 24)
     assert batch["video_second_per_grid"].tolist() == [2.0] and batch["input_features"].shape == (2, MELS, 250)
-    alone = collate_multimodal([Sample(*enc(row(), REF), 0)])
+    alone = collate_multimodal([_sample(enc, row(), 0)])
     assert alone["video_second_per_grid"] is None and alone["pixel_values_videos"] is None
 
 
@@ -190,7 +190,7 @@ def test_a_rows_video_changes_the_loss(assets):
     enc = encoder(assets, audio_in_video=False)
 
     def loss(name: str) -> float:
-        batch = collate_multimodal([Sample(*enc(row(video(name)), REF), 0)])
+        batch = collate_multimodal([_sample(enc, row(video(name)), 0)])
         with torch.no_grad():
             return float(task.forward(model, batch, torch.device("cpu"), (batch["labels"] != -100).sum()).loss)
 
