@@ -171,3 +171,29 @@ def test_video_changes_the_loss_and_its_audio_track_too():
     base = model(**batch).loss
     assert not torch.allclose(model(**{**batch, "pixel_values_videos": batch["pixel_values_videos"] * 2}).loss, base)
     assert not torch.allclose(model(**{**batch, "input_features": batch["input_features"] * 2}).loss, base)
+
+
+@pytest.mark.cuda
+def test_gpu_default_ops_match_upstream_on_audio_in_video_rows():
+    """On a GPU: the default OpsConfig (veomni attention in the LM and both towers, fused linear cross-entropy) on
+    an audio-in-video + image + audio row with host positions, against upstream eager, fp32 with TF32 off."""
+    from veomni.kernels import OpsConfig
+    from veomni.models.kernel_hooks import apply_ops
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref, model = pair(seed=5)
+    ref, model = ref.cuda(), model.cuda()
+    apply_ops(model, OpsConfig(attention="sdpa", cross_entropy="triton"))
+    batch = video_batch(*ROWS["audio_in_video+audio+image"], seed=6)
+    positions = torch.as_tensor(host_positions(batch))[:, None]
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    want = ref(**batch)
+    got = model(**{**batch, "attention_mask": None}, position_ids=positions.cuda())
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)
+    theirs = dict(ref.named_parameters())
+    for key, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=key: f"{n}: {m}")

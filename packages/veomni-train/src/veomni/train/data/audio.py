@@ -7,6 +7,9 @@ scipy's polyphase filter resamples it to the feature extractor's ``sampling_rate
 last frames match the processor bit for bit), and each clip's placeholder expands to transformers'
 ``_get_feat_extract_output_lengths(frames)`` audio tokens.
 
+The audio track of a video file (``data.use_audio_in_video``, `load_video_audio`) is decoded with PyAV (the
+``veomni-train[video]`` extra) and then averaged and resampled the same way.
+
 Bad input is an error naming the file and the row: an unreadable file, a missing extra, a clip longer than the
 extractor's window (``chunk_length`` seconds: the processor would silently truncate it, and the tokens after the
 cut would train on audio the model never heard).
