@@ -1,7 +1,7 @@
 """Video parts of omni rows for the Qwen2.5-Omni thinker, with and without their audio tracks
 (``data.use_audio_in_video``): the expansion against ``Qwen2_5OmniProcessor``'s placeholder method, mrope against
 the upstream thinker's ``get_rope_index``, the collate keys, bad input naming the file, a video changing the loss,
-and the trainer on such rows.
+and the trainer on such rows (one rank; Ulysses SP=2 equals it).
 
 Assets: those of tests/train/test_omni_train.py (tokenizer, image processor + Whisper extractor, tiny thinker)
 with a chat template rendering video parts as ``<|vision_start|><|video_pad|><|vision_end|>`` and a 3 s audio
@@ -34,12 +34,12 @@ VIDEO_TEMPLATE = TEMPLATE.replace(
 SECONDS, FPS, SIDE = 2.5, 4, 16
 
 
-def write_clip(path: Path, hz: float | None, seed: int) -> str:
-    """``SECONDS`` of random ``SIDE`` x ``SIDE`` frames at ``FPS`` (lossless PNG), plus a ``hz`` tone at 8 kHz
+def write_clip(path: Path, hz: float | None, seed: int, seconds: float = SECONDS) -> str:
+    """``seconds`` of random ``SIDE`` x ``SIDE`` frames at ``FPS`` (lossless PNG), plus a ``hz`` tone at 8 kHz
     (None: no audio stream)."""
     import av
 
-    frames = np.random.default_rng(seed).integers(0, 255, (int(SECONDS * FPS), SIDE, SIDE, 3), dtype=np.uint8)
+    frames = np.random.default_rng(seed).integers(0, 255, (int(seconds * FPS), SIDE, SIDE, 3), dtype=np.uint8)
     with av.open(str(path), "w") as container:
         video = container.add_stream("png", rate=FPS)
         video.width = video.height = SIDE
@@ -49,7 +49,7 @@ def write_clip(path: Path, hz: float | None, seed: int) -> str:
             container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(video.encode())
         if audio is not None:
-            t = np.arange(int(SECONDS * 8000)) / 8000
+            t = np.arange(int(seconds * 8000)) / 8000
             wave = (0.5 * np.sin(2 * np.pi * hz * t) * 32767).astype(np.int16)
             for start in range(0, wave.size, 1000):
                 frame = av.AudioFrame.from_ndarray(wave[None, start : start + 1000], format="s16", layout="mono")
@@ -86,6 +86,7 @@ def assets(tmp_path_factory) -> dict:
     for i in range(3):
         write_clip(media / f"v{i}.mov", 220.0 * (i + 1), seed=i)
     write_clip(media / "silent.mov", None, seed=7)
+    write_clip(media / "one_frame.mov", None, seed=8, seconds=1 / FPS)
     tone(media / "t0.wav", 330.0)
     rows = []
     for i in range(6):
@@ -162,6 +163,8 @@ def test_video_without_its_track_and_bad_input(assets):
     assert int((ids == VIDEO).sum()) == 32 and not (ids == AUDIO).any() and sample.audio_features == ()
     with pytest.raises(DataError, match=r"video 0 \(.*silent.mov\): the file holds no audio stream"):
         encoder(assets)(row(video("silent.mov")), REF)
+    with pytest.raises(DataError, match=r"one_frame.mov\): 1 frame\(s\), fewer than the temporal patch size 2"):
+        plain(row(video("one_frame.mov")), REF)
     frames = {"type": "video", "video": ["a.png"] * 4, "fps": 2}
     with pytest.raises(DataError, match="a list of frame images, which has no audio track"):
         encoder(assets)(row(frames), REF)
@@ -209,8 +212,23 @@ def _steps(ctx, raw: dict, n: int) -> dict:
     return {"losses": [float(train_step(run, s)["loss"]) for s in steps], "videos": videos}
 
 
-def test_trainer_runs_audio_in_video_rows(dist_pools, assets, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(dist_pools, assets, tmp_path_factory) -> dict:
+    raw = video_recipe(assets, str(tmp_path_factory.mktemp("one") / "run"), steps=3)
+    return dist_pools.get(1, "gloo").run(_steps, copy.deepcopy(raw), 3)[0]
+
+
+def test_trainer_runs_audio_in_video_rows(one_rank):
+    assert one_rank["videos"] > 0
+    losses = one_rank["losses"]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], one_rank
+
+
+def test_sp2_matches_one_rank(dist_pools, assets, one_rank, tmp_path):
+    """Ulysses SP=2 on audio-in-video rows: the interleaved audio and video features land in each rank's token
+    range (`scatter_visual_sp`); per-step losses equal one rank's."""
     raw = video_recipe(assets, str(tmp_path / "run"), steps=3)
-    got = dist_pools.get(1, "gloo").run(_steps, copy.deepcopy(raw), 3)[0]
-    assert got["videos"] > 0
-    assert all(math.isfinite(x) for x in got["losses"]) and got["losses"][-1] < got["losses"][0], got
+    raw["parallel"] = {"sp": 2}
+    for got in dist_pools.get(2, "gloo").run(_steps, raw, 3):
+        assert got["videos"] == one_rank["videos"]
+        assert got["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-5), (got, one_rank)

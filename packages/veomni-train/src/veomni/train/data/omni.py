@@ -208,6 +208,14 @@ class OmniEncoder(MultimodalEncoder):
         trained = trained & (ids != self.audio_token_id)
         return _Layout(ids, trained, images, videos, plans, replacements, features, seconds)
 
+    def _video_plan(self, video: VideoRef) -> tuple[Any, np.ndarray, tuple[int, int, int]]:
+        try:
+            return super()._video_plan(video)
+        except DataError:
+            raise
+        except ValueError as err:  # the sampling rule refuses the clip (fewer frames than one temporal patch)
+            raise DataError(f"{video}: {err}") from None
+
     def _video_audio(self, video: VideoRef, rate: int) -> np.ndarray:
         if video.path is None:
             raise DataError(
