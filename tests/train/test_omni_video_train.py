@@ -178,6 +178,13 @@ def test_video_without_its_track_and_bad_input(assets):
 
     with pytest.raises(DataError, match="data.use_audio_in_video is set, but only model.task=omni reads it"):
         encoder_for(recipe_from_dict(raw).data, load_tokenizer(assets["processor"]))
+    from veomni.train.recipe import RecipeError
+
+    raw = video_recipe(assets, "/tmp/unused")
+    with pytest.raises(RecipeError, match=r"data.video_frame_pixels: expected \[min, max\] .* found \[300, 100\]"):
+        recipe_from_dict({**raw, "data": {**raw["data"], "video_frame_pixels": [300, 100]}})
+    with pytest.raises(RecipeError, match="data.use_audio_in_video: .* but data.kind is 'conversation'"):
+        recipe_from_dict({**raw, "data": {**raw["data"], "kind": "conversation"}})
 
 
 def test_a_rows_video_changes_the_loss(assets):
