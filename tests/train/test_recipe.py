@@ -128,6 +128,10 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["train"][kept], raw["train"][other] = draw(st.integers(1, 10_000)), None
     if raw["train"]["eval_interval"] is None:
         raw["data"]["eval_files"] = []
+    if raw["data"]["kind"] != "multimodal":
+        raw["data"]["use_audio_in_video"] = False  # videos (and their audio tracks) are multimodal data
+    if raw["data"]["video_frame_pixels"] is not None:
+        raw["data"]["video_frame_pixels"] = sorted(raw["data"]["video_frame_pixels"])  # [min, max]
     raw["data"] = {k: list(v) if isinstance(v, tuple) else v for k, v in raw["data"].items()}
     raw["optim"]["betas"] = list(raw["optim"]["betas"])
     return raw

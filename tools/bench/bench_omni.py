@@ -13,7 +13,12 @@ parameter, ~71 GB before activations: run it on an H200 (an 80 GB H100 is expect
 Data (seeded, identical for both): ``--rows`` rows, each ``--seq-len`` tokens: a row holds one audio clip of
 ``--audio-seconds`` s (its ``seconds * 100`` mel frames -> ``seconds * 25`` audio tokens), one image of
 ``--image-side`` x ``--image-side`` patches (``side**2 / 4`` tokens) and text; labels are the text tokens. Mel
-features and pixel rows are seeded noise (the timing does not depend on their values).
+features and pixel rows are seeded noise (the timing does not depend on their values). ``--video-frames N`` adds a
+video of N frames (``N / 2`` temporal patches of ``--video-side``**2 patches, sampled at 2 fps); with
+``--audio-in-video`` the row's clip is that video's audio track, interleaved with its frames per 2 s chunk
+(`veomni.models.qwen2_5_omni.video.video_placeholder_ids`, the processor's layout), instead of a standalone clip.
+
+    python3 tools/bench/bench_omni.py --out omni_video.json --video-frames 16 --audio-in-video   # video + its audio
 
 Contenders: ``veomni`` (`build_model` with the default OpsConfig: veomni attention, fused linear cross-entropy;
 the towers and text layers otherwise run upstream's code, so the gain is the loss and attention path) and ``hf``
@@ -73,22 +78,27 @@ def mixed_batch(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, devi
     image_tokens = side * side // 4
     text_vocab = min(config.audio_token_id, config.image_token_id, config.vision_start_token_id) - 1
     fixed = 4 + audio_tokens + image_tokens
+    vc = config.vision_config
+    video = _video_tokens(config, args, audio_tokens)
+    if video is not None:
+        fixed += 2 + len(video) - (audio_tokens + 2 if args.audio_in_video else 0)
     if fixed + 8 > args.seq_len:
-        raise SystemExit(
-            f"--seq-len {args.seq_len} cannot hold {audio_tokens} audio + {image_tokens} image tokens"
-        )
+        raise SystemExit(f"--seq-len {args.seq_len} cannot hold the row's {fixed} audio, image and video tokens")
     rows = []
     for _ in range(args.rows):
         text = torch.randint(0, text_vocab, (args.seq_len - fixed,), generator=gen)
         third = text.shape[0] // 3
+        audio = [torch.tensor([config.audio_start_token_id]), torch.full((audio_tokens,), config.audio_token_id),
+                 torch.tensor([config.audio_end_token_id])]  # fmt: skip
+        if video is not None:
+            clip = [torch.tensor([config.vision_start_token_id]), video, torch.tensor([config.vision_end_token_id])]
+            audio = clip if args.audio_in_video else audio + clip
         rows.append(torch.cat([
-            text[:third], torch.tensor([config.audio_start_token_id]), torch.full((audio_tokens,), config.audio_token_id),
-            torch.tensor([config.audio_end_token_id]), text[third:2 * third], torch.tensor([config.vision_start_token_id]),
+            text[:third], *audio, text[third:2 * third], torch.tensor([config.vision_start_token_id]),
             torch.full((image_tokens,), config.image_token_id), torch.tensor([config.vision_end_token_id]),
             text[2 * third:],
         ]))  # fmt: skip
     input_ids = torch.stack(rows)
-    vc = config.vision_config
     width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
     batch = {
         "input_ids": input_ids,
@@ -99,7 +109,39 @@ def mixed_batch(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, devi
         "pixel_values": torch.randn(args.rows * side * side, width, generator=gen),
         "image_grid_thw": torch.tensor([[1, side, side]] * args.rows),
     }
-    return {k: v.to(device) for k, v in batch.items()}
+    if video is not None:
+        grid = [args.video_frames // vc.temporal_patch_size, args.video_side, args.video_side]
+        batch["pixel_values_videos"] = torch.randn(args.rows * grid[0] * grid[1] * grid[2], width, generator=gen)
+        batch["video_grid_thw"] = torch.tensor([grid] * args.rows)
+        batch["video_second_per_grid"] = torch.full((args.rows,), vc.temporal_patch_size / 2.0)
+    out = {k: v.to(device) for k, v in batch.items()}
+    out["use_audio_in_video"] = bool(args.audio_in_video)
+    return out
+
+
+def _video_tokens(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, audio_tokens: int) -> Any:
+    """The video placeholder run of one row (None without ``--video-frames``): 2 fps, so 1 s per grid step."""
+    from veomni.models.qwen2_5_omni.video import VideoTokens, video_placeholder_ids
+
+    if not args.video_frames:
+        if args.audio_in_video:
+            raise SystemExit("--audio-in-video needs --video-frames")
+        return None
+    vc = config.vision_config
+    if args.video_frames % vc.temporal_patch_size or args.video_side % vc.spatial_merge_size:
+        raise SystemExit(
+            f"--video-frames must be a multiple of {vc.temporal_patch_size} and --video-side of "
+            f"{vc.spatial_merge_size}"
+        )
+    tokens = VideoTokens(config.video_token_id, config.audio_token_id, config.audio_start_token_id,
+                         config.audio_end_token_id)  # fmt: skip
+    grid = (args.video_frames // vc.temporal_patch_size, args.video_side, args.video_side)
+    ids = video_placeholder_ids(
+        grid, vc.spatial_merge_size, tokens, vc.temporal_patch_size / 2.0,
+        audio_tokens=audio_tokens if args.audio_in_video else None,
+        position_id_per_seconds=config.position_id_per_seconds, seconds_per_chunk=config.seconds_per_chunk,
+    )  # fmt: skip
+    return torch.as_tensor(ids)
 
 
 def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -146,6 +188,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--audio-seconds", type=float, default=10.0)
     p.add_argument("--image-side", type=int, default=32, help="patches per side (32: 448x448 px, 256 tokens)")
+    p.add_argument("--video-frames", type=int, default=0, help="frames of one video per row (0: no video)")
+    p.add_argument("--video-side", type=int, default=16, help="video patches per side (16: 224x224 px)")
+    p.add_argument("--audio-in-video", action="store_true", help="the row's clip is its video's audio track")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

@@ -166,6 +166,16 @@ class DataSection:
         "kind=multimodal: most frames sampled from one video file; a frame list above it is an error (None: the "
         "model's video processor config, max_frames)",
     )
+    video_frame_pixels: tuple[int, int] | None = _field(
+        None,
+        "kind=multimodal, model.task=omni: [min, max] pixels of one resized video frame (the processor call's "
+        "videos_kwargs size; None: Qwen2.5-Omni processor's own, 128 to 768 patches of 28 x 28)",
+    )
+    use_audio_in_video: bool = _field(
+        False,
+        "kind=multimodal, model.task=omni: decode every video file's audio track and interleave it with the "
+        "video's frames per time chunk (the processor's use_audio_in_video); a video without audio is an error",
+    )
     text_field: str = _field("text", "kind=text: the row's field holding the text")
     messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
     loss_mask_field: str | None = _field(
@@ -214,6 +224,14 @@ class DataSection:
             raise RecipeError(f"data.video_fps: expected > 0, found {self.video_fps}")
         if self.video_max_frames is not None and self.video_max_frames < 1:
             raise RecipeError(f"data.video_max_frames: expected >= 1, found {self.video_max_frames}")
+        pixels = self.video_frame_pixels
+        if pixels is not None and not 0 < pixels[0] <= pixels[1]:
+            raise RecipeError(f"data.video_frame_pixels: expected [min, max] with 0 < min <= max, found {list(pixels)}")
+        if self.use_audio_in_video and self.kind != "multimodal":
+            raise RecipeError(
+                f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
+                f"data.kind is {self.kind!r}"
+            )
 
 
 @attrs.frozen(kw_only=True)

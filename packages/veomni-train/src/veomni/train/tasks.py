@@ -343,17 +343,19 @@ class VlmTask(TextTask):
         return super().step_flops(step) + self.vision_flops_per_patch * step.patches
 
 
-AUDIO_KEYS = ("input_features", "feature_attention_mask")
-"""Audio tensors of an omni micro-batch (`veomni.train.data.omni.OmniMediaSample.collate_extra`)."""
+OMNI_KEYS = ("input_features", "feature_attention_mask", "video_second_per_grid")
+"""Audio tensors and the videos' seconds per grid of an omni micro-batch
+(`veomni.train.data.omni.OmniMediaSample.collate_extra`)."""
 
 
 @attrs.frozen(kw_only=True)
 class OmniTask(VlmTask):
-    """Omni thinker training (Qwen2.5-Omni: text, images and audio in, text out; ``data.kind: multimodal``):
-    `VlmTask` plus the micro-batch's audio clips, ``input_features`` float32 ``[clips, mels, frames]`` and
-    ``feature_attention_mask`` int64 ``[clips, frames]`` (`veomni.train.data.omni`), both None without audio (the
-    thinker then runs its audio tower's dummy forward). The audio tower's weights are excluded from the per-token
-    FLOPs; its own FLOPs (per mel frame) are not counted yet.
+    """Omni thinker training (Qwen2.5-Omni: text, images, videos (optionally with their audio tracks) and audio in,
+    text out; ``data.kind: multimodal``): `VlmTask` plus the micro-batch's audio clips, ``input_features`` float32
+    ``[clips, mels, frames]`` and ``feature_attention_mask`` int64 ``[clips, frames]`` (`veomni.train.data.omni`),
+    both None without audio (the thinker then runs its audio tower's dummy forward), and ``video_second_per_grid``
+    float32 ``[videos]`` (None without videos; the host-side positions already hold it). The audio tower's weights
+    are excluded from the per-token FLOPs; its own FLOPs (per mel frame) are not counted yet.
 
     Attributes:
         thinker_config: the model config, for the data pipeline's token ids and positions
@@ -373,15 +375,16 @@ class OmniTask(VlmTask):
                 f"model.task=omni needs an omni thinker with a `model.audio_tower`; {type(probe).__name__} has none"
             )
         tower = sum(p.numel() for p in audio.parameters() if p.dim() >= 2)
+        # The omni data pipeline writes the thinker's own video layout (`veomni.train.data.omni`).
         return attrs.evolve(
-            base, flops_per_token=base.flops_per_token - 6.0 * tower, thinker_config=probe.config
+            base, flops_per_token=base.flops_per_token - 6.0 * tower, thinker_config=probe.config, no_video=None
         )
 
     def model_kwargs(
         self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
     ) -> dict[str, Any]:
         kwargs = super().model_kwargs(batch, device, num_items)
-        for key in AUDIO_KEYS:
+        for key in OMNI_KEYS:
             value = batch.get(key)
             kwargs[key] = None if value is None else value.to(device, non_blocking=True)
         return kwargs

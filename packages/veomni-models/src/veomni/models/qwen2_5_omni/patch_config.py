@@ -14,7 +14,9 @@ out), with dummy tower forwards for ranks without a modality, a checked audio sc
 * ``Qwen2_5OmniThinkerModel.forward``: upstream's order (audio, image, video scatter; mrope positions with audio
   lengths and seconds-per-grid from the model's own ``get_rope_index``), plus the audio token/feature count check
   upstream lacks (its ``masked_scatter`` silently uses a prefix), the towers called without the language
-  model's kwargs (packing ``cu_seq_lens_*`` of the text must never reach them), mrope positions also without an attention mask
+  model's kwargs (packing ``cu_seq_lens_*`` of the text must never reach them), one vision tower pass over the
+  micro-batch's images and videos together (equal to upstream's two; every rank runs the tower once per step),
+  mrope positions also without an attention mask
   (upstream silently falls back to 1-D positions) and the dummy forwards under world > 1. Host-side positions
   for the data loader: `veomni.models.qwen2_5_omni.positions`.
 * ``Qwen2_5OmniThinkerForConditionalGeneration.forward``: LM head + loss through `lm_logits_and_loss` (a fused
@@ -314,7 +316,8 @@ def thinker_model_init(self, config: Qwen2_5OmniThinkerConfig):
 @config.override_method(
     "Qwen2_5OmniThinkerModel.forward",
     description="upstream's audio / image / video scatter and mrope positions, plus the audio token count check "
-    "upstream lacks and dummy tower forwards on ranks without audio or pixels under world > 1",
+    "upstream lacks, one vision tower pass over images and videos together, and dummy tower forwards on ranks "
+    "without audio or pixels under world > 1",
 )
 def thinker_model_forward(
     self,
@@ -374,14 +377,24 @@ def thinker_model_forward(
         inputs_embeds = inputs_embeds + self.audio_tower.dummy_forward().to(inputs_embeds.dtype)
 
     mm_encoder_outputs = dict(mm_encoder_outputs) if mm_encoder_outputs is not None else {}
-    if mm_encoder_outputs.get("image") is None and pixel_values is not None:
-        mm_encoder_outputs["image"] = self.get_image_features(pixel_values, image_grid_thw, return_dict=True)
-    if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
-        mm_encoder_outputs["video"] = self.get_video_features(
-            pixel_values_videos, video_grid_thw, return_dict=True
-        )
+    runs = [(m, p, g) for m, p, g in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos,
+            video_grid_thw)) if p is not None and mm_encoder_outputs.get(m) is None]  # fmt: skip
+    for modality, _, grid in runs:
+        if grid is None:
+            raise ValueError(f"{modality} pixels were given without their grid_thw ([n, 3] (t, h, w) per item)")
+    if runs:
+        # One tower pass over every image and video (upstream makes one per modality): items attend only within
+        # themselves (per-item windows and full attention), so this equals two passes, and every rank runs the
+        # tower exactly once per step whatever mix it holds (FSDP's collectives must match across ranks).
+        pooled = self.get_image_features(
+            torch.cat([p for _, p, _ in runs], dim=0), torch.cat([g for _, _, g in runs], dim=0), return_dict=True
+        ).pooler_output
+        start = 0
+        for modality, _, grid in runs:
+            features[modality] = torch.cat(pooled[start : start + grid.shape[0]], dim=0)
+            start += grid.shape[0]
     for modality in ("image", "video"):
-        if mm_encoder_outputs.get(modality) is not None:
+        if modality not in features and mm_encoder_outputs.get(modality) is not None:
             features[modality] = torch.cat(mm_encoder_outputs[modality].pooler_output, dim=0)
     if pixel_values is None and pixel_values_videos is None and not mm_encoder_outputs and distributed:
         inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)

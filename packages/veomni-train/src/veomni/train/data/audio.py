@@ -7,6 +7,9 @@ scipy's polyphase filter resamples it to the feature extractor's ``sampling_rate
 last frames match the processor bit for bit), and each clip's placeholder expands to transformers'
 ``_get_feat_extract_output_lengths(frames)`` audio tokens.
 
+The audio track of a video file (``data.use_audio_in_video``, `load_video_audio`) is decoded with PyAV (the
+``veomni-train[video]`` extra) and then averaged and resampled the same way.
+
 Bad input is an error naming the file and the row: an unreadable file, a missing extra, a clip longer than the
 extractor's window (``chunk_length`` seconds: the processor would silently truncate it, and the tokens after the
 cut would train on audio the model never heard).
@@ -64,14 +67,66 @@ def load_audio(path: str, sampling_rate: int, ref: RowRef, number: int) -> np.nd
         samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
     except (OSError, RuntimeError, soundfile.LibsndfileError) as err:
         raise DataError(f"{ref}: audio {number} ({path}) cannot be decoded: {err}") from None
+    return _mono_at(samples, int(rate), sampling_rate, resample_poly, f"{ref}: audio {number} ({path})")
+
+
+def _mono_at(samples: np.ndarray, rate: int, sampling_rate: int, resample_poly: Any, what: str) -> np.ndarray:
+    """float32 ``[samples]``: ``samples`` ``[n, channels]`` averaged to mono and resampled to ``sampling_rate``."""
     mono = samples.mean(axis=1)
     if rate != sampling_rate:
         # Exact rational ratio (44100 -> 16000 is 160/441): no drift in length, anti-aliased by the filter.
-        g = math.gcd(int(rate), int(sampling_rate))
-        mono = resample_poly(mono, sampling_rate // g, int(rate) // g)
+        g = math.gcd(rate, int(sampling_rate))
+        mono = resample_poly(mono, sampling_rate // g, rate // g)
     if mono.size == 0:
-        raise DataError(f"{ref}: audio {number} ({path}) holds no samples")
+        raise DataError(f"{what} holds no samples")
     return mono.astype(np.float32, copy=False)
+
+
+def load_video_audio(path: str, sampling_rate: int, what: str) -> np.ndarray:
+    """Decode the audio track of the video file ``path`` to mono float32 samples at ``sampling_rate`` Hz (the
+    processor's ``load_audio_from_video``; its first audio stream, as ffmpeg picks it).
+
+    Needs PyAV (``veomni-train[video]``) and scipy (``veomni-train[audio]``) for the resampling.
+
+    Args:
+        path: a video container with an audio stream (mp4, mkv, mov, ...).
+        sampling_rate: the feature extractor's rate; other rates are resampled (polyphase, as `load_audio`).
+        what: how errors name the video, e.g. ``rows.jsonl line 4: video 0 (clip.mp4)``.
+    Returns:
+        float32 ``[samples]``.
+    Raises:
+        DataError: a missing extra, an unreadable file, or no audio stream (audio-in-video was asked for).
+    """
+    try:
+        import av
+        from scipy.signal import resample_poly
+    except ImportError as err:
+        raise DataError(
+            f"{what}: its audio track needs PyAV and scipy (pip install 'veomni-train[video,audio]'): {err}"
+        ) from None
+    try:
+        with av.open(path) as container:
+            if not container.streams.audio:
+                raise DataError(
+                    f"{what}: the file holds no audio stream, but data.use_audio_in_video is on (every video's "
+                    "audio track is interleaved with its frames); give a video with sound or turn it off"
+                )
+            stream = container.streams.audio[0]
+            rate = int(stream.rate or stream.codec_context.sample_rate or 0)
+            # Planar float, [channels, n] per frame: the decoder's own samples, converted only to float32.
+            resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=rate)
+            chunks = [
+                out.to_ndarray()
+                for frame in container.decode(stream)
+                for out in resampler.resample(frame)
+            ]
+            chunks += [out.to_ndarray() for out in resampler.resample(None)]
+    except (av.FFmpegError, OSError) as err:
+        raise DataError(f"{what}: its audio track cannot be decoded ({err})") from None
+    if rate <= 0 or not chunks:
+        raise DataError(f"{what}: the audio track holds no samples (rate {rate})")
+    samples = np.concatenate(chunks, axis=1).T.astype(np.float32, copy=False)  # [n, channels]
+    return _mono_at(samples, rate, sampling_rate, resample_poly, f"{what}: the audio track")
 
 
 def audio_features(

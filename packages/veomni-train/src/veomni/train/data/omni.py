@@ -1,23 +1,33 @@
 """Omni conversations (``data.kind: multimodal`` with ``model.task: omni``): the multimodal rows of
-`veomni.train.data.multimodal` plus audio parts ``{"type": "audio", "audio": <path>}`` for the Qwen2.5-Omni thinker.
+`veomni.train.data.multimodal` plus audio parts ``{"type": "audio", "audio": <path>}`` and video parts (files or
+frame lists, optionally with their audio tracks) for the Qwen2.5-Omni thinker.
 
 `OmniEncoder` extends `MultimodalEncoder`:
 
-1. The chat template renders each audio part as ``<|audio_bos|><|AUDIO|><|audio_eos|>``; the ``<|AUDIO|>`` count
-   must equal the row's audio parts (an error names the row).
+1. The chat template renders each audio part as ``<|audio_bos|><|AUDIO|><|audio_eos|>`` and each video part as
+   ``<|vision_bos|><|VIDEO|><|vision_eos|>`` (token names may differ; the ids are the thinker config's); the
+   placeholder counts must equal the row's parts (an error names the row).
 2. Each clip is decoded, resampled and turned into log-mel features by `veomni.train.data.audio` (the model's
    ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to
-   ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images then
-   expand exactly as for Qwen3-VL / Qwen2.5-VL rows; videos are refused (`veomni.train.tasks.VlmTask.no_video`).
-3. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`, or
+   ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images expand
+   exactly as for Qwen2.5-VL rows.
+3. Videos follow Qwen2.5-Omni's video rule (`veomni.models.qwen2_5_omni.video`: frames sampled at
+   ``data.video_fps``, else the config's, else 2 fps; ``video_second_per_grid = temporal_patch_size / fps``) and
+   each ``<|VIDEO|>`` becomes ``t * h * w / merge**2`` video tokens. With ``data.use_audio_in_video`` every video's
+   audio track is decoded (PyAV; a video without one is an error naming the file), resampled like an audio part,
+   and the placeholder becomes ``<|audio_bos|>``, per ``seconds_per_chunk`` chunk the video then the audio tokens,
+   ``<|audio_eos|>`` -- the processor's ``load_audio_from_video`` layout. Clips are ordered as their tokens appear.
+4. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`, or
    `veomni.models.qwen3_omni_moe.positions` for the Qwen3-Omni-MoE thinker, whose audio tower also has its own
-   token rule: 13 tokens per 100 mel frames), with every clip's frame count.
-4. `OmniMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
+   token rule: 13 tokens per 100 mel frames), with every clip's frame count, the video grids, seconds per grid
+   and the audio-in-video flag. Videos are Qwen2.5-Omni's only: the Qwen3-Omni-MoE thinker refuses them (its
+   processor's video layout is not written yet).
+5. `OmniMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
    `veomni.train.data.audio.collate_audio`: ``input_features`` / ``feature_attention_mask``, None without audio
-   (the thinker then runs its audio tower's dummy forward).
+   (the thinker then runs its audio tower's dummy forward), and concatenates ``video_second_per_grid``.
 
-The index (`measure`) decodes the audio to count its tokens (image sizes still come from headers): the length
-is exact, at the cost of reading every clip once more than the training pass.
+The index (`measure`) decodes the audio (also the tracks of videos) to count its tokens; image and video sizes
+come from headers: the length is exact, at the cost of reading every clip once more than the training pass.
 """
 
 from __future__ import annotations
@@ -27,11 +37,14 @@ from typing import Any
 
 import attrs
 import numpy as np
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
+from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens, video_placeholder_ids
 from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
-from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio
+from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio, load_video_audio
+from veomni.train.data.media import ImageRef, VideoRef, load_video_frames
 from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, _expand
 from veomni.train.data.sources import DataError, RowRef
 
@@ -42,30 +55,37 @@ POSITIONS = {"qwen2_5_omni_thinker": Qwen2_5OmniPositions, "qwen3_omni_moe_think
 tower's token rule is not Qwen2.5-Omni's (`veomni.train.data.audio.audio_features`), ``audio_tokens(frames)``."""
 
 
-def thinker_positions(thinker_config: Any) -> Any:
+def thinker_positions(thinker_config: Any, *, use_audio_in_video: bool = False) -> Any:
     """The position-id function of the thinker ``thinker_config`` describes (an error lists the known ones)."""
     model_type = getattr(thinker_config, "model_type", None)
     if model_type not in POSITIONS:
         raise DataError(f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}")
-    return POSITIONS[model_type](thinker_config)
+    return POSITIONS[model_type](thinker_config, use_audio_in_video=use_audio_in_video)
 
 
 @attrs.frozen(eq=False)
 class OmniMediaSample(MediaSample):
-    """`MediaSample` plus the row's audio clips.
+    """`MediaSample` plus the row's audio clips and its videos' seconds per temporal grid step.
 
     Attributes:
-        audio_features: float32 ``[num_mel_bins, frames_i]`` per clip, in row order (empty without audio).
+        audio_features: float32 ``[num_mel_bins, frames_i]`` per clip, in text order (empty without audio).
+        video_second_per_grid: float64 ``[v]``, one per video (the processor's ``video_second_per_grid``).
     """
 
     audio_features: tuple[np.ndarray, ...] = ()
+    video_second_per_grid: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.float64))
 
     @staticmethod
     def collate_extra(media: Sequence[OmniMediaSample]) -> dict[str, Any]:
         """``input_features`` float32 ``[clips, mels, frames]`` and ``feature_attention_mask`` int64 ``[clips,
-        frames]`` of every clip of the micro-batch (`collate_audio`), both None without any clip; not sliced
-        under SP (the audio tower slices its frames itself)."""
-        return collate_audio([f for m in media for f in m.audio_features])
+        frames]`` of every clip of the micro-batch (`collate_audio`), and ``video_second_per_grid`` float32
+        ``[videos]`` in ``video_grid_thw``'s order; each None without any clip / video. Nothing is sliced under SP
+        (the audio tower slices its frames itself; the seconds only matter where positions are not given)."""
+        seconds = np.concatenate([m.video_second_per_grid for m in media])
+        return {
+            **collate_audio([f for m in media for f in m.audio_features]),
+            "video_second_per_grid": torch.from_numpy(seconds.astype(np.float32)) if seconds.size else None,
+        }
 
 
 def load_feature_extractor(path: str) -> Any:
@@ -81,14 +101,31 @@ def load_feature_extractor(path: str) -> Any:
         ) from None
 
 
+def load_omni_video_rule(
+    path: str, *, fps: float | None, max_frames: int | None, frame_pixels: tuple[int, int] | None = None
+) -> Qwen2_5OmniVideoRule | str:
+    """`Qwen2_5OmniVideoRule.from_pretrained` at ``path`` with ``data.video_fps`` / ``data.video_max_frames`` /
+    ``data.video_frame_pixels``; a config that cannot be used gives the reason as a string instead (data without
+    videos needs none, and a video row reports it)."""
+    try:
+        return Qwen2_5OmniVideoRule.from_pretrained(
+            path, fps=fps, max_frames=max_frames, frame_pixels=frame_pixels
+        )
+    except (OSError, ValueError) as err:
+        return f"{path} holds no usable Qwen2.5-Omni video processor config ({err})"
+
+
 class OmniEncoder(MultimodalEncoder):
     """Encodes omni conversations (module docstring).
 
     Args:
-        tokenizer, image_processor, field, loss_mask_field, assistant_only, media_root, max_patches, video_rule,
+        tokenizer, image_processor, field, loss_mask_field, assistant_only, media_root, max_patches,
             vision_metadata: as for `MultimodalEncoder`.
         feature_extractor: the thinker's audio feature extractor (`load_feature_extractor`).
         thinker_config: the ``Qwen2_5OmniThinkerConfig`` (token ids and the position rule).
+        video_rule: the thinker's video rule (`load_omni_video_rule`), or why there is none (rows with videos are
+            then refused with it).
+        use_audio_in_video: interleave every video's audio track with its frames (``data.use_audio_in_video``).
     """
 
     extra_parts = ("audio",)
@@ -103,9 +140,14 @@ class OmniEncoder(MultimodalEncoder):
         *,
         feature_extractor: Any,
         thinker_config: Any,
+        video_rule: Qwen2_5OmniVideoRule | str = "no video processor was given",
+        use_audio_in_video: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(tokenizer, image_processor, field, loss_mask_field, assistant_only, **kwargs)
+        # The base class knows Qwen3-VL's video layout only; the omni layout is set up below.
+        super().__init__(
+            tokenizer, image_processor, field, loss_mask_field, assistant_only, video_rule="", **kwargs
+        )
         self.audio_token_id = self._token_id(AUDIO_TOKEN, "model.task is omni")
         for name, token_id in (("audio_token_id", self.audio_token_id), ("image_token_id", self.image_token_id)):
             if getattr(thinker_config, name) != token_id:
@@ -114,55 +156,161 @@ class OmniEncoder(MultimodalEncoder):
                     f"{token_id}; they must be the same token"
                 )
         self.feature_extractor = feature_extractor
-        self.positions = thinker_positions(thinker_config)
+        self.use_audio_in_video = use_audio_in_video
+        self.positions = thinker_positions(thinker_config, use_audio_in_video=use_audio_in_video)
         # The audio paths of the row being parsed: `_parse` collects them through `_extra_part` (one row at a
         # time; an encoder is used by one worker thread).
         self._audio_paths: list[str] = []
+        # Placeholders are counted by the config's video token (the tokenizer may call it <|VIDEO|>).
+        self.video_token_id = int(thinker_config.video_token_id)
+        self.video_rule, self.no_video = None, video_rule if isinstance(video_rule, str) else ""
+        if thinker_config.model_type != "qwen2_5_omni_thinker":
+            # Qwen2.5-Omni's video rule and chunked layout (this module) are not the Qwen3-Omni-MoE processor's.
+            self.no_video = (
+                f"{thinker_config.model_type}: video rows are not supported yet (only the Qwen2.5-Omni thinker's "
+                "video layout is written)"
+            )
+            if use_audio_in_video:
+                raise DataError(f"data.use_audio_in_video: {self.no_video}")
+            return
+        self.video_tokens = VideoTokens(
+            self.video_token_id, self.audio_token_id, int(thinker_config.audio_start_token_id),
+            int(thinker_config.audio_end_token_id),
+        )  # fmt: skip
+        self.chunking = (float(thinker_config.position_id_per_seconds), float(thinker_config.seconds_per_chunk))
+        if not isinstance(video_rule, str):
+            if (video_rule.merge_size, video_rule.patch_width) != (self.merge, self.width):
+                self.no_video = (
+                    f"the video processor (merge {video_rule.merge_size}, pixel rows of {video_rule.patch_width}) "
+                    f"disagrees with the image processor (merge {self.merge}, pixel rows of {self.width}); both "
+                    "feed one vision tower"
+                )
+            else:
+                self.video_rule = video_rule
 
     def _extra_part(self, kind: str, part: dict[str, Any], ref: RowRef) -> None:
         self._audio_paths.append(audio_path(part["audio"], self.media_root, ref, len(self._audio_paths)))
 
-    def _audio_text(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, list, list, list]:
-        """``(ids, trained, images, videos, clip features)`` with every ``<|AUDIO|>`` already expanded."""
+    def _layout(self, row: dict[str, Any], ref: RowRef) -> _Layout:
+        """The row's tokens, its images, and its audio and video expanded (audio decoded; no pixels)."""
         self._audio_paths = []
         ids, trained, images, videos = self._text(row, ref)
         paths = self._audio_paths
-        where = np.flatnonzero(ids == self.audio_token_id)
-        if len(where) != len(paths):
+        audio_at = np.flatnonzero(ids == self.audio_token_id).tolist()
+        if len(audio_at) != len(paths):
             raise DataError(
-                f"{ref}: {len(where)} {AUDIO_TOKEN} placeholder(s) in the rendered conversation but {len(paths)} "
+                f"{ref}: {len(audio_at)} {AUDIO_TOKEN} placeholder(s) in the rendered conversation but {len(paths)} "
                 "audio part(s) in the row; they must match one to one"
             )
+        plans = [self._video_plan(video) for video in videos]
+        video_at = np.flatnonzero(ids == self.video_token_id).tolist()
         rate = int(self.feature_extractor.sampling_rate)
-        clips = [load_audio(p, rate, ref, k) for k, p in enumerate(paths)]
-        features, tokens = audio_features(clips, self.feature_extractor, ref, paths)
+        # Clips in text order (the order of the audio tower's outputs over the audio tokens, and of get_rope_index's
+        # audio lengths): standalone parts and, with audio-in-video, each video's track at its placeholder.
+        sources = [(at, "audio", k) for k, at in enumerate(audio_at)]
+        if self.use_audio_in_video:
+            sources += [(at, "video", k) for k, at in enumerate(video_at)]
+        sources.sort()
+        clips, names = [], []
+        for _, kind, k in sources:
+            if kind == "audio":
+                clips.append(load_audio(paths[k], rate, ref, k))
+                names.append(paths[k])
+            else:
+                clips.append(self._video_audio(videos[k], rate))
+                names.append(f"the audio track of video {k} ({videos[k].path})")
+        features, tokens = audio_features(clips, self.feature_extractor, ref, names)
         if hasattr(self.positions, "audio_tokens"):  # Qwen3-Omni: 13 tokens per 100-frame chunk
             tokens = [self.positions.audio_tokens(f.shape[1]) for f in features]
-        blocks = [np.full(n, self.audio_token_id, np.int64) for n in tokens]
-        ids, trained = _expand(ids, trained & (ids != self.audio_token_id), list(zip(where.tolist(), blocks, strict=True)))
-        return ids, trained, images, videos, features
+        clip_tokens = {(kind, k): n for (_, kind, k), n in zip(sources, tokens, strict=True)}
+        seconds = [self._second_per_grid(video) for video in videos]
+        replacements = [(at, np.full(clip_tokens["audio", k], self.audio_token_id, np.int64))
+                        for k, at in enumerate(audio_at)]  # fmt: skip
+        for k, at in enumerate(video_at):
+            block = video_placeholder_ids(
+                plans[k][2], self.merge, self.video_tokens, seconds[k], audio_tokens=clip_tokens.get(("video", k)),
+                position_id_per_seconds=self.chunking[0], seconds_per_chunk=self.chunking[1],
+            )  # fmt: skip
+            replacements.append((at, block))
+        trained = trained & (ids != self.audio_token_id)
+        return _Layout(ids, trained, images, videos, plans, replacements, features, seconds)
+
+    def _video_plan(self, video: VideoRef) -> tuple[Any, np.ndarray, tuple[int, int, int]]:
+        try:
+            return super()._video_plan(video)
+        except DataError:
+            raise
+        except ValueError as err:  # the sampling rule refuses the clip (fewer frames than one temporal patch)
+            raise DataError(f"{video}: {err}") from None
+
+    def _video_audio(self, video: VideoRef, rate: int) -> np.ndarray:
+        if video.path is None:
+            raise DataError(
+                f"{video}: data.use_audio_in_video is on but the video is a list of frame images, which has no "
+                "audio track; give a video file or turn it off"
+            )
+        return load_video_audio(video.path, rate, str(video))
+
+    def _second_per_grid(self, video: VideoRef) -> float:
+        """The processor's ``video_second_per_grid``: temporal patch over the sampling fps (a frame list's own)."""
+        assert self.video_rule is not None  # _video_ref refused the row otherwise
+        return self.video_rule.temporal_patch_size / (video.fps or self.video_rule.fps)
 
     def measure(self, row: dict[str, Any], ref: RowRef) -> tuple[int, int, int]:
-        """``(tokens, trained tokens, vision patches)`` of the expanded row (audio decoded, images from headers)."""
-        ids, trained, images, videos, _ = self._audio_text(row, ref)
-        if videos:
-            raise DataError(f"{ref}: video parts cannot be encoded for the omni thinker: {self.no_video}")
-        patches = [self._patches(image) for image in images]
-        self._check_patches(ref, patches, images)
-        return len(ids) + sum(p // self.merge**2 - 1 for p in patches), int(trained.sum()), sum(patches)
+        """``(tokens, trained tokens, vision patches)`` of the expanded row (audio decoded, images and videos from
+        headers)."""
+        layout = self._layout(row, ref)
+        patches = [self._patches(image) for image in layout.images]
+        patches += [int(np.prod(grid)) for _, _, grid in layout.plans]
+        self._check_patches(ref, patches, [*layout.images, *layout.videos])
+        extra = sum(p // self.merge**2 - 1 for p in patches[: len(layout.images)])
+        extra += sum(len(block) - 1 for _, block in layout.replacements)
+        return len(layout.ids) + extra, int(layout.trained.sum()), sum(patches)
 
     def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, OmniMediaSample]:
-        ids, trained, images, videos, features = self._audio_text(row, ref)
-        if videos:
-            raise DataError(f"{ref}: video parts cannot be encoded for the omni thinker: {self.no_video}")
-        pixels, grids = self._image_rows(ref, images)
-        self._check_patches(ref, [int(g.prod()) for g in grids], images)
+        layout = self._layout(row, ref)
+        pixels, grids = self._image_rows(ref, layout.images)
+        video_rows, video_grids = [], []
+        for video, (header, indices, grid) in zip(layout.videos, layout.plans, strict=True):
+            assert self.video_rule is not None
+            rows, got = self.video_rule.pixel_rows(load_video_frames(video, indices, header))
+            if got != grid:  # the plan and the processing share one rule; a mismatch is a bug, not bad data
+                raise RuntimeError(f"{video}: processed grid {got} differs from the planned grid {grid}")
+            video_rows.append(rows)
+            video_grids.append(grid)
+        self._check_patches(
+            ref, [int(g.prod()) for g in grids] + [int(np.prod(g)) for g in video_grids],
+            [*layout.images, *layout.videos],
+        )  # fmt: skip
         blocks = [np.full(int(g.prod()) // self.merge**2, self.image_token_id, np.int64) for g in grids]
-        where = np.flatnonzero(ids == self.image_token_id).tolist()
-        ids, trained = _expand(ids, trained, list(zip(where, blocks, strict=True)))
-        frames = np.asarray([f.shape[1] for f in features], dtype=np.int64)
+        where = np.flatnonzero(layout.ids == self.image_token_id).tolist()
+        replacements = sorted([*zip(where, blocks, strict=True), *layout.replacements], key=lambda r: r[0])
+        ids, trained = _expand(layout.ids, layout.trained, replacements)
+        video_grid_thw = np.asarray(video_grids, dtype=np.int64).reshape(-1, 3)
+        seconds = np.asarray(layout.seconds, dtype=np.float64)
+        frames = np.asarray([f.shape[1] for f in layout.features], dtype=np.int64)
         try:
-            mrope = self.positions(ids, grids, None, frames)
+            mrope = self.positions(ids, grids, video_grid_thw, frames, seconds)
         except ValueError as err:
             raise DataError(f"{ref}: {err}") from None
-        return ids, trained, OmniMediaSample(pixels, grids, mrope, audio_features=tuple(features))
+        video_pixels = np.concatenate(video_rows) if video_rows else np.zeros((0, self.width), np.float32)
+        return ids, trained, OmniMediaSample(
+            pixels, grids, mrope, video_pixels, video_grid_thw, audio_features=tuple(layout.features),
+            video_second_per_grid=seconds,
+        )  # fmt: skip
+
+
+@attrs.frozen(eq=False)
+class _Layout:
+    """One row before image expansion (`OmniEncoder._layout`): ``replacements`` are ``(position in ids, block)``
+    for every audio and video placeholder; ``plans`` ``(header, frame indices, grid)`` per video; ``features`` the
+    clips' log-mel features in text order; ``seconds`` each video's ``video_second_per_grid``."""
+
+    ids: np.ndarray
+    trained: np.ndarray
+    images: list[ImageRef]
+    videos: list[VideoRef]
+    plans: list[tuple[Any, np.ndarray, tuple[int, int, int]]]
+    replacements: list[tuple[int, np.ndarray]]
+    features: list[np.ndarray]
+    seconds: list[float]

@@ -13,7 +13,7 @@
 #   - override_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the vision tower on one merge x merge zero image, for ranks without image or video
 #   - override_method Qwen2_5OmniThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
-#   - override_method Qwen2_5OmniThinkerModel.forward: upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks and dummy tower forwards on ranks without audio or pixels under world > 1
+#   - override_method Qwen2_5OmniThinkerModel.forward: upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks, one vision tower pass over images and videos together, and dummy tower forwards on ranks without audio or pixels under world > 1
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker)
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, talker_*) raise instead of being ignored
@@ -1801,7 +1801,7 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
             position_ids = None
         return position_ids
 
-    # [PATCHED] upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks and dummy tower forwards on ranks without audio or pixels under world > 1
+    # [PATCHED] upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks, one vision tower pass over images and videos together, and dummy tower forwards on ranks without audio or pixels under world > 1
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1862,16 +1862,28 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
             inputs_embeds = inputs_embeds + self.audio_tower.dummy_forward().to(inputs_embeds.dtype)
 
         mm_encoder_outputs = dict(mm_encoder_outputs) if mm_encoder_outputs is not None else {}
-        if mm_encoder_outputs.get("image") is None and pixel_values is not None:
-            mm_encoder_outputs["image"] = self.get_image_features(
-                pixel_values, image_grid_thw, return_dict=True
-            )
-        if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
-            mm_encoder_outputs["video"] = self.get_video_features(
-                pixel_values_videos, video_grid_thw, return_dict=True
-            )
+        runs = [(m, p, g) for m, p, g in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos,
+                video_grid_thw)) if p is not None and mm_encoder_outputs.get(m) is None]  # fmt: skip
+        for modality, _, grid in runs:
+            if grid is None:
+                raise ValueError(
+                    f"{modality} pixels were given without their grid_thw ([n, 3] (t, h, w) per item)"
+                )
+        if runs:
+            # One tower pass over every image and video (upstream makes one per modality): items attend only within
+            # themselves (per-item windows and full attention), so this equals two passes, and every rank runs the
+            # tower exactly once per step whatever mix it holds (FSDP's collectives must match across ranks).
+            pooled = self.get_image_features(
+                torch.cat([p for _, p, _ in runs], dim=0),
+                torch.cat([g for _, _, g in runs], dim=0),
+                return_dict=True,
+            ).pooler_output
+            start = 0
+            for modality, _, grid in runs:
+                features[modality] = torch.cat(pooled[start : start + grid.shape[0]], dim=0)
+                start += grid.shape[0]
         for modality in ("image", "video"):
-            if mm_encoder_outputs.get(modality) is not None:
+            if modality not in features and mm_encoder_outputs.get(modality) is not None:
                 features[modality] = torch.cat(mm_encoder_outputs[modality].pooler_output, dim=0)
         if pixel_values is None and pixel_values_videos is None and not mm_encoder_outputs and distributed:
             inputs_embeds = inputs_embeds + self.visual.dummy_forward().to(inputs_embeds.dtype)
