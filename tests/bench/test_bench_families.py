@@ -1,4 +1,4 @@
-"""Smoke and parity test of tools/bench/bench_families.py on CPU: the gpt-oss and DeepSeek-V3 MoE blocks, ours vs HF.
+"""Smoke and parity test of tools/bench/bench_families.py on CPU: the gpt-oss, DeepSeek-V3 and Qwen3-VL-MoE blocks, ours vs HF.
 
 ``--size tiny`` runs every contender that works on a CPU in fp32 with shared weights and routing, so each must
 match the reference (transformers' default experts implementation) to float rounding: a contender fed other
@@ -126,3 +126,15 @@ def test_flops_and_full_shapes_are_the_published_layers():
     assert bench.flops("gpt_oss", gpt, 10) == 18.0 * 10 * 4 * 2880 * 2880 + 6.0 * 10 * 2880 * 32
     shared = 18.0 * 10 * 7168 * 2048
     assert bench.flops("deepseek_v3", ds, 10) == 18.0 * 10 * 8 * 7168 * 2048 + 6.0 * 10 * 7168 * 256 + shared
+
+
+@pytest.mark.slow
+def test_compiled_contenders_agree_with_eager_ones(tmp_path):
+    args = ["--size", "tiny", "--blocks", "gpt_oss", "--hf-impls", "grouped_mm", "--veomni-backends", "torch"]
+    result = bench.main([*args, "--compile", "--reps", "1", "--out", str(tmp_path / "c.json")])
+    rows = {r["impl"]: r for r in result["blocks"]["gpt_oss"]["rows"]}
+    assert list(rows) == ["hf_grouped_mm", "veomni_torch", "hf_grouped_mm_compiled", "veomni_torch_compiled"]
+    for name in ("hf_grouped_mm_compiled", "veomni_torch_compiled"):
+        assert rows[name]["compiled"].startswith("torch.compile(block)")
+        # Parameter names without torch.compile's "_orig_mod." prefix, so every gradient is compared.
+        assert rows[name]["agrees"] is True and "d_experts.down_proj" in rows[name]["errors"]["d_params_rel"]

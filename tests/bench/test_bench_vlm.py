@@ -40,9 +40,25 @@ def test_rows_are_full_and_placeholders_match_the_grids():
     assert all(np.array_equal(a["input_ids"], c["input_ids"]) for a, c in zip(batches, again, strict=True))
 
 
+def test_qwen2_5_vl_clips_are_one_run_per_grid_with_the_models_positions():
+    config = bench.vlm_config(tiny=True, model="qwen2_5_vl_7b")
+    batches = bench.packed_vlm_batches(4, 700, config, 0.3, bench.TINY_IMAGE_SIZES, 3, 0.4, 2)
+    merge = config.vision_config.spatial_merge_size
+    for b in batches:
+        ids = b["input_ids"][0]
+        grids = b["video_grid_thw"]
+        expected = 0 if grids is None else int(grids.prod(dim=1).sum()) // merge**2
+        assert int((ids == config.video_token_id).sum()) == expected
+        if grids is not None:
+            assert grids[:, 0].tolist() == [2] * len(grids) and b["pixel_values_videos"].shape[0] == grids.prod(1).sum()
+    assert sum(b["videos"] for b in batches) > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["qwen3_vl_2b", "qwen2_5_vl_7b"])
-def test_fp32_contenders_match_step_for_step(tmp_path, model):
+@pytest.mark.parametrize(
+    "model, video_fraction", [("qwen3_vl_2b", 0.0), ("qwen2_5_vl_7b", 0.0), ("qwen2_5_vl_7b", 0.3)]
+)
+def test_fp32_contenders_match_step_for_step(tmp_path, model, video_fraction):
     out = tmp_path / "vlm.json"
     args = [
         "--model",
@@ -59,10 +75,13 @@ def test_fp32_contenders_match_step_for_step(tmp_path, model):
         "--precision",
         "fp32",
     ]
+    if video_fraction:  # clip conversations too: HF places and positions them from the same 4-row position ids
+        args += ["--video-fraction", str(video_fraction)]
     bench.main([*args, "--contenders", "veomni,veomni_plain,hf", "--out", str(out)])
     result = json.loads(out.read_text())
     runs = result["contenders"]
     assert sum(result["data"]["images_per_micro_batch"]) > 0
+    assert (sum(result["data"]["videos_per_micro_batch"]) > 0) == bool(video_fraction)
     assert result["model"] == f"tiny {model} (smoke)"
     for r in runs.values():
         assert "error" not in r, r.get("error")

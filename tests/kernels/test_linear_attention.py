@@ -7,6 +7,7 @@ transformers' Qwen3-Next torch functions (the model's reference semantics), in f
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import itertools
 
@@ -22,6 +23,7 @@ from veomni.kernels.linear_attention.eager import (
     gated_delta_rule_recurrent,
     rms_norm_gated_eager,
 )
+from veomni.kernels.linear_attention.fla_support import fla_gated_delta_problem
 
 CPU = Hardware(device_type="cpu")
 H100 = Hardware(device_type="cuda", capability=(9, 0))
@@ -135,6 +137,37 @@ def test_registry_defaults_and_fla_requirement():
     expected = "fla" if HAS_FLA else "eager"  # without the [fla] extra the default falls back to the oracle
     assert (gpu.gated_delta_rule, gpu.causal_conv1d, gpu.rms_norm_gated) == (expected,) * 3
     assert KERNELS.backends("gated_delta_rule") == ["eager", "fla"]
+
+
+def _installed(monkeypatch, triton: str, tilelang: bool) -> None:
+    version, find_spec = importlib.metadata.version, importlib.util.find_spec
+    monkeypatch.setattr(importlib.metadata, "version", lambda n: triton if n == "triton" else version(n))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: (
+            (importlib.util.find_spec("os") if tilelang else None) if n == "tilelang" else find_spec(n, *a)
+        ),
+    )
+
+
+def test_fla_gated_delta_rule_refused_where_fla_computes_wrong_gradients(monkeypatch):
+    a100 = Hardware(device_type="cuda", capability=(8, 0))
+    _installed(monkeypatch, "3.6.0", tilelang=False)
+    problem = fla_gated_delta_problem(H100)
+    assert "wrong gated-delta-rule gradients on Hopper with triton 3.6.0 (fla issue #640" in problem
+    assert "upgrade triton to >= 3.7.1, install tilelang, or use gated_delta_rule: eager" in problem
+    assert fla_gated_delta_problem(a100) is None and fla_gated_delta_problem(CPU) is None
+    if HAS_FLA:
+        with pytest.raises(ValueError, match=r"gated_delta_rule='fla' cannot run here: .*fla issue #640"):
+            OpsConfig(gated_delta_rule="fla", hardware=H100)
+        # The default falls back to the oracle (loudly); the other fla ops are unaffected.
+        hopper = OpsConfig(hardware=H100)
+        assert (hopper.gated_delta_rule, hopper.causal_conv1d) == ("eager", "fla")
+        assert OpsConfig(hardware=a100).gated_delta_rule == "fla"
+    for triton, tilelang in (("3.7.1", False), ("3.9.0+git0", False), ("3.3.1", False), ("3.6.0", True)):
+        _installed(monkeypatch, triton, tilelang)
+        assert fla_gated_delta_problem(H100) is None, (triton, tilelang)
 
 
 def _fwd_bwd(fn, inputs, dy, **kw):

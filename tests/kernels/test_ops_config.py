@@ -221,8 +221,8 @@ def test_compiled_blocks_take_the_eager_formulas_of_defaulted_elementwise_ops_on
     ops = OpsConfig(hardware=H100, registry=reg)
     assert (ops.rms_norm, ops.rope, ops.swiglu, ops.cross_entropy) == ("triton",) * 4
     compiled = ops.for_compiled_blocks()
-    assert set(COMPILED_BLOCK_DEFAULTS) == {"rms_norm", "rope", "swiglu"}
-    assert (compiled.rms_norm, compiled.rope, compiled.swiglu) == ("eager",) * 3
+    assert set(COMPILED_BLOCK_DEFAULTS) == {"rms_norm", "rope", "rope_vision", "swiglu"}
+    assert (compiled.rms_norm, compiled.rope, compiled.rope_vision, compiled.swiglu) == ("eager",) * 4
     # Ops outside the blocks' fusion (the LM head's fused CE, the experts' grouped GEMM) keep their kernels.
     assert (compiled.cross_entropy, compiled.moe_experts, compiled.attention) == (
         "triton",
@@ -232,5 +232,7 @@ def test_compiled_blocks_take_the_eager_formulas_of_defaulted_elementwise_ops_on
     assert compiled.defaulted == ops.defaulted and compiled.compile == ops.compile
     chosen = OpsConfig(rms_norm="triton", hardware=H100, registry=reg).for_compiled_blocks()
     assert (chosen.rms_norm, chosen.rope) == ("triton", "eager")  # an explicit choice is the user's
-    everything_set = OpsConfig(rms_norm="triton", rope="triton", swiglu="triton", hardware=H100, registry=reg)
+    everything_set = OpsConfig(
+        rms_norm="triton", rope="triton", rope_vision="triton", swiglu="triton", hardware=H100, registry=reg
+    )
     assert everything_set.for_compiled_blocks() is everything_set

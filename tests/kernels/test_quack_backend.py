@@ -44,8 +44,12 @@ def test_quack_selection_errors_name_the_reason():
             OpsConfig(hardware=H100, moe_experts="quack")
 
 
+def _float_tensor(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()  # args also hold eps and other Python scalars
+
+
 def _grads(fn, *args, **kw):
-    args = [a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args]
+    args = [a.detach().clone().requires_grad_(a.requires_grad) if _float_tensor(a) else a for a in args]
     out = fn(*args, **kw)
     outs = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -54,14 +58,14 @@ def _grads(fn, *args, **kw):
         for o in outs
         if o.is_floating_point()
     )
-    leaves = [a for a in args if a.is_floating_point() and a.requires_grad]
+    leaves = [a for a in args if _float_tensor(a) and a.requires_grad]
     return [o.float() for o in outs if o.is_floating_point()], [
         g.float() for g in torch.autograd.grad(total, leaves)
     ]
 
 
 def _close(op, variant, args, tol, **kw):
-    ref = [a.detach().float().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args]
+    ref = [a.detach().float().requires_grad_(a.requires_grad) if _float_tensor(a) else a for a in args]
     want = _grads(KERNELS.get(op, variant, "eager").factory(), *ref, **kw)
     got = _grads(KERNELS.get(op, variant, "quack").factory(), *args, **kw)
     for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):

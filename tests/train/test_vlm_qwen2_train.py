@@ -1,7 +1,8 @@
 """Qwen2-VL and Qwen2.5-VL through the trainer (task vlm): every dense (dp, sp, ep) layout on 2 gloo ranks gives the
 one-process per-step loss and grad norm (fp32) with micro-batches that hold no image on some ranks; the tower's
 segment tables (Qwen2.5-VL: its window layout too) are computed by the collator, not in the forward; resume is
-exact; video rows are refused with the reason; the export loads in plain transformers and generates.
+exact; video rows with a video processor config of another family (Qwen3-VL's) are refused with the reason (video
+rows themselves: test_vlm_qwen2_video_train.py); the export loads in plain transformers and generates.
 
 Processor, data and recipe come from test_vlm_train / test_vlm_moe_train (images of varying sizes, then runs of
 text-only rows, unshuffled), with the tiny configs of tests/models/test_qwen2_vl.py at the trainer's vocabulary.
@@ -182,9 +183,9 @@ def _build_error(ctx, raw: dict) -> str:
     return "no error"
 
 
-def test_video_rows_are_refused_with_the_reason(dist_pools, assets, tmp_path):
-    """The data pipeline writes Qwen3-VL's video layout (per-frame runs behind timestamps), which Qwen2-VL and
-    Qwen2.5-VL do not read: a video row is an error naming why, never silently wrong positions."""
+def test_video_rows_with_a_qwen3_video_processor_are_refused_with_the_reason(dist_pools, assets, tmp_path):
+    """The processor directory holds a Qwen3-VL video processor config (pixel budgets over all frames), which the
+    Qwen2-VL video rule does not read: a video row is an error naming why, never silently other pixels."""
     import json
 
     frames = []
@@ -199,4 +200,5 @@ def test_video_rows_are_refused_with_the_reason(dist_pools, assets, tmp_path):
     raw["data"].update({"train_files": [str(tmp_path / "video.jsonl")], "media_root": str(tmp_path)})
     message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
     assert "video 0 cannot be encoded" in message, message
-    assert f"model_type '{assets['family']}'" in message and "Qwen3-VL's video layout" in message, message
+    assert "holds no usable Qwen2-VL video processor config" in message, message
+    assert "is a Qwen3VLVideoProcessor config; Qwen2-VL / Qwen2.5-VL videos need" in message, message

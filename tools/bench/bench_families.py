@@ -1,6 +1,7 @@
-"""MoE blocks fwd+bwd, veomni vs HF transformers: gpt-oss's experts block and a DeepSeek-V3 MoE block, JSON out.
+"""MoE blocks fwd+bwd, veomni vs HF transformers: gpt-oss, DeepSeek-V3 and Qwen3-VL-MoE MoE blocks, JSON out.
 
-    python tools/bench/bench_families.py --out families.json [--blocks gpt_oss,deepseek_v3] [--tokens 8192]
+    python tools/bench/bench_families.py --out families.json [--blocks gpt_oss,deepseek_v3,qwen3_vl_moe]
+        [--tokens 8192]
         [--hf-impls eager,grouped_mm,batched_mm,deepgemm,sonicmoe] [--dsv3-experts 256] [--size full|tiny]
 
 Blocks (bf16 on CUDA; ``--size tiny`` runs small shapes in fp32 on the CPU: the parity check the tests run):
@@ -11,6 +12,8 @@ Blocks (bf16 on CUDA; ``--size tiny`` runs small shapes in fp32 on the CPU: the 
   routed experts top-8 and one shared expert, at DeepSeek-V3's layer: H=7168, moe I=2048, n_group 8, topk_group 4.
   Fits one 80 GB GPU uncut at 8192 tokens (weights 22.7 GB in bf16 plus as much again for their gradients);
   ``--dsv3-experts`` cuts the routed experts (recorded as ``cut`` in the JSON).
+- ``qwen3_vl_moe``: ``Qwen3VLMoeTextSparseMoeBlock`` = the softmax top-k router + experts (``[E, 2I, H]`` gate/up,
+  ``[E, H, I]`` down), at Qwen3-VL-30B-A3B's language-model layer: E=128, top-8, H=2048, moe I=768.
 
 Contenders, for each block, in this order:
 
@@ -24,7 +27,9 @@ Contenders, for each block, in this order:
   modeling file after ``apply_ops(block, OpsConfig(moe_experts=backend))`` (other ops at the hardware default: the
   shared expert's SwiGLU is the Triton kernel on CUDA) with experts implementation ``"veomni"``: gpt-oss's experts
   are claimed for ``moe_experts/clamped_routed``, DeepSeek-V3's run ``moe_experts/routed``. Routers stay upstream's
-  on both sides. Nothing is ``torch.compile``d on either side.
+  on both sides. Nothing is ``torch.compile``d on either side, except with ``--compile``: then HF's default
+  (``hf_<impl>_compiled``) and veomni's torch backend (``veomni_torch_compiled``) also run as
+  ``torch.compile(block)``, as a compiled decoder layer would (inductor fuses the router and the glue).
 
 Every contender shares the same parameter tensors (one copy in memory), input and upstream gradient, so routing is
 identical. A step is ``out = block(hidden)`` then ``torch.autograd.grad`` for the input and every parameter (no
@@ -64,17 +69,19 @@ from bench_common import (  # noqa: E402
     write_json,
 )
 
-BLOCKS = ("gpt_oss", "deepseek_v3")
+BLOCKS = ("gpt_oss", "deepseek_v3", "qwen3_vl_moe")
 SHAPES: dict[str, dict[str, dict[str, int]]] = {
     "full": {
         "gpt_oss": {"experts": 32, "top_k": 4, "hidden": 2880, "inter": 2880},
         "deepseek_v3": {"experts": 256, "top_k": 8, "hidden": 7168, "inter": 2048, "n_group": 8,
                         "topk_group": 4, "shared": 1},
+        "qwen3_vl_moe": {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768},
     },
     "tiny": {
         "gpt_oss": {"experts": 4, "top_k": 2, "hidden": 32, "inter": 16},
         "deepseek_v3": {"experts": 8, "top_k": 2, "hidden": 32, "inter": 16, "n_group": 4, "topk_group": 2,
                         "shared": 1},
+        "qwen3_vl_moe": {"experts": 8, "top_k": 2, "hidden": 32, "inter": 16},
     },
 }  # fmt: skip
 # block -> (transformers module, veomni generated module, block class, causal-LM class, routed kernel variant)
@@ -85,6 +92,9 @@ MODULES: dict[str, tuple[str, str, str, str, str]] = {
     "deepseek_v3": ("transformers.models.deepseek_v3.modeling_deepseek_v3",
                     "veomni.models.deepseek_v3.generated.patched_modeling_deepseek_v3", "DeepseekV3MoE",
                     "DeepseekV3ForCausalLM", "routed"),
+    "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+                     "veomni.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe",
+                     "Qwen3VLMoeTextSparseMoeBlock", "Qwen3VLMoeTextModel", "routed"),
 }  # fmt: skip
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
 VEOMNI_BACKENDS = ("torch", "triton")
@@ -99,6 +109,13 @@ def block_config(block: str, shape: dict[str, int]) -> Any:
 
         return GptOssConfig(
             hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_local_experts=shape["experts"],
+            num_experts_per_tok=shape["top_k"], num_hidden_layers=1, vocab_size=128,
+        )  # fmt: skip
+    if block == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeTextConfig
+
+        return Qwen3VLMoeTextConfig(
+            hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
             num_experts_per_tok=shape["top_k"], num_hidden_layers=1, vocab_size=128,
         )  # fmt: skip
     from transformers import DeepseekV3Config
@@ -236,7 +253,7 @@ def run_contender(
     name: str, module: nn.Module, block: str, inputs: dict[str, torch.Tensor], cli: Any
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Time one contender; returns its row and its kept tensors for the parity check."""
-    names = [n for n, _ in module.named_parameters()]
+    names = [n.removeprefix("_orig_mod.") for n, _ in module.named_parameters()]  # torch.compile's wrapper
     leaves = [inputs["hidden"], *(p for _, p in module.named_parameters())]
 
     def forward() -> torch.Tensor:
@@ -261,11 +278,16 @@ def run_contender(
     return row, kept
 
 
-def contenders(block: str, cli: Any) -> list[tuple[str, str, str]]:
-    """``(name, kind, impl)`` in run order: HF's default experts implementation first, then the others, then ours."""
+def contenders(block: str, cli: Any) -> list[tuple[str, str, str, bool]]:
+    """``(name, kind, impl, compiled)`` in run order: HF's default experts implementation first, then the others,
+    then ours; with ``--compile`` also HF's default and our ``torch`` backend under ``torch.compile``."""
     default = hf_default_experts_impl(block, cli.shapes[block])
     hf = [default] + [i for i in cli.hf_impls if i != default]
-    return [(f"hf_{i}", "hf", i) for i in hf] + [(f"veomni_{b}", "veomni", b) for b in cli.veomni_backends]
+    rows = [(f"hf_{i}", "hf", i, False) for i in hf]
+    rows += [(f"veomni_{b}", "veomni", b, False) for b in cli.veomni_backends]
+    if cli.compile:
+        rows += [(f"hf_{default}_compiled", "hf", default, True), ("veomni_torch_compiled", "veomni", "torch", True)]
+    return rows
 
 
 def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str, Any]:
@@ -294,7 +316,7 @@ def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str,
         "cut": cli.cuts.get(block), "rows": [],
     }  # fmt: skip
     reference: tuple[str, dict[str, torch.Tensor]] | None = None
-    for name, kind, impl in order:
+    for name, kind, impl, compiled in order:
         row: dict[str, Any] = {"impl": name}
         section["rows"].append(row)
         if kind == "hf":
@@ -314,6 +336,12 @@ def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str,
             if kind == "veomni":
                 kernels = apply_ops(module, OpsConfig(moe_experts=impl))
                 row["ops"] = {f: getattr(kernels.config, f) for f in DEFAULT_BACKENDS}
+            if compiled:
+                # The block as a compiled decoder layer would run it: inductor fuses the router and the
+                # elementwise glue (gathers, biases, activation, combine) around the grouped GEMMs.
+                torch._dynamo.reset()
+                row["compiled"] = "torch.compile(block), inductor, dynamic=False"
+                module = torch.compile(module, dynamic=False)
             timing, kept = run_contender(name, module, block, inputs, cli)
             row |= timing
             if reference is None:
@@ -362,6 +390,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10; tiny 3)")
     parser.add_argument("--device", default=None, help="default: cuda if available (tiny: cpu)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also HF's default and veomni torch under torch.compile"
+    )
     cli = parser.parse_args(argv)
     tiny = cli.size == "tiny"
     cli.blocks = [b for b in cli.blocks.split(",") if b]

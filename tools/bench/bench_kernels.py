@@ -44,6 +44,20 @@ SHAPES: dict[tuple[str, str], Callable[[], tuple[tuple, dict]]] = {
     ("swiglu", "standard"): lambda: ((_t(16384, 12288), _t(16384, 12288)), {}),
     ("load_balancing_loss", "switch"): lambda: (([_t(16384, 128) for _ in range(4)], 128, 8), {}),
     ("attention", "default"): lambda: ((_t(1, 8192, 32, 128), _t(1, 8192, 8, 128), _t(1, 8192, 8, 128)), {}),
+    # Qwen2.5-VL-7B's tower (16 heads of 80) on 16k packed patches; cos/sin rows per patch.
+    ("rope_vision", "full"): lambda: (
+        (_t(16384, 16, 80), _t(16384, 16, 80), *_t(2, 16384, 80, grad=False)),
+        {},
+    ),
+    # Qwen2.5-VL-7B's language model (28 q / 4 kv heads of 128) with its mrope_section on an 8k row.
+    ("rope", "mrope"): lambda: (
+        (
+            _t(1, 8192, 28, 128).transpose(1, 2),
+            _t(1, 8192, 4, 128).transpose(1, 2),
+            *_t(2, 3, 1, 8192, 128, grad=False),
+        ),
+        {"mrope_section": [16, 24, 24]},
+    ),
 }
 
 
@@ -58,15 +72,19 @@ def _step(fn, args, kwargs) -> None:
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
-def bench_one(op: str, variant: str, backend: str) -> dict:
+def bench_one(op: str, variant: str, backend: str, *, inductor: bool = False) -> dict:
+    """Time one registered kernel; ``inductor``: ``torch.compile`` of it (what a compiled block would run)."""
     import triton.testing
 
     spec = KERNELS.get(op, variant, backend)
     problem = spec.requires.unmet(detect_hardware())
-    row: dict = {"op": op, "variant": variant, "backend": backend}
+    row: dict = {"op": op, "variant": variant, "backend": f"{backend}+inductor" if inductor else backend}
     if problem:
         return row | {"skipped": problem}
     fn = spec.factory()
+    if inductor:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, dynamic=False)
     args, kwargs = SHAPES[(op, variant)]()
     try:
         _step(fn, args, kwargs)  # compile / autotune outside the timing
@@ -88,6 +106,9 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--ops", default="", help="comma-separated ops (default: all with a shape)")
+    parser.add_argument(
+        "--inductor", action="store_true", help="also time torch.compile of each eager oracle"
+    )
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
@@ -100,6 +121,10 @@ def main() -> None:
             if (op, variant, backend) in {(s.op, s.variant, s.backend) for s in KERNELS.specs()}:
                 rows.append(bench_one(op, variant, backend))
                 torch.cuda.empty_cache()
+        # The eager formula as inductor fuses it inside a compiled block.
+        if cli.inductor and op != "attention":
+            rows.append(bench_one(op, variant, "eager", inductor=True))
+            torch.cuda.empty_cache()
     eager_ms = {(r["op"], r["variant"]): r["ms"] for r in rows if r["backend"] == "eager" and "ms" in r}
     for r in rows:
         if "ms" in r and (r["op"], r["variant"]) in eager_ms:

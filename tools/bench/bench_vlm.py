@@ -5,6 +5,8 @@ side in one process, JSON out.
     python3 tools/bench/bench_vlm.py --out vlm.json [--contenders veomni,veomni_plain,hf,hf_liger] [--seq-len 8192]
     python3 tools/bench/bench_vlm.py --out smoke.json --tiny --seq-len 256 --steps 2 --warmup 1   # CPU smoke
     python3 tools/bench/bench_vlm.py --model qwen2_5_vl_7b --out vlm25.json --hf-master bf16 --precision bf16
+    python3 tools/bench/bench_vlm.py --model qwen2_5_vl_7b --video-fraction 0.2 --out vlm25v.json --hf-master bf16 \
+        --precision bf16   # clip conversations too (``VIDEO_TEMPORAL_PATCHES``)
 
 Qwen2.5-VL-7B (``--model qwen2_5_vl_7b``): the published architecture (a 32-block windowed ViT of width 1280, patch
 14, windows of 112 pixels with full attention at blocks 7/15/23/31; a 28-layer Qwen2 text model of width 3584);
@@ -65,6 +67,7 @@ import transformers
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
 
 from veomni.models.qwen2_5_vl.window import WindowIndex
+from veomni.models.qwen2_vl.positions import Qwen2VLPositions
 from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.train.data.encode import Sample
 from veomni.train.data.multimodal import MediaSample, collate_multimodal
@@ -192,6 +195,10 @@ MODELS = {
 # tokens each, patch 14 (Qwen2.5-VL) h*w/784.
 IMAGE_SIZES = ((448, 448), (448, 672), (672, 448), (672, 672), (896, 672))
 TINY_IMAGE_SIZES = ((64, 64), (64, 96), (96, 64))
+# Clips (``--video-fraction``, Qwen2.5-VL): frames of one of the image sizes, this many temporal patches (2 frames
+# each), sampled at VIDEO_FPS (the processor's second_per_grid_ts = temporal_patch_size / fps spaces their
+# temporal position ids). 448x448 frames and 4 temporal patches: 1024 tokens, 4096 patches.
+VIDEO_TEMPORAL_PATCHES, TINY_VIDEO_TEMPORAL_PATCHES, VIDEO_FPS = 4, 2, 2.0
 
 
 def vlm_config(tiny: bool, model: str = "qwen3_vl_2b") -> Qwen3VLConfig | Qwen2_5_VLConfig:
@@ -249,6 +256,35 @@ def _image_sample(
     return Sample(ids, trained, index, media=media)
 
 
+def _video_sample(
+    rng: np.random.Generator, config: Qwen2_5_VLConfig, size: tuple[int, int], temporal: int,
+    positions: Qwen2VLPositions, index: int,
+) -> Sample:  # fmt: skip
+    """A clip conversation: prompt, ``<|vision_start|>``, one run of ``t * h * w / merge**2`` video tokens (Qwen2.5-VL's
+    layout), ``<|vision_end|>``, answer; positions from the model's rule with the clip's ``second_per_grid_ts``."""
+    vision = config.vision_config
+    patch, merge = int(vision.patch_size), int(vision.spatial_merge_size)
+    grid = np.asarray([[temporal, size[0] // patch, size[1] // patch]], dtype=np.int64)
+    patches = int(grid.prod())
+    width = int(vision.in_channels) * int(vision.temporal_patch_size) * patch * patch
+    text_vocab = _text_vocab(config)
+    prompt = rng.integers(3, text_vocab, int(rng.integers(16, 97)))
+    answer = rng.integers(3, text_vocab, int(rng.integers(32, 385)))
+    clip = np.full(patches // merge**2, config.video_token_id)
+    ids = np.concatenate([
+        prompt, [config.vision_start_token_id], clip, [config.vision_end_token_id], answer
+    ]).astype(np.int64)  # fmt: skip
+    trained = np.zeros(len(ids), dtype=bool)
+    trained[len(ids) - len(answer) :] = True
+    no_image = np.zeros((0, 3), dtype=np.int64)
+    seconds = np.asarray([int(vision.temporal_patch_size) / VIDEO_FPS])
+    pixels = rng.standard_normal((patches, width), dtype=np.float32)
+    media = MediaSample(
+        np.zeros((0, width), np.float32), no_image, positions(ids, no_image, grid, seconds), pixels, grid
+    )
+    return Sample(ids, trained, index, media=media)
+
+
 def _text_sample(
     rng: np.random.Generator, config: Qwen3VLConfig, lengths: tuple[int, int], positions: Qwen3VLPositions,
     index: int, width: int,
@@ -271,6 +307,8 @@ def packed_vlm_batches(
     image_fraction: float,
     sizes: Sequence[tuple[int, int]],
     seed: int,
+    video_fraction: float = 0.0,
+    video_temporal: int = VIDEO_TEMPORAL_PATCHES,
 ) -> list[dict[str, Any]]:
     """``count`` micro-batches of exactly ``seq_len`` tokens (the module docstring's data recipe), collated by
     veomni's `collate_multimodal`, plus ``doc_lens`` (list[int]), ``num_valid`` (int) and ``num_patches`` (int)."""
@@ -280,14 +318,20 @@ def packed_vlm_batches(
     # Image positions are the same rule for Qwen2.5-VL and Qwen3-VL (t = 1); Qwen2.5-VL's tower also gets its window
     # layout from the collator, as in the trainer.
     positions = Qwen3VLPositions(int(config.image_token_id), int(vision.spatial_merge_size))
+    if video_fraction:  # clips: the model's own rule (`veomni.models.qwen2_vl.positions`), images the same as above
+        positions = Qwen2VLPositions.from_config(config)
     vision_metadata = WindowIndex.from_config(vision) if config.model_type == "qwen2_5_vl" else None
     batches, index = [], 0
     for _ in range(count):
         samples: list[Sample] = []
         used = 0
         while used < seq_len:
-            if rng.random() < image_fraction:
+            draw = rng.random()
+            if draw < image_fraction:
                 sample = _image_sample(rng, config, sizes[int(rng.integers(len(sizes)))], positions, index)
+            elif draw < image_fraction + video_fraction:
+                size = sizes[int(rng.integers(len(sizes)))]
+                sample = _video_sample(rng, config, size, video_temporal, positions, index)
             else:
                 lengths = (int(rng.integers(32, 257)), int(rng.integers(64, 1025)))
                 sample = _text_sample(rng, config, lengths, positions, index, width)
@@ -301,6 +345,7 @@ def packed_vlm_batches(
         batch["doc_lens"] = [len(s.input_ids) for s in samples]
         batch["num_valid"] = int((batch["labels"] != IGNORE_INDEX).sum())
         batch["images"] = sum(len(s.media.image_grid_thw) for s in samples)
+        batch["videos"] = sum(len(s.media.video_grid_thw) for s in samples)
         batches.append(batch)
     return batches
 
@@ -321,6 +366,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--tiny", action="store_true", help="a tiny model of --model's family instead (CPU smoke)")
     add("--seq-len", type=int, default=8192, help="tokens per packed micro-batch row")
     add("--image-fraction", type=float, default=0.6, help="probability that a drawn sample has an image")
+    add(
+        "--video-fraction",
+        type=float,
+        default=0.0,
+        help="probability that a drawn sample is a clip conversation (--model qwen2_5_vl_7b only)",
+    )
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("--warmup", type=int, default=3, help="untimed optimizer steps first")
     add("--steps", type=int, default=8, help="timed optimizer steps")
@@ -352,6 +403,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--contenders: unknown {unknown} (choose from {CONTENDERS})" if unknown else "--contenders is empty")  # fmt: skip
     if not 0.0 <= args.image_fraction <= 1.0:
         p.error(f"--image-fraction must be in [0, 1], got {args.image_fraction}")
+    if not 0.0 <= args.video_fraction <= 1.0 - args.image_fraction:
+        p.error(f"--video-fraction must be in [0, 1 - --image-fraction], got {args.video_fraction}")
+    if args.video_fraction and args.model != "qwen2_5_vl_7b":
+        p.error(f"--video-fraction: clips are laid out for --model qwen2_5_vl_7b only, got --model {args.model}")
     for flag in ("seq_len", "grad_accum", "steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -386,9 +441,16 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     del probe
     n_steps = args.warmup + args.steps
     sizes = TINY_IMAGE_SIZES if args.tiny else IMAGE_SIZES
+    temporal = TINY_VIDEO_TEMPORAL_PATCHES if args.tiny else VIDEO_TEMPORAL_PATCHES
+    if args.video_fraction:  # a clip conversation longer than a row would never be drawn
+        unit = (config.vision_config.patch_size * config.vision_config.spatial_merge_size) ** 2
+        longest = max(h * w for h, w in sizes) // unit * temporal + 96 + 384 + 2
+        if longest > args.seq_len:
+            raise SystemExit(f"--seq-len {args.seq_len} is below the longest clip conversation ({longest} tokens)")
     cpu_batches = packed_vlm_batches(
-        n_steps * args.grad_accum, args.seq_len, config, args.image_fraction, sizes, args.seed + 1
-    )
+        n_steps * args.grad_accum, args.seq_len, config, args.image_fraction, sizes, args.seed + 1,
+        args.video_fraction, temporal,
+    )  # fmt: skip
     batches = [_to(b, device) for b in cpu_batches]
     steps = [batches[i * args.grad_accum : (i + 1) * args.grad_accum] for i in range(n_steps)]
     flops = [
@@ -437,6 +499,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "image_sizes": sizes,
             "samples_per_micro_batch": [len(b["doc_lens"]) for b in cpu_batches],
             "images_per_micro_batch": [b["images"] for b in cpu_batches],
+            "videos_per_micro_batch": [b["videos"] for b in cpu_batches],
             "patches_per_micro_batch": [b["num_patches"] for b in cpu_batches],
             "valid_labels_per_step": [sum(b["num_valid"] for b in mb) for mb in steps],
         },

@@ -73,7 +73,7 @@ LIGER_PATCHES = {
 # these the fused linear CE runs through `_liger_vl_forward` instead.
 LIGER_LCE_BY_HAND = ("qwen3_vl", "qwen2_5_vl")
 # Batch keys a vision-language forward takes besides the packed text inputs (None when the micro-batch has none).
-VISION_KEYS = ("pixel_values", "image_grid_thw")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def vision_inputs(batch: dict[str, Any]) -> dict[str, Any]:
@@ -274,9 +274,9 @@ class HF(Contender):
             }
             if by_hand:
                 self.info["liger"]["compat"] = [
-                    _liger_compat() or "Qwen3VLCausalLMOutputWithPast alias in place",
+                    _liger_compat() or "VLM output-class aliases in place",
                     "fused linear CE: liger's LigerForCausalLMLoss on the model's hidden states "
-                    "(_liger_vl_forward), since liger's qwen3_vl lce_forward fails on transformers 5.23",
+                    "(_liger_vl_forward), since liger's VLM lce_forwards fail on transformers 5.23",
                 ]
 
     def step(
@@ -314,20 +314,33 @@ def _liger_vl_forward(model: nn.Module, **kwargs: Any) -> Any:
     return CausalLMOutputWithPast(loss=unpack_cross_entropy_result(result)[0])
 
 
-def _liger_compat() -> str | None:
-    """Liger 0.8.5's Qwen3-VL patch imports ``Qwen3VLCausalLMOutputWithPast``, which transformers 5.23 no longer
-    defines (the class returns a plain ``CausalLMOutputWithPast``); without it ``apply_liger_kernel_to_qwen3_vl``
-    fails to import. Alias the old name to the class 5.23 returns, before liger is imported; returns what was
-    done (for the JSON), or None when nothing was needed."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    from transformers.models.qwen3_vl import modeling_qwen3_vl
+# (transformers module, output class liger 0.8.5 imports): removed in transformers 5.23, whose VLMs return a plain
+# ``CausalLMOutputWithPast``; liger's output_classes then lacks its subclass and its VLM patch modules fail to import.
+_LIGER_REMOVED_OUTPUTS = (
+    ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLCausalLMOutputWithPast"),
+    ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLCausalLMOutputWithPast"),
+)
 
-    if hasattr(modeling_qwen3_vl, "Qwen3VLCausalLMOutputWithPast"):
+
+def _liger_compat() -> str | None:
+    """Alias each output class of `_LIGER_REMOVED_OUTPUTS` to ``CausalLMOutputWithPast`` before liger is imported,
+    so ``apply_liger_kernel_to_qwen3_vl`` / ``_qwen2_5_vl`` import; returns what was done (for the JSON), or None
+    when nothing was needed."""
+    import importlib
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    done = []
+    for module_name, name in _LIGER_REMOVED_OUTPUTS:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            setattr(module, name, CausalLMOutputWithPast)
+            done.append(f"{module_name}.{name}")
+    if not done:
         return None
-    modeling_qwen3_vl.Qwen3VLCausalLMOutputWithPast = CausalLMOutputWithPast
     return (
-        "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLCausalLMOutputWithPast aliased to "
-        "CausalLMOutputWithPast (removed in transformers 5.23; liger 0.8.5's qwen3_vl module imports it)"
+        f"{', '.join(done)} aliased to CausalLMOutputWithPast (removed in transformers 5.23; liger 0.8.5's VLM "
+        "modules import them)"
     )
 
 

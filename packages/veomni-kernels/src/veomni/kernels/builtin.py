@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 from veomni.kernels.hardware import ANYWHERE, TRITON, Requirement
+from veomni.kernels.linear_attention.fla_support import fla_gated_delta_problem
 from veomni.kernels.registry import KERNELS, KernelFn
 
 CUDA = Requirement(device_types=("cuda",))
@@ -23,6 +24,7 @@ FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("
 QUACK = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("quack",))
 FLASH_4 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",))
 FLA = Requirement(device_types=("cuda",), packages=("fla",))
+FLA_GATED_DELTA = Requirement(device_types=("cuda",), packages=("fla",), condition=fla_gated_delta_problem)
 
 _K = "veomni.kernels"
 BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
@@ -109,7 +111,7 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("moe_experts", "routed", "npu", f"{_K}.npu_backend:moe_experts_routed", NPU),
     ("moe_experts", "grouped", "npu", f"{_K}.npu_backend:moe_experts_grouped", NPU),
     ("gated_delta_rule", "chunk", "eager", f"{_K}.linear_attention.eager:gated_delta_rule_eager", ANYWHERE),
-    ("gated_delta_rule", "chunk", "fla", f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla", FLA),
+    ("gated_delta_rule", "chunk", "fla", f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla", FLA_GATED_DELTA),
     ("causal_conv1d", "standard", "eager", f"{_K}.linear_attention.eager:causal_conv1d_eager", ANYWHERE),
     ("causal_conv1d", "standard", "fla", f"{_K}.linear_attention.fla_impl:causal_conv1d_fla", FLA),
     ("rms_norm_gated", "standard", "eager", f"{_K}.linear_attention.eager:rms_norm_gated_eager", ANYWHERE),

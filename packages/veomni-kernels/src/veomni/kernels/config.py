@@ -32,7 +32,7 @@ DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "cross_entropy": {"cuda": "triton", "npu": "chunk_loss", "cpu": "eager"},
     "rms_norm": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "rope": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
-    "rope_vision": {"cuda": "eager", "npu": "npu", "cpu": "eager"},
+    "rope_vision": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "swiglu": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
     "moe_experts": {"cuda": "triton", "npu": "npu", "cpu": "eager"},
     "load_balancing_loss": {"cuda": "triton", "npu": "eager", "cpu": "eager"},
@@ -46,7 +46,11 @@ FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
 # calling our Triton kernels there: each custom-op call costs 0.2-0.5 ms of host time (Triton's Python launcher)
 # and the compiled step is host-bound (T1, Qwen3-1.7B on an H100: 33.1k tok/s with these eager vs 17.8k with
 # ours, docs/benchmarks.md 2026-11-25). Eager mode keeps the Triton kernels (fewer launches than eager PyTorch).
-COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {"rms_norm": "eager", "rope": "eager", "swiglu": "eager"}
+# The ViT towers' rope_vision likewise: inductor's fusion of the eager formula times 0.535 ms vs our kernel's 0.533
+# (Qwen2.5-VL-7B tower shape; eager PyTorch 2.33 ms), so compiled vision blocks take the formula too.
+COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {
+    "rms_norm": "eager", "rope": "eager", "rope_vision": "eager", "swiglu": "eager",
+}  # fmt: skip
 # Attention backends that take bf16/fp16 inputs only.
 HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"})
 # The registry op that each field selects for (one op per field).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -51,11 +52,14 @@ class Requirement:
         device_types: devices it runs on; ``"triton"`` means CUDA, or any device under the Triton interpreter.
         min_capability: lowest CUDA compute capability (e.g. ``(9, 0)`` for Hopper-only kernels).
         packages: importable top-level modules it needs (``liger_kernel``, ``flash_attn``, ``torch_npu``).
+        condition: a further check run once the above are met (e.g. a package version known to compute wrong
+            results on this GPU); returns why it fails, or None. It may import the packages it checks.
     """
 
     device_types: tuple[str, ...]
     min_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()
+    condition: Callable[[Hardware], str | None] | None = None
 
     def unmet(self, hw: Hardware) -> str | None:
         """Why this requirement fails on ``hw`` (a sentence), or None when it is met."""
@@ -72,7 +76,7 @@ class Requirement:
         missing = [p for p in self.packages if importlib.util.find_spec(p) is None]
         if missing:
             return f"needs the package(s) {missing}, which are not installed"
-        return None
+        return self.condition(hw) if self.condition is not None else None
 
 
 ANYWHERE = Requirement(device_types=("cpu", "cuda", "npu"))

@@ -7,6 +7,11 @@ single-label classification loss goes through ``kernels.get("cross_entropy", "se
 score.weight [C, H], labels [B])``. Regression and multi-label losses are not cross-entropy: they stay upstream's.
 Without kernels, or with ``eager``, upstream's forward runs unchanged.
 
+`init_sequence_classifier` is the body of the ``__init__`` patchgen injects into the same adapters: upstream's
+``GenericForSequenceClassification.__init__`` builds its decoder through ``AutoModel.from_config``, which resolves to
+transformers' own (unpatched) base model class, so no kernel, Ulysses SP or EP path would reach it; the injected
+``__init__`` builds the generated module's patched base model instead, under the same attribute name.
+
 `check_loss_dispatch` enforces that a non-eager ``cross_entropy`` is only ever bound to a model whose forward routes
 its loss through veomni (`LOSS_DISPATCHERS`): chosen explicitly for any other loss-computing head it is an error;
 left to the hardware default it becomes ``eager`` for that model, logged.
@@ -22,12 +27,15 @@ import attrs
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from veomni.kernels import OpsConfig
+from veomni.models.hf_attention import _sp_state
 from veomni.models.kernel_hooks import ATTR
 
 logger = logging.getLogger(__name__)
@@ -50,6 +58,42 @@ def last_non_pad_index(
         return -1
     positions = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
     return (positions * (input_ids != pad).to(torch.int32)).argmax(-1)
+
+
+def init_sequence_classifier(
+    model: PreTrainedModel, config: PreTrainedConfig, base_model_class: type[PreTrainedModel]
+) -> None:
+    """``GenericForSequenceClassification.__init__`` with the decoder built as ``base_model_class``.
+
+    Upstream builds ``AutoModel.from_config(config)``; this builds ``base_model_class._from_config(config)`` (what
+    ``AutoModel.from_config`` itself calls for the class it resolves: same dtype and attention handling), stored
+    under ``model.base_model_prefix``, then the bias-free ``score`` head ``[num_labels, hidden]`` and
+    ``post_init``. Parameter names, shapes and initialisation equal upstream's, so checkpoints load and export
+    unchanged.
+
+    Args:
+        model: the ``*ForSequenceClassification`` instance being constructed (a GenericForSequenceClassification).
+        config: its config; must be an instance of ``base_model_class.config_class``.
+        base_model_class: the generated module's patched base model (``Qwen3Model``, ...).
+    """
+    if not isinstance(model, GenericForSequenceClassification):
+        raise TypeError(
+            f"init_sequence_classifier expects a GenericForSequenceClassification subclass, got "
+            f"{type(model).__name__}"
+        )
+    expected = base_model_class.config_class
+    if not isinstance(config, expected):
+        raise TypeError(
+            f"{type(model).__name__}: the base model {base_model_class.__name__} takes a {expected.__name__}, got "
+            f"{type(config).__name__}"
+        )
+    # Skip GenericForSequenceClassification.__init__ (it would build transformers' AutoModel decoder first): the
+    # next __init__ in the MRO is the family's PreTrainedModel, i.e. what upstream's super().__init__ reaches.
+    super(GenericForSequenceClassification, model).__init__(config)
+    model.num_labels = config.num_labels
+    setattr(model, model.base_model_prefix, base_model_class._from_config(config))
+    model.score = nn.Linear(config.get_text_config().hidden_size, model.num_labels, bias=False)
+    model.post_init()
 
 
 def _problem_type(config: Any, labels: torch.Tensor) -> str:
@@ -82,7 +126,18 @@ def sequence_classification_forward(
     Returns:
         ``SequenceClassifierOutputWithPast`` with pooled logits ``[B, C]`` and the loss (0-d fp32 mean over
         labelled rows; 0, not NaN, when every label is ignored) when labels are given.
+    Raises:
+        NotImplementedError: under Ulysses SP (a current parallel state with ``sp > 1``).
     """
+    sp_state = _sp_state()
+    if sp_state is not None:
+        # Each SP rank holds a slice of every row, so the pooled token (the row's last non-pad one) is on one rank
+        # only; pooling the local slice would silently classify from the wrong position.
+        raise NotImplementedError(
+            f"{type(model).__name__} under Ulysses sequence parallelism (sp={sp_state.dims.sp}): sequence "
+            "classification pools each row's last non-pad token, which only one SP rank holds, and this forward "
+            "does not gather it; train sequence classification with sp=1"
+        )
     kernels = getattr(model, ATTR, None)
     if kernels is None or kernels.config.cross_entropy == "eager":
         return GenericForSequenceClassification.forward(

@@ -198,6 +198,8 @@ def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Ta
     vision = {}
     if isinstance(task, VlmTask):
         vision = {"vision_metadata": task.collate_metadata, "no_video": task.no_video}
+        if task.positions is not None:  # the Qwen2-VL family's layout and position rule
+            vision["positions"] = task.positions
     if isinstance(task, OmniTask):  # audio parts: the thinker's token ids and position rule
         vision["thinker_config"] = task.thinker_config
     pin = device.type == "cuda"

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
+from veomni.models.qwen2_vl.positions import Qwen2VLPositions
 from veomni.models.qwen3_vl.collate import model_keys
 from veomni.train.data import Step, model_inputs
 from veomni.train.dit_task import DitTask
@@ -237,6 +238,16 @@ VIDEO_LAYOUTS = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
 """Model types whose video placeholders and positions the data pipeline writes (`veomni.models.qwen3_vl.video`;
 Qwen3.5's processor is transformers' ``Qwen3VLProcessor`` and its ``get_rope_index`` Qwen3-VL's)."""
 
+QWEN2_VL_LAYOUTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
+"""Model types whose rows the data pipeline writes in the Qwen2-VL layout, images and videos
+(`veomni.train.data.qwen2_vl`), with the model's own position rule (`veomni.models.qwen2_vl.positions`)."""
+
+
+def data_positions(config: PretrainedConfig) -> Qwen2VLPositions | None:
+    """The model's own position rule that the data pipeline must use (`VlmTask.positions`), or None where it uses
+    Qwen3-VL's (built from the tokenizer)."""
+    return Qwen2VLPositions.from_config(config) if config.model_type in QWEN2_VL_LAYOUTS else None
+
 
 @attrs.frozen(kw_only=True)
 class VlmTask(TextTask):
@@ -254,12 +265,17 @@ class VlmTask(TextTask):
             Qwen2.5-VL's `veomni.models.qwen2_5_vl.window.WindowIndex`), run by the collator per micro-batch and
             passed to the model as ``vision_metadata``; None for models whose tower needs none.
         no_video: None when the data pipeline writes this model's video placeholders and positions (Qwen3-VL's
-            layout: `veomni.models.qwen3_vl.video`), else why rows with videos are refused.
+            layout: `veomni.models.qwen3_vl.video`; Qwen2-VL's: `veomni.train.data.qwen2_vl`), else why rows with
+            videos are refused.
+        positions: for the Qwen2-VL family (`QWEN2_VL_LAYOUTS`), the model's picklable mrope rule from its config
+            (`veomni.models.qwen2_vl.positions.Qwen2VLPositions`; Qwen2.5-VL's video time axis needs
+            ``tokens_per_second``); the data pipeline then writes the Qwen2-VL layout. None: Qwen3-VL's layout.
     """
 
     vision_flops_per_patch: float
     collate_metadata: Callable[..., Any] | None = None
     no_video: str | None = None
+    positions: Qwen2VLPositions | None = None
     name: ClassVar[str] = "vlm"
     model_task: ClassVar[str] = "image_text_to_text"
 
@@ -281,12 +297,13 @@ class VlmTask(TextTask):
             if hasattr(probe, "vision_collate_metadata")
             else None,
             no_video=None
-            if probe.config.model_type in VIDEO_LAYOUTS
+            if probe.config.model_type in VIDEO_LAYOUTS | QWEN2_VL_LAYOUTS
             else (
                 f"model_type {probe.config.model_type!r}: the data pipeline writes Qwen3-VL's video layout (one "
                 "placeholder run per temporal patch behind a timestamp), which this model does not read; video "
-                f"rows are supported for {sorted(VIDEO_LAYOUTS)}"
+                f"rows are supported for {sorted(VIDEO_LAYOUTS | QWEN2_VL_LAYOUTS)}"
             ),
+            positions=data_positions(probe.config),
         )
 
     def model_kwargs(

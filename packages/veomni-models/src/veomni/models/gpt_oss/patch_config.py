@@ -36,6 +36,7 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.gpt_oss.experts import reject_quantized
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
+from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.seq_cls import seq_cls_forward
 
@@ -166,7 +167,15 @@ __all__ = ["config", "reject_quantized"]
 # Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
 config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.override_method(
+    "GptOssForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "GptOss"}
+)(seq_cls_init)
 config.override_method(
     "GptOssForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
+config.override_method(
+    "GptOssForSequenceClassification.get_parallel_plan",
+    description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
+)(get_parallel_plan)

@@ -22,7 +22,13 @@ from transformers.models.qwen2.modeling_qwen2 import (
 
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward, rms_norm_forward
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_INIT,
+    causal_lm_forward,
+    mlp_forward,
+    rms_norm_forward,
+    seq_cls_init,
+)
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -89,6 +95,10 @@ def attention_forward(
 # Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
 config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.override_method(
+    "Qwen2ForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen2"}
+)(seq_cls_init)
 config.override_method(
     "Qwen2ForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",

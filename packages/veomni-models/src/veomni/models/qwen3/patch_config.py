@@ -17,6 +17,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     FlashAttentionKwargs,
+    Qwen3Config,
+    Qwen3Model,
     TransformersKwargs,
     Unpack,
     apply_rotary_pos_emb,
@@ -27,7 +29,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.seq_cls import seq_cls_forward
+from veomni.models.seq_cls import init_sequence_classifier, seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
@@ -165,10 +167,19 @@ def causal_lm_forward(
     )
 
 
-# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+# Sequence classification. The decoder inside the classifier is this module's patched Qwen3Model (upstream's
+# __init__ builds transformers' own through AutoModel, which no kernel, SP or EP path reaches); the classification
+# CE goes through the kernel registry (veomni.models.seq_cls). Other families reuse both functions, the __init__
+# with name_map={"Qwen3": "<Prefix>"}.
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.override_method(
-    "Qwen3ForSequenceClassification.forward",
-    description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
-)(seq_cls_forward)
+SEQ_CLS_INIT = "build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)"
+SEQ_CLS_FORWARD = "classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states"
+
+
+@config.override_method("Qwen3ForSequenceClassification.__init__", description=SEQ_CLS_INIT)
+def seq_cls_init(self, config: Qwen3Config) -> None:
+    init_sequence_classifier(self, config, Qwen3Model)
+
+
+config.override_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)

@@ -30,7 +30,13 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
-from veomni.models.qwen3.patch_config import causal_lm_forward, mlp_forward
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_FORWARD,
+    SEQ_CLS_INIT,
+    causal_lm_forward,
+    mlp_forward,
+    seq_cls_init,
+)
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
@@ -38,6 +44,7 @@ from veomni.models.qwen3_next.patch_config import (
     offset_rms_norm_forward,
 )
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_5.modeling_qwen3_5",
@@ -152,3 +159,13 @@ config.override_method(
     "adapter, renamed)",
     name_map={"Qwen3VL": "Qwen3_5"},
 )(qwen3_vl.conditional_generation_forward)
+
+
+# Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
+# seq_cls_init) and the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen3_5TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3Model": "Qwen3_5TextModel", "Qwen3Config": "Qwen3_5TextConfig"}
+)(seq_cls_init)
+config.override_method("Qwen3_5TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)

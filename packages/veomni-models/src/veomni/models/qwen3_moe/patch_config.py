@@ -26,7 +26,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.qwen3.patch_config import attention_forward, mlp_forward, rms_norm_forward
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_INIT,
+    attention_forward,
+    mlp_forward,
+    rms_norm_forward,
+    seq_cls_init,
+)
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -116,7 +122,15 @@ def get_parallel_plan(self) -> ExpertPlan:
 # Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
 config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.override_method(
+    "Qwen3MoeForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Moe"}
+)(seq_cls_init)
 config.override_method(
     "Qwen3MoeForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
+config.override_method(
+    "Qwen3MoeForSequenceClassification.get_parallel_plan",
+    description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
+)(get_parallel_plan)

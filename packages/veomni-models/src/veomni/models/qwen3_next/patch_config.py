@@ -33,9 +33,10 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from veomni.core.ep import ExpertPlan
 from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.qwen3.patch_config import mlp_forward
+from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_next.modeling_qwen3_next",
@@ -169,3 +170,17 @@ def get_parallel_plan(self) -> ExpertPlan:
     return ExpertPlan(
         patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
     )
+
+
+# Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
+# seq_cls_init) and the classification CE through the kernel registry (veomni.models.seq_cls).
+config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Qwen3NextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Next"}
+)(seq_cls_init)
+config.override_method("Qwen3NextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.override_method(
+    "Qwen3NextForSequenceClassification.get_parallel_plan",
+    description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
+)(get_parallel_plan)

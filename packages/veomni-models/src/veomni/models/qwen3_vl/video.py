@@ -226,33 +226,7 @@ class Qwen3VLVideoRule:
             ``(rows float32 [t * h * w, 3 * T * P * P], grid (t, h, w))``.
         """
         n, height, width, _ = frames.shape
-        resized_h, resized_w = self.resized_size(n, height, width)
-        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [n, 3, H, W]
-        if (resized_h, resized_w) != (height, width):
-            # torchvision resizes uint8 frames natively on CPU for bicubic (the processor's default) and nearest;
-            # bilinear goes through float32 here (torchvision's native uint8 bilinear needs AVX2, else the same).
-            native = self.resample in ("bicubic", "nearest")
-            x = video.contiguous() if native else video.float()
-            x = torch.nn.functional.interpolate(
-                x,
-                size=(resized_h, resized_w),
-                mode=self.resample,
-                align_corners=None if self.resample == "nearest" else False,
-                antialias=self.resample != "nearest",
-            )
-            video = x if native else x.clamp(0, 255).round().to(torch.uint8)
-        pixels = video.to(torch.float32)
-        if self.do_rescale and self.do_normalize:
-            mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
-            std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
-            pixels = (pixels - mean[:, None, None]) / std[:, None, None]
-        elif self.do_normalize:
-            pixels = (pixels - torch.tensor(self.image_mean)[:, None, None]) / torch.tensor(self.image_std)[
-                :, None, None
-            ]
-        elif self.do_rescale:
-            pixels = pixels * self.rescale_factor
-        return patchify(pixels.numpy(), self.patch_size, self.merge_size, self.temporal_patch_size)
+        return frames_to_rows(frames, self.resized_size(n, height, width), self)
 
 
 def patchify(
@@ -278,3 +252,46 @@ def patchify(
         h,
         w,
     )
+
+
+def frames_to_rows(
+    frames: np.ndarray, size: tuple[int, int], settings: Any
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Resize (step 2), rescale + normalise (step 3) and patchify (step 4) one clip's sampled frames; shared by the
+    Qwen2-VL and Qwen3-VL video rules, whose processors differ only in how they pick frames and ``size``.
+
+    Args:
+        frames: uint8 ``[n, H, W, 3]`` RGB, all frames of one size.
+        size: ``(H', W')`` to resize to (no resize where equal to ``(H, W)``).
+        settings: the rule (``resample``, ``do_rescale``, ``rescale_factor``, ``do_normalize``, ``image_mean``,
+            ``image_std``, ``patch_size``, ``merge_size``, ``temporal_patch_size``).
+    Returns:
+        ``(rows float32 [t * h * w, 3 * T * P * P], grid (t, h, w))``.
+    """
+    _, height, width, _ = frames.shape
+    resized_h, resized_w = size
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [n, 3, H, W]
+    if (resized_h, resized_w) != (height, width):
+        # torchvision resizes uint8 frames natively on CPU for bicubic (the processor's default) and nearest;
+        # bilinear goes through float32 here (torchvision's native uint8 bilinear needs AVX2, else the same).
+        native = settings.resample in ("bicubic", "nearest")
+        x = video.contiguous() if native else video.float()
+        x = torch.nn.functional.interpolate(
+            x,
+            size=(resized_h, resized_w),
+            mode=settings.resample,
+            align_corners=None if settings.resample == "nearest" else False,
+            antialias=settings.resample != "nearest",
+        )
+        video = x if native else x.clamp(0, 255).round().to(torch.uint8)
+    pixels = video.to(torch.float32)
+    mean, std = torch.tensor(settings.image_mean), torch.tensor(settings.image_std)
+    if settings.do_rescale and settings.do_normalize:
+        # Fused as upstream: (x - mean / r) / (std / r).
+        mean, std = mean * (1.0 / settings.rescale_factor), std * (1.0 / settings.rescale_factor)
+        pixels = (pixels - mean[:, None, None]) / std[:, None, None]
+    elif settings.do_normalize:
+        pixels = (pixels - mean[:, None, None]) / std[:, None, None]
+    elif settings.do_rescale:
+        pixels = pixels * settings.rescale_factor
+    return patchify(pixels.numpy(), settings.patch_size, settings.merge_size, settings.temporal_patch_size)

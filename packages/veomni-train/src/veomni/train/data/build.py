@@ -25,13 +25,16 @@ def encoder_for(
     vision_metadata: Callable[..., Any] | None = None,
     no_video: str | None = None,
     thinker_config: Any = None,
+    positions: Any = None,
 ) -> Encoder:
     """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image and video processors from
     the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights) and collates with
     the model's ``vision_metadata`` (`veomni.train.tasks.VlmTask.collate_metadata`; None for text data).
     ``no_video``: why this model's video rows cannot be encoded (`veomni.train.tasks.VlmTask.no_video`); rows with
     a video are then refused with that reason. ``thinker_config``: an omni thinker's config
-    (`veomni.train.tasks.OmniTask.thinker_config`): rows may then hold audio parts (`veomni.train.data.omni`)."""
+    (`veomni.train.tasks.OmniTask.thinker_config`): rows may then hold audio parts (`veomni.train.data.omni`).
+    ``positions``: the Qwen2-VL family's position rule (`veomni.train.tasks.VlmTask.positions`): rows are then
+    written in that family's layout (`veomni.train.data.qwen2_vl`)."""
     if data.kind == "multimodal":
         from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
 
@@ -51,6 +54,13 @@ def encoder_for(
 
             extractor = load_feature_extractor(tokenizer.name_or_path)
             return OmniEncoder(*args, feature_extractor=extractor, thinker_config=thinker_config, **kwargs)
+        if positions is not None:
+            from veomni.train.data.qwen2_vl import Qwen2VLEncoder, load_qwen2_vl_video_rule
+
+            rule = no_video or load_qwen2_vl_video_rule(
+                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
+            )
+            return Qwen2VLEncoder(*args, **{**kwargs, "video_rule": rule}, positions=positions)
         return MultimodalEncoder(*args, **kwargs)
     if vision_metadata is not None:
         raise ValueError(
@@ -144,11 +154,12 @@ def build_train_data(
     vision_metadata: Callable[..., Any] | None = None,
     no_video: str | None = None,
     thinker_config: Any = None,
+    positions: Any = None,
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given)."""
     check_task_and_kind(recipe)
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config, positions)
     source, index = index_files(
         recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
     )
@@ -182,11 +193,12 @@ def build_eval_data(
     vision_metadata: Callable[..., Any] | None = None,
     no_video: str | None = None,
     thinker_config: Any = None,
+    positions: Any = None,
 ) -> EvalData | None:
     """The evaluation pass of this rank, or None when the recipe has no eval files."""
     if not recipe.data.eval_files:
         return None
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config)
+    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config, positions)
     source, index = index_files(
         recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
     )

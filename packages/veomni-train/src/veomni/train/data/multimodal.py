@@ -320,6 +320,13 @@ class MultimodalEncoder(ConversationEncoder):
             ) from None
         return header, indices, grid
 
+    def _positions(
+        self, ids: np.ndarray, grids: np.ndarray, video_grid_thw: np.ndarray, plans: list[tuple[Any, ...]]
+    ) -> np.ndarray:
+        """The row's ``[3, n]`` mrope ids; ``plans`` holds ``(video, header, kept indices)`` per clip for rules
+        whose positions depend on a clip's timing (`veomni.train.data.qwen2_vl.Qwen2VLEncoder`)."""
+        return self.positions(ids, grids, video_grid_thw)
+
     def _timestamp_ids(self, text: str) -> np.ndarray:
         if text not in self._timestamps:
             ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -370,9 +377,10 @@ class MultimodalEncoder(ConversationEncoder):
         ids, trained, images, videos = self._text(row, ref)
         pixels, grids = self._image_rows(ref, images)
         image_blocks = [np.full(int(g.prod()) // self.merge**2, self.image_token_id, np.int64) for g in grids]
-        video_pixels, video_grids, video_blocks = [], [], []
+        video_pixels, video_grids, video_blocks, plans = [], [], [], []
         for video in videos:
             header, indices, grid = self._video_plan(video)
+            plans.append((video, header, indices))
             assert self.video_rule is not None
             rows, got = self.video_rule.pixel_rows(load_video_frames(video, indices, header))
             if got != grid:  # the plan and the processing share one rule; a mismatch is a bug, not bad data
@@ -391,7 +399,7 @@ class MultimodalEncoder(ConversationEncoder):
         ids, trained = _expand(ids, trained, sorted(replacements, key=lambda r: r[0]))
         video_grid_thw = np.asarray(video_grids, dtype=np.int64).reshape(-1, 3)
         try:
-            mrope = self.positions(ids, grids, video_grid_thw)
+            mrope = self._positions(ids, grids, video_grid_thw, plans)
         except ValueError as err:
             raise DataError(f"{ref}: {err}") from None
         video_rows = np.concatenate(video_pixels) if video_pixels else _empty(self.width)[0]

@@ -163,6 +163,12 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
         from veomni.train.loop import model_config
 
         omni["thinker_config"] = model_config(recipe)
+    if recipe.model.task == "vlm":  # the Qwen2-VL family's layout and position rule
+        from veomni.train.loop import model_config
+        from veomni.train.tasks import data_positions
+
+        if (positions := data_positions(model_config(recipe))) is not None:
+            omni["positions"] = positions
     if opts["--eval"]:
         data = build_eval_data(recipe, tokenizer, topology, **omni)
         if data is None:

@@ -12,7 +12,9 @@
 #   - override_method DeepseekV3Attention.forward: RoPE on the rotary sub-dimension via apply_mla_rope (kernels.get('rope', 'full'), rope_interleave handled); attention through the configured interface with v_head_dim != qk_head_dim
 #   - override_method DeepseekV3ForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
 #   - override_method DeepseekV3ForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
+#   - override_method DeepseekV3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method DeepseekV3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method DeepseekV3ForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - add_helper apply_mla_rope: MLA RoPE on the qk_rope_head_dim sub-dimension through the rope kernel, rope_interleave included
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
@@ -20,6 +22,7 @@
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -59,6 +62,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from veomni.models.seq_cls import init_sequence_classifier
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -764,6 +768,10 @@ class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
 class DeepseekV3ForSequenceClassification(GenericForSequenceClassification, DeepseekV3PreTrainedModel):
     pass
 
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: DeepseekV3Config) -> None:
+        init_sequence_classifier(self, config, DeepseekV3Model)
+
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple
     def forward(
@@ -782,6 +790,13 @@ class DeepseekV3ForSequenceClassification(GenericForSequenceClassification, Deep
             self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
         )  # fmt: skip
+
+    # [PATCHED] expert parallelism as for the causal LM (the classifier's decoder has the same model.* names) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` routed-expert tensors that EP shards on dim 0."""
+        return ExpertPlan(
+            patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
+        )
 
 
 class DeepseekV3ForTokenClassification(GenericForTokenClassification, DeepseekV3PreTrainedModel):

@@ -11,7 +11,9 @@
 #   - override_method GptOssPreTrainedModel.get_correct_attn_implementation: veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF reads 'sdpa' in 'veomni_sdpa' as its own SDPA path, which gpt-oss refuses (it would drop the sinks)
 #   - override_method GptOssAttention.forward: RoPE via kernels.get('rope', 'full') on the duplicated cos/sin tables; window and sinks passed on
 #   - override_method GptOssForCausalLM.get_parallel_plan: expert parallelism: shard the four [E, ...] expert tensors (weights and biases) on dim 0
+#   - override_method GptOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method GptOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method GptOssForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
@@ -22,6 +24,7 @@
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -78,6 +81,7 @@ from veomni.models.hf_experts import claim_experts
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from veomni.models.seq_cls import init_sequence_classifier
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -717,6 +721,10 @@ class GptOssForCausalLM(GptOssPreTrainedModel, GenerationMixin):
 class GptOssForSequenceClassification(GenericForSequenceClassification, GptOssPreTrainedModel):
     pass
 
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: GptOssConfig) -> None:
+        init_sequence_classifier(self, config, GptOssModel)
+
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple
     def forward(
@@ -735,6 +743,17 @@ class GptOssForSequenceClassification(GenericForSequenceClassification, GptOssPr
             self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
         )  # fmt: skip
+
+    # [PATCHED] expert parallelism as for the causal LM (the classifier's decoder has the same model.* names) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        experts = "model.layers.*.mlp.experts"
+        return ExpertPlan(
+            patterns=tuple(
+                f"{experts}.{name}"
+                for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            )
+        )
 
 
 class GptOssForTokenClassification(GenericForTokenClassification, GptOssPreTrainedModel):

@@ -10,6 +10,7 @@
 #   - override_method LlamaMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method LlamaForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
 #   - override_method LlamaAttention.forward: RoPE via kernels.get('rope', 'full')
+#   - override_method LlamaForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method LlamaForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
@@ -17,6 +18,7 @@
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
 # ====================================================================================================
 
 # Copyright 2022 EleutherAI and the HuggingFace Inc. team. All rights reserved.
@@ -68,6 +70,7 @@ from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from veomni.models.seq_cls import init_sequence_classifier
 
 
 logger = logging.get_logger(__name__)
@@ -498,6 +501,10 @@ class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
 
 class LlamaForSequenceClassification(GenericForSequenceClassification, LlamaPreTrainedModel):
     ...
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: LlamaConfig) -> None:
+        init_sequence_classifier(self, config, LlamaModel)
 
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple

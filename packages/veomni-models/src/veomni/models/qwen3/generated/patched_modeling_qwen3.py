@@ -10,13 +10,14 @@
 #   - override_method Qwen3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3Attention.forward: RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf_async_sp)
 #   - override_method Qwen3ForCausalLM.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
+#   - override_method Qwen3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
@@ -68,7 +69,7 @@ from veomni.models.hf_masks import create_causal_mask, create_sliding_window_cau
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.seq_cls import sequence_classification_forward
+from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
@@ -534,6 +535,10 @@ class Qwen3ForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
 
 class Qwen3ForSequenceClassification(GenericForSequenceClassification, Qwen3PreTrainedModel):
     pass
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen3Config) -> None:
+        init_sequence_classifier(self, config, Qwen3Model)
 
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple

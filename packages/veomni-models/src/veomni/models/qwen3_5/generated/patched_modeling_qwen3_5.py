@@ -18,6 +18,8 @@
 #   - override_method Qwen3_5Model.__init__: build the patched vision and text sub-models (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5Model.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the features land in its token range (Qwen2-VL adapter: no deepstack)
 #   - override_method Qwen3_5ForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits) (Qwen3-VL adapter, renamed)
+#   - override_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
@@ -30,6 +32,8 @@
 #   - add_import: from veomni.models.qwen2_vl.vision import embed_visual
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 #   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
@@ -125,6 +129,8 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
+from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 # [PATCHED] add_post_import_block
 # veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
@@ -1897,6 +1903,29 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5PreTrainedModel, GenerationMixin):
 class Qwen3_5TextForSequenceClassification(GenericForSequenceClassification, Qwen3_5PreTrainedModel):
     config: Qwen3_5TextConfig
     input_modalities = ("text",)
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen3_5TextConfig) -> None:
+        init_sequence_classifier(self, config, Qwen3_5TextModel)
+
+    # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+        return sequence_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 class Qwen3_5ForSequenceClassification(GenericForSequenceClassification, Qwen3_5PreTrainedModel):

@@ -11,7 +11,9 @@
 #   - override_method Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen3MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); aux loss via router_aux_loss: the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded
 #   - override_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - override_method Qwen3MoeForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method Qwen3MoeForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
@@ -20,6 +22,7 @@
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -79,6 +82,7 @@ from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from veomni.models.seq_cls import init_sequence_classifier
 
 
 def rotate_half(x):
@@ -722,6 +726,10 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
 class Qwen3MoeForSequenceClassification(GenericForSequenceClassification, Qwen3MoePreTrainedModel):
     pass
 
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        init_sequence_classifier(self, config, Qwen3MoeModel)
+
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple
     def forward(
@@ -740,6 +748,13 @@ class Qwen3MoeForSequenceClassification(GenericForSequenceClassification, Qwen3M
             self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
         )  # fmt: skip
+
+    # [PATCHED] expert parallelism as for the causal LM (the classifier's decoder has the same model.* names) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        return ExpertPlan(
+            patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
+        )
 
 
 class Qwen3MoeForTokenClassification(GenericForTokenClassification, Qwen3MoePreTrainedModel):

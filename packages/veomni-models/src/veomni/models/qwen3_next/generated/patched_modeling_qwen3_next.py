@@ -13,12 +13,17 @@
 #   - override_method Qwen3NextAttention.forward: partial RoPE via kernels.get('rope', 'partial'), output gate
 #   - override_method Qwen3NextGatedDeltaNet.forward: training: causal_conv1d + gated_delta_rule kernels with cu_seq_lens_q (state reset per packed document) and Ulysses SP over heads; generation (a cache) or no kernels: upstream's forward
 #   - override_method Qwen3NextForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - override_method Qwen3NextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method Qwen3NextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method Qwen3NextForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
 #   - add_import: from veomni.core.ep import ExpertPlan
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -79,6 +84,8 @@ from transformers.models.qwen3_next import modeling_qwen3_next as upstream_model
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
 from veomni.core.ep import ExpertPlan
+from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
 # NOTE: the FLA package does not re-cast to `input_dtype` in its implementation, maybe we should do the same
@@ -1166,6 +1173,36 @@ class Qwen3NextForCausalLM(Qwen3NextPreTrainedModel, GenerationMixin):
 
 class Qwen3NextForSequenceClassification(GenericForSequenceClassification, Qwen3NextPreTrainedModel):
     pass
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen3NextConfig) -> None:
+        init_sequence_classifier(self, config, Qwen3NextModel)
+
+    # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        # Injected by patchgen as every registered family's *ForSequenceClassification.forward.
+        return sequence_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
+
+    # [PATCHED] expert parallelism as for the causal LM (the classifier's decoder has the same model.* names) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        return ExpertPlan(
+            patterns=("model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj")
+        )
 
 
 class Qwen3NextForTokenClassification(GenericForTokenClassification, Qwen3NextPreTrainedModel):

@@ -10,6 +10,7 @@
 #   - override_method SeedOssForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
 #   - override_method SeedOssMLP.forward: SwiGLU via kernels.get('swiglu', 'standard'); residual dropout kept
 #   - override_method SeedOssAttention.forward: RoPE via kernels.get('rope', 'full')
+#   - override_method SeedOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method SeedOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
@@ -17,6 +18,7 @@
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -67,6 +69,7 @@ from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from veomni.models.seq_cls import init_sequence_classifier
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -501,6 +504,10 @@ class SeedOssForCausalLM(SeedOssPreTrainedModel, GenerationMixin):
 
 class SeedOssForSequenceClassification(GenericForSequenceClassification, SeedOssPreTrainedModel):
     pass
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: SeedOssConfig) -> None:
+        init_sequence_classifier(self, config, SeedOssModel)
 
     # [PATCHED] classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states (injected: not in upstream)
     @can_return_tuple
