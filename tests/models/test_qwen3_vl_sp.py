@@ -12,6 +12,8 @@ Batches are chosen so that neither the sequence length nor the patch count is di
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,10 +61,11 @@ def _inputs(model, case: str, rows: int) -> tuple[dict, torch.Tensor, torch.Tens
     return inputs, position_ids, shift
 
 
-def _sp_case(ctx, case: str, rows: int) -> dict:
+def _sp_case(ctx, case: str, rows: int, factory: Callable[[], torch.nn.Module] | None = None) -> dict:
+    """``factory``: a module-level function building another Qwen3-VL-family model (test_qwen3_5_vl_sp.py)."""
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
     group = state.sp_group
-    model = _model()
+    model = _model() if factory is None else factory()
     inputs, position_ids, shift = _inputs(model, case, rows)
     items = int((shift != IGNORE).sum())
 

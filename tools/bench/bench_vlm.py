@@ -14,6 +14,13 @@ veomni gets the window layout from the collator (`veomni.models.qwen2_5_vl.windo
 path), HF computes it in every forward. 8.3B parameters: on one 80 GB GPU only bf16 parameters and AdamW state
 fit (``--hf-master bf16 --precision bf16`` for every contender), with ``--ac all`` (HF) / ``veomni`` for activations.
 
+Qwen3.5 (``--model qwen3_5_9b_8l``): the hybrid VLM (Gated DeltaNet + gated attention, tower without deepstack) at
+Qwen3.5-9B's widths, 8 of 32 text layers; veomni's Gated DeltaNet runs fla's kernels with the packing's
+``cu_seq_lens`` (state reset per document), HF's runs fla too (flash-linear-attention installed) on what transformers
+derives from the 4-row position ids. Off CUDA (``--tiny``) HF's Gated DeltaNet would call fla's CUDA-only kernels: run
+the smoke with ``--contenders veomni,veomni_plain``. 4.2B parameters: use ``--hf-master bf16 --precision bf16`` on one
+80 GB GPU, as for Qwen2.5-VL-7B.
+
 Model: Qwen3-VL-2B-Instruct's published architecture (written inline, nothing downloaded; 24-block ViT of width
 1024 with deepstack at blocks 5/11/17, a 28-layer Qwen3 text model of width 2048), initialised once by plain
 transformers (seeded, fp32), saved, and loaded by every contender.
@@ -57,7 +64,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
+from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
 
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl.positions import Qwen2VLPositions
@@ -142,10 +149,47 @@ TINY_2_5: dict[str, Any] = {
     },
     "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
 }  # fmt: skip
+# Qwen3.5-9B's architecture as transformers' Qwen3_5Config defaults describe it (a "Qwen3.5-9B style" configuration:
+# hybrid text model, 3 Gated DeltaNet layers per gated full-attention layer; ViT 27 blocks of 1,152, no deepstack),
+# the merger's output at the text width, cut to 8 of its 32 text layers so that one GPU trains it (4.2 B parameters).
+QWEN3_5_9B_8L: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 8,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    },
+    "vision_config": {
+        "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+        "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 4096, "num_position_embeddings": 2304,
+        "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+    },
+    "image_token_id": 248_056, "video_token_id": 248_057, "vision_start_token_id": 248_053,
+    "vision_end_token_id": 248_054, "tie_word_embeddings": False,
+}  # fmt: skip
+TINY_3_5: dict[str, Any] = {
+    "text_config": QWEN3_5_9B_8L["text_config"] | {
+        "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    },
+    "vision_config": QWEN3_5_9B_8L["vision_config"] | {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64,
+        "num_position_embeddings": 64,
+    },
+    "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
+    "tie_word_embeddings": False,
+}  # fmt: skip
 # --model -> (config class, full config, tiny config, label).
 MODELS = {
     "qwen3_vl_2b": (Qwen3VLConfig, QWEN3_VL_2B, TINY, "Qwen3-VL-2B architecture"),
     "qwen2_5_vl_7b": (Qwen2_5_VLConfig, QWEN2_5_VL_7B, TINY_2_5, "Qwen2.5-VL-7B architecture"),
+    "qwen3_5_9b_8l": (Qwen3_5Config, QWEN3_5_9B_8L, TINY_3_5, "Qwen3.5-9B architecture, 8 of 32 text layers"),
 }
 # (height, width) in pixels, multiples of 16 * 2 and of 14 * 2: patch 16 (Qwen3-VL) and merge 2 make h*w/1024
 # tokens each, patch 14 (Qwen2.5-VL) h*w/784.

@@ -179,7 +179,7 @@ def register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
-    # Qwen3.5 text model (Gated DeltaNet hybrid, dense MLP); its VLM class is not adapted yet.
+    # Qwen3.5 text model (Gated DeltaNet hybrid, dense MLP); its VLM (qwen3_5) is registered below.
     qwen3_5 = "veomni.models.qwen3_5.generated.patched_modeling_qwen3_5"
     registry.register_config(
         "qwen3_5_text", "transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5TextConfig"
@@ -193,7 +193,7 @@ def register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "fused_kernels"},
     )
-    # Qwen3.5-MoE text model: Qwen3.5's layers with routed + shared experts (EP); its VLM class is not adapted yet.
+    # Qwen3.5-MoE text model: Qwen3.5's layers with routed + shared experts (EP); its VLM (qwen3_5_moe) is below.
     qwen3_5_moe = "veomni.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe"
     registry.register_config(
         "qwen3_5_moe_text", "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeTextConfig"
@@ -201,5 +201,24 @@ def register_builtin(registry: ModelRegistry) -> None:
     registry.register_model(
         "qwen3_5_moe_text",
         {"causal_lm": f"{qwen3_5_moe}:Qwen3_5MoeForCausalLM", "base": f"{qwen3_5_moe}:Qwen3_5MoeTextModel"},
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
+    # Qwen3.5 / Qwen3.5-MoE VLMs: the Qwen3-VL tower (no deepstack; ViT SP, dummy pass) before the hybrid LMs above,
+    # in the same generated modules.
+    registry.register_config("qwen3_5", "transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5Config")
+    registry.register_model(
+        "qwen3_5",
+        {"image_text_to_text": f"{qwen3_5}:Qwen3_5ForConditionalGeneration", "base": f"{qwen3_5}:Qwen3_5Model"},
+        fast_paths={"sp", "fused_kernels"},
+    )
+    registry.register_config(
+        "qwen3_5_moe", "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeConfig"
+    )
+    registry.register_model(
+        "qwen3_5_moe",
+        {
+            "image_text_to_text": f"{qwen3_5_moe}:Qwen3_5MoeForConditionalGeneration",
+            "base": f"{qwen3_5_moe}:Qwen3_5MoeModel",
+        },
         fast_paths={"sp", "ep", "fused_kernels"},
     )

@@ -234,8 +234,9 @@ def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
     return 6.0 * total
 
 
-VIDEO_LAYOUTS = frozenset({"qwen3_vl", "qwen3_vl_moe"})
-"""Model types whose video placeholders and positions the data pipeline writes (`veomni.models.qwen3_vl.video`)."""
+VIDEO_LAYOUTS = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+"""Model types whose video placeholders and positions the data pipeline writes (`veomni.models.qwen3_vl.video`;
+Qwen3.5's processor is transformers' ``Qwen3VLProcessor`` and its ``get_rope_index`` Qwen3-VL's)."""
 
 QWEN2_VL_LAYOUTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 """Model types whose rows the data pipeline writes in the Qwen2-VL layout, images and videos

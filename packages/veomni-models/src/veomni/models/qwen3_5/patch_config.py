@@ -3,9 +3,15 @@ patches: the two share the gated attention, the ``1 + weight`` RMSNorm, the gate
 recurrence; Qwen3.5's DeltaNet projects q/k/v, z, beta and the decay logits with four separate linears.
 
 The training path of ``Qwen3_5GatedDeltaNet`` is `veomni.models.qwen3_next.gdn.gated_delta_net_train` (varlen
-state reset, Ulysses SP over heads); with a cache or without kernels it runs upstream's forward. The vision tower
-(``Qwen3_5ForConditionalGeneration``) is not adapted yet. Regenerate with
-``uv run patchgen veomni.models.qwen3_5.patch_config``.
+state reset, Ulysses SP over heads); with a cache or without kernels it runs upstream's forward.
+
+The vision-language model (``qwen3_5``: ``Qwen3_5ForConditionalGeneration``) is Qwen3-VL's tower without deepstack
+mergers in front of this hybrid language model, with Qwen3-VL's mrope rule (``get_rope_index`` is the same), so
+`add_vision_patches` reuses the Qwen3-VL adapter's functions through a name map: the vision attention on the encoder
+varlen entry, the tower forward (no host syncs, ViT Ulysses SP), its ``dummy_forward``, the composite ``__init__``
+building the patched sub-models and the fused LM loss; the composite forward is Qwen2-VL's (one tower pass, features
+placed by `veomni.models.qwen2_vl.vision.embed_visual`, dummy tower pass, SP scatter: no deepstack to feed).
+Qwen3.5-MoE's config calls it too. Regenerate with ``uv run patchgen veomni.models.qwen3_5.patch_config``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_FORWARD,
     SEQ_CLS_INIT,
@@ -36,13 +43,15 @@ from veomni.models.qwen3_next.patch_config import (
     gated_rms_norm_forward,
     offset_rms_norm_forward,
 )
+from veomni.models.qwen3_vl import patch_config as qwen3_vl
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_5.modeling_qwen3_5",
     target_file="patched_modeling_qwen3_5.py",
     description="Qwen3.5 text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLP and LM loss "
-    "dispatched through veomni's kernels",
+    "dispatched through veomni's kernels; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen "
+    "attention, ViT Ulysses SP, dummy forward) and fused LM loss",
 )
 use_veomni_masks(config, "create_causal_mask")
 # The upstream layer under a family-neutral name, so Qwen3.5-MoE reuses this override with its own class.
@@ -92,6 +101,64 @@ def gated_delta_net_forward(
         self, kernels, self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states),
         self.in_proj_a(hidden_states), kwargs,
     )  # fmt: skip
+
+
+VISION_IMPORTS = (
+    "from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures",
+    "from veomni.models.kernel_hooks import apply_rope_vision",
+    "from veomni.models.hf_attention import PREFIX",
+    "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention",
+    "from veomni.models.qwen2_vl.vision import embed_visual",
+    "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry",
+    "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, "
+    "sp_world_size",
+)
+"""Imports of the reused vision functions (the tower's forward returns Qwen3-VL's output class, deepstack list
+empty, so that the reused ``dummy_forward`` reads it unchanged)."""
+
+
+def add_vision_patches(config: PatchConfig, prefix: str) -> None:
+    """Register the vision-language patches on ``config`` for upstream classes named ``{prefix}...``
+    (``"Qwen3_5"`` or ``"Qwen3_5Moe"``): the Qwen3-VL adapter's tower, attention, dummy forward and composite
+    ``__init__`` renamed from ``Qwen3VL``, and Qwen2-VL's composite forward (no deepstack).
+
+    The conditional-generation head is the caller's (dense: Qwen3-VL's fused LM loss; MoE: Qwen3-VL-MoE's, with
+    the aux loss).
+    """
+    for statement in VISION_IMPORTS:
+        config.add_import(statement)
+    for block in qwen3_vl.config.post_import_blocks:  # _NO_MAX_SEQLEN
+        config.add_post_import_block(block)
+    renamed = {"Qwen3VL": prefix}
+    reused = (
+        ("VisionAttention.forward", qwen3_vl.vision_attention_forward,
+         "veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF "
+         "implementations: upstream code"),
+        ("VisionModel.forward", qwen3_vl.vision_forward,
+         "rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps)"),
+        ("VisionModel.dummy_forward", qwen3_vl.vision_dummy_forward,
+         "injected: the tower on one all-zero merged token, for ranks without image or video"),
+        ("Model.__init__", qwen3_vl.model_init, "build the patched vision and text sub-models"),
+    )  # fmt: skip
+    for target, function, description in reused:
+        config.override_method(
+            f"{prefix}{target}", description=f"{description} (Qwen3-VL adapter, renamed)", name_map=renamed
+        )(function)
+    config.override_method(
+        f"{prefix}Model.forward",
+        description="one tower pass over all images and videos, features placed without host syncs, dummy tower "
+        "forward on ranks without media under world > 1; under Ulysses SP the LM inputs are this rank's slice "
+        "(position_ids required) and the features land in its token range (Qwen2-VL adapter: no deepstack)",
+    )(qwen2_vl.model_forward)
+
+
+add_vision_patches(config, "Qwen3_5")
+config.override_method(
+    "Qwen3_5ForConditionalGeneration.forward",
+    description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits) (Qwen3-VL "
+    "adapter, renamed)",
+    name_map={"Qwen3VL": "Qwen3_5"},
+)(qwen3_vl.conditional_generation_forward)
 
 
 # Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config

@@ -1,8 +1,12 @@
 """Patches Qwen3.5-MoE's upstream modeling (the text model, ``qwen3_5_moe_text``): Qwen3.5's patches (Gated DeltaNet
 training path with varlen and Ulysses SP, norms, gated attention with partial RoPE, SwiGLU) renamed onto the MoE
 module's classes, plus Qwen3-MoE's LM/aux losses and Qwen3-Next's expert-parallel plan. Routed experts go through
-HF's experts interface (``"veomni"``: ``moe_experts`` kernels, EP dispatch). The vision tower is not adapted yet.
-Regenerate with ``uv run patchgen veomni.models.qwen3_5_moe.patch_config``.
+HF's experts interface (``"veomni"``: ``moe_experts`` kernels, EP dispatch).
+
+The vision-language model (``qwen3_5_moe``: ``Qwen3_5MoeForConditionalGeneration``) gets Qwen3.5's vision patches
+(`veomni.models.qwen3_5.patch_config.add_vision_patches`: the Qwen3-VL tower, ViT SP, dummy forward) and Qwen3-VL-MoE's
+conditional-generation ``__init__`` (MoE settings of ``text_config`` as attributes), ``forward`` (fused LM loss + aux
+loss) and expert-parallel plans, renamed. Regenerate with ``uv run patchgen veomni.models.qwen3_5_moe.patch_config``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from patchgen.config import PatchConfig
 
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import mlp_forward
-from veomni.models.qwen3_5.patch_config import gated_delta_net_forward
+from veomni.models.qwen3_5.patch_config import add_vision_patches, gated_delta_net_forward
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
@@ -19,12 +23,15 @@ from veomni.models.qwen3_next.patch_config import (
     get_parallel_plan,
     offset_rms_norm_forward,
 )
+from veomni.models.qwen3_vl_moe import patch_config as qwen3_vl_moe
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     target_file="patched_modeling_qwen3_5_moe.py",
     description="Qwen3.5-MoE text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and "
-    "losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism",
+    "losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism; the vision-language "
+    "model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) with the "
+    "Qwen3-VL-MoE adapter's losses and expert plan",
 )
 use_veomni_masks(config, "create_causal_mask")
 config.add_import(
@@ -57,3 +64,24 @@ config.override_method(
     "Qwen3_5MoeForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",
 )(get_parallel_plan)
+
+
+add_vision_patches(config, "Qwen3_5Moe")
+# The reused composite forward's return annotation (upstream's MoE module imports only the MoE output class).
+config.add_import("from transformers.modeling_outputs import BaseModelOutputWithPast")
+_MOE_HEAD = (
+    ("Qwen3_5MoeForConditionalGeneration.__init__", qwen3_vl_moe.conditional_generation_init,
+     "the MoE settings of text_config as attributes (router_aux_loss and the trainer read them there)"),
+    ("Qwen3_5MoeForConditionalGeneration.forward", qwen3_vl_moe.conditional_generation_forward,
+     "LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss scaled by router_aux_loss_coef"),
+    ("Qwen3_5MoeForConditionalGeneration.get_parallel_plan", qwen3_vl_moe.get_parallel_plan,
+     "expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)"),
+    ("Qwen3_5MoeModel.get_parallel_plan", qwen3_vl_moe.model_parallel_plan,
+     "expert parallelism for the base model: the language model's fused expert tensors on dim 0"),
+)  # fmt: skip
+# The only renamed call (Qwen3VLMoeModel(config) in __init__) is checked against Qwen3-VL-MoE's module.
+config.name_map({}, origin_module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
+for target, function, description in _MOE_HEAD:
+    config.override_method(
+        target, description=f"{description} (Qwen3-VL-MoE adapter, renamed)", name_map={"Qwen3VLMoe": "Qwen3_5Moe"}
+    )(function)

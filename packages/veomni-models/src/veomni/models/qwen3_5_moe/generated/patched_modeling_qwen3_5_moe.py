@@ -4,7 +4,7 @@
 # transformers==5.23.0
 # Patch config: veomni.models.qwen3_5_moe.patch_config
 # Regenerate: patchgen veomni.models.qwen3_5_moe.patch_config
-# Description: Qwen3.5-MoE text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
+# Description: Qwen3.5-MoE text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) with the Qwen3-VL-MoE adapter's losses and expert plan
 # Patches applied:
 #   - override_method Qwen3_5MoeRMSNorm.forward: (1 + weight) RMSNorm via rms_norm/offset
 #   - override_method Qwen3_5MoeRMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
@@ -13,12 +13,30 @@
 #   - override_method Qwen3_5MoeGatedDeltaNet.forward: Qwen3.5's: gated_delta_net_train for training, upstream's forward with a cache
 #   - override_method Qwen3_5MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
 #   - override_method Qwen3_5MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - override_method Qwen3_5MoeVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
+#   - override_method Qwen3_5MoeVisionModel.forward: rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
+#   - override_method Qwen3_5MoeVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
+#   - override_method Qwen3_5MoeModel.__init__: build the patched vision and text sub-models (Qwen3-VL adapter, renamed)
+#   - override_method Qwen3_5MoeModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the features land in its token range (Qwen2-VL adapter: no deepstack)
+#   - override_method Qwen3_5MoeForConditionalGeneration.__init__: the MoE settings of text_config as attributes (router_aux_loss and the trainer read them there) (Qwen3-VL-MoE adapter, renamed)
+#   - override_method Qwen3_5MoeForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss scaled by router_aux_loss_coef (Qwen3-VL-MoE adapter, renamed)
+#   - override_method Qwen3_5MoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts) (Qwen3-VL-MoE adapter, renamed)
+#   - override_method Qwen3_5MoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0 (Qwen3-VL-MoE adapter, renamed)
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
 #   - add_import: from veomni.core.ep import ExpertPlan
+#   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+#   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
+#   - add_import: from veomni.models.hf_attention import PREFIX
+#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.qwen2_vl.vision import embed_visual
+#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
+#   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
+#   - add_import: from transformers.modeling_outputs import BaseModelOutputWithPast
+#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -68,7 +86,7 @@ from transformers.modeling_outputs import (
     MoeModelOutputWithPast,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import (
     TransformersKwargs,
@@ -86,10 +104,7 @@ from transformers.utils.generic import (
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.vision_utils import (
     get_vision_attention_seqlens,
-    get_vision_interpolation_indices_and_weights,
-    get_vision_position_ids,
 )
-from transformers.models.auto import AutoModel
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
     Qwen3_5MoeConfig,
     Qwen3_5MoeTextConfig,
@@ -102,6 +117,25 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.qwen3_next.gdn import gated_delta_net_train
 from veomni.core.ep import ExpertPlan
+from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+from veomni.models.kernel_hooks import apply_rope_vision
+from veomni.models.hf_attention import PREFIX
+from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.qwen2_vl.vision import embed_visual
+from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
+from veomni.models.qwen3_vl.sp import (
+    check_sp_inputs,
+    gather_merged,
+    slice_patches,
+    sp_group_or_none,
+    sp_world_size,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# [PATCHED] add_post_import_block
+# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
+# unless given, so the tower computes it once per forward for them.
+_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 class Qwen3_5MoeVisionRotaryEmbedding(nn.Module):
@@ -1081,12 +1115,15 @@ class Qwen3_5MoeVisionAttention(nn.Module):
         self.attention_dropout = 0.0
         self.is_causal = False
 
+    # [PATCHED] veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
     def forward(
         self,
         hidden_states: torch.Tensor,
         cu_seqlens: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         max_seqlen: int | None = None,
+        sp_group=None,
+        sp_unpadded_len: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
         seq_length = hidden_states.shape[0]
@@ -1094,7 +1131,26 @@ class Qwen3_5MoeVisionAttention(nn.Module):
             self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         )
         cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rope_vision(
+            self, query_states, key_states, cos, sin, apply_rotary_pos_emb_vision
+        )
+
+        # Under SP (sp_group from the tower's forward) every implementation name goes through the encoder entry:
+        # only it runs the Ulysses exchange over this rank's slice of the packed tokens.
+        if sp_group is not None or (self.config._attn_implementation or "").startswith(PREFIX):
+            attn_output = encoder_attention(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                scaling=self.scaling,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                sp_group=sp_group,
+                sp_unpadded_len=sp_unpadded_len,
+            )
+            return self.proj(attn_output.reshape(seq_length, -1).contiguous())
 
         query_states = query_states.transpose(0, 1).unsqueeze(0)
         key_states = key_states.transpose(0, 1).unsqueeze(0)
@@ -1105,7 +1161,6 @@ class Qwen3_5MoeVisionAttention(nn.Module):
         )
 
         if is_flash_attention_requested(self.config):
-            # Flash Attention: Use cu_seqlens for variable length attention
             max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs={"max_seqlen": max_seqlen})
             attn_output, _ = attention_interface(
                 self,
@@ -1123,13 +1178,11 @@ class Qwen3_5MoeVisionAttention(nn.Module):
                 **kwargs,
             )
         else:
-            # Other implementations: Process each chunk separately
             lengths = cu_seqlens[1:] - cu_seqlens[:-1]
             splits = [
                 torch.split(tensor, lengths.tolist(), dim=2)
                 for tensor in (query_states, key_states, value_states)
             ]
-
             attn_outputs = [
                 attention_interface(
                     self,
@@ -1142,7 +1195,7 @@ class Qwen3_5MoeVisionAttention(nn.Module):
                     is_causal=False,
                     **kwargs,
                 )[0]
-                for q, k, v in zip(*splits)
+                for q, k, v in zip(*splits, strict=True)
             ]
             attn_output = torch.cat(attn_outputs, dim=1)
 
@@ -1218,29 +1271,51 @@ class Qwen3_5MoeVisionModel(Qwen3_5MoePreTrainedModel):
 
         self.post_init()
 
+    # [PATCHED] rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> tuple | BaseModelOutputWithDeepstackFeatures:
         """
         Args:
-            hidden_states (`torch.Tensor` of shape `(seq_len, hidden_size)`):
-                The final hidden states of the model.
-            grid_thw (`torch.Tensor` of shape `(num_images_or_videos, 3)`):
-                The temporal, height and width of feature shape of each image in LLM.
+            hidden_states (`torch.Tensor` of shape `(seq_len, C * T_patch * P * P)`): the packed pixel rows (all of
+                them on every rank, also under sequence parallelism).
+            grid_thw (`torch.Tensor` of shape `(num_images_or_videos, 3)`): (t, h, w) patches per image/clip.
 
-        Returns:
-            `torch.Tensor`: hidden_states.
+        Under Ulysses SP ``pooler_output`` and ``deepstack_features`` are the full features (gathered, identical on
+        every rank) and ``last_hidden_state`` is this rank's zero-padded slice of the patch rows.
         """
-        interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
-            grid_thw,
-            num_grid_per_side=self.num_grid_per_side,
-            mode=self.interpolation_mode,
-            align_corners=self.interpolation_align_corners,
-            spatial_merge_size=self.config.spatial_merge_size,
-            kwargs=kwargs,
+        total = hidden_states.shape[0]
+        position_ids, interp_indices, interp_weights = vision_geometry(
+            grid_thw, self.spatial_merge_size, self.num_grid_per_side, total
         )
-        position_ids = get_vision_position_ids(grid_thw, self.spatial_merge_size, kwargs=kwargs)
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
+        implementation = self.config._attn_implementation or ""
+        needs_max = implementation.startswith(PREFIX) and (
+            backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
+        )
+        if max_seqlen is None and needs_max:
+            # One host sync per tower forward instead of one per block.
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+        sp_group = sp_group_or_none()
+        if sp_group is not None:
+            # Every per-patch input is sliced by the same rule, so the slices stay aligned; the padded rows get
+            # zero position-embedding weights.
+            units = self.spatial_merge_size**2
+            hidden_states, position_ids, interp_indices, interp_weights = (
+                slice_patches(rows, units, sp_group)
+                for rows in (hidden_states, position_ids, interp_indices, interp_weights)
+            )
+            # The padding (up to sp * merge**2 - 1 rows, more than sp_unpadded_len can cut) attends as a sequence
+            # of its own: one more cu_seqlens entry, so no real patch sees it.
+            padded = hidden_states.shape[0] * sp_world_size(sp_group)
+            if padded > total:
+                cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded)])
+                if max_seqlen is not None:
+                    max_seqlen = max(max_seqlen, padded - total)
+            kwargs = {**kwargs, "sp_group": sp_group}
 
         hidden_states = self.patch_embed(hidden_states)
         pos_embeds = (self.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
@@ -1250,7 +1325,10 @@ class Qwen3_5MoeVisionModel(Qwen3_5MoePreTrainedModel):
         seq_len, _ = hidden_states.size()
         hidden_states = hidden_states.reshape(seq_len, -1)
 
-        for blk in self.blocks:
+        deepstack_feature_lists = []
+        # Qwen3.5's towers (the same tower without deepstack mergers) reuse this forward: they tap no layer.
+        deepstack_layers = self.deepstack_visual_indexes if hasattr(self, "deepstack_merger_list") else ()
+        for layer_num, blk in enumerate(self.blocks):
             hidden_states = blk(
                 hidden_states,
                 cu_seqlens=cu_seqlens,
@@ -1258,13 +1336,39 @@ class Qwen3_5MoeVisionModel(Qwen3_5MoePreTrainedModel):
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
+            if layer_num in deepstack_layers:
+                deepstack_feature = self.deepstack_merger_list[deepstack_layers.index(layer_num)](
+                    hidden_states
+                )
+                deepstack_feature_lists.append(deepstack_feature)
 
         merged_hidden_states = self.merger(hidden_states)
+        if sp_group is not None:
+            merged_total = total // self.spatial_merge_size**2
+            merged_hidden_states = gather_merged(merged_hidden_states, merged_total, sp_group)
+            deepstack_feature_lists = [
+                gather_merged(f, merged_total, sp_group) for f in deepstack_feature_lists
+            ]
 
-        return BaseModelOutputWithPooling(
+        return BaseModelOutputWithDeepstackFeatures(
             last_hidden_state=hidden_states,
             pooler_output=merged_hidden_states,
+            deepstack_features=deepstack_feature_lists,
         )
+
+    # [PATCHED] injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed) (injected: not in upstream)
+    def dummy_forward(self) -> torch.Tensor:
+        """Run the tower on the smallest valid input and return a 0-d tensor that is 0 but depends on every output
+        (merger and deepstack mergers), so that adding it to the loss graph gives every tower parameter a gradient.
+
+        Shapes come from the config, dtype and device from a live weight; nothing is cached.
+        """
+        pixels, grid = dummy_vision_inputs(self.config, self.patch_embed.proj.weight)
+        out = self(pixels, grid_thw=grid, return_dict=True)
+        total = out.pooler_output.sum()
+        for feature in out.deepstack_features:
+            total = total + feature.sum()
+        return total * 0.0
 
 
 class Qwen3_5MoeTextModel(Qwen3_5MoePreTrainedModel):
@@ -1365,10 +1469,11 @@ class Qwen3_5MoeModel(Qwen3_5MoePreTrainedModel):
     input_modalities = ("image", "video", "text")
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"]
 
+    # [PATCHED] build the patched vision and text sub-models (Qwen3-VL adapter, renamed)
     def __init__(self, config: Qwen3_5MoeConfig):
         super().__init__(config)
-        self.visual = AutoModel.from_config(config.vision_config)
-        self.language_model = AutoModel.from_config(config.text_config)
+        self.visual = Qwen3_5MoeVisionModel._from_config(config.vision_config)
+        self.language_model = Qwen3_5MoeTextModel._from_config(config.text_config)
         self.rope_deltas = None  # cache rope_deltas here
 
         # Initialize weights and apply final processing
@@ -1642,6 +1747,7 @@ class Qwen3_5MoeModel(Qwen3_5MoePreTrainedModel):
             position_ids = None
         return position_ids
 
+    # [PATCHED] one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the features land in its token range (Qwen2-VL adapter: no deepstack)
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1658,44 +1764,25 @@ class Qwen3_5MoeModel(Qwen3_5MoePreTrainedModel):
         video_grid_thw: torch.LongTensor | None = None,
         mm_token_type_ids: torch.IntTensor | None = None,
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+        vision_metadata: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple | MoeModelOutputWithPast:
-        if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
-            raise ValueError(
-                "You cannot specify both pixel_values/pixel_values_videos and mm_encoder_outputs at the same time"
-            )
-
+    ) -> tuple | BaseModelOutputWithPast:
+        r"""
+        vision_metadata (`dict`, *optional*):
+            The vision tower's segment tables for the micro-batch's images then videos, precomputed on the host.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
+        sp_group = sp_group_or_none()
+        if sp_group is not None:
+            check_sp_inputs(self.config, position_ids, inputs_embeds, sp_group)
 
-        mm_encoder_outputs = mm_encoder_outputs if mm_encoder_outputs is not None else {}
-        if mm_encoder_outputs.get("image") is None and pixel_values is not None:
-            mm_encoder_outputs["image"] = self.get_image_features(
-                pixel_values, image_grid_thw, return_dict=True, **kwargs
-            )
-
-        if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
-            mm_encoder_outputs["video"] = self.get_video_features(
-                pixel_values_videos, video_grid_thw, return_dict=True, **kwargs
-            )
-
-        if mm_encoder_outputs.get("image") is not None:
-            image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0).to(
-                inputs_embeds.device, inputs_embeds.dtype
-            )
-            image_mask, _ = self.get_placeholder_mask(
-                input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds
-            )
-            inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
-
-        if mm_encoder_outputs.get("video") is not None:
-            video_embeds = torch.cat(mm_encoder_outputs["video"].pooler_output, dim=0).to(
-                inputs_embeds.device, inputs_embeds.dtype
-            )
-            _, video_mask = self.get_placeholder_mask(
-                input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds
-            )
-            inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
+        media = {"image": (pixel_values, image_grid_thw), "video": (pixel_values_videos, video_grid_thw)}
+        inputs_embeds = embed_visual(
+            self, input_ids, inputs_embeds, media, mm_encoder_outputs, vision_metadata
+        )
 
         if position_ids is None:
             position_ids = self.compute_3d_position_ids(
@@ -1718,6 +1805,16 @@ class Qwen3_5MoeModel(Qwen3_5MoePreTrainedModel):
             **kwargs,
         )
         return outputs
+
+    # [PATCHED] expert parallelism for the base model: the language model's fused expert tensors on dim 0 (Qwen3-VL-MoE adapter, renamed) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        return ExpertPlan(
+            patterns=(
+                "language_model.layers.*.mlp.experts.gate_up_proj",
+                "language_model.layers.*.mlp.experts.down_proj",
+            )
+        )
 
 
 def load_balancing_loss_func(
@@ -1877,10 +1974,15 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoePreTrainedModel, GenerationMi
 
     _fsdp_plan = {"lm_head": "keep_full_weight"}
 
+    # [PATCHED] the MoE settings of text_config as attributes (router_aux_loss and the trainer read them there) (Qwen3-VL-MoE adapter, renamed)
     def __init__(self, config: Qwen3_5MoeConfig):
         super().__init__(config)
         self.model = Qwen3_5MoeModel(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        text_config = config.text_config
+        self.num_experts = text_config.num_experts
+        self.num_experts_per_tok = text_config.num_experts_per_tok
+        self.router_aux_loss_coef = text_config.router_aux_loss_coef
 
         self.post_init()
 
@@ -1910,6 +2012,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoePreTrainedModel, GenerationMi
         """
         return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
 
+    # [PATCHED] LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss scaled by router_aux_loss_coef (Qwen3-VL-MoE adapter, renamed)
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1930,52 +2033,11 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoePreTrainedModel, GenerationMi
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | MoeCausalLMOutputWithPast:
-        r"""
-        Example:
-        ```python
-        >>> from transformers import AutoProcessor, Qwen3_5MoeForConditionalGeneration
-
-        >>> model = Qwen3_5MoeForConditionalGeneration.from_pretrained("Qwen/Qwen3.5-35B-A3B-Instruct", dtype="auto", device_map="auto")
-        >>> processor = AutoProcessor.from_pretrained("Qwen/Qwen3.5-35B-A3B-Instruct")
-
-        >>> messages = [
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image",
-                        "image": "https://huggingface.co/datasets/hf-internal-testing/transformers-synthetic-assets/resolve/main/images/qwen_vl_demo.jpeg",
-                    },
-                    {"type": "text", "text": "Describe this image in short."},
-                ],
-            }
-        ]
-
-        >>> # Preparation for inference
-        >>> inputs = processor.apply_chat_template(
-            messages,
-            tokenize=True,
-            add_generation_prompt=True,
-            return_dict=True,
-            return_tensors="pt"
-        )
-        >>> inputs = inputs.to(model.device)
-
-        >>> # Generate
-        >>> generated_ids = model.generate(**inputs, max_new_tokens=128)
-        >>> generated_ids_trimmed = [
-            out_ids[len(in_ids) :] for in_ids, out_ids in zip(inputs.input_ids, generated_ids)
-        ]
-        >>> processor.batch_decode(generated_ids_trimmed, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
-        "A woman in a plaid shirt sits on a sandy beach at sunset, smiling as she gives a high-five to a yellow Labrador Retriever wearing a harness. The ocean waves roll in the background."
-        ```"""
-
         output_router_logits = (
             output_router_logits
             if output_router_logits is not None
             else self.config.text_config.output_router_logits
         )
-
         outputs = self.model(
             input_ids=input_ids,
             pixel_values=pixel_values,
@@ -1991,30 +2053,13 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoePreTrainedModel, GenerationMi
             output_router_logits=output_router_logits,
             **kwargs,
         )
-
-        hidden_states = outputs[0]
-
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
-            )
+        logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
 
         aux_loss = None
         if output_router_logits:
-            aux_loss = load_balancing_loss_func(
-                outputs.router_logits,
-                self.config.text_config.num_experts,
-                self.config.text_config.num_experts_per_tok,
-                attention_mask,
-            )
-            if labels is not None:
-                loss += self.config.text_config.router_aux_loss_coef * aux_loss.to(
-                    loss.device
-                )  # make sure to reside in the same device
+            aux_loss = router_aux_loss(self, outputs.router_logits, attention_mask, load_balancing_loss_func)
+            if loss is not None and aux_loss is not None:
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
 
         return MoeCausalLMOutputWithPast(
             loss=loss,
@@ -2071,6 +2116,16 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoePreTrainedModel, GenerationMi
         position_ids = torch.cat([text_positions, vision_positions], dim=0)
 
         return position_ids
+
+    # [PATCHED] expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts) (Qwen3-VL-MoE adapter, renamed) (injected: not in upstream)
+    def get_parallel_plan(self) -> ExpertPlan:
+        """FQN globs, relative to this model, of the ``[E, ...]`` expert tensors that EP shards on dim 0."""
+        return ExpertPlan(
+            patterns=(
+                "model.language_model.layers.*.mlp.experts.gate_up_proj",
+                "model.language_model.layers.*.mlp.experts.down_proj",
+            )
+        )
 
 
 __all__ = [
