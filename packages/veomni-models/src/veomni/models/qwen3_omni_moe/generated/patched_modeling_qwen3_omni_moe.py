@@ -1350,6 +1350,8 @@ class Qwen3OmniMoeVisionEncoder(Qwen3OmniMoePreTrainedModel):
         hidden_states = hidden_states.reshape(seq_len, -1)
 
         deepstack_feature_lists = []
+        # Qwen3.5's towers (the same tower without deepstack mergers) reuse this forward: they tap no layer.
+        deepstack_layers = self.deepstack_visual_indexes if hasattr(self, "deepstack_merger_list") else ()
         for layer_num, blk in enumerate(self.blocks):
             hidden_states = blk(
                 hidden_states,
@@ -1358,10 +1360,10 @@ class Qwen3OmniMoeVisionEncoder(Qwen3OmniMoePreTrainedModel):
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-            if layer_num in self.deepstack_visual_indexes:
-                deepstack_feature = self.deepstack_merger_list[
-                    self.deepstack_visual_indexes.index(layer_num)
-                ](hidden_states)
+            if layer_num in deepstack_layers:
+                deepstack_feature = self.deepstack_merger_list[deepstack_layers.index(layer_num)](
+                    hidden_states
+                )
                 deepstack_feature_lists.append(deepstack_feature)
 
         merged_hidden_states = self.merger(hidden_states)
