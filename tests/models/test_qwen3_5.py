@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_qwen3_next import EAGER_OPS, assert_match, batch, run
+from test_qwen3_next import EAGER_OPS, assert_fresh_init_like_upstream, assert_match, batch, run
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream_modeling
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as upstream_moe_modeling
@@ -98,6 +98,11 @@ def test_packed_row_equals_documents_run_alone(moe):
     loss.backward()
     grads = {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
     assert_match(packed, (logits.detach(), loss.detach(), grads), 2e-5)
+
+
+def test_moe_fresh_init_draws_every_weight_as_upstream_does():
+    upstream, ours = build_pair(moe=True)
+    assert_fresh_init_like_upstream(type(upstream), type(ours), ours.config)
 
 
 def test_moe_parallel_plan_shards_the_fused_experts():

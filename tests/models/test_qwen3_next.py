@@ -101,14 +101,14 @@ def assert_match(got, want, tol: float) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
-def test_fresh_init_draws_every_weight_as_upstream_does():
-    # transformers skips the parameter-less sparse block of non-transformers code, from which upstream draws the
-    # router: ours initialises it on the router itself (it stayed all zeros before).
-    config = tiny_config()
+def assert_fresh_init_like_upstream(upstream_class, ours_class, config) -> None:
+    """Built from the same seed, every weight of ours is drawn as upstream's: deterministic ones equal, random ones
+    with the same spread. transformers skips the parameter-less sparse block of non-transformers code, from which
+    upstream draws the router: ours draws it on the router itself (it stayed all zeros before)."""
     torch.manual_seed(0)
-    upstream = dict(upstream_modeling.Qwen3NextForCausalLM(copy.deepcopy(config)).named_parameters())
+    upstream = dict(upstream_class(copy.deepcopy(config)).named_parameters())
     torch.manual_seed(0)
-    ours = dict(Qwen3NextForCausalLM(config).named_parameters())
+    ours = dict(ours_class(copy.deepcopy(config)).named_parameters())
     assert ours.keys() == upstream.keys()
     for name, p in ours.items():
         want = upstream[name].detach().float()
@@ -117,6 +117,10 @@ def test_fresh_init_draws_every_weight_as_upstream_does():
         elif "A_log" not in name:  # A_log: log-uniform, a handful of values per layer
             assert abs(p.detach().float().std() / want.std() - 1) < 0.35, name
             assert p.detach().abs().max() < 8 * config.initializer_range, name
+
+
+def test_fresh_init_draws_every_weight_as_upstream_does():
+    assert_fresh_init_like_upstream(upstream_modeling.Qwen3NextForCausalLM, Qwen3NextForCausalLM, tiny_config())
 
 
 def test_without_kernels_is_bitwise_upstream():

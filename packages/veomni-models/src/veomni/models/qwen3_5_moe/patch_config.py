@@ -21,6 +21,7 @@ from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
     gated_rms_norm_forward,
     get_parallel_plan,
+    init_weights,
     offset_rms_norm_forward,
 )
 from veomni.models.qwen3_vl_moe import patch_config as qwen3_vl_moe
@@ -60,6 +61,12 @@ config.override_method(
     "Qwen3_5MoeForCausalLM.forward",
     description="LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)",
 )(moe_causal_lm_forward)
+config.override_method(
+    "Qwen3_5MoePreTrainedModel._init_weights",
+    description="upstream's init, the router drawn on its own module (Qwen3-Next's, renamed: transformers never "
+    "visits the parameter-less sparse block upstream draws it from)",
+    name_map={"Qwen3Next": "Qwen3_5Moe"},
+)(init_weights)
 config.override_method(
     "Qwen3_5MoeForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",

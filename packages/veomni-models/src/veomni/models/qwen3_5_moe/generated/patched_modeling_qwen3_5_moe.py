@@ -12,6 +12,7 @@
 #   - override_method Qwen3_5MoeAttention.forward: partial RoPE via rope/partial, output gate
 #   - override_method Qwen3_5MoeGatedDeltaNet.forward: Qwen3.5's: gated_delta_net_train for training, upstream's forward with a cache
 #   - override_method Qwen3_5MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
+#   - override_method Qwen3_5MoePreTrainedModel._init_weights: upstream's init, the router drawn on its own module (Qwen3-Next's, renamed: transformers never visits the parameter-less sparse block upstream draws it from)
 #   - override_method Qwen3_5MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
 #   - override_method Qwen3_5MoeVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5MoeVisionModel.forward: rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
@@ -1014,24 +1015,28 @@ class Qwen3_5MoePreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _can_compile_fullgraph = True
 
+    # [PATCHED] upstream's init, the router drawn on its own module (Qwen3-Next's, renamed: transformers never visits the parameter-less sparse block upstream draws it from)
     @torch.no_grad()
-    def _init_weights(self, module):
+    def _init_weights(self, module) -> None:
         super()._init_weights(module)
+        std = self.config.initializer_range
         if isinstance(module, Qwen3_5MoeGatedDeltaNet):
             init.ones_(module.dt_bias)
-            # Lower bound kept away from 0 so log(A) never becomes -inf
+            # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
             init.copy_(
                 module.A_log,
                 torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_(),
             )
-        # We initialize with 0s to be 1 centered as the RMSNorm here does (1 + weight)
         elif isinstance(module, Qwen3_5MoeRMSNorm):
-            init.zeros_(module.weight)
+            init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
         elif isinstance(module, Qwen3_5MoeExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
-            init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
-        elif isinstance(module, Qwen3_5MoeSparseMoeBlock):
-            init.normal_(module.gate.weight, mean=0.0, std=self.config.initializer_range)
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, Qwen3_5MoeTopKRouter):
+            # Upstream draws the router from its SparseMoeBlock branch, but transformers treats classes outside its
+            # package as remote code and skips modules without parameters of their own: the block is never visited and
+            # the router kept its zeros (uniform routing). Same distribution; drawn before the experts, not after.
+            init.normal_(module.weight, mean=0.0, std=std)
 
 
 class Qwen3_5MoeVisionMLP(nn.Module):
