@@ -55,7 +55,12 @@ def thinker_config(tiny: bool) -> Qwen2_5OmniThinkerConfig:
     if not tiny:
         # transformers' defaults are the release's except the ViT width (its default 3584 is the LM's; the
         # released Qwen2.5-Omni-7B ViT is 1280 wide with 16 heads).
-        return Qwen2_5OmniThinkerConfig(vision_config={"hidden_size": 1280, "num_heads": 16})
+        # The vision start/end ids are not thinker-config fields in transformers 5.23 (the released config.json
+        # carries them); the values are the released tokenizer's.
+        return Qwen2_5OmniThinkerConfig(
+            vision_config={"hidden_size": 1280, "num_heads": 16}, vision_start_token_id=151652,
+            vision_end_token_id=151653,
+        )
     return Qwen2_5OmniThinkerConfig(
         text_config={"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2,

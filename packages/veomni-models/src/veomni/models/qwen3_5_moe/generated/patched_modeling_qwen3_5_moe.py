@@ -1019,7 +1019,8 @@ class Qwen3_5MoePreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module) -> None:
         super()._init_weights(module)
-        std = self.config.initializer_range
+        # The text config's: a composite VLM's own config (Qwen3.5-MoE, which reuses this) has no initializer_range.
+        std = self.config.get_text_config().initializer_range
         if isinstance(module, Qwen3_5MoeGatedDeltaNet):
             init.ones_(module.dt_bias)
             # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
