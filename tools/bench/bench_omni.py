@@ -162,7 +162,7 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
     losses = []
 
     def step() -> None:
-        loss = model(**batch).loss
+        loss = model(**batch, use_cache=False).loss  # training: no KV cache (as the trainer)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
