@@ -70,7 +70,7 @@ def wan_ops(kernels: Kernels) -> WanOps:
     """
     config = kernels.config
     rms_norm = None if config.rms_norm == "eager" else kernels.get("rms_norm", "standard")
-    rope = None
+    rope, rope_name = None, config.rope
     if config.rope != "eager":
         try:
             rope = kernels.get("rope", "interleaved")
@@ -78,21 +78,19 @@ def wan_ops(kernels: Kernels) -> WanOps:
             have = [
                 b for b in config.registry.backends("rope") if _has_variant(config, "rope", "interleaved", b)
             ]
-            if "rope" in config.defaulted:  # the device default (npu) lacks the variant: loud, not an error
-                logger.warning(
-                    "OpsConfig.rope: the %s default %r has no rope/interleaved kernel; WanTransformer3DModel keeps "
-                    "diffusers' rotary (backends with one: %s)", config.hardware.device_type, config.rope, have,
-                )  # fmt: skip
-                names = {"rms_norm": config.rms_norm, "rope": "diffusers", "attention": config.attention}
-                return WanOps(
-                    rms_norm=rms_norm, rope=None, attention=kernels.get("attention", "default"), names=names
-                )
-            raise ValueError(
-                f"WanTransformer3DModel rotates interleaved pairs, but OpsConfig.rope={config.rope!r} has no "
-                f"rope/interleaved kernel ({err.args[0]}); choose one of {have} ('eager' keeps diffusers' code)"
-            ) from None
+            if "rope" not in config.defaulted:
+                raise ValueError(
+                    f"WanTransformer3DModel rotates interleaved pairs, but OpsConfig.rope={config.rope!r} has no "
+                    f"rope/interleaved kernel ({err.args[0]}); choose one of {have} ('eager' keeps diffusers' code)"
+                ) from None
+            # The device default (npu) lacks the variant: loud, not an error.
+            logger.warning(
+                "OpsConfig.rope: the %s default %r has no rope/interleaved kernel; WanTransformer3DModel keeps "
+                "diffusers' rotary (backends with one: %s)", config.hardware.device_type, config.rope, have,
+            )  # fmt: skip
+            rope_name = "diffusers"
     attention = kernels.get("attention", "default")
-    names = {"rms_norm": config.rms_norm, "rope": config.rope, "attention": config.attention}
+    names = {"rms_norm": config.rms_norm, "rope": rope_name, "attention": config.attention}
     return WanOps(rms_norm=rms_norm, rope=rope, attention=attention, names=names)
 
 
