@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_harness import backend_params
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as UpstreamQwen3Moe
@@ -254,3 +255,64 @@ def _ep_eager(ctx) -> str:
 def test_eager_experts_are_refused_under_expert_parallelism(dist_pools, world_size, backend):
     for message in dist_pools.get(world_size, backend).run(_ep_eager):
         assert "cannot run on expert-parallel shards" in message and "holds 4 of 8 experts" in message
+
+
+def _sp_router_step(ctx, state_real_length: bool) -> dict:
+    """SP over a packed row of odd length: the row is padded by one token that the routers see on the last rank."""
+    from veomni.core.sp import slice_sequence
+    from veomni.core.sp.real_tokens import use_real_length
+    from veomni.models.hf_attention import register_hf_attention
+
+    register_hf_attention()
+    config = tiny_config(router_aux_loss_coef=1.0)  # the aux term dominates the router gradients
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(ctx.device)
+    apply_ops(model, OpsConfig(**{**EAGER_OPS, "attention": "sdpa"}))
+    reference = copy.deepcopy(model)
+    batch = {k: v.to(ctx.device) for k, v in packed_batch(lengths=(7, 12, 6), seed=4).items()}
+    length = batch["input_ids"].shape[1]
+    assert length % ctx.world_size, "the row must need SP padding"
+    shift = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], -100)], dim=1)
+    items = int((shift != -100).sum())
+
+    out = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], shift_labels=shift,
+                    num_items_in_batch=items, use_cache=False, **packed_kwargs(batch["position_ids"]))  # fmt: skip
+    out.loss.backward()
+
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    group = state.sp_group
+    # The SP padding is a packed segment of its own (positions restart at 0), as the trainer's collate writes it.
+    padded_positions = torch.cat(
+        [batch["position_ids"], torch.arange(-length % ctx.world_size, device=ctx.device)[None]], dim=1
+    )
+    with use_parallel_state(state), use_real_length(length if state_real_length else None):
+        mine = model(
+            input_ids=slice_sequence(batch["input_ids"], 1, group),
+            position_ids=slice_sequence(padded_positions, 1, group),
+            shift_labels=slice_sequence(shift, 1, group, pad_value=-100).contiguous(),
+            num_items_in_batch=items, use_cache=False, **packed_kwargs(padded_positions),
+        )  # fmt: skip
+        mine.loss.backward()
+    aux = mine.aux_loss.detach().clone()
+    dist.all_reduce(aux, group=group)
+    worst = 0.0
+    for name, param in model.named_parameters():
+        if "mlp.gate." not in name:
+            continue
+        got = param.grad.clone()
+        dist.all_reduce(got, group=group)  # each SP rank holds its tokens' share of the gradient
+        want = dict(reference.named_parameters())[name].grad
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return {"aux": float(aux), "ref_aux": float(out.aux_loss), "worst_router_grad_rel": worst}
+
+
+@pytest.mark.parametrize("world_size, backend", backend_params(2))
+def test_sp_padding_stays_out_of_the_router_statistics(dist_pools, world_size, backend):
+    """A row of odd length under SP2: with its real length stated (as the trainer does), the load-balancing loss and
+    the router gradients equal one process on the unpadded row; without it, the padding token is counted."""
+    pool = dist_pools.get(world_size, backend)
+    for result in pool.run(_sp_router_step, True):
+        assert result["aux"] == pytest.approx(result["ref_aux"], rel=1e-5)
+        assert result["worst_router_grad_rel"] < 1e-4, result
+    for result in pool.run(_sp_router_step, False):
+        assert result["worst_router_grad_rel"] > 1e-3, result  # what the stated length prevents

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import slice_logits_to_keep
 
+from veomni.core.sp.real_tokens import real_token_mask
 from veomni.kernels.moe_loss import load_balancing_loss_global
 from veomni.models.hf_attention import _sp_state
 from veomni.models.kernel_hooks import ATTR
@@ -130,7 +131,9 @@ def router_aux_loss(
 
     Upstream returns the int 0 without router logits and then calls ``.to`` on it; returning None lets the
     caller skip the aux term instead. Under Ulysses SP the router statistics are reduced over the SP group first
-    (see the body), so the SP ranks' values sum to the loss of the whole sequence.
+    (see the body), so the SP ranks' values sum to the loss of the whole sequence; the row's SP padding is left out
+    of them when the caller states the real length (`veomni.core.sp.real_tokens.use_real_length`, as the trainer
+    does), as one process never routes it.
 
     Args:
         model: the MoE ``*ForCausalLM`` (``num_experts``, ``num_experts_per_tok``).
@@ -148,6 +151,21 @@ def router_aux_loss(
         # Each SP rank routes a slice of the sequence; the loss is a nonlinear function of the whole sequence's
         # router statistics, so they are all-reduced over the SP group. The returned value is this rank's
         # contribution: summed over the SP ranks it is the loss of the full sequence (veomni's convention).
+        # The SP padding at the row's end goes through the routers too; one process never sees it, so it is
+        # masked out of the statistics (the trainer states the real length: veomni.core.sp.real_tokens).
+        real = real_token_mask(router_logits[0].shape[0], sp_state.sp_rank, router_logits[0].device)
+        if real is not None:
+            if attention_mask is not None and attention_mask.numel() != real.numel():
+                raise ValueError(
+                    f"an attention mask of shape {tuple(attention_mask.shape)} does not cover the "
+                    f"{real.numel()} routed tokens of this SP slice"
+                )
+            real = (
+                real[None]
+                if attention_mask is None
+                else attention_mask.bool() & real.view(attention_mask.shape)
+            )
+            attention_mask = real.long()
         use_triton = kernels is not None and kernels.config.load_balancing_loss == "triton"
         return load_balancing_loss_global(
             list(router_logits), model.num_experts, model.num_experts_per_tok, attention_mask,

@@ -7,7 +7,8 @@ runs on that times the world size, because FSDP averages gradients over the worl
 units divide by the world too. The logged loss is the all-reduced sum: the exact global token mean.
 MoE load balancing: the model's aux loss is per micro-batch, so it is added with weight
 ``coef / (grad_accum * dp)`` -- the mean over the step's micro-batches once FSDP has averaged over the world (the
-model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is the pure LM loss).
+model's own ``router_aux_loss_coef`` is set to 0 so that its returned loss is the pure LM loss). Under SP the row's
+real length is stated for the forward (`veomni.core.sp.real_tokens`), so the routers' statistics skip the padding.
 
 A step whose data holds no trained token (every label masked, possible in mixed data) has no loss to normalise:
 it runs no forward, leaves the optimizer and the learning-rate schedule where they are, and is reported as
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_state import use_parallel_state
+from veomni.core.sp.real_tokens import use_real_length
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
 from veomni.train.optim import clip_and_step
@@ -39,11 +41,18 @@ if TYPE_CHECKING:
 def _forward_backward(
     run: Run, batch: dict[str, Any], num_items: torch.Tensor, grad_accum: int
 ) -> torch.Tensor:
-    with use_parallel_state(run.state):
+    with use_parallel_state(run.state), use_real_length(_sp_padded_row_length(batch)):
         outputs = run.task.forward(run.model, batch, run.device, num_items)
     # The step's aux loss is the mean over its grad_accum * dp micro-batches (an SP group's ranks each hold a
     # share of their micro-batch's value; see router_aux_loss).
     return _backward(run, outputs, 1.0 / (grad_accum * run.state.dims.dp))
+
+
+def _sp_padded_row_length(batch: dict[str, Any]) -> int | None:
+    # The real length of a row that SP padded (packing's seq_len / padded_len), so that the MoE routers' statistics
+    # leave the padding out; None when nothing was padded (or the task's batches are not packed rows).
+    seq_len, padded_len = batch.get("seq_len"), batch.get("padded_len")
+    return seq_len if seq_len is not None and padded_len is not None and padded_len > seq_len else None
 
 
 def _backward(run: Run, outputs: Any, aux_scale: float) -> torch.Tensor:
