@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -137,3 +138,46 @@ def error_text(err: BaseException) -> str:
 def write_json(path: str | Path, result: dict[str, Any]) -> None:
     """Write ``result`` (indented) to ``path``; called after every row so a timeout leaves the rows so far."""
     Path(path).write_text(json.dumps(result, indent=2))
+
+
+def profile_calls(
+    run: Callable[[], object], device: torch.device, out_path: str | Path | None, *, steps: int = 1, rows: int = 40
+) -> dict[str, float] | None:
+    """Call ``run`` under torch.profiler; the top ops by device time go to ``out_path`` (skipped when None).
+
+    Returns (CUDA only) ``gpu_busy_fraction``: the union of kernel intervals over the profiled wall time (1.0: the
+    GPU never waited for the host), and ``profiled_step_ms``: that wall time over ``steps`` (the steps ``run``
+    takes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    if out_path is not None:
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        Path(out_path).write_text(table)
+    if device.type != "cuda":
+        return None
+    kernels = (
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return {"gpu_busy_fraction": min(1.0, union_us(kernels) / wall_us), "profiled_step_ms": wall_us / 1e3 / steps}
+
+
+def union_us(intervals: Any) -> float:
+    """Total length of the union of ``(start, end)`` intervals (overlapping kernels on several streams count once)."""
+    total, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        total += end - max(start, end_so_far)
+        end_so_far = end
+    return total

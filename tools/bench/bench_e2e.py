@@ -40,6 +40,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,10 @@ import torch.distributed as dist
 import transformers
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from veomni.train.loop import setup_distributed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import profile_calls  # noqa: E402
+
+from veomni.train.loop import setup_distributed  # noqa: E402
 from veomni.train.metrics import active_matmul_params, attention_flops, peak_flops
 
 sys.path.insert(
@@ -165,46 +169,18 @@ def _sync(device: torch.device) -> None:
 def _profile(
     name: str, contender: Contender, steps: list[list[dict[str, Any]]], s: Settings
 ) -> dict[str, float] | None:
-    """Two more steps under torch.profiler; the top ops by device time go to ``<profile_dir>/<name>.txt``.
+    """Two more steps under torch.profiler (`bench_common.profile_calls`); the top ops by device time go to
+    ``<profile_dir>/<name>.txt``, the GPU-busy fraction and profiled step time are returned (CUDA only)."""
 
-    Returns (CUDA only) ``gpu_busy_fraction``: the union of kernel intervals over the profiled wall time (1.0: the
-    GPU never waited for the host), and that wall time per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
-    _sync(s.device)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
+    def run() -> None:
         for micro_batches in steps:
             num_items = torch.full((), float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
             contender.step(micro_batches, num_items)
-        _sync(s.device)
-        wall_us = (time.perf_counter() - t0) * 1e6
-    sort = "cuda_time_total" if s.device.type == "cuda" else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
-    os.makedirs(s.profile_dir, exist_ok=True)
-    with open(os.path.join(s.profile_dir, f"{name}.txt"), "w") as f:
-        f.write(table)
-    print(f"[bench_e2e] profile of {name}:\n" + "\n".join(table.splitlines()[:22]), flush=True)
-    if s.device.type != "cuda":
-        return None
-    busy_us = _union_us(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    return {"gpu_busy_fraction": min(1.0, busy_us / wall_us), "profiled_step_ms": wall_us / 1e3 / len(steps)}
 
-
-def _union_us(intervals: Any) -> float:
-    """Total length of the union of ``(start, end)`` intervals (overlapping kernels on several streams count once)."""
-    total, end_so_far = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end <= end_so_far:
-            continue
-        total += end - max(start, end_so_far)
-        end_so_far = end
-    return total
+    out = os.path.join(s.profile_dir, f"{name}.txt")
+    profiled = profile_calls(run, s.device, out, steps=len(steps))
+    print(f"[bench_e2e] profile of {name}:\n" + "\n".join(Path(out).read_text().splitlines()[:22]), flush=True)
+    return profiled
 
 
 def run_contender(

@@ -66,6 +66,7 @@ from veomni.train.recipe import Recipe, recipe_from_dict
 from veomni.train.tasks import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
+from bench_common import profile_calls  # noqa: E402
 from bench_e2e import _free, _sync, packed_batches, parse_ops  # noqa: E402
 
 CONTENDERS = ("veomni", "hf")  # run order: veomni first, so that an HF OOM cannot cost its result
@@ -305,19 +306,13 @@ def _profile(name: str, contender: Any, steps: list[tuple[dict[str, Any], int]],
              device: torch.device) -> None:  # fmt: skip
     """Two more steps on every rank under torch.profiler (after timing); rank 0 writes the top ops by device time
     to ``<out_dir>/<name>.txt``."""
-    from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    def run() -> None:
         for i, (batch, valid) in enumerate(steps):
             contender.step(i, batch, valid)
-        _sync(device)
-    if dist.get_rank() == 0:
-        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70)
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
-            f.write(table)
+
+    out = os.path.join(out_dir, f"{name}.txt") if dist.get_rank() == 0 else None
+    profile_calls(run, device, out, steps=len(steps), rows=45)
 
 
 def _agree(record: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ video of N frames (``N / 2`` temporal patches of ``--video-side``**2 patches, sa
 Contenders: ``veomni`` (`build_model` with the default OpsConfig: veomni attention, fused linear cross-entropy;
 the towers and text layers otherwise run upstream's code, so the gain is the loss and attention path) and ``hf``
 (transformers' class, SDPA). Both train bf16 parameters with AdamW (fp32 would not fit a 7B thinker's optimizer
-state on one 80 GB GPU without sharding); the step is forward + backward + optimizer step. Reported: median step
+state on one 80 GB GPU without sharding; ``--optimizer fused`` by default on CUDA, as both trainers use); the step is forward + backward + optimizer step. Reported: median step
 time, tokens/s, peak memory, and the first step's loss of each (they must agree to bf16 tolerance).
 """
 
@@ -47,7 +47,7 @@ from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import environment, error_text, median_ms, release, write_json  # noqa: E402
+from bench_common import environment, error_text, median_ms, profile_calls, release, write_json  # noqa: E402
 
 
 def thinker_config(tiny: bool) -> Qwen2_5OmniThinkerConfig:
@@ -158,7 +158,8 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
     else:
         model = Upstream.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     model.train()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # fused: what veomni's trainer and HF's Trainer (optim="adamw_torch_fused") both step with on CUDA.
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.optimizer == "fused")
     losses = []
 
     def step() -> None:
@@ -180,6 +181,9 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
     }
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.profile_dir:
+        out = os.path.join(args.profile_dir, f"omni_{name}.txt")
+        row.update(profile_calls(step, device, out) or {})
     # The caller's release() frees the model once this frame (the closure's only owner) is gone.
     return row
 
@@ -199,7 +203,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="torch AdamW implementation")
+    p.add_argument("--profile-dir", default=None, help="profile one more step per contender: top ops to DIR/")
     args = p.parse_args(argv)
+    if args.optimizer == "fused" and not torch.cuda.is_available():
+        args.optimizer = "foreach"  # fused AdamW is a CUDA kernel
     if args.tiny and args.seq_len == 4096:
         args.seq_len, args.audio_seconds, args.image_side = 256, 1.0, 8
     return args
