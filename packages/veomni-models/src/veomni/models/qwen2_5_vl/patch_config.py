@@ -46,6 +46,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
+from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 
 config = PatchConfig(
     source_module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
@@ -59,7 +60,6 @@ for statement in qwen2_vl.IMPORTS:
 config.add_import("from veomni.models.qwen2_5_vl.window import WindowIndex")
 for block in qwen2_vl.config.post_import_blocks:
     config.add_post_import_block(block)
-_NO_MAX_SEQLEN = qwen3_vl._NO_MAX_SEQLEN
 
 _VISION = {"Qwen2Vision": "Qwen2_5_Vision", "Qwen2VL": "Qwen2_5_VL"}
 _REUSED = (

@@ -57,6 +57,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs
+from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 
 config = PatchConfig(
     source_module="transformers.models.qwen2_vl.modeling_qwen2_vl",
@@ -80,7 +81,6 @@ for statement in IMPORTS:
     config.add_import(statement)
 for block in qwen3_vl.config.post_import_blocks:  # _NO_MAX_SEQLEN
     config.add_post_import_block(block)
-_NO_MAX_SEQLEN = qwen3_vl._NO_MAX_SEQLEN
 
 
 config.override_method("Qwen2VLRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard') "
