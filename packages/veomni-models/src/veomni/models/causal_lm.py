@@ -22,7 +22,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from veomni.core.sp.real_tokens import real_token_mask
 from veomni.kernels.moe_loss import load_balancing_loss_global
-from veomni.models.hf_attention import _sp_state
+from veomni.models.hf_attention_inputs import current_sp_state
 from veomni.models.kernel_hooks import ATTR
 
 IGNORE_INDEX = -100
@@ -146,7 +146,7 @@ def router_aux_loss(
     if not router_logits:
         return None
     kernels = getattr(model, ATTR, None)
-    sp_state = _sp_state()
+    sp_state = current_sp_state()
     if sp_state is not None:
         # Each SP rank routes a slice of the sequence; the loss is a nonlinear function of the whole sequence's
         # router statistics, so they are all-reduced over the SP group. The returned value is this rank's

@@ -18,12 +18,12 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from veomni.core.sp import async_ulysses_attention
-from veomni.models.hf_attention import (
-    PREFIX,
-    _check_padding_mask,
-    _features,
-    _run_kernel,
-    _sp_state,
+from veomni.models.hf_attention import PREFIX
+from veomni.models.hf_attention_inputs import (
+    attention_features,
+    check_padding_mask,
+    current_sp_state,
+    run_kernel,
     sp_kernel_kwargs,
 )
 
@@ -56,7 +56,7 @@ def enable_async_ulysses(model: nn.Module) -> int:
 
 def async_ulysses_active(module: nn.Module, past_key_values: Any = None) -> bool:
     """Whether ``module``'s forward should take the async path: enabled, SP on, training-style (no cache)."""
-    return bool(getattr(module, ATTR, False)) and past_key_values is None and _sp_state() is not None
+    return bool(getattr(module, ATTR, False)) and past_key_values is None and current_sp_state() is not None
 
 
 def async_sp_attention(
@@ -88,15 +88,15 @@ def async_sp_attention(
         raise ValueError(f"{implementation} has no attention dropout (got dropout={kwargs['dropout']})")
     causal = bool(getattr(module, "is_causal", True) if kwargs.get("is_causal") is None else kwargs["is_causal"])
     if attention_mask is not None:
-        _check_padding_mask(attention_mask, causal, implementation)
-    state = _sp_state()
+        check_padding_mask(attention_mask, causal, implementation)
+    state = current_sp_state()
     assert state is not None, "async_sp_attention runs only under SP (check async_ulysses_active first)"
     batch, local_len = hidden_states.shape[:2]
     sp = sp_kernel_kwargs(
-        state, kwargs, _features(kwargs), batch=batch, local_len=local_len, query_heads=query_heads
+        state, kwargs, attention_features(kwargs), batch=batch, local_len=local_len, query_heads=query_heads
     )
     return async_ulysses_attention(
-        hidden_states, project, _run_kernel, state.sp_group, seq_dim=1, head_dim=2, query_heads=query_heads,
+        hidden_states, project, run_kernel, state.sp_group, seq_dim=1, head_dim=2, query_heads=query_heads,
         unpadded_len=sp.pop("unpadded_len"), kernel=function.resolve_kernel(), causal=causal, scale=scaling,
         **sp,
     )  # fmt: skip

@@ -49,6 +49,10 @@ per-image call would be taken for a sequence shard. `veomni.models.hf_encoder_at
 attention calls instead (a model adapter's job): packed ``[T, H, D]`` tokens, the tower's own ``cu_seqlens``,
 the backend of the tower config's implementation, and no ``**kwargs``, so the language model's packing kwargs
 cannot reach it (`veomni.models.hf_encoder_attention`).
+
+Reading HF's kwargs (packing, the padding-mask check, features, the SP state) and the kernel call itself live in
+`veomni.models.hf_attention_inputs`, shared with the async Ulysses path (`veomni.models.hf_async_sp`);
+`packed_kwargs` is re-exported here, where collators and tests have always imported it.
 """
 
 from __future__ import annotations
@@ -58,14 +62,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from veomni.core.parallel_state import ParallelState, current_parallel_state
-from veomni.core.sp import gather_sequence, sp_cross_attention, ulysses_attention
+from veomni.core.sp import sp_cross_attention, ulysses_attention
 from veomni.kernels import KERNELS, detect_hardware
+from veomni.models.hf_attention_inputs import (
+    attention_features,
+    check_padding_mask,
+    current_sp_state,
+    packed_kwargs,
+    packing_metadata,
+    run_kernel,
+    sp_kernel_kwargs,
+)
 
 PREFIX = "veomni_"
 OP, VARIANT = "attention", "default"
@@ -213,7 +224,7 @@ def veomni_attention_forward(
         raise ValueError(
             f"{name} has no attention dropout (got dropout={dropout}); set the model's attention_dropout to 0"
         )
-    features = _features(kwargs)
+    features = attention_features(kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     cross = kwargs.get("is_cross_attention")
@@ -228,14 +239,14 @@ def veomni_attention_forward(
             name, query, key, value, attention_mask, causal, scaling, kwargs, features
         ), None
     if attention_mask is not None:
-        _check_padding_mask(attention_mask, causal, name)
+        check_padding_mask(attention_mask, causal, name)
 
     # HF hands over [B, H, S, D]; veomni kernels and the Ulysses exchange work on [B, S, H, D] views.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    state = _sp_state()
+    state = current_sp_state()
     if state is None:
-        cu_seqlens, max_seqlen = _packing(kwargs, query.shape[0], query.shape[2], group=None, full_len=None)
-        out = _run_kernel(
+        cu_seqlens, max_seqlen = packing_metadata(kwargs, query.shape[0], query.shape[2], group=None, full_len=None)
+        out = run_kernel(
             q,
             k,
             v,
@@ -250,50 +261,10 @@ def veomni_attention_forward(
 
     sp = sp_kernel_kwargs(state, kwargs, features, batch=q.shape[0], local_len=q.shape[1], query_heads=q.shape[2])
     out = ulysses_attention(
-        q, k, v, _run_kernel, state.sp_group, seq_dim=1, head_dim=2, unpadded_len=sp.pop("unpadded_len"),
+        q, k, v, run_kernel, state.sp_group, seq_dim=1, head_dim=2, unpadded_len=sp.pop("unpadded_len"),
         kernel=kernel, causal=causal, scale=scaling, **sp,
     )  # fmt: skip
     return out, None
-
-
-def sp_kernel_kwargs(
-    state: ParallelState,
-    kwargs: dict[str, Any],
-    features: dict[str, Any],
-    *,
-    batch: int,
-    local_len: int,
-    query_heads: int,
-) -> dict[str, Any]:
-    """What a Ulysses call needs besides q/k/v (shared with `veomni.models.hf_async_sp`): ``unpadded_len``, the
-    full-sequence ``cu_seqlens`` / ``max_seqlen`` and the features, sinks cut to this rank's heads."""
-    group = state.sp_group
-    padded_len = local_len * dist.get_world_size(group)
-    unpadded_len = kwargs.get("sp_unpadded_len")
-    if unpadded_len is not None and not 0 < unpadded_len <= padded_len:
-        raise ValueError(
-            f"sp_unpadded_len={unpadded_len} does not fit shards of {local_len} tokens on "
-            f"{dist.get_world_size(group)} ranks (expected 1 to {padded_len})"
-        )
-    full_len = padded_len if unpadded_len is None else unpadded_len
-    cu_seqlens, max_seqlen = _packing(kwargs, batch, local_len, group=group, full_len=full_len)
-    features = dict(features)
-    if features["sinks"] is not None:
-        # The exchange hands rank r the r-th block of H / P query heads; the kernel sees only their sinks.
-        local_heads = query_heads // dist.get_world_size(group)
-        features["sinks"] = features["sinks"].narrow(0, dist.get_rank(group) * local_heads, local_heads)
-    # The window needs no care: the kernel sees the full sequence, so it applies to global positions.
-    return {"unpadded_len": unpadded_len, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, **features}
-
-
-def _features(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The optional attention features HF passes: ``sliding_window`` (int), ``s_aux`` (sinks ``[Hq]``),
-    ``softcap`` (float), as the kernels' ``window`` / ``sinks`` / ``softcap`` (None when off)."""
-    return {
-        "window": kwargs.get("sliding_window"),
-        "sinks": kwargs.get("s_aux"),
-        "softcap": kwargs.get("softcap"),
-    }
 
 
 def _cached_decode(
@@ -315,7 +286,7 @@ def _cached_decode(
     same); soft-cap and sinks as in the kernels (``veomni.kernels.attention.features``). Returns
     ``[B, S_q, Hq, D]``.
     """
-    if _sp_state() is not None or kwargs.get("cu_seq_lens_q") is not None:
+    if current_sp_state() is not None or kwargs.get("cu_seq_lens_q") is not None:
         hint = (
             ""
             if causal
@@ -397,9 +368,9 @@ def _cross_attention(
             )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     run = dict(kernel=kernel, causal=False, cu_seqlens=None, max_seqlen=None, scale=scaling)
-    if _sp_state() is None:
-        return _run_kernel(q, k, v, **run)
-    return sp_cross_attention(q, k, v, _run_kernel, seq_dim=1, head_dim=2, **run)
+    if current_sp_state() is None:
+        return run_kernel(q, k, v, **run)
+    return sp_cross_attention(q, k, v, run_kernel, seq_dim=1, head_dim=2, **run)
 
 
 def padding_mask_passthrough(
@@ -421,130 +392,6 @@ def padding_mask_passthrough(
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:]
-
-
-def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
-    """Packing kwargs for an HF forward, from the full sequence's ``position_ids`` (for collators and tests).
-
-    Args:
-        position_ids: ``[S]`` or ``[1, S]`` int positions of one packed row; a document starts wherever the
-            position is not its predecessor + 1.
-    Returns:
-        ``{"cu_seq_lens_q", "cu_seq_lens_k": int32 [n + 1], "max_length_q", "max_length_k": int}`` on the
-        positions' device (computing them syncs with the host once; do it in the data pipeline).
-    """
-    flat = position_ids.reshape(1, -1)
-    cu = _cu_from_positions(flat)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
-
-
-def _sp_state() -> ParallelState | None:
-    # No current state is the ordinary single-process case, not an error: core raises; we read it as "no SP".
-    try:
-        state = current_parallel_state()
-    except RuntimeError:
-        return None
-    return state if state.dims.sp > 1 else None
-
-
-def _check_padding_mask(mask: torch.Tensor, causal: bool, name: str) -> None:
-    if mask.dim() != 2 or mask.dtype != torch.bool:
-        raise NotImplementedError(
-            f"{name} takes no pre-built attention masks, only a 2-D padding mask; got {mask.dtype} "
-            f"{tuple(mask.shape)}. Causality comes from module.is_causal and packing from cu_seq_lens_q / "
-            "position_ids"
-        )
-    if not causal:
-        raise NotImplementedError(
-            f"{name}: padding masks with bidirectional attention are not supported; pack the sequences "
-            "instead (position_ids / cu_seq_lens_q, no attention_mask)"
-        )
-    # Right padding only: a kept token after a padded one would attend to the padding. On device: no sync.
-    left_padded = (mask[:, 1:] & ~mask[:, :-1]).any()
-    torch._assert_async(
-        ~left_padded,
-        f"{name} supports right padding only (a real token follows a padding token in attention_mask); "
-        "pad on the right or pack the sequences",
-    )
-
-
-def _packing(
-    kwargs: dict[str, Any],
-    batch: int,
-    seq_len: int,
-    *,
-    group: dist.ProcessGroup | None,
-    full_len: int | None,
-) -> tuple[torch.Tensor | None, int | None]:
-    """``(cu_seqlens int32 | None, max_seqlen | None)`` over the full sequence, from HF's attention kwargs."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and cu_k.shape != cu.shape:
-            raise NotImplementedError(
-                f"cu_seq_lens_k {tuple(cu_k.shape)} differs from cu_seq_lens_q {tuple(cu.shape)}: "
-                "veomni attention is self-attention over one packing"
-            )
-        max_len = kwargs.get("max_length_q")
-        # A tensor max_length (HF computes one that way) costs a sync to read; kernels that need it compute
-        # it themselves, so pass it on only when it is a python int.
-        return cu.to(torch.int32), max_len if isinstance(max_len, int) else None
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        return None, None
-    positions = positions.reshape(-1, positions.shape[-1]).expand(batch, -1)
-    if positions.shape[1] != seq_len:
-        raise ValueError(f"position_ids {tuple(positions.shape)} do not match {seq_len} query tokens")
-    if group is not None:
-        # Under SP each rank holds a shard of the positions; segments are a property of the whole sequence.
-        positions = gather_sequence(positions.contiguous(), group, dim=1, equal_sizes=True)[:, :full_len]
-    cu = _cu_from_positions(positions)
-    if cu.numel() - 1 == batch:
-        return None, None  # one sequence per row: an ordinary batch, which every kernel runs fastest unpacked
-    return cu, None
-
-
-def _cu_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """int32 ``[n + 1]`` segment offsets of the flattened ``[B, S]`` positions (one host sync: nonzero)."""
-    batch, seq = positions.shape
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    offsets = starts.reshape(-1).nonzero().reshape(-1)
-    end = offsets.new_full((1,), batch * seq)  # a fill: no blocking host -> device copy
-    return torch.cat([offsets, end]).to(torch.int32)
-
-
-def _run_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    kernel: Callable[..., torch.Tensor],
-    causal: bool,
-    cu_seqlens: torch.Tensor | None,
-    max_seqlen: int | None,
-    scale: float | None,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """``[B, S, H, D]`` in and out; with ``cu_seqlens`` the batch runs as one packed row of B * S tokens.
-
-    The optional features are passed on only when set, so kernels of the older signature keep working."""
-    batch, seq = q.shape[:2]
-    if cu_seqlens is not None and batch > 1:
-        q, k, v = (t.reshape(1, batch * seq, *t.shape[2:]) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    features = {
-        key: value
-        for key, value in (("window", window), ("sinks", sinks), ("softcap", softcap))
-        if value is not None
-    }
-    out = kernel(
-        q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale, **features
-    )
-    return out.reshape(batch, seq, *out.shape[2:])
 
 
 __all__ = [

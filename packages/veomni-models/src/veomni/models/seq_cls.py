@@ -35,7 +35,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from veomni.kernels import OpsConfig
-from veomni.models.hf_attention import _sp_state
+from veomni.models.hf_attention_inputs import current_sp_state
 from veomni.models.kernel_hooks import ATTR
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def sequence_classification_forward(
     Raises:
         NotImplementedError: under Ulysses SP (a current parallel state with ``sp > 1``).
     """
-    sp_state = _sp_state()
+    sp_state = current_sp_state()
     if sp_state is not None:
         # Each SP rank holds a slice of every row, so the pooled token (the row's last non-pad one) is on one rank
         # only; pooling the local slice would silently classify from the wrong position.
