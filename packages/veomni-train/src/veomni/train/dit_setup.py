@@ -72,7 +72,8 @@ def noising_config(recipe: Recipe) -> Any:
 def load_condition(recipe: Recipe, device: torch.device) -> Any:
     """The frozen `WanConditionModel` of ``dit.condition`` on ``device`` (a missing component or weight file: a
     `PreflightError` naming it)."""
-    from veomni.models.dit_condition import ConditionCheckpointError, WanConditionModel
+    from veomni.models.dit_condition import WanConditionModel
+    from veomni.models.wan_pipeline_dir import ConditionCheckpointError
 
     d = recipe.dit
     try:
@@ -99,8 +100,8 @@ class ConditionConfigs:
 def condition_configs(recipe: Recipe) -> ConditionConfigs:
     """Read `ConditionConfigs` from ``dit.condition`` without building any model (a missing component: a
     `PreflightError` naming it)."""
-    from veomni.models.dit_condition import ConditionCheckpointError, locate_wan_components
     from veomni.models.flow_matching import schedule_from_scheduler_config
+    from veomni.models.wan_pipeline_dir import ConditionCheckpointError, locate_wan_components
 
     try:
         parts = locate_wan_components(recipe.dit.condition, recipe.dit.mode)
