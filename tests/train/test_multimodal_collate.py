@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from veomni.models.qwen3_vl.collate import COLLATE, RowSplit, SequenceSplit, TensorRule
 from veomni.train.data.encode import Sample
-from veomni.train.data.multimodal import MediaSample, collate_multimodal
+from veomni.train.data.multimodal_batch import MediaSample, collate_multimodal
 
 MERGE, WIDTH = 2, 24
 

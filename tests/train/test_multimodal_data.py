@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.train.data import DataError, RowRef
 from veomni.train.data.encode import load_tokenizer
-from veomni.train.data.multimodal import MultimodalEncoder, collate_multimodal, load_image_processor
+from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
+from veomni.train.data.multimodal_batch import collate_multimodal
 
 QUICKSTART = Path(__file__).parents[2] / "packages/veomni-train/src/veomni/train/assets/quickstart/tokenizer"
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]

@@ -20,7 +20,7 @@ from test_multimodal_data import IMAGE, REF, START, VIDEO, png
 from test_omni_train import A_START, AUDIO, MELS, make_omni_dir, omni_recipe, row, tone
 
 from veomni.train.data.encode import Sample
-from veomni.train.data.multimodal import collate_multimodal
+from veomni.train.data.multimodal_batch import collate_multimodal
 
 STEPS = 2
 LAYOUTS = [(1, 2), (2, 2)]  # (sp, ep) on 2 ranks; dp_shard fills the rest

@@ -23,7 +23,7 @@ from test_multimodal_data import IMAGE, QUICKSTART, REF, START, VIDEO, VISION_TO
 from test_vlm_train import vlm_recipe
 
 from veomni.train.data.encode import Sample
-from veomni.train.data.multimodal import collate_multimodal
+from veomni.train.data.multimodal_batch import collate_multimodal
 from veomni.train.data.sources import DataError
 
 AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]

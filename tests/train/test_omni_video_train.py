@@ -23,7 +23,7 @@ from test_multimodal_data import REF, START, VIDEO, png
 from test_omni_train import AUDIO, MELS, TEMPLATE, _sample, make_omni_dir, omni_recipe, thinker_config, tone
 
 from veomni.train.data.encode import Sample
-from veomni.train.data.multimodal import collate_multimodal
+from veomni.train.data.multimodal_batch import collate_multimodal
 from veomni.train.data.sources import DataError
 
 VIDEO_TEMPLATE = TEMPLATE.replace(

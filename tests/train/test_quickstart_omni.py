@@ -30,7 +30,7 @@ def exported(tmp_path_factory) -> Path:
 
 def _answer_logprob(model, encoder, row: dict, answer: str) -> float:
     from veomni.train.data.encode import Sample
-    from veomni.train.data.multimodal import collate_multimodal
+    from veomni.train.data.multimodal_batch import collate_multimodal
     from veomni.train.data.sources import RowRef
 
     row = {"messages": [row["messages"][0], {"role": "assistant", "content": answer}]}

@@ -122,7 +122,7 @@ def test_expansion_and_positions_equal_the_processor_and_upstream(media, family)
 
     from veomni.models.registry import MODELS
     from veomni.train.data.encode import Sample
-    from veomni.train.data.multimodal import collate_multimodal
+    from veomni.train.data.multimodal_batch import collate_multimodal
 
     config = tiny_config(family)
     layout = MODELS.model_class(config, "image_text_to_text").cls(config).vision_collate_metadata()

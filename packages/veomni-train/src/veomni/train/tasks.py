@@ -253,7 +253,7 @@ def data_positions(config: PretrainedConfig) -> Qwen2VLPositions | None:
 class VlmTask(TextTask):
     """Image-text-to-text training (``data.kind: multimodal``): `TextTask` plus the vision inputs.
 
-    The batch (`veomni.train.data.multimodal.collate_multimodal`, laid out by the model's collate table
+    The batch (`veomni.train.data.multimodal_batch.collate_multimodal`, laid out by the model's collate table
     `veomni.models.qwen3_vl.collate.COLLATE`) carries 4-row mrope ``position_ids`` (this SP rank's slice), the
     full micro-batch's ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw`` on
     every SP rank (the model slices the tower's input itself), or None for a modality the micro-batch lacks (the

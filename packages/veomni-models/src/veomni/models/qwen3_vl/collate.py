@@ -1,7 +1,7 @@
 """Qwen3-VL's collate table: for each tensor a multimodal micro-batch carries beside the text batch, how the
 samples' arrays are packed, whether and how the result is split under Ulysses SP, and how it is padded.
 
-The collator (`veomni.train.data.multimodal.collate_multimodal`) interprets `COLLATE` and holds no per-key code;
+The collator (`veomni.train.data.multimodal_batch.collate_multimodal`) interprets `COLLATE` and holds no per-key code;
 the model consumes exactly what the table describes (`veomni.models.qwen3_vl.sp`):
 
 ==================== ================= ==================== ======================================================

@@ -23,7 +23,8 @@ from veomni.train.data.encode import (
     load_tokenizer,
 )
 from veomni.train.data.loader import DataTopology, EvalData, Step, TrainData
-from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, collate_multimodal
+from veomni.train.data.multimodal import MultimodalEncoder
+from veomni.train.data.multimodal_batch import MediaSample, collate_multimodal
 from veomni.train.data.packing import (
     IGNORE_INDEX,
     collate,

@@ -33,7 +33,7 @@ class Sample:
         trained: bool ``[n]``, ``trained[0]`` False.
         index: the row's index in its `RowSource`.
         truncated: whether the row was cut to ``max_seq_len``.
-        media: a multimodal row's `veomni.train.data.multimodal.MediaSample` (pixels, grids, mrope ids); None for
+        media: a multimodal row's `veomni.train.data.multimodal_batch.MediaSample` (pixels, grids, mrope ids); None for
             text rows.
     """
 

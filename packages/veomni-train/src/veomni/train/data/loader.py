@@ -136,7 +136,7 @@ class _PackedRows(Dataset):
     def __getitem__(self, key: Any) -> dict[str, Any]:
         if isinstance(key, str) and key == "padding":
             if self.multimodal:
-                from veomni.train.data.multimodal import multimodal_padding_batch
+                from veomni.train.data.multimodal_batch import multimodal_padding_batch
 
                 return multimodal_padding_batch(**self.collate_args)
             return padding_batch(**self.collate_args)
@@ -159,7 +159,7 @@ class _PackedRows(Dataset):
                 )
             samples.append(sample)
         if self.multimodal:
-            from veomni.train.data.multimodal import collate_multimodal
+            from veomni.train.data.multimodal_batch import collate_multimodal
 
             batch = collate_multimodal(
                 samples, **self.collate_args, vision_metadata=self.encoder.vision_metadata
@@ -175,7 +175,7 @@ class _PackedRows(Dataset):
         ids = np.full(int(self.index.lengths[row]), self.collate_args["pad_id"], dtype=np.int64)
         media = None
         if self.multimodal:
-            from veomni.train.data.multimodal import MediaSample
+            from veomni.train.data.multimodal_batch import MediaSample
 
             no_grid = np.zeros((0, 3), dtype=np.int64)
             media = MediaSample(np.zeros((0, 1), np.float32), no_grid, self.encoder.positions(ids, no_grid))
