@@ -26,9 +26,9 @@ convention via `veomni.train.metrics`; recomputation not counted), peak allocate
 dp rank 0's document alone, equal across SP degrees at equal ``seq_len`` and ``model_steps_before``. Then the
 SP=P / SP=1 ratios at every length both ran.
 
-Attention: without ``--ops attention=...``, the OpsConfig default (``sdpa`` on CUDA): one document per sequence is
-a single packed segment, which the sdpa backend runs unmasked (cuDNN/flash SDPA). ``--ops attention=varlen``
-(torch.nn.attention.varlen) measured 25.1% MFU at 128k against sdpa's 37.8% (docs/benchmarks.md).
+Attention: without ``--ops attention=...``, the OpsConfig default (``varlen`` on CUDA): one document per sequence
+is a single packed segment, which both the varlen and the sdpa backend run on SDPA's unmasked kernels (cuDNN /
+flash). torch's varlen_attn itself measured 25.1% MFU at 128k against SDPA's 37.8% (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def default_ops(requested: dict[str, str]) -> tuple[dict[str, str], str]:
     """``requested`` and why its attention backend runs (for the JSON)."""
     if "attention" in requested:
         return requested, "given with --ops"
-    # One document per SP group: the sdpa backend sees a single segment and runs SDPA unmasked (cuDNN/flash on
+    # One document per SP group: the attention backend sees a single segment and runs SDPA unmasked (cuDNN/flash on
     # CUDA). Measured on 4 x H200 at 128k: 37.8% MFU against 25.1% with attention=varlen (docs/benchmarks.md).
-    return requested, "OpsConfig default (sdpa: one segment, so unmasked SDPA)"
+    return requested, "OpsConfig default (one segment, so unmasked SDPA)"
 
 
 def _hardware(device: torch.device) -> Hardware:
