@@ -152,7 +152,7 @@ def test_host_positions_equal_upstream_get_rope_index(name):
         assert kinds[0] == VIDEO and (kinds[1:] != kinds[:-1]).sum() >= 2  # video, audio, video again
 
 
-@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("name", ["video", "audio_in_video+audio+image"])
 def test_step_equals_upstream_forward_backward(name):
     ref, model = pair(seed=3)
     batch = video_batch(*ROWS[name], seed=4)
@@ -172,11 +172,3 @@ def test_step_equals_upstream_forward_backward(name):
     assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
     if "audio" in name:
         assert model.model.audio_tower.conv2d1.weight.grad.abs().sum() > 0
-
-
-def test_video_changes_the_loss_and_its_audio_track_too():
-    _, model = pair()
-    batch = video_batch(*ROWS["audio_in_video"])
-    base = model(**batch).loss
-    assert not torch.allclose(model(**{**batch, "pixel_values_videos": batch["pixel_values_videos"] * 2}).loss, base)
-    assert not torch.allclose(model(**{**batch, "input_features": batch["input_features"] * 2}).loss, base)
