@@ -5,8 +5,9 @@ frame lists, optionally with their audio tracks) for the Qwen2.5-Omni and Qwen3-
 `OmniEncoder` extends `MultimodalEncoder`:
 
 1. The chat template renders each audio part as ``<|audio_bos|><|AUDIO|><|audio_eos|>`` and each video part as
-   ``<|vision_bos|><|VIDEO|><|vision_eos|>`` (token names may differ; the ids are the thinker config's); the
-   placeholder counts must equal the row's parts (an error names the row).
+   ``<|vision_bos|><|VIDEO|><|vision_eos|>`` (token names may differ: the audio placeholder is the tokenizer's
+   declared ``audio_token``, else ``<|AUDIO|>``; the ids must be the thinker config's); the placeholder counts must
+   equal the row's parts (an error names the row).
 2. Each clip is decoded, resampled and turned into log-mel features by `veomni.train.data.audio` (the model's
    ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to
    ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images expand
@@ -55,6 +56,7 @@ from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, _expand
 from veomni.train.data.sources import DataError, RowRef
 
 AUDIO_TOKEN = "<|AUDIO|>"
+"""The audio placeholder where the tokenizer declares no ``audio_token`` (Qwen2.5-Omni's name)."""
 
 POSITIONS = {"qwen2_5_omni_thinker": Qwen2_5OmniPositions, "qwen3_omni_moe_thinker": Qwen3OmniMoePositions}
 """Thinker ``model_type`` -> its picklable host-side rules: mrope positions (``__call__``) and, where the audio
@@ -168,7 +170,10 @@ class OmniEncoder(MultimodalEncoder):
         super().__init__(
             tokenizer, image_processor, field, loss_mask_field, assistant_only, video_rule="", **kwargs
         )
-        self.audio_token_id = self._token_id(AUDIO_TOKEN, "model.task is omni")
+        # The processors read the tokenizer's declared audio token (Qwen3-Omni's is <|audio_pad|>); <|AUDIO|> is
+        # Qwen2.5-Omni's name where the tokenizer declares none.
+        self.audio_token = str(getattr(tokenizer, "audio_token", None) or AUDIO_TOKEN)
+        self.audio_token_id = self._token_id(self.audio_token, "model.task is omni")
         for name, token_id in (("audio_token_id", self.audio_token_id), ("image_token_id", self.image_token_id)):
             if getattr(thinker_config, name) != token_id:
                 raise DataError(
@@ -231,7 +236,7 @@ class OmniEncoder(MultimodalEncoder):
         audio_at = np.flatnonzero(ids == self.audio_token_id).tolist()
         if len(audio_at) != len(paths):
             raise DataError(
-                f"{ref}: {len(audio_at)} {AUDIO_TOKEN} placeholder(s) in the rendered conversation but {len(paths)} "
+                f"{ref}: {len(audio_at)} {self.audio_token} placeholder(s) in the rendered conversation but {len(paths)} "
                 "audio part(s) in the row; they must match one to one"
             )
         plans = [self._video_plan(video) for video in videos]
