@@ -108,8 +108,12 @@ def video_batch(items: list[tuple], use_audio_in_video: bool, seed: int = 0) -> 
         batch.update(pixel_values=torch.cat(images), image_grid_thw=torch.tensor(image_grids))
     if clips:
         width = max(c.shape[1] for c in clips)
-        batch["input_features"] = torch.stack([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in clips])
-        batch["feature_attention_mask"] = torch.stack([torch.arange(width) < c.shape[1] for c in clips]).long()
+        batch["input_features"] = torch.stack(
+            [torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in clips]
+        )
+        batch["feature_attention_mask"] = torch.stack(
+            [torch.arange(width) < c.shape[1] for c in clips]
+        ).long()
     return batch
 
 
@@ -142,7 +146,8 @@ def test_host_positions_equal_upstream_get_rope_index(name):
     got = host_positions(batch)
     np.testing.assert_array_equal(got, want[:, 0].numpy())
     video = (batch["input_ids"][0] == VIDEO).numpy()
-    assert len(set(got[0, video].tolist())) == batch["video_grid_thw"][:, 0].sum()  # one time step per grid step
+    steps = len(set(got[0, video].tolist()))
+    assert steps == batch["video_grid_thw"][:, 0].sum()  # one time step per grid step
     if batch["use_audio_in_video"]:  # merged by time: the track's temporal positions interleave the video's
         ids = batch["input_ids"][0].numpy()
         start = int(np.flatnonzero((ids[:-1] == V_START) & (ids[1:] == A_START))[0]) + 2
@@ -168,7 +173,9 @@ def test_step_equals_upstream_forward_backward(name):
         if theirs[key].grad is None:
             assert p.grad is None, key
             continue
-        torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=key: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad, theirs[key].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=key: f"{n}: {m}"
+        )
     assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
     if "audio" in name:
         assert model.model.audio_tower.conv2d1.weight.grad.abs().sum() > 0

@@ -39,12 +39,14 @@ def assets(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("omni_moe_video")
     processor = Path(make_omni_dir(root / "processor"))
     tokenizer = AutoTokenizer.from_pretrained(
-        str(processor), extra_special_tokens={"audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+        str(processor),
+        extra_special_tokens={"audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"},
     )
     tokenizer.chat_template = VIDEO_TEMPLATE
     tokenizer.save_pretrained(processor)
     config = json.loads((processor / "preprocessor_config.json").read_text())
-    config.update(chunk_length=3, n_samples=48000, nb_max_frames=300)  # a 3 s audio window: the 2.5 s tracks fit
+    # A 3 s audio window: the 2.5 s tracks fit.
+    config.update(chunk_length=3, n_samples=48000, nb_max_frames=300)
     (processor / "preprocessor_config.json").write_text(json.dumps(config))
     media = root / "media"
     media.mkdir()
@@ -80,7 +82,9 @@ def encoder(assets: dict, audio_in_video: bool = True):
 
     raw = moe_video_recipe(assets, "/tmp/unused")
     raw["data"]["use_audio_in_video"] = audio_in_video
-    return encoder_for(recipe_from_dict(raw).data, load_tokenizer(assets["processor"]), thinker_config=thinker_config())
+    return encoder_for(
+        recipe_from_dict(raw).data, load_tokenizer(assets["processor"]), thinker_config=thinker_config()
+    )
 
 
 def test_audio_in_video_expands_like_the_processor_with_upstream_positions(assets):
@@ -96,7 +100,12 @@ def test_audio_in_video_expands_like_the_processor_with_upstream_positions(asset
     frames = [f.shape[1] for f in sample.audio_features]
     assert frames == [50, 250]  # in text order: the 0.5 s tone, then the video's 2.5 s track
     tokens = [int(_get_feat_extract_output_lengths(torch.tensor(n))) for n in frames]
-    names = {VIDEO: "<|video_pad|>", AUDIO: "<|audio_pad|>", A_START: "<|audio_start|>", A_END: "<|audio_end|>"}
+    names = {
+        VIDEO: "<|video_pad|>",
+        AUDIO: "<|audio_pad|>",
+        A_START: "<|audio_start|>",
+        A_END: "<|audio_end|>",
+    }
     start = int(np.flatnonzero(ids == START)[0]) + 1  # the video's <|vision_start|> (the image's follows)
     stop = start + 2 * 8 * 8 // 4 + tokens[1] + 2
     want = hf_processor().replace_video_token(
@@ -135,7 +144,9 @@ def test_special_tokens_come_from_the_tokenizers_declarations(assets):
     tokenizer = AutoTokenizer.from_pretrained(assets["processor"])
     tokenizer.audio_eos_token = None
     data = recipe_from_dict(moe_video_recipe(assets, "/tmp/unused")).data
-    with pytest.raises(DataError, match="config has no audio_end_token_id and the tokenizer declares no audio_eos"):
+    with pytest.raises(
+        DataError, match="config has no audio_end_token_id and the tokenizer declares no audio_eos"
+    ):
         encoder_for(data, tokenizer, thinker_config=thinker_config())
     tokenizer.audio_token = "<|audio_pad|>"  # Qwen3-Omni's placeholder name, which this tokenizer lacks
     with pytest.raises(DataError, match=r"the tokenizer has no <\|audio_pad\|> token"):
@@ -150,7 +161,8 @@ def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
 
     torch.manual_seed(0)
     model = Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config()).eval()
-    with torch.no_grad():  # at the 0.02 init the clips' content barely reaches the LM (see test_qwen3_omni_moe)
+    # At the 0.02 init the clips' content barely reaches the LM (see test_qwen3_omni_moe).
+    with torch.no_grad():
         tower = model.model.audio_tower
         for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3, tower.conv_out):
             conv.weight.normal_(0.0, 0.2)
@@ -162,7 +174,9 @@ def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
         ids, trained, media = enc(row(video(name), answer="A clip."), REF)
         batch = collate_multimodal([Sample(ids, trained, 0, media=media)])
         with torch.no_grad():
-            return float(task.forward(model, batch, torch.device("cpu"), (batch["labels"] != -100).sum()).loss)
+            return float(
+                task.forward(model, batch, torch.device("cpu"), (batch["labels"] != -100).sum()).loss
+            )
 
     base = loss("v0.mov")
     assert math.isfinite(base)

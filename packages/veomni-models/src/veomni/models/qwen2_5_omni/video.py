@@ -245,7 +245,8 @@ def video_placeholder_ids(
         return np.full(t * per_frame, tokens.video, dtype=np.int64)
     # Temporal position of every video token, as the processor and get_rope_index compute it (cast to int there,
     # which cuts at the same integer chunk bounds).
-    video_times = video_token_times(grid, merge_size, second_per_grid, position_id_per_seconds).astype(np.int64)
+    times = video_token_times(grid, merge_size, second_per_grid, position_id_per_seconds)
+    video_times = times.astype(np.int64)
     per_chunk = int(position_id_per_seconds * seconds_per_chunk)
     video_chunks = _Thinker.get_chunked_index(None, video_times, per_chunk, 0)
     audio_chunks = _Thinker.get_chunked_index(None, np.arange(audio_tokens), per_chunk, 0)

@@ -128,7 +128,9 @@ def load_omni_video_rule(
     ``data.video_fps`` / ``data.video_max_frames`` / ``data.video_frame_pixels``; a config that cannot be used
     gives the reason as a string instead (data without videos needs none, and a video row reports it)."""
     if model_type not in VIDEO_RULES:
-        raise DataError(f"model.task is omni: expected a thinker of {sorted(VIDEO_RULES)}, found {model_type!r}")
+        raise DataError(
+            f"model.task is omni: expected a thinker of {sorted(VIDEO_RULES)}, found {model_type!r}"
+        )
     try:
         return VIDEO_RULES[model_type].from_pretrained(
             path, fps=fps, max_frames=max_frames, frame_pixels=frame_pixels
