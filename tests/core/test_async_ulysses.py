@@ -113,7 +113,7 @@ def _bad(ctx):
     from veomni.core.parallel_state import ParallelDims, build_parallel_state
 
     group = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type).sp_group
-    x = torch.randn(1, 4, 6)
+    x = torch.randn(1, 4, 6, device=ctx.device)
 
     def twice(t):
         yield "q", t.unflatten(-1, (2, 3))
