@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from veomni.core.compile import compile_stats
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.kernels import Hardware, detect_hardware
 from veomni.train import loop
@@ -144,6 +145,9 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
     info = {
         "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
         "attn_implementation": model.config._attn_implementation,
+        # Whether build_recipe_model compiled the blocks (async_ulysses keeps them eager) and the exchange mode.
+        "compiled_blocks": compile_stats(model) is not None,
+        "async_ulysses": recipe.parallel.async_ulysses,
         "fsdp": {"mesh": "dp_shard*sp (all ranks)", "compute_dtype": recipe.model.dtype, "param_dtype":
                  recipe.model.param_dtype, "reduce_dtype": "float32",
                  "reshard_after_forward": recipe.parallel.reshard_after_forward},
