@@ -235,20 +235,29 @@ def _say(line: str) -> None:
         print(f"[bench_dit_sp] {line}", flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every SP degree, write ``--out`` (rank 0) and return the JSON object."""
     args = parse_args(argv)
+    created_group = not dist.is_initialized()
     device = setup_distributed(args.device)
+    try:
+        return _run(args, device)
+    finally:
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     world = dist.get_world_size()
     degrees = sp_degrees(args.sp, world)
     result: dict[str, Any] = {
-        "benchmark": "bench_dit_sp (issue 18: Wan DiT Ulysses SP scaling)", "argv": sys.argv,
+        "benchmark": "bench_dit_sp (issue 18: Wan DiT Ulysses SP scaling)", "argv": list(sys.argv),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": world, "size": args.size, "config": SIZES[args.size][0],
         "tokens_per_sample": tokens_per_sample(args.size), "precision": args.precision, "runs": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        config_dir = write_config(args.size, tmp) if dist.get_rank() == 0 else None
-        shared = [config_dir]
+        shared = [write_config(args.size, tmp) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0)  # one host: rank 0's directory serves every rank
         for sp in degrees:
             _say(f"sp{sp}: start")
@@ -263,10 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)
             _say(json.dumps({k: v for k, v in record.items() if k != "losses"}))
-        dist.barrier()
-    dist.destroy_process_group()
-    return 0
+        dist.barrier()  # rank 0's config directory outlives every rank's build
+    return result
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
