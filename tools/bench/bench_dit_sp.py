@@ -25,7 +25,6 @@ A configuration that fails (out of memory, say) is recorded as ``{"error": ...}`
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -50,19 +49,17 @@ from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 from veomni.train.optim import build_adamw
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers live beside this
+from bench_common import max_over_ranks, release, sync  # noqa: E402
+from dit_contenders import WAN_T2V_1_3B  # noqa: E402
+
 GIB = 2**30
-# Wan2.1-I2V-14B-480P-Diffusers and Wan2.1-T2V-1.3B-Diffusers transformer/config.json (their __init__ arguments).
+# Wan2.1-I2V-14B-480P-Diffusers transformer/config.json (its __init__ arguments); T2V-1.3B's is dit_contenders'.
 WAN_I2V_14B: dict[str, Any] = {
     "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 36,
     "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
     "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": 1280,
     "added_kv_proj_dim": 5120, "rope_max_seq_len": 1024,
-}  # fmt: skip
-WAN_T2V_1_3B: dict[str, Any] = {
-    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
-    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
-    "added_kv_proj_dim": None, "rope_max_seq_len": 1024,
 }  # fmt: skip
 TINY: dict[str, Any] = WAN_I2V_14B | {
     "num_attention_heads": 4, "attention_head_dim": 12, "in_channels": 12, "out_channels": 4, "text_dim": 32,
@@ -169,7 +166,7 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
     for step in range(args.warmup + args.steps):
         batch = make_inputs(args, step, dp_rank, device)
         target = batch.pop("target")
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         with use_parallel_state(state):
             sample = model(**batch, return_dict=False)[0]
@@ -178,13 +175,13 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
             clip_grad_norm(model, 1.0, state)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()) * sp)
         _say(f"sp{sp} step {step + 1}/{args.warmup + args.steps}: {time.perf_counter() - start:.3f} s")
     step_s = statistics.median(times)
-    times_max = _max_over_ranks([step_s], device)[0]
+    times_max = max_over_ranks([step_s], device)[0]
     samples_per_step = world // sp
     tokens = tokens_per_sample(args.size)
     config, _, text_len, image_len = SIZES[args.size]
@@ -193,7 +190,7 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
 
         flops = DitFlops.for_model(WanTransformer3DModel(**config), text_len, image_len).sample(tokens)
     peak = peak_flops(device) if device.type == "cuda" else None
-    mem = _max_over_ranks(
+    mem = max_over_ranks(
         [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB]
         if device.type == "cuda" else [0.0, 0.0],
         device,
@@ -207,27 +204,14 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
         "attention": ops.attention, "wan_ops": {k: getattr(ops, k) for k in ("rms_norm", "rope")},
     }  # fmt: skip
     del model, optimizer
-    _free(device)
+    _free_and_reset(device)
     return record
 
 
-def _sync(device: torch.device) -> None:
+def _free_and_reset(device: torch.device) -> None:
+    release(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+        torch.cuda.reset_peak_memory_stats(device)  # each SP degree's peak on its own
 
 
 def _say(line: str) -> None:
@@ -266,7 +250,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             except Exception as err:  # noqa: BLE001 -- recorded, then the next configuration runs
                 record = {"sp": sp, "error": f"{type(err).__name__}: {err}"}
                 _say(traceback.format_exc())
-                _free(device)
+                _free_and_reset(device)
             result["runs"].append(record)
             if dist.get_rank() == 0:
                 with open(args.out, "w") as f:

@@ -61,6 +61,7 @@ from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.tasks import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
+from bench_common import max_over_ranks  # noqa: E402
 from bench_e2e import parse_ops  # noqa: E402
 
 GIB = 2**30
@@ -219,12 +220,6 @@ def _free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def measure(
     run: loop.Run,
     info: dict[str, Any],
@@ -253,7 +248,7 @@ def measure(
         seen.clear()
         _say(f"{label} step {step.step + 1}/{n}: {seconds[-1]:.3f} s, loss {losses[-1]:.5f}, "
              f"grad norm {norms[-1]:.4f}")  # fmt: skip
-    seconds = _max_over_ranks(seconds, device)  # a step ends when its slowest rank does
+    seconds = max_over_ranks(seconds, device)  # a step ends when its slowest rank does
     timed = seconds[args.warmup :]
     tokens = steps[0].tokens
     flops = run.task.flops_per_token * tokens + attention_flops(
@@ -267,7 +262,7 @@ def measure(
         "mfu": flops * len(timed) / sum(timed) / world / peak if peak else None,
     }  # fmt: skip
     if device.type == "cuda":
-        mem = _max_over_ranks(
+        mem = max_over_ranks(
             [before, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)], device
         )
         record |= {"memory_before_gib": mem[0] / GIB, "peak_allocated_gib": mem[1] / GIB,
