@@ -42,10 +42,11 @@ def _parity(ctx, case: dict):
 
     group = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type).sp_group
     b, s, hidden, hq, hkv, d, dv = (case[k] for k in ("b", "s", "hidden", "hq", "hkv", "d", "dv"))
-    layer = _layer(case["seed"], hidden, hq, hkv, d, dv)
+    layer = _layer(case["seed"], hidden, hq, hkv, d, dv).to(ctx.device)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(b, s, hidden, generator=gen, dtype=torch.float64, requires_grad=True)
-    probe = torch.randn(b, s, hq, dv, generator=gen, dtype=torch.float64)
+    # Drawn on the CPU (the same values on every rank and backend), then moved to the group's device.
+    x = torch.randn(b, s, hidden, generator=gen, dtype=torch.float64).to(ctx.device).requires_grad_()
+    probe = torch.randn(b, s, hq, dv, generator=gen, dtype=torch.float64).to(ctx.device)
     project, make = _projector(layer, hq, hkv, d, dv, case.get("order", "vqk"))
 
     ref = eager_attention(*(make[n](x) for n in "qkv"))  # one process, full sequence
@@ -112,7 +113,7 @@ def _bad(ctx):
     from veomni.core.parallel_state import ParallelDims, build_parallel_state
 
     group = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type).sp_group
-    x = torch.randn(1, 4, 6)
+    x = torch.randn(1, 4, 6, device=ctx.device)
 
     def twice(t):
         yield "q", t.unflatten(-1, (2, 3))

@@ -60,7 +60,7 @@ def _parity(ctx, case: dict) -> None:
     else:
         out = sp_cross_attention(q_local, k, v, cross_bshd, seq_dim=1, head_dim=2, causal=False)
     local_ref = slice_sequence(pad_to_multiple(ref.detach(), 1, ctx.world_size), 1, group)
-    keep = slice_sequence(pad_to_multiple(torch.ones(sq, dtype=torch.bool), 0, ctx.world_size), 0, group)
+    keep = slice_sequence(pad_to_multiple(torch.ones(sq, dtype=torch.bool, device=ctx.device), 0, ctx.world_size), 0, group)
     torch.testing.assert_close(out[:, keep], local_ref[:, keep], **TIGHT)
     # Padded query rows are dropped by the caller: they get no gradient signal.
     local_probe = slice_sequence(pad_to_multiple(probe, 1, ctx.world_size), 1, group)

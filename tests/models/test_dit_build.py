@@ -152,8 +152,13 @@ def _build_compare_export(ctx, src: str, out: str, load_mode: str) -> dict:
         name for name, m in model.named_modules() if type(m).__name__.startswith("FSDPWanTransformerBlock")
     ]
     full = gather_state_dict(model, pstate)
-    with torch.no_grad():
-        out_sample = model(*inputs()).sample
+    # cuDNN convolutions default to TF32 on CUDA (the patch embedding): fp32 here, to compare with the CPU run.
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    try:
+        with torch.no_grad():
+            out_sample = model(*inputs()).sample
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     export_diffusers(model, out, parallel_state=pstate)
     return {"blocks": blocks, "state": full, "sample": out_sample}
 
@@ -169,8 +174,10 @@ def test_fsdp2_build_and_export_match_diffusers(dist_pools, wan, tmp_path, world
         assert r["blocks"] == ["blocks.0", "blocks.1"]
         for key, value in ref.state_dict().items():
             assert torch.equal(r["state"][key].cpu(), value), key
-        # Each rank ran the whole batch: FSDP2 gathers the same weights, so the same output.
-        torch.testing.assert_close(r["sample"].cpu(), expected, rtol=0, atol=1e-6)
+        # Each rank ran the whole batch: FSDP2 gathers the same weights, so the same output (GPU fp32 kernels
+        # reduce in another order than the CPU reference).
+        atol = 1e-6 if backend == "gloo" else 1e-5
+        torch.testing.assert_close(r["sample"].cpu(), expected, rtol=0, atol=atol)
     back = from_pretrained(out)
     for key, value in ref.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key

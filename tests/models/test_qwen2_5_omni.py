@@ -246,3 +246,42 @@ def test_gpu_default_ops_match_upstream():
     model.to(torch.bfloat16)
     for tower in (model.model.audio_tower, model.model.visual):
         assert tower.dummy_forward().dtype == torch.bfloat16
+
+
+def test_norms_mlps_and_rope_go_through_the_kernel_set():
+    """Every RMSNorm (text and vision) and both MLPs (text, biased vision) call the instance's kernel set:
+    recording backends stand in for the kernels and must see every call (a module that kept upstream's code would
+    not); the model's loss stays upstream's. (The text RoPE is Qwen2-VL's adapter function, tested there.)"""
+    from loading_fixtures import EAGER
+
+    from veomni.kernels import OpsConfig
+    from veomni.models.build import build_model
+
+    ref, _ = pair()
+    model = build_model(tiny_config(), ops=OpsConfig(**{**EAGER, "attention": "sdpa", "rms_norm": "torch"}),
+                        task="any_to_any", init_device="cpu")  # fmt: skip
+    model.load_state_dict(ref.state_dict())
+    kernels = model.veomni_kernels
+    calls = {"rms_norm": 0, "swiglu": 0}
+    rms, table = kernels.get("rms_norm", "standard"), dict(kernels._table)
+
+    def counting_rms(*args, **kwargs):
+        calls["rms_norm"] += 1
+        return rms(*args, **kwargs)
+
+    def counting_swiglu(gate, up):
+        calls["swiglu"] += 1
+        return torch.nn.functional.silu(gate) * up
+
+    table[("rms_norm", "standard")], table[("swiglu", "standard")] = counting_rms, counting_swiglu
+    swapped = type(kernels)(kernels.config.__class__(**{**EAGER, "attention": "sdpa", "rms_norm": "torch",
+                                                        "swiglu": "triton"}), table, kernels._missing)  # fmt: skip
+    for module in model.modules():
+        object.__setattr__(module, "veomni_kernels", swapped)
+    norms = sum(type(m).__name__ == "Qwen2_5OmniRMSNorm" for m in model.modules())
+    mlps = sum(type(m).__name__ in ("Qwen2MLP", "Qwen2_5OmniMLP") for m in model.modules())
+    batch = omni_batch(MIXED)
+    want, got = ref(**batch), model(**batch)
+    # The vision tower runs once over all images, the text model once: one call per module.
+    assert calls == {"rms_norm": norms, "swiglu": mlps}, (calls, norms, mlps)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)

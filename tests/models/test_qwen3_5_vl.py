@@ -21,8 +21,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as upstream_moe
 
 from veomni.core.ep import apply_expert_plan
-from veomni.kernels import OpsConfig, detect_hardware
-from veomni.kernels.linear_attention.fla_support import fla_gated_delta_problem
+from veomni.kernels import KERNELS, OpsConfig, detect_hardware
 from veomni.models.build import build_model
 from veomni.models.export import export_hf
 from veomni.models.kernel_hooks import apply_ops
@@ -250,7 +249,7 @@ def test_gpu_defaults_match_upstream(moe):
     ref, model = ref.cuda(), model.cuda()
     apply_ops(model, OpsConfig(attention="sdpa", compile="off"))
     # fla, unless fla computes wrong gradients on this GPU / Triton (then the default is the oracle, with a warning).
-    broken = fla_gated_delta_problem(detect_hardware())
+    broken = KERNELS.backend_problem("gated_delta_rule", "fla", detect_hardware())  # incl. fla not installed
     assert model.veomni_kernels.config.gated_delta_rule == ("eager" if broken else "fla")
     batch = {k: v.cuda() for k, v in vlm_batch(MIXED, seed=2).items()}
     want, got = run(ref, batch), run(model, batch)

@@ -19,7 +19,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as upstream_model
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, slice_sequence
-from veomni.kernels import OpsConfig
+from veomni.kernels import KERNELS, OpsConfig, detect_hardware
 from veomni.models.hf_attention import packed_kwargs
 from veomni.models.kernel_hooks import apply_ops
 from veomni.models.qwen3_next.generated.patched_modeling_qwen3_next import Qwen3NextForCausalLM
@@ -291,6 +291,9 @@ def test_expert_parallel_matches_the_whole_model(dist_pools):
 def test_fla_kernels_match_the_eager_oracles_on_gpu(packed):
     # The whole adapter on fla's Gated DeltaNet kernels (and the CUDA defaults elsewhere) against the same weights on
     # the eager oracles; fp32 weights, TF32-level agreement (fla's matmuls).
+    problem = KERNELS.backend_problem("gated_delta_rule", "fla", detect_hardware())
+    if problem is not None:
+        pytest.skip(problem)  # fla not installed, or refused on this GPU / Triton (the registry's reason)
     _, eager = build_pair()
     eager = eager.cuda()
     fast = copy.deepcopy(eager)

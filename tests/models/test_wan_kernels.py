@@ -354,7 +354,7 @@ def test_sp_fsdp2_compiled_kernels_match_unsplit_diffusers(dist_pools, tmp_path,
 @pytest.mark.cuda
 @pytest.mark.parametrize("compile", ["off", "on"])
 def test_cuda_bf16_kernels_and_compiled_blocks_track_diffusers(tmp_path, compile):
-    # The GPU defaults (rms_norm/rope triton eager, varlen attention; compiled: inductor with the eager formulas)
+    # The GPU defaults (rms_norm/rope triton eager, sdpa attention via dit_ops; compiled: inductor, eager formulas)
     # on a Wan-shaped model of 1.3B's head size, bf16 with diffusers' fp32 modules, against diffusers' own.
     config = dict(T2V, num_attention_heads=4, attention_head_dim=128, ffn_dim=256, num_layers=2)
     torch.manual_seed(11)
@@ -364,7 +364,7 @@ def test_cuda_bf16_kernels_and_compiled_blocks_track_diffusers(tmp_path, compile
         str(tmp_path), weights=str(tmp_path), ops=OpsConfig(compile=compile, hardware=hw), device="cuda",
         dtype=torch.bfloat16,
     )  # fmt: skip
-    assert model.veomni_kernels.config.attention == "varlen"
+    assert model.veomni_kernels.config.attention == "sdpa"
     # ops=None: diffusers' own attention code in the same dtype policy (equal to from_pretrained: test_dit_build).
     ref = build_model(str(tmp_path), weights=str(tmp_path), ops=None, device="cuda", dtype=torch.bfloat16)
     batch = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in inputs().items()}

@@ -89,3 +89,14 @@ def test_check_catches_hand_edit_and_fix_repairs_it(
     generated.with_suffix(".diff").unlink()
     assert cli.main(["--check"]) == 1
     assert "missing" in capsys.readouterr().err
+
+
+def test_every_model_patch_config_is_registered() -> None:
+    """`patchgen --check` guards only registered configs: a model package with a patch_config.py left out of the
+    registry would let its generated file drift from the pinned transformers unnoticed (it happened to Qwen2-VL)."""
+    import veomni.models
+
+    models_dir = Path(veomni.models.__file__).parent
+    on_disk = {f"veomni.models.{p.parent.name}.patch_config" for p in models_dir.glob("*/patch_config.py")}
+    assert on_disk, models_dir
+    assert on_disk == set(registry.registered_configs()), sorted(on_disk ^ set(registry.registered_configs()))

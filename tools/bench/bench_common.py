@@ -42,6 +42,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value's maximum over the default process group's ranks (a step ends when its slowest rank does)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def release(device: torch.device) -> None:
     """Drop cached blocks between contenders so each starts from the same allocator state."""
     gc.collect()

@@ -64,6 +64,7 @@ from bench_e2e import _compile_seconds, _free, _sync  # noqa: E402
 from dit_contenders import (  # noqa: E402
     BUILDERS,
     NOT_BY_DEFAULT,
+    WAN_T2V_1_3B,
     DitSettings,
     backend_contenders,
     backend_problem,
@@ -72,13 +73,6 @@ from dit_contenders import (  # noqa: E402
 )
 
 GIB = 2**30
-# Wan2.1-T2V-1.3B-Diffusers transformer/config.json (its __init__ arguments).
-WAN_T2V_1_3B: dict[str, Any] = {
-    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
-    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
-    "added_kv_proj_dim": None, "rope_max_seq_len": 1024,
-}  # fmt: skip
 # The same architecture shrunk for CPU runs (head_dim 12 splits into Wan's t/h/w rotary thirds of 4).
 TINY: dict[str, Any] = WAN_T2V_1_3B | {
     "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4, "out_channels": 4, "text_dim": 32,

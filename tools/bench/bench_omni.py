@@ -48,6 +48,7 @@ from veomni.models.build import build_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import environment, error_text, median_ms, profile_calls, release, write_json  # noqa: E402
+from bench_e2e import parse_ops  # noqa: E402
 
 
 def thinker_config(tiny: bool) -> Qwen2_5OmniThinkerConfig:
@@ -151,7 +152,10 @@ def _video_tokens(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, au
 
 def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
     if name == "veomni":
-        ops = OpsConfig() if device.type == "cuda" else OpsConfig(attention="sdpa")
+        chosen = dict(args.veomni_ops)
+        if device.type != "cuda":
+            chosen.setdefault("attention", "sdpa")
+        ops = OpsConfig(**chosen)
         model = build_model(
             path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any"
         )
@@ -204,8 +208,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="torch AdamW implementation")
+    p.add_argument("--veomni-ops", default="", help="OpsConfig overrides for veomni, e.g. compile=off,attention=sdpa")
     p.add_argument("--profile-dir", default=None, help="profile one more step per contender: top ops to DIR/")
     args = p.parse_args(argv)
+    try:
+        args.veomni_ops = parse_ops(args.veomni_ops)
+    except ValueError as err:
+        p.error(str(err))
     if args.optimizer == "fused" and not torch.cuda.is_available():
         args.optimizer = "foreach"  # fused AdamW is a CUDA kernel
     if args.tiny and args.seq_len == 4096:

@@ -103,9 +103,9 @@ def contender_row(model: torch.nn.Module, inputs: dict[str, Any], device: torch.
     row["tokens_per_s"] = tokens / (row["ms"] / 1e3)
     row["loss"] = float(loss)
     with torch.no_grad():
-        row["_logits"] = (
-            model(**{k: v for k, v in kwargs.items() if k != "shift_labels"}).logits.float().cpu()
-        )
+        # Without labels: a fused cross-entropy (veomni's CUDA default) never materialises logits when it has them.
+        unlabelled = {k: v for k, v in kwargs.items() if k not in ("labels", "shift_labels")}
+        row["_logits"] = model(**unlabelled).logits.float().cpu()
     return row
 
 

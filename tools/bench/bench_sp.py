@@ -26,9 +26,9 @@ convention via `veomni.train.metrics`; recomputation not counted), peak allocate
 dp rank 0's document alone, equal across SP degrees at equal ``seq_len`` and ``model_steps_before``. Then the
 SP=P / SP=1 ratios at every length both ran.
 
-Attention: without ``--ops attention=...``, the OpsConfig default (``sdpa`` on CUDA): one document per sequence is
-a single packed segment, which the sdpa backend runs unmasked (cuDNN/flash SDPA). ``--ops attention=varlen``
-(torch.nn.attention.varlen) measured 25.1% MFU at 128k against sdpa's 37.8% (docs/benchmarks.md).
+Attention: without ``--ops attention=...``, the OpsConfig default (``varlen`` on CUDA): one document per sequence
+is a single packed segment, which both the varlen and the sdpa backend run on SDPA's unmasked kernels (cuDNN /
+flash). torch's varlen_attn itself measured 25.1% MFU at 128k against SDPA's 37.8% (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from veomni.core.compile import compile_stats
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.kernels import Hardware, detect_hardware
 from veomni.train import loop
@@ -60,6 +61,7 @@ from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.tasks import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
+from bench_common import max_over_ranks  # noqa: E402
 from bench_e2e import parse_ops  # noqa: E402
 
 GIB = 2**30
@@ -109,9 +111,9 @@ def default_ops(requested: dict[str, str]) -> tuple[dict[str, str], str]:
     """``requested`` and why its attention backend runs (for the JSON)."""
     if "attention" in requested:
         return requested, "given with --ops"
-    # One document per SP group: the sdpa backend sees a single segment and runs SDPA unmasked (cuDNN/flash on
+    # One document per SP group: the attention backend sees a single segment and runs SDPA unmasked (cuDNN/flash on
     # CUDA). Measured on 4 x H200 at 128k: 37.8% MFU against 25.1% with attention=varlen (docs/benchmarks.md).
-    return requested, "OpsConfig default (sdpa: one segment, so unmasked SDPA)"
+    return requested, "OpsConfig default (one segment, so unmasked SDPA)"
 
 
 def _hardware(device: torch.device) -> Hardware:
@@ -144,6 +146,9 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
     info = {
         "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
         "attn_implementation": model.config._attn_implementation,
+        # Whether build_recipe_model compiled the blocks (async_ulysses keeps them eager) and the exchange mode.
+        "compiled_blocks": compile_stats(model) is not None,
+        "async_ulysses": recipe.parallel.async_ulysses,
         "fsdp": {"mesh": "dp_shard*sp (all ranks)", "compute_dtype": recipe.model.dtype, "param_dtype":
                  recipe.model.param_dtype, "reduce_dtype": "float32",
                  "reshard_after_forward": recipe.parallel.reshard_after_forward},
@@ -215,12 +220,6 @@ def _free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def measure(
     run: loop.Run,
     info: dict[str, Any],
@@ -249,7 +248,7 @@ def measure(
         seen.clear()
         _say(f"{label} step {step.step + 1}/{n}: {seconds[-1]:.3f} s, loss {losses[-1]:.5f}, "
              f"grad norm {norms[-1]:.4f}")  # fmt: skip
-    seconds = _max_over_ranks(seconds, device)  # a step ends when its slowest rank does
+    seconds = max_over_ranks(seconds, device)  # a step ends when its slowest rank does
     timed = seconds[args.warmup :]
     tokens = steps[0].tokens
     flops = run.task.flops_per_token * tokens + attention_flops(
@@ -263,7 +262,7 @@ def measure(
         "mfu": flops * len(timed) / sum(timed) / world / peak if peak else None,
     }  # fmt: skip
     if device.type == "cuda":
-        mem = _max_over_ranks(
+        mem = max_over_ranks(
             [before, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)], device
         )
         record |= {"memory_before_gib": mem[0] / GIB, "peak_allocated_gib": mem[1] / GIB,

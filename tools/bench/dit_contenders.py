@@ -46,6 +46,14 @@ from veomni.kernels.hardware import Hardware, detect_hardware
 from veomni.models.build import block_patterns, build_model
 from veomni.train.optim import build_adamw, param_groups
 
+# Wan2.1-T2V-1.3B-Diffusers transformer/config.json (its __init__ arguments).
+WAN_T2V_1_3B: dict[str, Any] = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
+    "added_kv_proj_dim": None, "rope_max_seq_len": 1024,
+}  # fmt: skip
+
 # Backends that train on CUDA only (torch's cuDNN / memory-efficient / flash SDPA kernels, flash-attn, sage,
 # xformers; FlexAttention has no backward on CPU), and those that take bf16/fp16 inputs only.
 CUDA_ONLY = {"_native_cudnn", "_native_efficient", "_native_flash", "flex", "flash", "flash_varlen", "_flash_3",

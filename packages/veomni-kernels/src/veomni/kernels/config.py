@@ -132,6 +132,12 @@ class OpsConfig:
         object.__setattr__(changed, "defaulted", self.defaulted)
         return changed
 
+    def with_compile(self, compile: str) -> OpsConfig:
+        """This config with ``compile`` (auto / on / off) replaced; ``defaulted`` is unchanged."""
+        changed = attrs.evolve(self, compile=compile)
+        object.__setattr__(changed, "defaulted", self.defaulted)
+        return changed
+
     def for_compiled_blocks(self) -> OpsConfig:
         """This config for a model whose decoder blocks ``torch.compile`` traces: each *defaulted* field in
         ``COMPILED_BLOCK_DEFAULTS`` takes the backend inductor fuses best there (the eager formula); explicit

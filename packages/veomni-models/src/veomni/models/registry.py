@@ -307,6 +307,13 @@ class ModelRegistry:
         text_only = task in ("causal_lm", "base") and not isinstance(config, DiffusersConfig)
         fast = {"sp"} if text_only and getattr(cls, "_supports_attention_backend", False) else set()
         off = [FAST_PATHS[p] for p in FAST_PATHS if p not in fast]
+        if isinstance(config, DiffusersConfig) and config.class_name == "WanTransformer3DModel":
+            # Not through the registry's fast paths but bound by veomni.models.diffusers_build itself.
+            logger.info(
+                "WanTransformer3DModel: Ulysses SP (veomni.models.wan_sp) and veomni's RMSNorm / rotary / attention "
+                "kernels (veomni.models.wan_kernels, given an OpsConfig) are applied by build_model"
+            )
+            return ResolvedModel(cls, False, frozenset(fast))
         logger.warning(
             "%s %r is not registered with veomni: using %s.%s (%s). Off for this model: %s.%s",
             kind,
@@ -317,12 +324,6 @@ class ModelRegistry:
             "; ".join(off),
             " Ulysses SP still works through HF's attention interface." if fast else "",
         )
-        if isinstance(config, DiffusersConfig) and config.class_name == "WanTransformer3DModel":
-            # Not through the registry's fast paths but bound by veomni.models.diffusers_build itself.
-            logger.info(
-                "WanTransformer3DModel: Ulysses SP (veomni.models.wan_sp) and veomni's RMSNorm / rotary / attention "
-                "kernels (veomni.models.wan_kernels, given an OpsConfig) are applied by build_model all the same"
-            )
         return ResolvedModel(cls, False, frozenset(fast))
 
     def _auto_class(self, config: PretrainedConfig, task: str) -> type:

@@ -89,6 +89,7 @@ def build_recipe_model(
     if path == "fsdp2":
         if state.dims.world_size == 1:
             log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
+        ops = ops_for_async_ulysses(recipe, ops)
         model = build_model(
             config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
         )
@@ -113,6 +114,23 @@ def build_recipe_model(
     if policy.activation_checkpointing:
         apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)
     return model
+
+
+def ops_for_async_ulysses(recipe: Recipe, ops: Any) -> Any:
+    """``ops`` with eager blocks when ``parallel.async_ulysses`` is on and the blocks would compile by default
+    (``ops.compile: auto`` on CUDA): its all-to-alls run with ``async_op=True`` work handles, which torch.compile
+    cannot trace. An explicit ``ops.compile: on`` with it is a `PreflightError`."""
+    if not (recipe.parallel.async_ulysses and ops is not None and ops.compile_enabled):
+        return ops
+    if ops.compile == "on":
+        raise PreflightError(
+            "parallel.async_ulysses: true overlaps the exchange with async_op=True collectives, which torch.compile "
+            "cannot trace, but ops.compile is 'on'; set ops.compile to off or auto (auto keeps the blocks eager "
+            "under async_ulysses), or async_ulysses: false to keep compiled blocks"
+        )
+    log.info("parallel.async_ulysses: decoder blocks stay eager (ops.compile auto; the async all-to-alls cannot be "
+             "traced by torch.compile)")  # fmt: skip
+    return ops.with_compile("off")
 
 
 def _maybe_async_ulysses(recipe: Recipe, model: nn.Module) -> nn.Module:

@@ -169,12 +169,14 @@ class DataSection:
     video_frame_pixels: tuple[int, int] | None = _field(
         None,
         "kind=multimodal, model.task=omni: [min, max] pixels of one resized video frame (the processor call's "
-        "videos_kwargs size; None: Qwen2.5-Omni processor's own, 128 to 768 patches of 28 x 28)",
+        "videos_kwargs size; None: the thinker's processor's own, 128 to 768 merged patches: of 28 x 28 pixels for "
+        "Qwen2.5-Omni, 32 x 32 for Qwen3-Omni-MoE)",
     )
     use_audio_in_video: bool = _field(
         False,
         "kind=multimodal, model.task=omni: decode every video file's audio track and interleave it with the "
-        "video's frames per time chunk (the processor's use_audio_in_video); a video without audio is an error",
+        "video's frames by time (the processor's use_audio_in_video: per seconds_per_chunk chunk for Qwen2.5-Omni, "
+        "token by token for Qwen3-Omni-MoE); a video without audio is an error",
     )
     text_field: str = _field("text", "kind=text: the row's field holding the text")
     messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")

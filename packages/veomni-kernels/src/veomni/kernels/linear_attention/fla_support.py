@@ -1,4 +1,5 @@
-"""When flash-linear-attention's gated delta rule may be selected: a `Requirement.condition` (no fla import).
+"""When flash-linear-attention's gated delta rule may be selected: a `Requirement.condition` (no fla import;
+Triton's own version is read from the module).
 
 fla 0.6's gated chunk backward (``chunk_bwd_dqkwg``) computes wrong gradients on Hopper GPUs with Triton >= 3.4.0 and
 < 3.7.1 (fla issue #640); fla itself raises at the first *backward*, i.e. after a model is built, loaded and has run
@@ -8,7 +9,6 @@ default falls back to ``eager`` with a warning, an explicit ``gated_delta_rule: 
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import re
 
@@ -37,8 +37,12 @@ def fla_gated_delta_problem(hw: Hardware) -> str | None:
     if hw.device_type != "cuda" or hw.capability is None or hw.capability[0] != 9:
         return None
     try:
-        installed = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
+        # The module that will be imported (as fla reads it), not the distribution metadata: a Triton put first on
+        # the path (PYTHONPATH) can differ from the installed distribution's version.
+        import triton
+
+        installed = triton.__version__
+    except ImportError:
         return None  # without triton, fla does not import: its package requirement reports that
     release = _release(installed)
     low, high = _BROKEN_TRITON

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 from patchgen.config import PatchConfig
+from transformers.activations import SiLUActivation
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     BaseModelOutputWithPast,
@@ -67,6 +68,8 @@ from veomni.models.qwen2_5_omni.towers import (
     dummy_audio_inputs,
     dummy_pixel_inputs,
 )
+from veomni.models.qwen2_vl import patch_config as qwen2_vl
+from veomni.models.qwen3_vl import patch_config as qwen3_vl
 from veomni.models.qwen3_vl.sp import (
     gather_merged,
     scatter_visual_sp,
@@ -137,6 +140,41 @@ config.exclude_from_output(
     "RungeKutta4ODESolver",
     "kaiser_sinc_filter1d",
 )
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from transformers.activations import SiLUActivation")
+config.override_method(
+    "Qwen2_5OmniRMSNorm.forward",
+    description="RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter; text and vision blocks)",
+)(qwen3_vl.rms_norm_forward)
+config.override_method(
+    "Qwen2_5OmniAttention.forward",
+    description="RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin; "
+    "Qwen2-VL adapter)",
+)(qwen2_vl.text_attention_forward)
+
+
+@config.override_method(
+    "Qwen2MLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard') (the text MLP)"
+)
+@config.override_method(
+    "Qwen2_5OmniMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard') (the vision MLP, biased)"
+)
+def mlp_forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None and kernels.config.swiglu != "eager":
+        # These MLPs keep no config: the activation module says whether silu(gate) * up is the maths.
+        if not isinstance(self.act_fn, SiLUActivation | nn.SiLU):
+            raise ValueError(
+                f"OpsConfig.swiglu={kernels.config.swiglu!r} computes silu(gate) * up, but {type(self).__name__}'s "
+                f"activation is {type(self.act_fn).__name__}; set swiglu='eager'"
+            )
+        swiglu = kernels.get("swiglu", "standard")
+        return self.down_proj(swiglu(self.gate_proj(hidden_state), self.up_proj(hidden_state)))
+    return self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
 
 
 # ------------------------------------------------------------------------------------------------ towers

@@ -81,7 +81,6 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
                 patch size, or ``fps <= 0``.
             OSError: no config file at ``path``.
         """
-        from transformers import Qwen2_5OmniProcessor
         from transformers.video_processing_utils import BaseVideoProcessor
 
         found, _ = BaseVideoProcessor.get_video_processor_dict(path)
@@ -98,7 +97,7 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
                 "(PIL codes of nearest, bilinear, bicubic)"
             )
         # The processor passes its own size to the video processor on every call (its videos_kwargs default).
-        size = Qwen2_5OmniProcessor.videos_kwargs["size"]
+        size, default_fps = cls.processor_defaults()
         if frame_pixels is not None:
             size = {"shortest_edge": frame_pixels[0], "longest_edge": frame_pixels[1]}
         rule = cls(
@@ -107,7 +106,7 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
             merge_size=int(settings["merge_size"]),
             min_pixels=int(size["shortest_edge"]),
             max_pixels=int(size["longest_edge"]),
-            fps=float(fps if fps is not None else settings["fps"] or OMNI_DEFAULT_FPS),
+            fps=float(fps if fps is not None else settings["fps"] or default_fps),
             min_frames=int(settings["min_frames"]),
             max_frames=int(max_frames if max_frames is not None else settings["max_frames"]),
             # Upstream treats None as False (with a warning that the default will change).
@@ -129,6 +128,26 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
         if rule.fps <= 0:
             raise ValueError(f"the sampling fps must be > 0, found {rule.fps}")
         return rule
+
+    @classmethod
+    def processor_defaults(cls) -> tuple[dict[str, int], float]:
+        """The processor's call-time ``videos_kwargs["size"]`` (per-frame pixel bounds) and the fps its
+        ``video_second_per_grid`` assumes when none is passed: Qwen2.5-Omni's (a subclass names its processor's)."""
+        from transformers import Qwen2_5OmniProcessor
+
+        return dict(Qwen2_5OmniProcessor.videos_kwargs["size"]), OMNI_DEFAULT_FPS
+
+    def placeholder_ids(
+        self, grid: tuple[int, int, int], tokens: VideoTokens, second_per_grid: float, *, audio_tokens: int | None,
+        thinker_config: Any,
+    ) -> np.ndarray:  # fmt: skip
+        """What one video placeholder expands to in this thinker's layout: `video_placeholder_ids` with the
+        thinker config's ``position_id_per_seconds`` and ``seconds_per_chunk``; int64 ``[L]``."""
+        return video_placeholder_ids(
+            grid, self.merge_size, tokens, second_per_grid, audio_tokens=audio_tokens,
+            position_id_per_seconds=float(thinker_config.position_id_per_seconds),
+            seconds_per_chunk=float(thinker_config.seconds_per_chunk),
+        )  # fmt: skip
 
     @property
     def second_per_grid(self) -> float:
@@ -168,12 +187,34 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
 
 @attrs.frozen
 class VideoTokens:
-    """Token ids of the video placeholder layout (from the thinker config)."""
+    """Token ids of the video placeholder layout (from the thinker config; ``audio_end`` may come from the
+    tokenizer, and is None where neither names it: only a video with its audio track needs it)."""
 
     video: int
     audio: int
     audio_start: int
-    audio_end: int
+    audio_end: int | None
+
+    def with_audio(self, pieces: list[np.ndarray]) -> np.ndarray:
+        """``pieces`` (the interleaved video and audio tokens of one clip) between the audio start and end tokens,
+        int64 ``[L]``."""
+        if self.audio_end is None:
+            raise ValueError(
+                "a video with its audio track needs the audio end token id, but neither the thinker config "
+                "(audio_end_token_id) nor the tokenizer (audio_eos_token) gives one"
+            )
+        return np.concatenate([[self.audio_start], *pieces, [self.audio_end]]).astype(np.int64)
+
+
+def video_token_times(
+    grid: tuple[int, int, int], merge_size: int, second_per_grid: float, position_id_per_seconds: float
+) -> np.ndarray:
+    """Temporal position (before the clip's start offset) of every LLM video token of a ``(t, h, w)`` grid, in
+    token order: ``t_index * second_per_grid * position_id_per_seconds``, one value per merged patch; float64
+    ``[t * h * w / merge**2]`` (the processors' numpy arithmetic)."""
+    t, h, w = (int(v) for v in grid)
+    per_frame = h * w // merge_size**2
+    return np.repeat(np.arange(t) * float(second_per_grid) * float(position_id_per_seconds), per_frame)
 
 
 def video_placeholder_ids(
@@ -204,15 +245,15 @@ def video_placeholder_ids(
         return np.full(t * per_frame, tokens.video, dtype=np.int64)
     # Temporal position of every video token, as the processor and get_rope_index compute it (cast to int there,
     # which cuts at the same integer chunk bounds).
-    video_times = np.repeat((np.arange(t) * second_per_grid * position_id_per_seconds).astype(np.int64), per_frame)
+    times = video_token_times(grid, merge_size, second_per_grid, position_id_per_seconds)
+    video_times = times.astype(np.int64)
     per_chunk = int(position_id_per_seconds * seconds_per_chunk)
     video_chunks = _Thinker.get_chunked_index(None, video_times, per_chunk, 0)
     audio_chunks = _Thinker.get_chunked_index(None, np.arange(audio_tokens), per_chunk, 0)
-    pieces = [np.asarray([tokens.audio_start])]
+    pieces = []
     for j in range(max(len(video_chunks), len(audio_chunks))):
         if j < len(video_chunks):
             pieces.append(np.full(video_chunks[j][1] - video_chunks[j][0], tokens.video))
         if j < len(audio_chunks):
             pieces.append(np.full(audio_chunks[j][1] - audio_chunks[j][0], tokens.audio))
-    pieces.append(np.asarray([tokens.audio_end]))
-    return np.concatenate(pieces).astype(np.int64)
+    return tokens.with_audio(pieces)

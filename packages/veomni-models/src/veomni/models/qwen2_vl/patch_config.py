@@ -67,7 +67,7 @@ config = PatchConfig(
 )
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 IMPORTS = (
-    "from veomni.models.kernel_hooks import apply_rope",
+    "from veomni.models.kernel_hooks import apply_rope, apply_rope_vision",
     "from veomni.models.causal_lm import lm_logits_and_loss",
     "from veomni.models.hf_attention import PREFIX",
     "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention",

@@ -54,8 +54,8 @@ def encoder_for(
 
             extractor = load_feature_extractor(tokenizer.name_or_path)
             kwargs["video_rule"] = no_video or load_omni_video_rule(
-                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames,
-                frame_pixels=data.video_frame_pixels,
+                tokenizer.name_or_path, thinker_config.model_type, fps=data.video_fps,
+                max_frames=data.video_max_frames, frame_pixels=data.video_frame_pixels,
             )  # fmt: skip
             return OmniEncoder(
                 *args, feature_extractor=extractor, thinker_config=thinker_config,
@@ -63,7 +63,9 @@ def encoder_for(
             )  # fmt: skip
         for key in ("use_audio_in_video", "video_frame_pixels"):
             if getattr(data, key) not in (None, False):
-                raise DataError(f"data.{key} is set, but only model.task=omni reads it (Qwen2.5-Omni's video rule)")
+                raise DataError(
+                    f"data.{key} is set, but only model.task=omni reads it (the omni thinkers' video rule)"
+                )
         if positions is not None:
             from veomni.train.data.qwen2_vl import Qwen2VLEncoder, load_qwen2_vl_video_rule
 

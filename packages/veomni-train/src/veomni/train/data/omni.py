@@ -1,27 +1,33 @@
 """Omni conversations (``data.kind: multimodal`` with ``model.task: omni``): the multimodal rows of
 `veomni.train.data.multimodal` plus audio parts ``{"type": "audio", "audio": <path>}`` and video parts (files or
-frame lists, optionally with their audio tracks) for the Qwen2.5-Omni thinker.
+frame lists, optionally with their audio tracks) for the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers.
 
 `OmniEncoder` extends `MultimodalEncoder`:
 
 1. The chat template renders each audio part as ``<|audio_bos|><|AUDIO|><|audio_eos|>`` and each video part as
-   ``<|vision_bos|><|VIDEO|><|vision_eos|>`` (token names may differ; the ids are the thinker config's); the
-   placeholder counts must equal the row's parts (an error names the row).
+   ``<|vision_bos|><|VIDEO|><|vision_eos|>`` (token names may differ: the audio placeholder is the tokenizer's
+   declared ``audio_token``, else ``<|AUDIO|>``; the ids must be the thinker config's); the placeholder counts must
+   equal the row's parts (an error names the row).
 2. Each clip is decoded, resampled and turned into log-mel features by `veomni.train.data.audio` (the model's
    ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to
    ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images expand
    exactly as for Qwen2.5-VL rows.
-3. Videos follow Qwen2.5-Omni's video rule (`veomni.models.qwen2_5_omni.video`: frames sampled at
-   ``data.video_fps``, else the config's, else 2 fps; ``video_second_per_grid = temporal_patch_size / fps``) and
-   each ``<|VIDEO|>`` becomes ``t * h * w / merge**2`` video tokens. With ``data.use_audio_in_video`` every video's
+3. Videos follow the thinker's video rule (`VIDEO_RULES`; both processors sample and resize through
+   ``Qwen2VLVideoProcessor``): frames sampled at ``data.video_fps``, else the video processor config's, else the
+   processor's default (2 fps for Qwen2.5-Omni, `veomni.models.qwen2_5_omni.video`; 1 fps for Qwen3-Omni-MoE,
+   `veomni.models.qwen3_omni_moe.video`), ``video_second_per_grid = temporal_patch_size / fps``, and each video
+   placeholder becomes ``t * h * w / merge**2`` video tokens. With ``data.use_audio_in_video`` every video's
    audio track is decoded (PyAV; a video without one is an error naming the file), resampled like an audio part,
-   and the placeholder becomes ``<|audio_bos|>``, per ``seconds_per_chunk`` chunk the video then the audio tokens,
-   ``<|audio_eos|>`` -- the processor's ``load_audio_from_video`` layout. Clips are ordered as their tokens appear.
+   and the placeholder becomes the audio start token, the video and audio tokens interleaved by time, the audio
+   end token -- the processor's ``load_audio_from_video`` layout: per ``seconds_per_chunk`` chunk the video then
+   the audio tokens for Qwen2.5-Omni, merged token by token at ``position_id_per_seconds`` for Qwen3-Omni-MoE
+   (whose config names no audio end token: the tokenizer's ``audio_eos_token`` is read). Clips are ordered as
+   their tokens appear.
 4. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`, or
    `veomni.models.qwen3_omni_moe.positions` for the Qwen3-Omni-MoE thinker, whose audio tower also has its own
    token rule: 13 tokens per 100 mel frames), with every clip's frame count, the video grids, seconds per grid
-   and the audio-in-video flag. Videos are Qwen2.5-Omni's only: the Qwen3-Omni-MoE thinker refuses them (its
-   processor's video layout is not written yet).
+   and the audio-in-video flag. Qwen3-Omni-MoE's positions must be whole numbers (``seconds_per_grid *
+   position_id_per_seconds`` integral): a row where they are not is an error naming it.
 5. `OmniMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
    `veomni.train.data.audio.collate_audio`: ``input_features`` / ``feature_attention_mask``, None without audio
    (the thinker then runs its audio tower's dummy forward), and concatenates ``video_second_per_grid``.
@@ -41,18 +47,27 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
-from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens, video_placeholder_ids
+from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens
 from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
+from veomni.models.qwen3_omni_moe.video import Qwen3OmniMoeVideoRule
 from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio, load_video_audio
 from veomni.train.data.media import ImageRef, VideoRef, load_video_frames
 from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, _expand
 from veomni.train.data.sources import DataError, RowRef
 
 AUDIO_TOKEN = "<|AUDIO|>"
+"""The audio placeholder where the tokenizer declares no ``audio_token`` (Qwen2.5-Omni's name)."""
 
 POSITIONS = {"qwen2_5_omni_thinker": Qwen2_5OmniPositions, "qwen3_omni_moe_thinker": Qwen3OmniMoePositions}
 """Thinker ``model_type`` -> its picklable host-side rules: mrope positions (``__call__``) and, where the audio
 tower's token rule is not Qwen2.5-Omni's (`veomni.train.data.audio.audio_features`), ``audio_tokens(frames)``."""
+
+VIDEO_RULES: dict[str, type[Qwen2_5OmniVideoRule]] = {
+    "qwen2_5_omni_thinker": Qwen2_5OmniVideoRule,
+    "qwen3_omni_moe_thinker": Qwen3OmniMoeVideoRule,
+}
+"""Thinker ``model_type`` -> its video rule: frame sampling and resizing (both thinkers' processors use
+``Qwen2VLVideoProcessor``), the processor's defaults and the placeholder layout (``placeholder_ids``)."""
 
 
 def thinker_positions(thinker_config: Any, *, use_audio_in_video: bool = False) -> Any:
@@ -102,17 +117,26 @@ def load_feature_extractor(path: str) -> Any:
 
 
 def load_omni_video_rule(
-    path: str, *, fps: float | None, max_frames: int | None, frame_pixels: tuple[int, int] | None = None
+    path: str,
+    model_type: str,
+    *,
+    fps: float | None,
+    max_frames: int | None,
+    frame_pixels: tuple[int, int] | None = None,
 ) -> Qwen2_5OmniVideoRule | str:
-    """`Qwen2_5OmniVideoRule.from_pretrained` at ``path`` with ``data.video_fps`` / ``data.video_max_frames`` /
-    ``data.video_frame_pixels``; a config that cannot be used gives the reason as a string instead (data without
-    videos needs none, and a video row reports it)."""
+    """The video rule of the thinker ``model_type`` (`VIDEO_RULES`) from ``path``'s video processor config, with
+    ``data.video_fps`` / ``data.video_max_frames`` / ``data.video_frame_pixels``; a config that cannot be used
+    gives the reason as a string instead (data without videos needs none, and a video row reports it)."""
+    if model_type not in VIDEO_RULES:
+        raise DataError(
+            f"model.task is omni: expected a thinker of {sorted(VIDEO_RULES)}, found {model_type!r}"
+        )
     try:
-        return Qwen2_5OmniVideoRule.from_pretrained(
+        return VIDEO_RULES[model_type].from_pretrained(
             path, fps=fps, max_frames=max_frames, frame_pixels=frame_pixels
         )
     except (OSError, ValueError) as err:
-        return f"{path} holds no usable Qwen2.5-Omni video processor config ({err})"
+        return f"{path} holds no usable video processor config for {model_type} ({err})"
 
 
 class OmniEncoder(MultimodalEncoder):
@@ -122,7 +146,7 @@ class OmniEncoder(MultimodalEncoder):
         tokenizer, image_processor, field, loss_mask_field, assistant_only, media_root, max_patches,
             vision_metadata: as for `MultimodalEncoder`.
         feature_extractor: the thinker's audio feature extractor (`load_feature_extractor`).
-        thinker_config: the ``Qwen2_5OmniThinkerConfig`` (token ids and the position rule).
+        thinker_config: the thinker's config (token ids, the position rule, the video layout's timing).
         video_rule: the thinker's video rule (`load_omni_video_rule`), or why there is none (rows with videos are
             then refused with it).
         use_audio_in_video: interleave every video's audio track with its frames (``data.use_audio_in_video``).
@@ -148,7 +172,10 @@ class OmniEncoder(MultimodalEncoder):
         super().__init__(
             tokenizer, image_processor, field, loss_mask_field, assistant_only, video_rule="", **kwargs
         )
-        self.audio_token_id = self._token_id(AUDIO_TOKEN, "model.task is omni")
+        # The processors read the tokenizer's declared audio token (Qwen3-Omni's is <|audio_pad|>); <|AUDIO|> is
+        # Qwen2.5-Omni's name where the tokenizer declares none.
+        self.audio_token = str(getattr(tokenizer, "audio_token", None) or AUDIO_TOKEN)
+        self.audio_token_id = self._token_id(self.audio_token, "model.task is omni")
         for name, token_id in (("audio_token_id", self.audio_token_id), ("image_token_id", self.image_token_id)):
             if getattr(thinker_config, name) != token_id:
                 raise DataError(
@@ -163,22 +190,25 @@ class OmniEncoder(MultimodalEncoder):
         self._audio_paths: list[str] = []
         # Placeholders are counted by the config's video token (the tokenizer may call it <|VIDEO|>).
         self.video_token_id = int(thinker_config.video_token_id)
+        self.thinker_config = thinker_config
         self.video_rule, self.no_video = None, video_rule if isinstance(video_rule, str) else ""
-        if thinker_config.model_type != "qwen2_5_omni_thinker":
-            # Qwen2.5-Omni's video rule and chunked layout (this module) are not the Qwen3-Omni-MoE processor's.
-            self.no_video = (
-                f"{thinker_config.model_type}: video rows are not supported yet (only the Qwen2.5-Omni thinker's "
-                "video layout is written)"
-            )
-            if use_audio_in_video:
-                raise DataError(f"data.use_audio_in_video: {self.no_video}")
-            return
         self.video_tokens = VideoTokens(
             self.video_token_id, self.audio_token_id, int(thinker_config.audio_start_token_id),
-            int(thinker_config.audio_end_token_id),
+            self._audio_end_id(thinker_config),
         )  # fmt: skip
-        self.chunking = (float(thinker_config.position_id_per_seconds), float(thinker_config.seconds_per_chunk))
+        if use_audio_in_video and self.video_tokens.audio_end is None:
+            raise DataError(
+                f"data.use_audio_in_video: a video's audio track ends with the audio end token, but the "
+                f"{thinker_config.model_type} config has no audio_end_token_id and the tokenizer declares no "
+                "audio_eos_token"
+            )
         if not isinstance(video_rule, str):
+            want = VIDEO_RULES[thinker_config.model_type]
+            if type(video_rule) is not want:
+                raise DataError(
+                    f"the {thinker_config.model_type} thinker needs a {want.__name__}, found "
+                    f"{type(video_rule).__name__}"
+                )
             if (video_rule.merge_size, video_rule.patch_width) != (self.merge, self.width):
                 self.no_video = (
                     f"the video processor (merge {video_rule.merge_size}, pixel rows of {video_rule.patch_width}) "
@@ -187,6 +217,15 @@ class OmniEncoder(MultimodalEncoder):
                 )
             else:
                 self.video_rule = video_rule
+
+    def _audio_end_id(self, thinker_config: Any) -> int | None:
+        """The audio end token id: the thinker config's (Qwen2.5-Omni), else the tokenizer's ``audio_eos_token``
+        (Qwen3-Omni-MoE's config names none; its processor reads the tokenizer's), else None."""
+        end = getattr(thinker_config, "audio_end_token_id", None)
+        if end is not None:
+            return int(end)
+        name = getattr(self.tokenizer, "audio_eos_token", None)
+        return None if name is None else self._token_id(str(name), "the tokenizer's audio_eos_token is set")
 
     def _extra_part(self, kind: str, part: dict[str, Any], ref: RowRef) -> None:
         self._audio_paths.append(audio_path(part["audio"], self.media_root, ref, len(self._audio_paths)))
@@ -199,7 +238,7 @@ class OmniEncoder(MultimodalEncoder):
         audio_at = np.flatnonzero(ids == self.audio_token_id).tolist()
         if len(audio_at) != len(paths):
             raise DataError(
-                f"{ref}: {len(audio_at)} {AUDIO_TOKEN} placeholder(s) in the rendered conversation but {len(paths)} "
+                f"{ref}: {len(audio_at)} {self.audio_token} placeholder(s) in the rendered conversation but {len(paths)} "
                 "audio part(s) in the row; they must match one to one"
             )
         plans = [self._video_plan(video) for video in videos]
@@ -226,10 +265,11 @@ class OmniEncoder(MultimodalEncoder):
         seconds = [self._second_per_grid(video) for video in videos]
         replacements = [(at, np.full(clip_tokens["audio", k], self.audio_token_id, np.int64))
                         for k, at in enumerate(audio_at)]  # fmt: skip
+        assert self.video_rule is not None or not video_at  # _video_ref refused the row otherwise
         for k, at in enumerate(video_at):
-            block = video_placeholder_ids(
-                plans[k][2], self.merge, self.video_tokens, seconds[k], audio_tokens=clip_tokens.get(("video", k)),
-                position_id_per_seconds=self.chunking[0], seconds_per_chunk=self.chunking[1],
+            block = self.video_rule.placeholder_ids(
+                plans[k][2], self.video_tokens, seconds[k], audio_tokens=clip_tokens.get(("video", k)),
+                thinker_config=self.thinker_config,
             )  # fmt: skip
             replacements.append((at, block))
         trained = trained & (ids != self.audio_token_id)

@@ -6,6 +6,10 @@
 # Regenerate: patchgen veomni.models.qwen2_5_omni.patch_config
 # Description: Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards for ranks without a modality, a checked audio scatter and the fused LM loss
 # Patches applied:
+#   - override_method Qwen2_5OmniRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter; text and vision blocks)
+#   - override_method Qwen2_5OmniAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin; Qwen2-VL adapter)
+#   - override_method Qwen2_5OmniMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (the vision MLP, biased)
+#   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (the text MLP)
 #   - override_method Qwen2_5OmniPreTrainedModel._init_weights: upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)
 #   - override_method Qwen2_5OmniAudioAttention.forward: veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
 #   - override_method Qwen2_5OmniVisionAttention.forward: veomni_* implementations: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
@@ -27,6 +31,8 @@
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import encoder_attention
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
+#   - add_import: from veomni.models.kernel_hooks import apply_rope
+#   - add_import: from transformers.activations import SiLUActivation
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -119,6 +125,8 @@ from veomni.models.qwen3_vl.sp import (
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import encoder_attention
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
+from veomni.models.kernel_hooks import apply_rope
+from transformers.activations import SiLUActivation
 
 
 logger = logging.get_logger(__name__)
@@ -1031,7 +1039,12 @@ class Qwen2_5OmniRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
+    # [PATCHED] RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter; text and vision blocks)
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        kernels = getattr(self, "veomni_kernels", None)
+        if kernels is not None and kernels.config.rms_norm != "eager":
+            # Same maths as below: normalise in fp32, cast to the input dtype, then scale by the weight.
+            return kernels.get("rms_norm", "standard")(hidden_states, self.weight, self.variance_epsilon)
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -1052,7 +1065,18 @@ class Qwen2_5OmniMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_state):
+    # [PATCHED] SwiGLU via kernels.get('swiglu', 'standard') (the vision MLP, biased)
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        kernels = getattr(self, "veomni_kernels", None)
+        if kernels is not None and kernels.config.swiglu != "eager":
+            # These MLPs keep no config: the activation module says whether silu(gate) * up is the maths.
+            if not isinstance(self.act_fn, SiLUActivation | nn.SiLU):
+                raise ValueError(
+                    f"OpsConfig.swiglu={kernels.config.swiglu!r} computes silu(gate) * up, but {type(self).__name__}'s "
+                    f"activation is {type(self.act_fn).__name__}; set swiglu='eager'"
+                )
+            swiglu = kernels.get("swiglu", "standard")
+            return self.down_proj(swiglu(self.gate_proj(hidden_state), self.up_proj(hidden_state)))
         return self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
 
 
@@ -1366,6 +1390,7 @@ class Qwen2_5OmniAttention(nn.Module):
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
 
+    # [PATCHED] RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin; Qwen2-VL adapter)
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -1374,19 +1399,15 @@ class Qwen2_5OmniAttention(nn.Module):
         past_key_values: Cache | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[FlashAttentionKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bsz, q_len, _ = hidden_states.size()
 
-        query_states = self.q_proj(hidden_states)
-        key_states = self.k_proj(hidden_states)
-        value_states = self.v_proj(hidden_states)
-
-        query_states = query_states.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        key_states = key_states.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        value_states = value_states.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
 
         cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -1394,7 +1415,6 @@ class Qwen2_5OmniAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -1404,10 +1424,9 @@ class Qwen2_5OmniAttention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             sliding_window=self.sliding_window,
-            position_ids=position_ids,  # pass positions for FA2
+            position_ids=position_ids,  # text positions of packed rows, for HF's flash implementations
             **kwargs,
         )
-
         attn_output = attn_output.reshape(bsz, q_len, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
@@ -1423,7 +1442,18 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_state):
+    # [PATCHED] SwiGLU via kernels.get('swiglu', 'standard') (the text MLP)
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        kernels = getattr(self, "veomni_kernels", None)
+        if kernels is not None and kernels.config.swiglu != "eager":
+            # These MLPs keep no config: the activation module says whether silu(gate) * up is the maths.
+            if not isinstance(self.act_fn, SiLUActivation | nn.SiLU):
+                raise ValueError(
+                    f"OpsConfig.swiglu={kernels.config.swiglu!r} computes silu(gate) * up, but {type(self).__name__}'s "
+                    f"activation is {type(self.act_fn).__name__}; set swiglu='eager'"
+                )
+            swiglu = kernels.get("swiglu", "standard")
+            return self.down_proj(swiglu(self.gate_proj(hidden_state), self.up_proj(hidden_state)))
         return self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
 
 

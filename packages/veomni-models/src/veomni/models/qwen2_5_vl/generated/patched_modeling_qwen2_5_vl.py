@@ -18,7 +18,7 @@
 #   - override_method Qwen2_5_VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
@@ -94,7 +94,7 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
     Qwen2_5_VLVisionConfig,
 )
 from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
@@ -351,7 +351,9 @@ class Qwen2_5_VLVisionAttention(nn.Module):
             self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         )
         cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rope_vision(
+            self, query_states, key_states, cos, sin, apply_rotary_pos_emb_vision
+        )
 
         # Under SP (sp_group from the tower's forward) every implementation name goes through the encoder entry:
         # only it runs the Ulysses exchange over this rank's slice of the packed tokens.
