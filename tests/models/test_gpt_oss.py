@@ -212,7 +212,9 @@ def test_clamped_experts_match_hf_forward_backward(backend):
     out = kernel(h, index, w, *leaves, limit=upstream.limit, alpha=upstream.alpha)
     out.backward(grad)
     torch.testing.assert_close(out.detach(), upstream(hidden, index, weights).detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
+    # The input gradient sums 2 experts x 36 products in another order than upstream's: one element in 324 came
+    # out 2e-5 apart on a 2-core CI machine (fp32 rounding at these magnitudes).
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=5e-5)
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-4)
     for leaf, ref in zip(leaves, GPT_OSS_EXPERTS.tensors(upstream), strict=True):
         torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-5, atol=1e-4)
