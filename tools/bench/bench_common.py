@@ -169,6 +169,10 @@ def profile_calls(
     if out_path is not None:
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
+        if device.type == "cuda":  # where the host's time goes too (a host-bound step shows it here)
+            table += "\n" + prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70
+            )
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         Path(out_path).write_text(table)
     if device.type != "cuda":
@@ -190,3 +194,44 @@ def union_us(intervals: Any) -> float:
         total += end - max(start, end_so_far)
         end_so_far = end
     return total
+
+
+def host_sync_sites(
+    run: Callable[[], object], device: torch.device, *, roots: tuple[str, ...] = ("veomni", "transformers"), top: int = 25
+) -> dict[str, Any] | None:
+    """Call ``run`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and count the synchronising CUDA calls
+    by the innermost stack frame under one of ``roots`` (package path fragments), so that each host sync of a step
+    is traced to the line that caused it. CUDA only (None elsewhere).
+
+    Returns ``{"host_syncs": total, "sites": [[count, "path:line function"], ...]}``, most frequent first."""
+    if device.type != "cuda":
+        return None
+    import traceback
+    import warnings
+    from collections import Counter
+
+    sites: Counter[str] = Counter()
+    previous = warnings.showwarning
+
+    def record(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchronizing" not in str(message):
+            previous(message, category, filename, lineno, file, line)
+            return
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if any(f"/{root}/" in f.filename for root in roots)]
+        frame = (ours or frames)[-1]
+        where = frame.filename.split("/site-packages/")[-1].split("/src/")[-1]
+        sites[f"{where}:{frame.lineno} {frame.name}"] += 1
+
+    sync(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+            sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = previous
+    return {"host_syncs": sum(sites.values()), "sites": [[n, s] for s, n in sites.most_common(top)]}

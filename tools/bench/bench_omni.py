@@ -20,9 +20,12 @@ video of N frames (``N / 2`` temporal patches of ``--video-side``**2 patches, sa
 
     python3 tools/bench/bench_omni.py --out omni_video.json --video-frames 16 --audio-in-video   # video + its audio
 
-Contenders: ``veomni`` (`build_model` with the default OpsConfig: veomni attention, fused linear cross-entropy;
-the towers and text layers otherwise run upstream's code, so the gain is the loss and attention path) and ``hf``
-(transformers' class, SDPA). Both train bf16 parameters with AdamW (fp32 would not fit a 7B thinker's optimizer
+Contenders: ``veomni`` (`build_model` with the default OpsConfig: veomni attention, fused linear cross-entropy,
+compiled blocks) and ``hf`` (transformers' class, SDPA). Each gets the batch its own trainer would hand the model:
+HF's processor output (the model derives mrope positions and the towers' segment tables on the device), and for
+veomni also what its collator computes on the host in the data-loader workers (the row's mrope ``position_ids``,
+the ViT window tables ``vision_metadata``, the audio chunk tables ``audio_metadata``), so its forward reads nothing
+back from the device but the placeholder counts; ``--veomni-inputs processor`` gives veomni HF's batch instead. Both train bf16 parameters with AdamW (fp32 would not fit a 7B thinker's optimizer
 state on one 80 GB GPU without sharding; ``--optimizer fused`` by default on CUDA, as both trainers use); the step is forward + backward + optimizer step. Reported: median step
 time, tokens/s, peak memory, and the first step's loss of each (they must agree to bf16 tolerance).
 """
@@ -47,7 +50,15 @@ from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import environment, error_text, median_ms, profile_calls, release, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    environment,
+    error_text,
+    host_sync_sites,
+    median_ms,
+    profile_calls,
+    release,
+    write_json,
+)
 from bench_e2e import parse_ops  # noqa: E402
 
 
@@ -59,7 +70,8 @@ def thinker_config(tiny: bool) -> Qwen2_5OmniThinkerConfig:
         # The vision start/end ids are not thinker-config fields in transformers 5.23 (the released config.json
         # carries them); the values are the released tokenizer's.
         return Qwen2_5OmniThinkerConfig(
-            vision_config={"hidden_size": 1280, "num_heads": 16}, vision_start_token_id=151652,
+            vision_config={"hidden_size": 1280, "num_heads": 16},
+            vision_start_token_id=151652,
             vision_end_token_id=151653,
         )
     return Qwen2_5OmniThinkerConfig(
@@ -89,7 +101,9 @@ def mixed_batch(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, devi
     if video is not None:
         fixed += 2 + len(video) - (audio_tokens + 2 if args.audio_in_video else 0)
     if fixed + 8 > args.seq_len:
-        raise SystemExit(f"--seq-len {args.seq_len} cannot hold the row's {fixed} audio, image and video tokens")
+        raise SystemExit(
+            f"--seq-len {args.seq_len} cannot hold the row's {fixed} audio, image and video tokens"
+        )
     rows = []
     for _ in range(args.rows):
         text = torch.randint(0, text_vocab, (args.seq_len - fixed,), generator=gen)
@@ -97,7 +111,11 @@ def mixed_batch(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, devi
         audio = [torch.tensor([config.audio_start_token_id]), torch.full((audio_tokens,), config.audio_token_id),
                  torch.tensor([config.audio_end_token_id])]  # fmt: skip
         if video is not None:
-            clip = [torch.tensor([config.vision_start_token_id]), video, torch.tensor([config.vision_end_token_id])]
+            clip = [
+                torch.tensor([config.vision_start_token_id]),
+                video,
+                torch.tensor([config.vision_end_token_id]),
+            ]
             audio = clip if args.audio_in_video else audio + clip
         rows.append(torch.cat([
             text[:third], *audio, text[third:2 * third], torch.tensor([config.vision_start_token_id]),
@@ -117,7 +135,9 @@ def mixed_batch(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, devi
     }
     if video is not None:
         grid = [args.video_frames // vc.temporal_patch_size, args.video_side, args.video_side]
-        batch["pixel_values_videos"] = torch.randn(args.rows * grid[0] * grid[1] * grid[2], width, generator=gen)
+        batch["pixel_values_videos"] = torch.randn(
+            args.rows * grid[0] * grid[1] * grid[2], width, generator=gen
+        )
         batch["video_grid_thw"] = torch.tensor([grid] * args.rows)
         batch["video_second_per_grid"] = torch.full((args.rows,), vc.temporal_patch_size / 2.0)
     out = {k: v.to(device) for k, v in batch.items()}
@@ -150,6 +170,41 @@ def _video_tokens(config: Qwen2_5OmniThinkerConfig, args: argparse.Namespace, au
     return torch.as_tensor(ids)
 
 
+def trainer_inputs(model: torch.nn.Module, batch: dict, config: Qwen2_5OmniThinkerConfig) -> dict:
+    """``batch`` plus what veomni's omni collator computes on the host (module docstring), on the batch's device.
+    Host work, as in the data-loader workers: not part of the timed step."""
+    from veomni.models.qwen2_5_omni.audio_layout import AudioChunks
+    from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
+
+    device = batch["input_ids"].device
+    cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
+    rows = cpu["input_ids"].shape[0]
+    frames = cpu["feature_attention_mask"].sum(-1)
+    positions = Qwen2_5OmniPositions(config, use_audio_in_video=bool(batch["use_audio_in_video"]))
+    video = cpu.get("video_grid_thw")
+    seconds = cpu.get("video_second_per_grid")
+    position_ids = torch.stack([
+        torch.as_tensor(positions(
+            cpu["input_ids"][r].numpy(), image_grid_thw=cpu["image_grid_thw"][r : r + 1].numpy(),
+            video_grid_thw=None if video is None else video[r : r + 1].numpy(),
+            audio_frames=frames[r : r + 1].numpy(),
+            second_per_grids=None if seconds is None else seconds[r : r + 1].numpy(),
+        )) for r in range(rows)
+    ], dim=1)  # fmt: skip
+    grids = torch.cat([g for g in (cpu["image_grid_thw"], video) if g is not None])
+    tables = {
+        "vision_metadata": model.vision_collate_metadata()(grids),
+        "audio_metadata": AudioChunks.from_config(config.audio_config)(
+            frames.tolist(), cpu["input_features"].shape[2]
+        ),
+    }
+    moved = {
+        name: {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in table.items()}
+        for name, table in tables.items()
+    }
+    return {**batch, **moved, "attention_mask": None, "position_ids": position_ids.to(device)}
+
+
 def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
     if name == "veomni":
         chosen = dict(args.veomni_ops)
@@ -159,6 +214,8 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
         model = build_model(
             path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any"
         )
+        if args.veomni_inputs == "trainer":
+            batch = trainer_inputs(model, batch, model.config)
     else:
         model = Upstream.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     model.train()
@@ -188,6 +245,7 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
     if args.profile_dir:
         out = os.path.join(args.profile_dir, f"omni_{name}.txt")
         row.update(profile_calls(step, device, out) or {})
+        row.update(host_sync_sites(step, device) or {})
     # The caller's release() frees the model once this frame (the closure's only owner) is gone.
     return row
 
@@ -207,8 +265,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="torch AdamW implementation")
-    p.add_argument("--veomni-ops", default="", help="OpsConfig overrides for veomni, e.g. compile=off,attention=sdpa")
+    p.add_argument(
+        "--optimizer", choices=("fused", "foreach"), default="fused", help="torch AdamW implementation"
+    )
+    p.add_argument(
+        "--veomni-ops", default="", help="OpsConfig overrides for veomni, e.g. compile=off,attention=sdpa"
+    )
+    p.add_argument(
+        "--veomni-inputs",
+        choices=("trainer", "processor"),
+        default="trainer",
+        help="veomni's batch: with its collator's host tables (trainer) or HF's batch (processor)",
+    )
     p.add_argument("--profile-dir", default=None, help="profile one more step per contender: top ops to DIR/")
     args = p.parse_args(argv)
     try:

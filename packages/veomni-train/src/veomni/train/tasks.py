@@ -388,6 +388,11 @@ class OmniTask(VlmTask):
         for key in OMNI_KEYS:
             value = batch.get(key)
             kwargs[key] = None if value is None else value.to(device, non_blocking=True)
+        tables = batch.get("audio_metadata")
+        if tables is not None:  # only thinkers with a host-side audio layout get one (`AUDIO_LAYOUTS`)
+            kwargs["audio_metadata"] = {
+                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in tables.items()
+            }
         return kwargs
 
     def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:

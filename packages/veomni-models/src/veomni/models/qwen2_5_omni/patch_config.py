@@ -5,6 +5,9 @@ out), with dummy tower forwards for ranks without a modality, a checked audio sc
   ``Qwen2_5OmniForConditionalGeneration`` that wires them. Nobody trains speech generation here; their checkpoint
   weights are ignored *and reported* at load (`veomni.models.qwen2_5_omni.checkpoint`), and ``enable_talker`` /
   ``generate(return_audio=True)`` on the thinker raise instead of doing nothing.
+* Host-side layouts: the collator's ``vision_metadata`` (`veomni.models.qwen2_5_vl.window.WindowIndex`) and
+  ``audio_metadata`` (`veomni.models.qwen2_5_omni.audio_layout.AudioChunks`) feed the towers their segment tables,
+  so a training forward reads nothing back from the device; without them the tables are derived once per forward.
 * Audio and vision attention: with a ``veomni_*`` implementation they call
   `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
   (audio chunks; vision windows or images), no per-chunk split or host sync; HF names run upstream's forwards.
@@ -24,8 +27,8 @@ out), with dummy tower forwards for ranks without a modality, a checked audio sc
 
 Ulysses SP: the language model runs on this rank's slice of ``input_ids`` / ``position_ids`` (required, ``[3, B,
 S_local]``, e.g. from `veomni.models.qwen2_5_omni.positions`) / labels; the audio tower slices its post-conv
-frames across the SP ranks and gathers them before pooling; the vision tower runs whole on every SP rank (correct,
-redundant: its SP slicing is future work); every rank scatters its token range of the features
+frames across the SP ranks and gathers them before pooling; the vision tower (Qwen2.5-VL's windowed forward, reused)
+embeds and attends each rank's slice of the window-ordered patches and gathers the merged tokens; every rank scatters its token range of the features
 (`veomni.models.qwen3_vl.sp.scatter_visual_sp`, counts checked over the full sequence). Regenerate with ``uv run patchgen veomni.models.qwen2_5_omni.patch_config``.
 """
 
@@ -59,15 +62,15 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention
+from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
     check_placeholder_count,
     check_thinker_sp_inputs,
     dummy_audio_inputs,
-    dummy_pixel_inputs,
 )
+from veomni.models.qwen2_5_vl import patch_config as qwen2_5_vl
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
 from veomni.models.qwen3_vl.sp import (
@@ -78,6 +81,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.qwen3_vl.vision import parallel_world_size
+from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 
 config = PatchConfig(
     source_module="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
@@ -89,15 +93,19 @@ use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mas
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import(
     "from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, "
-    "check_thinker_sp_inputs, dummy_audio_inputs, dummy_pixel_inputs"
+    "check_thinker_sp_inputs, dummy_audio_inputs"
 )
-config.add_import("from veomni.models.qwen3_vl.vision import parallel_world_size")
+config.add_import("from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size")
+config.add_import("from veomni.models.qwen2_5_vl.window import WindowIndex")
+config.add_import("from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids")
 config.add_import(
     "from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, "
     "sp_world_size"
 )
 config.add_import("from veomni.models.hf_attention import PREFIX")
-config.add_import("from veomni.models.hf_encoder_attention import encoder_attention")
+config.add_import("from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention")
+for block in qwen3_vl.config.post_import_blocks:  # _NO_MAX_SEQLEN
+    config.add_post_import_block(block)
 # The HF-named implementations run upstream's own attention forwards, unchanged.
 config.add_import("from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream")
 
@@ -222,8 +230,8 @@ def audio_attention_forward(
 
 @config.override_method(
     "Qwen2_5OmniVisionAttention.forward",
-    description="veomni_* implementations: encoder_attention on the packed patches and the tower's (window or "
-    "full) cu_seqlens; HF implementations: upstream's forward",
+    description="veomni_* implementations and SP: encoder_attention on the packed patches and the tower's (window "
+    "or full) cu_seqlens; HF implementations: upstream's forward",
 )
 def vision_attention_forward(
     self,
@@ -231,9 +239,12 @@ def vision_attention_forward(
     cu_seqlens: torch.Tensor,
     position_embeddings: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    sp_group=None,
     **kwargs,
 ) -> torch.Tensor:
-    if not (self.config._attn_implementation or "").startswith(PREFIX):
+    # Under SP (sp_group from the tower's forward) every implementation goes through the encoder entry: only it
+    # runs the Ulysses exchange over this rank's slice of the patches.
+    if sp_group is None and not (self.config._attn_implementation or "").startswith(PREFIX):
         return _upstream.Qwen2_5OmniVisionAttention.forward(
             self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs
         )
@@ -245,7 +256,7 @@ def vision_attention_forward(
     query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
     out = encoder_attention(
         self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
-        dropout=0.0 if not self.training else self.attention_dropout,
+        dropout=0.0 if not self.training else self.attention_dropout, sp_group=sp_group,
     )  # fmt: skip
     return self.proj(out.reshape(rows, -1).contiguous())
 
@@ -266,13 +277,27 @@ def audio_encoder_forward(
     aftercnn_lens (`torch.LongTensor` of shape `(num_clips,)`, *optional*):
         frames per clip after the convolutions (unused, as upstream).
     """
-    padded_feature, chunk_lengths = chunk_and_pad_features(
-        input_features, feature_lens, self.n_window, kwargs=kwargs
-    )
+    chunk_rows = kwargs.pop("chunk_rows", None)
+    if chunk_rows is not None:
+        # The host's layout (`veomni.models.qwen2_5_omni.audio_layout.AudioChunks`): the padded chunks gathered
+        # by index, every shape known on the host (upstream splits by chunk_lengths.tolist(): a host sync).
+        chunk_lengths = kwargs.pop("chunk_lengths")
+        frames = torch.cat([input_features.T, input_features.new_zeros(1, input_features.shape[0])])
+        padded_feature = frames[chunk_rows].view(chunk_lengths.shape[0], -1, frames.shape[1]).transpose(1, 2)
+    else:
+        padded_feature, chunk_lengths = chunk_and_pad_features(
+            input_features, feature_lens, self.n_window, kwargs=kwargs
+        )
     valid_indices = get_valid_indices(chunk_lengths, kwargs=kwargs)
     pool_indices = get_pool_indices(feature_lens, kwargs=kwargs)
     cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
     max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
+    implementation = self.config._attn_implementation or ""
+    if max_seqlen is None and implementation.startswith(PREFIX) and (
+        backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
+    ):
+        # Read once per forward, not once per layer (each read is a host sync).
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
     padded_feature = padded_feature.to(self.conv1.weight.dtype)
     frame_mask = torch.arange(padded_feature.shape[2], device=padded_feature.device) < chunk_lengths[:, None]
@@ -319,16 +344,19 @@ def audio_dummy_forward(self) -> torch.Tensor:
     return out.last_hidden_state.sum() * 0.0
 
 
-@config.override_method(
-    "Qwen2_5OmniVisionEncoder.dummy_forward",
-    description="injected: the vision tower on one merge x merge zero image, for ranks without image or video",
-)
-def vision_dummy_forward(self) -> torch.Tensor:
-    """Run the tower on one ``merge x merge`` zero image; a 0-d zero depending on the merger output.
-    dtype/device from the patch embedding's weight."""
-    pixels, grid = dummy_pixel_inputs(self.config, self.patch_embed.proj.weight)
-    out = self(pixels, grid_thw=grid, return_dict=True)
-    return out.pooler_output.sum() * 0.0
+_VISION_REUSED = (
+    ("Qwen2_5OmniVisionEncoder.forward", qwen2_5_vl.vision_forward,
+     "Qwen2.5-VL's windowed tower forward (the same tower): window layout and segment tables from the collator's "
+     "vision_metadata (host fallback), max_seqlen read once per forward, SP slicing of the patches"),
+    ("Qwen2_5OmniVisionEncoder.vision_layout", qwen2_5_vl.vision_layout,
+     "injected: the tower's picklable host-side layout (WindowIndex)"),
+    ("Qwen2_5OmniVisionEncoder.dummy_forward", qwen2_vl.vision_dummy_forward,
+     "injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media"),
+    ("Qwen2_5OmniThinkerForConditionalGeneration.vision_collate_metadata", qwen2_vl.vision_collate_metadata,
+     "injected: the tower's layout function (WindowIndex) the trainer's collator runs per micro-batch"),
+)  # fmt: skip
+for _target, _function, _description in _VISION_REUSED:
+    config.override_method(_target, description=f"{_description} (reused)")(_function)
 
 
 # ------------------------------------------------------------------------------------------------ thinker
@@ -375,6 +403,8 @@ def thinker_model_forward(
     use_audio_in_video: bool | None = None,
     video_second_per_grid: torch.LongTensor | None = None,
     mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+    vision_metadata: dict | None = None,
+    audio_metadata: dict | None = None,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple | BaseModelOutputWithPast:
     r"""
@@ -386,6 +416,12 @@ def thinker_model_forward(
         Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
     video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
         Seconds per temporal grid step of each video (mrope temporal positions).
+    vision_metadata (`dict`, *optional*):
+        The vision tower's window layout and segment tables for the micro-batch's images then videos
+        (`veomni.models.qwen2_5_vl.window.WindowIndex`, the trainer's collator runs it).
+    audio_metadata (`dict`, *optional*):
+        The audio tower's chunk layout of the micro-batch's clips
+        (`veomni.models.qwen2_5_omni.audio_layout.AudioChunks`); without it the layout is derived on the device.
     """
     if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
         raise ValueError(
@@ -406,7 +442,16 @@ def thinker_model_forward(
 
     # Every modality's features in sequence order, all of the micro-batch's (the towers run once per step).
     features: dict[str, torch.Tensor] = {}
-    if input_features is not None:
+    if input_features is not None and audio_metadata is not None:
+        # The host's layout: frames gathered by index and the tower's tables given, no host sync.
+        tables = dict(audio_metadata)
+        frame_index, tokens = tables.pop("frame_index"), tables.pop("audio_tokens")
+        frames = input_features.permute(0, 2, 1).reshape(-1, input_features.shape[1]).index_select(0, frame_index)
+        audio = self.audio_tower(frames.T, feature_lens=None, return_dict=True, **tables).last_hidden_state
+        if audio.shape[0] != tokens:
+            raise ValueError(f"the audio tower gave {audio.shape[0]} rows, audio_metadata expects {tokens}")
+        features["audio"] = audio
+    elif input_features is not None:
         features["audio"] = self.get_audio_features(
             input_features, feature_attention_mask, audio_feature_lengths, return_dict=True
         ).last_hidden_state
@@ -424,13 +469,14 @@ def thinker_model_forward(
         # One tower pass over every image and video (upstream makes one per modality): items attend only within
         # themselves (per-item windows and full attention), so this equals two passes, and every rank runs the
         # tower exactly once per step whatever mix it holds (FSDP's collectives must match across ranks).
-        pooled = self.get_image_features(
-            torch.cat([p for _, p, _ in runs], dim=0), torch.cat([g for _, _, g in runs], dim=0), return_dict=True
-        ).pooler_output
-        start = 0
-        for modality, _, grid in runs:
-            features[modality] = torch.cat(pooled[start : start + grid.shape[0]], dim=0)
-            start += grid.shape[0]
+        # The tower directly (get_image_features splits per item with a host sync), with the collator's tables.
+        pixels = torch.cat([p for _, p, _ in runs], dim=0).type(self.visual.dtype)
+        grids = torch.cat([g for _, _, g in runs], dim=0)
+        pooled = self.visual(pixels, grid_thw=grids, return_dict=True, **dict(vision_metadata or {})).pooler_output
+        start, merge = 0, self.visual.spatial_merge_size**2
+        for modality, rows, _ in runs:
+            features[modality] = pooled[start : start + rows.shape[0] // merge]
+            start += rows.shape[0] // merge
     for modality in ("image", "video"):
         if modality not in features and mm_encoder_outputs.get(modality) is not None:
             features[modality] = torch.cat(mm_encoder_outputs[modality].pooler_output, dim=0)
@@ -495,7 +541,7 @@ def thinker_model_forward(
 @config.override_method(
     "Qwen2_5OmniThinkerForConditionalGeneration.forward",
     description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs "
-    "the upstream head and loss",
+    "the upstream head and loss; the collator's vision_metadata / audio_metadata passed on",
 )
 def thinker_forward(
     self,
@@ -517,6 +563,8 @@ def thinker_forward(
     video_second_per_grid: torch.LongTensor | None = None,
     mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
     logits_to_keep: int | torch.Tensor = 0,
+    vision_metadata: dict | None = None,
+    audio_metadata: dict | None = None,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple | CausalLMOutputWithPast:
     r"""
@@ -528,6 +576,10 @@ def thinker_forward(
         Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
     video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
         Seconds per temporal grid step of each video (mrope temporal positions).
+    vision_metadata (`dict`, *optional*):
+        The vision tower's window layout and segment tables for the micro-batch's images then videos.
+    audio_metadata (`dict`, *optional*):
+        The audio tower's chunk layout of the micro-batch's clips (`AudioChunks`).
     """
     outputs = self.model(
         input_ids=input_ids,
@@ -546,6 +598,8 @@ def thinker_forward(
         use_audio_in_video=use_audio_in_video,
         video_second_per_grid=video_second_per_grid,
         mm_encoder_outputs=mm_encoder_outputs,
+        vision_metadata=vision_metadata,
+        audio_metadata=audio_metadata,
         **kwargs,
     )
     logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)

@@ -1,6 +1,6 @@
 """Hand-written pieces of the Qwen2.5-Omni thinker adapter that the generated modeling file calls.
 
-The dummy inputs of the audio and vision towers (ranks whose micro-batch lacks a modality still run the tower,
+The dummy input of the audio tower (ranks whose micro-batch lacks a modality still run the tower,
 so FSDP's collectives match across ranks), the audio placeholder check upstream skips (``masked_scatter``
 silently takes the first rows when counts differ) and the talker refusal.
 """
@@ -30,22 +30,6 @@ def dummy_audio_inputs(num_mel_bins: int, weight: torch.Tensor) -> tuple[torch.T
     """
     features = torch.zeros(num_mel_bins, _DUMMY_AUDIO_FRAMES, dtype=weight.dtype, device=weight.device)
     return features, torch.tensor([_DUMMY_AUDIO_FRAMES], dtype=torch.long, device=weight.device)
-
-
-def dummy_pixel_inputs(vision_config, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest valid vision-tower input: one image of ``merge x merge`` zero patches.
-
-    Args:
-        vision_config: the tower's config (``in_channels``, ``temporal_patch_size``, ``patch_size``,
-            ``spatial_merge_size``).
-        weight: a live tower weight; the dummy takes its dtype and device.
-    Returns:
-        ``(pixel rows [merge**2, C * T_patch * P * P] in weight's dtype, grid_thw int64 [1, 3] = [1, m, m])``.
-    """
-    merge = vision_config.spatial_merge_size
-    row = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
-    pixels = torch.zeros(merge * merge, row, dtype=weight.dtype, device=weight.device)
-    return pixels, torch.tensor([[1, merge, merge]], dtype=torch.long, device=weight.device)
 
 
 def check_placeholder_count(modality: str, mask: torch.Tensor, features: torch.Tensor) -> None:

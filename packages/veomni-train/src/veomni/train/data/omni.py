@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from veomni.models.qwen2_5_omni.audio_layout import AudioChunks
 from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
 from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens
 from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
@@ -61,6 +62,11 @@ AUDIO_TOKEN = "<|AUDIO|>"
 POSITIONS = {"qwen2_5_omni_thinker": Qwen2_5OmniPositions, "qwen3_omni_moe_thinker": Qwen3OmniMoePositions}
 """Thinker ``model_type`` -> its picklable host-side rules: mrope positions (``__call__``) and, where the audio
 tower's token rule is not Qwen2.5-Omni's (`veomni.train.data.audio.audio_features`), ``audio_tokens(frames)``."""
+
+AUDIO_LAYOUTS = {"qwen2_5_omni_thinker": AudioChunks}
+"""Thinker ``model_type`` -> its audio tower's picklable host-side chunk layout (``from_config(audio_config)``),
+whose tables the collator hands the model as ``audio_metadata`` (no host sync in the tower); thinkers without
+one derive the layout on the device."""
 
 VIDEO_RULES: dict[str, type[Qwen2_5OmniVideoRule]] = {
     "qwen2_5_omni_thinker": Qwen2_5OmniVideoRule,
@@ -85,20 +91,31 @@ class OmniMediaSample(MediaSample):
     Attributes:
         audio_features: float32 ``[num_mel_bins, frames_i]`` per clip, in text order (empty without audio).
         video_second_per_grid: float64 ``[v]``, one per video (the processor's ``video_second_per_grid``).
+        audio_layout: the thinker's host-side audio chunk layout (`AUDIO_LAYOUTS`), or None.
     """
 
     audio_features: tuple[np.ndarray, ...] = ()
     video_second_per_grid: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.float64))
+    audio_layout: Any = None
 
     @staticmethod
     def collate_extra(media: Sequence[OmniMediaSample]) -> dict[str, Any]:
         """``input_features`` float32 ``[clips, mels, frames]`` and ``feature_attention_mask`` int64 ``[clips,
-        frames]`` of every clip of the micro-batch (`collate_audio`), and ``video_second_per_grid`` float32
-        ``[videos]`` in ``video_grid_thw``'s order; each None without any clip / video. Nothing is sliced under SP
-        (the audio tower slices its frames itself; the seconds only matter where positions are not given)."""
+        frames]`` of every clip of the micro-batch (`collate_audio`), ``audio_metadata`` (the tower's chunk tables
+        from the samples' ``audio_layout``; None without a layout or a clip), and ``video_second_per_grid``
+        float32 ``[videos]`` in ``video_grid_thw``'s order; each None without any clip / video. Nothing is sliced
+        under SP (the audio tower slices its frames itself; the seconds only matter where positions are not
+        given)."""
         seconds = np.concatenate([m.video_second_per_grid for m in media])
+        clips = [f for m in media for f in m.audio_features]
+        audio = collate_audio(clips)
+        layout = media[0].audio_layout
+        audio["audio_metadata"] = (
+            None if layout is None or not clips
+            else layout([f.shape[1] for f in clips], audio["input_features"].shape[2])
+        )  # fmt: skip
         return {
-            **collate_audio([f for m in media for f in m.audio_features]),
+            **audio,
             "video_second_per_grid": torch.from_numpy(seconds.astype(np.float32)) if seconds.size else None,
         }
 
@@ -185,6 +202,8 @@ class OmniEncoder(MultimodalEncoder):
         self.feature_extractor = feature_extractor
         self.use_audio_in_video = use_audio_in_video
         self.positions = thinker_positions(thinker_config, use_audio_in_video=use_audio_in_video)
+        layout = AUDIO_LAYOUTS.get(thinker_config.model_type)
+        self.audio_layout = None if layout is None else layout.from_config(thinker_config.audio_config)
         # The audio paths of the row being parsed: `_parse` collects them through `_extra_part` (one row at a
         # time; an encoder is used by one worker thread).
         self._audio_paths: list[str] = []
@@ -336,7 +355,7 @@ class OmniEncoder(MultimodalEncoder):
         video_pixels = np.concatenate(video_rows) if video_rows else np.zeros((0, self.width), np.float32)
         return ids, trained, OmniMediaSample(
             pixels, grids, mrope, video_pixels, video_grid_thw, audio_features=tuple(layout.features),
-            video_second_per_grid=seconds,
+            video_second_per_grid=seconds, audio_layout=self.audio_layout,
         )  # fmt: skip
 
 

@@ -12,27 +12,33 @@
 #   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (the text MLP)
 #   - override_method Qwen2_5OmniPreTrainedModel._init_weights: upstream's init without the vocoder's up/down-sampling filters (those classes are excluded)
 #   - override_method Qwen2_5OmniAudioAttention.forward: veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
-#   - override_method Qwen2_5OmniVisionAttention.forward: veomni_* implementations: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
+#   - override_method Qwen2_5OmniVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
 #   - override_method Qwen2_5OmniAudioEncoder.forward: upstream's forward; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling
 #   - override_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
-#   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the vision tower on one merge x merge zero image, for ranks without image or video
+#   - override_method Qwen2_5OmniVisionEncoder.forward: Qwen2.5-VL's windowed tower forward (the same tower): window layout and segment tables from the collator's vision_metadata (host fallback), max_seqlen read once per forward, SP slicing of the patches (reused)
+#   - override_method Qwen2_5OmniVisionEncoder.vision_layout: injected: the tower's picklable host-side layout (WindowIndex) (reused)
+#   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused)
+#   - override_method Qwen2_5OmniThinkerForConditionalGeneration.vision_collate_metadata: injected: the tower's layout function (WindowIndex) the trainer's collator runs per micro-batch (reused)
 #   - override_method Qwen2_5OmniThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
 #   - override_method Qwen2_5OmniThinkerModel.forward: upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks, one vision tower pass over images and videos together, and dummy tower forwards on ranks without audio or pixels under world > 1
-#   - override_method Qwen2_5OmniThinkerForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss
+#   - override_method Qwen2_5OmniThinkerForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss; the collator's vision_metadata / audio_metadata passed on
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker)
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, talker_*) raise instead of being ignored
 #   - exclude_from_output: Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniTalkerCausalLMOutputWithPast, Qwen2_5OmniTalkerModel, Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniToken2WavModel, Qwen2_5OmniToken2WavDiTModel, Qwen2_5OmniToken2WavBigVGANModel, Qwen2_5OmniDiTRotaryEmbedding, TimeDelayNetBlock, Res2NetBlock, SqueezeExcitationBlock, AttentiveStatisticsPooling, SqueezeExcitationRes2NetBlock, ECAPA_TimeDelayNet, DiTInputEmbedding, DiTCodecEmbedding, Qwen2_5_OmniAdaLayerNormZero, Qwen2_5_OmniAdaLayerNormZero_Final, DiTMLP, deinterleave_head_dim, DiTAttention, SinusPositionEmbedding, DiTTimestepEmbedding, DiTDecoderLayer, Qwen2_5OmniSnakeBeta, Qwen2_5OmniUpSample1d, Qwen2_5OmniDownSample1d, Qwen2_5OmniAntiAliasedActivation1d, Qwen2_5OmniAMPBlock, Activation1d, UpSample1d, DownSample1d, SnakeBeta, AMPBlock, RungeKutta4ODESolver, kaiser_sinc_filter1d
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, check_thinker_sp_inputs, dummy_audio_inputs, dummy_pixel_inputs
-#   - add_import: from veomni.models.qwen3_vl.vision import parallel_world_size
+#   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, check_thinker_sp_inputs, dummy_audio_inputs
+#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size
+#   - add_import: from veomni.models.qwen2_5_vl.window import WindowIndex
+#   - add_import: from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from transformers.activations import SiLUActivation
+#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -93,11 +99,6 @@ from transformers.utils.generic import (
     merge_with_config_defaults,
 )
 from transformers.utils.output_capturing import capture_outputs
-from transformers.vision_utils import (
-    get_vision_attention_seqlens,
-    get_vision_position_ids,
-    get_vision_window_index,
-)
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoderConfig,
     Qwen2_5OmniConfig,
@@ -112,9 +113,10 @@ from veomni.models.qwen2_5_omni.towers import (
     check_placeholder_count,
     check_thinker_sp_inputs,
     dummy_audio_inputs,
-    dummy_pixel_inputs,
 )
-from veomni.models.qwen3_vl.vision import parallel_world_size
+from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size
+from veomni.models.qwen2_5_vl.window import WindowIndex
+from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
     gather_merged,
     scatter_visual_sp,
@@ -123,10 +125,15 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention
+from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 from veomni.models.kernel_hooks import apply_rope
 from transformers.activations import SiLUActivation
+
+# [PATCHED] add_post_import_block
+# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
+# unless given, so the tower computes it once per forward for them.
+_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 logger = logging.get_logger(__name__)
@@ -843,13 +850,31 @@ class Qwen2_5OmniAudioEncoder(Qwen2_5OmniPreTrainedModel):
         aftercnn_lens (`torch.LongTensor` of shape `(num_clips,)`, *optional*):
             frames per clip after the convolutions (unused, as upstream).
         """
-        padded_feature, chunk_lengths = chunk_and_pad_features(
-            input_features, feature_lens, self.n_window, kwargs=kwargs
-        )
+        chunk_rows = kwargs.pop("chunk_rows", None)
+        if chunk_rows is not None:
+            # The host's layout (`veomni.models.qwen2_5_omni.audio_layout.AudioChunks`): the padded chunks gathered
+            # by index, every shape known on the host (upstream splits by chunk_lengths.tolist(): a host sync).
+            chunk_lengths = kwargs.pop("chunk_lengths")
+            frames = torch.cat([input_features.T, input_features.new_zeros(1, input_features.shape[0])])
+            padded_feature = (
+                frames[chunk_rows].view(chunk_lengths.shape[0], -1, frames.shape[1]).transpose(1, 2)
+            )
+        else:
+            padded_feature, chunk_lengths = chunk_and_pad_features(
+                input_features, feature_lens, self.n_window, kwargs=kwargs
+            )
         valid_indices = get_valid_indices(chunk_lengths, kwargs=kwargs)
         pool_indices = get_pool_indices(feature_lens, kwargs=kwargs)
         cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
         max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
+        implementation = self.config._attn_implementation or ""
+        if (
+            max_seqlen is None
+            and implementation.startswith(PREFIX)
+            and (backend_for_implementation(implementation) not in _NO_MAX_SEQLEN)
+        ):
+            # Read once per forward, not once per layer (each read is a host sync).
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
         padded_feature = padded_feature.to(self.conv1.weight.dtype)
         frame_mask = (
@@ -1003,16 +1028,19 @@ class Qwen2_5OmniVisionAttention(nn.Module):
         self.attention_dropout = 0.0
         self.is_causal = False
 
-    # [PATCHED] veomni_* implementations: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
+    # [PATCHED] veomni_* implementations and SP: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
     def forward(
         self,
         hidden_states: torch.Tensor,
         cu_seqlens: torch.Tensor,
         position_embeddings: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        sp_group=None,
         **kwargs,
     ) -> torch.Tensor:
-        if not (self.config._attn_implementation or "").startswith(PREFIX):
+        # Under SP (sp_group from the tower's forward) every implementation goes through the encoder entry: only it
+        # runs the Ulysses exchange over this rank's slice of the patches.
+        if sp_group is None and not (self.config._attn_implementation or "").startswith(PREFIX):
             return _upstream.Qwen2_5OmniVisionAttention.forward(
                 self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs
             )
@@ -1024,7 +1052,7 @@ class Qwen2_5OmniVisionAttention(nn.Module):
         query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
         out = encoder_attention(
             self, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout,
+            dropout=0.0 if not self.training else self.attention_dropout, sp_group=sp_group,
         )  # fmt: skip
         return self.proj(out.reshape(rows, -1).contiguous())
 
@@ -1196,6 +1224,7 @@ class Qwen2_5OmniVisionEncoder(Qwen2_5OmniPreTrainedModel):
         input_tensor = input_tensor.reshape(seq_len, -1)
         return input_tensor
 
+    # [PATCHED] Qwen2.5-VL's windowed tower forward (the same tower): window layout and segment tables from the collator's vision_metadata (host fallback), max_seqlen read once per forward, SP slicing of the patches (reused)
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -1203,71 +1232,96 @@ class Qwen2_5OmniVisionEncoder(Qwen2_5OmniPreTrainedModel):
     ) -> tuple | BaseModelOutputWithPooling:
         """
         Args:
-            hidden_states (`torch.Tensor` of shape `(seq_len, hidden_size)`):
-                The final hidden states of the model.
-            grid_thw (`torch.Tensor` of shape `(num_images_or_videos, 3)`):
-                The temporal, height and width of feature shape of each image in LLM.
-
-        Returns:
-            `torch.Tensor`: hidden_states.
+            hidden_states (`torch.Tensor` of shape `(seq_len, C * T_patch * P * P)`): the packed pixel rows (all of
+                them on every rank, also under sequence parallelism).
+            grid_thw (`torch.Tensor` of shape `(num_images_or_videos, 3)`): (t, h, w) patches per image/clip.
         """
-        position_ids = get_vision_position_ids(grid_thw, self.spatial_merge_size, kwargs=kwargs)
-        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
-        window_index, cu_window_seqlens = get_vision_window_index(
-            grid_thw,
-            spatial_merge_size=self.spatial_merge_size,
-            window_size=self.window_size,
-            patch_size=self.patch_size,
-            kwargs=kwargs,
+        layout = WindowIndex.from_config(self.config)  # refuses a window_size that splits merged tokens
+        names = ("window_index", "cu_window_seqlens", "max_window_seqlen", "cu_seqlens", "max_seqlen")
+        if kwargs.get("window_index") is None or kwargs.get("cu_window_seqlens") is None:
+            # Not precomputed (a direct inference call): lay the windows out on the host, once for all blocks.
+            kwargs = {**layout(grid_thw), **{k: v for k, v in kwargs.items() if v is not None}}
+        tables = {name: kwargs.pop(name, None) for name in names}
+        device = hidden_states.device
+        window_index = tables["window_index"].to(device)
+        cu_window = tables["cu_window_seqlens"].to(device)
+        cu_seqlens = tables["cu_seqlens"]
+        cu_seqlens = (cu_seqlens if cu_seqlens is not None else layout(grid_thw)["cu_seqlens"]).to(device)
+        max_seqlen, max_window = tables["max_seqlen"], tables["max_window_seqlen"]
+        implementation = self.config._attn_implementation or ""
+        # HF's flash names read the maxima themselves when given None; veomni's varlen backends get them here.
+        needs_max = implementation.startswith(PREFIX) and backend_for_implementation(implementation) not in (
+            _NO_MAX_SEQLEN
         )
-        max_window_seqlen = get_max_seqlen(
-            cu_window_seqlens, self.config, kwargs=kwargs, kwarg_name="max_window_seqlen"
-        )
+        if needs_max and (max_seqlen is None or max_window is None):
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            max_window = int((cu_window[1:] - cu_window[:-1]).max())
 
-        hidden_states = self.patch_embed(hidden_states)
-
-        reverse_indices = torch.argsort(window_index)
-        seq_len, _ = hidden_states.size()
-        hidden_states = self.permute_input_for_window_attn(hidden_states, window_index, seq_len=seq_len)
-
+        total = hidden_states.shape[0]
+        units = self.spatial_merge_unit
+        position_ids = vision_position_ids(grid_thw, self.spatial_merge_size, total)
+        sp_group = sp_group_or_none()
+        if sp_group is None:
+            # Upstream's order: embed, then reorder by window (rotary rows reordered the same way).
+            hidden_states = permute_rows(self.patch_embed(hidden_states), window_index, units)
+            position_ids = permute_rows(position_ids, window_index, units)
+        else:
+            # Reorder the pixel rows (embedding is per row), then keep this rank's chunk of whole merged tokens.
+            hidden_states, position_ids = (
+                slice_patches(permute_rows(rows, window_index, units), units, sp_group)
+                for rows in (hidden_states, position_ids)
+            )
+            padded = hidden_states.shape[0] * sp_world_size(sp_group)
+            if padded > total:
+                # The padding attends as a segment of its own in both tables, so no real patch sees it.
+                pad = cu_seqlens.new_full((1,), padded)
+                cu_seqlens, cu_window = torch.cat([cu_seqlens, pad]), torch.cat([cu_window, pad])
+                if max_seqlen is not None:
+                    max_seqlen, max_window = max(max_seqlen, padded - total), max(max_window, padded - total)
+            kwargs = {**kwargs, "sp_group": sp_group}
+            hidden_states = self.patch_embed(hidden_states)
         position_embeddings = self.rotary_pos_emb(hidden_states, position_ids)
-        position_embeddings = tuple(
-            self.permute_input_for_window_attn(freq, window_index, seq_len=seq_len)
-            for freq in position_embeddings
-        )
 
-        # Modification here
         for layer_num, blk in enumerate(self.blocks):
-            if layer_num in self.fullatt_block_indexes:
-                cu_seqlens_now = cu_seqlens
-                max_seqlen_now = max_seqlen
-            else:
-                cu_seqlens_now = cu_window_seqlens
-                max_seqlen_now = max_window_seqlen
-
+            full = layer_num in self.fullatt_block_indexes
             hidden_states = blk(
                 hidden_states,
-                cu_seqlens=cu_seqlens_now,
-                max_seqlen=max_seqlen_now,
+                cu_seqlens=cu_seqlens if full else cu_window,
+                max_seqlen=max_seqlen if full else max_window,
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
 
         merged_hidden_states = self.merger(hidden_states)
-        merged_hidden_states = merged_hidden_states[reverse_indices, :]
+        if sp_group is not None:
+            merged_hidden_states = gather_merged(merged_hidden_states, total // units, sp_group)
+        merged_hidden_states = merged_hidden_states[torch.argsort(window_index)]
 
         return BaseModelOutputWithPooling(
             last_hidden_state=hidden_states,
             pooler_output=merged_hidden_states,
         )
 
-    # [PATCHED] injected: the vision tower on one merge x merge zero image, for ranks without image or video (injected: not in upstream)
+    # [PATCHED] injected: the tower's picklable host-side layout (WindowIndex) (reused) (injected: not in upstream)
+    def vision_layout(self) -> WindowIndex:
+        """The function laying out this tower's window order and segment tables on the host from ``grid_thw``."""
+        return WindowIndex.from_config(self.config)
+
+    # [PATCHED] injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused) (injected: not in upstream)
     def dummy_forward(self) -> torch.Tensor:
-        """Run the tower on one ``merge x merge`` zero image; a 0-d zero depending on the merger output.
-        dtype/device from the patch embedding's weight."""
-        pixels, grid = dummy_pixel_inputs(self.config, self.patch_embed.proj.weight)
-        out = self(pixels, grid_thw=grid, return_dict=True)
-        return out.pooler_output.sum() * 0.0
+        """Run the tower on the smallest valid input and return a 0-d tensor that is 0 but depends on every output,
+        so that adding it to the loss graph gives every tower parameter a gradient.
+
+        Shapes come from the config, dtype and device from a live weight; nothing is cached. The segment tables of
+        the one-frame grid are laid out on the host (``vision_layout``), so the dummy pass never reads the device.
+        """
+        pixels, grid = dummy_vision_inputs(self.config, self.patch_embed.proj.weight)
+        merge = self.config.spatial_merge_size
+        tables = self.vision_layout()(torch.tensor([[1, merge, merge]]))
+        tables = {
+            k: v.to(pixels.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in tables.items()
+        }
+        return self(pixels, grid_thw=grid, return_dict=True, **tables).pooler_output.sum() * 0.0
 
 
 class Qwen2_5OmniRotaryEmbedding(nn.Module):
@@ -1852,6 +1906,8 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         use_audio_in_video: bool | None = None,
         video_second_per_grid: torch.LongTensor | None = None,
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
+        vision_metadata: dict | None = None,
+        audio_metadata: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | BaseModelOutputWithPast:
         r"""
@@ -1863,6 +1919,12 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
             Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
         video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
             Seconds per temporal grid step of each video (mrope temporal positions).
+        vision_metadata (`dict`, *optional*):
+            The vision tower's window layout and segment tables for the micro-batch's images then videos
+            (`veomni.models.qwen2_5_vl.window.WindowIndex`, the trainer's collator runs it).
+        audio_metadata (`dict`, *optional*):
+            The audio tower's chunk layout of the micro-batch's clips
+            (`veomni.models.qwen2_5_omni.audio_layout.AudioChunks`); without it the layout is derived on the device.
         """
         if (pixel_values is not None or pixel_values_videos is not None) and mm_encoder_outputs is not None:
             raise ValueError(
@@ -1883,7 +1945,24 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
 
         # Every modality's features in sequence order, all of the micro-batch's (the towers run once per step).
         features: dict[str, torch.Tensor] = {}
-        if input_features is not None:
+        if input_features is not None and audio_metadata is not None:
+            # The host's layout: frames gathered by index and the tower's tables given, no host sync.
+            tables = dict(audio_metadata)
+            frame_index, tokens = tables.pop("frame_index"), tables.pop("audio_tokens")
+            frames = (
+                input_features.permute(0, 2, 1)
+                .reshape(-1, input_features.shape[1])
+                .index_select(0, frame_index)
+            )
+            audio = self.audio_tower(
+                frames.T, feature_lens=None, return_dict=True, **tables
+            ).last_hidden_state
+            if audio.shape[0] != tokens:
+                raise ValueError(
+                    f"the audio tower gave {audio.shape[0]} rows, audio_metadata expects {tokens}"
+                )
+            features["audio"] = audio
+        elif input_features is not None:
             features["audio"] = self.get_audio_features(
                 input_features, feature_attention_mask, audio_feature_lengths, return_dict=True
             ).last_hidden_state
@@ -1903,15 +1982,16 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
             # One tower pass over every image and video (upstream makes one per modality): items attend only within
             # themselves (per-item windows and full attention), so this equals two passes, and every rank runs the
             # tower exactly once per step whatever mix it holds (FSDP's collectives must match across ranks).
-            pooled = self.get_image_features(
-                torch.cat([p for _, p, _ in runs], dim=0),
-                torch.cat([g for _, _, g in runs], dim=0),
-                return_dict=True,
+            # The tower directly (get_image_features splits per item with a host sync), with the collator's tables.
+            pixels = torch.cat([p for _, p, _ in runs], dim=0).type(self.visual.dtype)
+            grids = torch.cat([g for _, _, g in runs], dim=0)
+            pooled = self.visual(
+                pixels, grid_thw=grids, return_dict=True, **dict(vision_metadata or {})
             ).pooler_output
-            start = 0
-            for modality, _, grid in runs:
-                features[modality] = torch.cat(pooled[start : start + grid.shape[0]], dim=0)
-                start += grid.shape[0]
+            start, merge = 0, self.visual.spatial_merge_size**2
+            for modality, rows, _ in runs:
+                features[modality] = pooled[start : start + rows.shape[0] // merge]
+                start += rows.shape[0] // merge
         for modality in ("image", "video"):
             if modality not in features and mm_encoder_outputs.get(modality) is not None:
                 features[modality] = torch.cat(mm_encoder_outputs[modality].pooler_output, dim=0)
@@ -2037,7 +2117,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(
             input_features, feature_attention_mask, audio_feature_lengths, **kwargs
         )
 
-    # [PATCHED] LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss
+    # [PATCHED] LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss; the collator's vision_metadata / audio_metadata passed on
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -2060,6 +2140,8 @@ class Qwen2_5OmniThinkerForConditionalGeneration(
         video_second_per_grid: torch.LongTensor | None = None,
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        vision_metadata: dict | None = None,
+        audio_metadata: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | CausalLMOutputWithPast:
         r"""
@@ -2071,6 +2153,10 @@ class Qwen2_5OmniThinkerForConditionalGeneration(
             Whether the videos' audio tracks are interleaved with their frames (the processor's setting).
         video_second_per_grid (`torch.LongTensor` of shape `(num_videos,)`, *optional*):
             Seconds per temporal grid step of each video (mrope temporal positions).
+        vision_metadata (`dict`, *optional*):
+            The vision tower's window layout and segment tables for the micro-batch's images then videos.
+        audio_metadata (`dict`, *optional*):
+            The audio tower's chunk layout of the micro-batch's clips (`AudioChunks`).
         """
         outputs = self.model(
             input_ids=input_ids,
@@ -2089,6 +2175,8 @@ class Qwen2_5OmniThinkerForConditionalGeneration(
             use_audio_in_video=use_audio_in_video,
             video_second_per_grid=video_second_per_grid,
             mm_encoder_outputs=mm_encoder_outputs,
+            vision_metadata=vision_metadata,
+            audio_metadata=audio_metadata,
             **kwargs,
         )
         logits, loss = lm_logits_and_loss(self, outputs[0], labels, logits_to_keep, **kwargs)
@@ -2144,6 +2232,12 @@ class Qwen2_5OmniThinkerForConditionalGeneration(
         position_ids = torch.cat([text_positions, vision_positions], dim=0)
 
         return position_ids
+
+    # [PATCHED] injected: the tower's layout function (WindowIndex) the trainer's collator runs per micro-batch (reused) (injected: not in upstream)
+    def vision_collate_metadata(self):
+        """The host-side layout function of this model's vision tower (its ``vision_layout()``); called with a
+        micro-batch's joint image+video ``grid_thw`` it returns the tower's ``vision_metadata``."""
+        return self.model.visual.vision_layout()
 
     # [PATCHED] injected: a clear error (the talker is not part of veomni's thinker) (injected: not in upstream)
     def enable_talker(self) -> None:
