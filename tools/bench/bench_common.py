@@ -32,6 +32,20 @@ def environment(device: torch.device) -> dict[str, Any]:
             info[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             info[package] = None
+    try:
+        # The imported module, not the installed distribution: a Triton put first on PYTHONPATH (fla's Hopper fix)
+        # is the one that runs, while the metadata still names the image's.
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import fla
+
+        info["fla"] = fla.__version__
+    except ImportError:
+        info["fla"] = None
     info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     return info
 
