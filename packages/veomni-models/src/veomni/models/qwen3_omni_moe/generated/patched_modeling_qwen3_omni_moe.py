@@ -905,6 +905,14 @@ class Qwen3OmniMoeAudioEncoder(Qwen3OmniMoePreTrainedModel):
             chunk_lengths, feature_lens, self.n_window_infer, self.n_window, kwargs=kwargs
         )
         max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
+        implementation = self.config._attn_implementation or ""
+        if (
+            max_seqlen is None
+            and implementation.startswith(PREFIX)
+            and (backend_for_implementation(implementation) not in _NO_MAX_SEQLEN)
+        ):
+            # Read once per forward, not once per layer (each read is a host sync).
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
         padded_feature = padded_feature.unsqueeze(1).to(dtype=self.conv2d1.weight.dtype)
         # Chunks of conv_chunksize bound the convolutions' activation memory, as upstream.
