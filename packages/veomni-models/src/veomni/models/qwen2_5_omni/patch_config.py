@@ -58,7 +58,7 @@ from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen2_5_omni import tower_patches
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
-    check_placeholder_count,
+    check_placeholder_counts,
     check_thinker_sp_inputs,
 )
 from veomni.models.qwen2_5_vl import patch_config as qwen2_5_vl
@@ -69,7 +69,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
-from veomni.models.qwen3_vl.vision import parallel_world_size
+from veomni.models.qwen3_vl.vision import parallel_world_size, scatter_visual
 
 config = PatchConfig(
     source_module="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
@@ -80,10 +80,12 @@ config = PatchConfig(
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import(
-    "from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, "
+    "from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_counts, "
     "check_thinker_sp_inputs, dummy_audio_inputs"
 )
-config.add_import("from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size")
+config.add_import(
+    "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual"
+)
 config.add_import("from veomni.models.qwen2_5_vl.window import WindowIndex")
 config.add_import("from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids")
 config.add_import(
@@ -365,13 +367,12 @@ def thinker_model_forward(
         masks = {"audio": audio_mask[..., 0], "image": image_mask[..., 0], "video": video_mask[..., 0]}
         order = [m for m in ("audio", "image", "video") if m in features]
         if sp_group is None:
-            # Upstream's scatter, one modality at a time (bitwise upstream), with the counts checked first.
-            for modality in order:
-                check_placeholder_count(modality, masks[modality], features[modality])
-                inputs_embeds = inputs_embeds.masked_scatter(
-                    masks[modality][..., None].expand_as(inputs_embeds),
-                    features[modality].to(inputs_embeds.device, inputs_embeds.dtype),
-                )
+            # Counts checked first (one read-back for all modalities), then a gather + where: upstream's
+            # masked_scatter values, but its backward (masked_select) would sync the host mid-backward.
+            check_placeholder_counts({m: masks[m] for m in order}, features)
+            inputs_embeds, _, _ = scatter_visual(
+                inputs_embeds, [masks[m] for m in order], [features[m] for m in order]
+            )
         else:
             # Counts are checked over the full sequence; each rank keeps its token range of the features.
             inputs_embeds, _, _ = scatter_visual_sp(

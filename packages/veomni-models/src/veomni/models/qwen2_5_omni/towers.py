@@ -33,22 +33,29 @@ def dummy_audio_inputs(num_mel_bins: int, weight: torch.Tensor) -> tuple[torch.T
 
 
 def check_placeholder_count(modality: str, mask: torch.Tensor, features: torch.Tensor) -> None:
-    """Raise if the placeholder tokens of ``modality`` differ in number from its feature rows.
+    """`check_placeholder_counts` for one modality."""
+    check_placeholder_counts({modality: mask}, {modality: features})
 
-    Upstream checks images and videos but not audio: its ``masked_scatter`` then silently uses a prefix.
+
+def check_placeholder_counts(masks: dict[str, torch.Tensor], features: dict[str, torch.Tensor]) -> None:
+    """Raise if any modality's placeholder tokens differ in number from its feature rows.
+
+    Upstream checks images and videos but not audio: its ``masked_scatter`` then silently uses a prefix. The counts
+    of every modality are read back together: one host sync per forward, not one per modality.
 
     Args:
-        modality: ``"audio"``, ``"image"`` or ``"video"`` (for the message).
-        mask: ``[B, S]`` bool, True at the modality's placeholder positions.
-        features: ``[N, H]`` the tower's output for every item of the micro-batch.
+        masks: per modality (``"audio"``, ``"image"``, ``"video"``), ``[B, S]`` bool, True at its placeholders.
+        features: per modality, ``[N, H]`` the tower's output for every item of the micro-batch.
     """
-    tokens = int(mask.sum())
-    if tokens != features.shape[0]:
-        raise ValueError(
-            f"{modality} placeholder tokens and {modality} features differ: {tokens} tokens in input_ids, "
-            f"{features.shape[0]} feature rows from the {modality} tower (the processor expands each item to its "
-            "feature length; was the text tokenized without the processor, or truncated?)"
-        )
+    names = list(features)
+    counts = torch.stack([masks[name].sum() for name in names]).tolist()
+    for name, tokens in zip(names, counts, strict=True):
+        if tokens != features[name].shape[0]:
+            raise ValueError(
+                f"{name} placeholder tokens and {name} features differ: {tokens} tokens in input_ids, "
+                f"{features[name].shape[0]} feature rows from the {name} tower (the processor expands each item "
+                "to its feature length; was the text tokenized without the processor, or truncated?)"
+            )
 
 
 def check_thinker_sp_inputs(

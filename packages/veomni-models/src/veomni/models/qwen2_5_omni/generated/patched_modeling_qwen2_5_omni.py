@@ -28,8 +28,8 @@
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_count, check_thinker_sp_inputs, dummy_audio_inputs
-#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size
+#   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_counts, check_thinker_sp_inputs, dummy_audio_inputs
+#   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual
 #   - add_import: from veomni.models.qwen2_5_vl.window import WindowIndex
 #   - add_import: from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
@@ -110,11 +110,11 @@ from veomni.models.hf_masks import create_causal_mask, create_sliding_window_cau
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
-    check_placeholder_count,
+    check_placeholder_counts,
     check_thinker_sp_inputs,
     dummy_audio_inputs,
 )
-from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size
+from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
@@ -2005,13 +2005,12 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
             masks = {"audio": audio_mask[..., 0], "image": image_mask[..., 0], "video": video_mask[..., 0]}
             order = [m for m in ("audio", "image", "video") if m in features]
             if sp_group is None:
-                # Upstream's scatter, one modality at a time (bitwise upstream), with the counts checked first.
-                for modality in order:
-                    check_placeholder_count(modality, masks[modality], features[modality])
-                    inputs_embeds = inputs_embeds.masked_scatter(
-                        masks[modality][..., None].expand_as(inputs_embeds),
-                        features[modality].to(inputs_embeds.device, inputs_embeds.dtype),
-                    )
+                # Counts checked first (one read-back for all modalities), then a gather + where: upstream's
+                # masked_scatter values, but its backward (masked_select) would sync the host mid-backward.
+                check_placeholder_counts({m: masks[m] for m in order}, features)
+                inputs_embeds, _, _ = scatter_visual(
+                    inputs_embeds, [masks[m] for m in order], [features[m] for m in order]
+                )
             else:
                 # Counts are checked over the full sequence; each rank keeps its token range of the features.
                 inputs_embeds, _, _ = scatter_visual_sp(
