@@ -172,8 +172,17 @@ def test_audio_expands_to_the_extractors_tokens_and_collates(assets):
     assert batch["input_features"].shape == (2, MELS, 35)
     assert batch["feature_attention_mask"].sum(-1).tolist() == [35, 30]
     assert batch["position_ids"].shape[:2] == (4, 1)
+    # The audio tower's chunk tables, laid out on the host from the clips' frame counts (`AudioChunks`).
+    from veomni.models.qwen2_5_omni.audio_layout import AudioChunks
+
+    want = AudioChunks.from_config(thinker_config().audio_config)([35, 30], 35)
+    got = batch["audio_metadata"]
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value) if torch.is_tensor(value) else got[name] == value, name
     alone = collate_multimodal([text])
     assert alone["input_features"] is None and alone["feature_attention_mask"] is None
+    assert alone["audio_metadata"] is None
 
     bad = row({"type": "audio", "audio": str(media / "missing.wav")})
     with pytest.raises(DataError, match="missing.wav"):
@@ -200,6 +209,17 @@ def test_a_rows_audio_changes_the_loss(assets):
         with torch.no_grad():
             return float(task.forward(model, batch, torch.device("cpu"), n).loss)
 
+    # The task hands the model the collator's tables; the loss equals the model's own device-side layout.
+    rows = [row({"type": "audio", "audio": "t1.wav"}, {"type": "image", "image": "a.png"}), row()]
+    assert task.collate_metadata is not None  # the thinker's WindowIndex, which the loader's collate runs
+    samples = [_sample(enc, r, i) for i, r in enumerate(rows)]
+    batch = collate_multimodal(samples, vision_metadata=task.collate_metadata)
+    n = (batch["labels"] != -100).sum().float()
+    kwargs = task.model_kwargs(batch, torch.device("cpu"), n)
+    assert kwargs["audio_metadata"]["audio_tokens"] == 9 and kwargs["vision_metadata"]["cu_window_seqlens"].numel()
+    with torch.no_grad():
+        derived = model(**{k: v for k, v in kwargs.items() if k not in ("audio_metadata", "vision_metadata")})
+        torch.testing.assert_close(model(**kwargs).loss, derived.loss, rtol=1e-6, atol=1e-6)
     low = loss(row({"type": "audio", "audio": "t0.wav"}), row())
     high = loss(row({"type": "audio", "audio": "t3.wav"}), row())  # same length, another pitch
     assert math.isfinite(low) and math.isfinite(high) and abs(low - high) > 1e-4
