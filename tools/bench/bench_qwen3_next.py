@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 model = HFQwen3Next(copy.deepcopy(hf_config)).to(device, dtype)
                 model.load_state_dict(state)
                 result["hf_experts_implementation"] = model.config._experts_implementation
+                # Without the causal_conv1d package HF's short convolution is its torch fallback, which drops the
+                # packing kwargs: documents of a packed row then convolve across their boundaries (logits differ).
+                result["hf_causal_conv1d_package"] = importlib.util.find_spec("causal_conv1d") is not None
             model.train()
             with hf_torch_reference(device):
                 rows[name] = contender_row(model, inputs, device, args.reps)
