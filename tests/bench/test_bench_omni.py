@@ -1,0 +1,32 @@
+"""Smoke and parity test of tools/bench/bench_omni.py on CPU: with the trainer's inputs (host positions, the
+towers' host tables) and with HF's batch, a tiny Qwen2.5-Omni thinker starts from the same loss as plain
+transformers, also with a video whose audio track is interleaved with its frames."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_loader import load_bench
+
+bench = load_bench("bench_omni.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--veomni-inputs", "trainer"],
+        ["--veomni-inputs", "processor"],
+        ["--video-frames", "4", "--video-side", "4", "--audio-in-video", "--seq-len", "700"],
+    ],
+    ids=["trainer", "processor", "audio_in_video"],
+)
+def test_tiny_contenders_start_from_the_same_loss(tmp_path, extra):
+    out = tmp_path / "omni.json"
+    bench.main(["--out", str(out), "--tiny", "--steps", "1", "--warmup", "0", *extra])
+    result = json.loads(out.read_text())
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert not [r for r in rows.values() if "error" in r], rows
+    assert rows["veomni"]["first_loss"] == pytest.approx(rows["hf"]["first_loss"], rel=1e-4)
+    assert result["speedup_vs_hf"] > 0
