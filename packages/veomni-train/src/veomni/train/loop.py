@@ -9,9 +9,7 @@ be checked without the model (data, warmup, SP head layout, vocabulary) is check
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -45,7 +43,7 @@ from veomni.train.data import (
     total_steps,
 )
 from veomni.train.dit_setup import dit_setup
-from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_flops, peak_memory_gib
+from veomni.train.metrics import Sinks, peak_flops
 from veomni.train.model_setup import (
     _hardware,
     build_recipe_model,
@@ -57,6 +55,7 @@ from veomni.train.model_setup import (
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
+from veomni.train.run_log import append_jsonl, bad_rows, log_window, progress_bar, report_replaced, write_line
 from veomni.train.step import (
     check_cuda_graphs,
     evaluate,
@@ -360,9 +359,9 @@ def train(
         )  # fmt: skip
         if run.resumed_from is not None:
             # Lines after this marker supersede any with a step above it (those steps are trained again).
-            _append_jsonl(metrics_file, {"resumed_from": str(run.resumed_from), "step": run.step})
+            append_jsonl(metrics_file, {"resumed_from": str(run.resumed_from), "step": run.step})
         if recipe.data.on_bad_row == "skip":
-            _append_jsonl(metrics_file, {"step": run.step, "bad_rows": _bad_rows(run)})
+            append_jsonl(metrics_file, {"step": run.step, "bad_rows": bad_rows(run)})
     sinks = Sinks(
         tensorboard_dir=recipe.log.tensorboard_dir if rank0 else None,
         wandb_project=recipe.log.wandb_project if rank0 else None, run_name=Path(recipe.checkpoint.dir).name,
@@ -370,7 +369,7 @@ def train(
     )  # fmt: skip
     history: dict[str, Any] = {"loss": [], "eval": [], "exports": [], "skipped": []}
     peak = peak_flops(run.device)
-    progress = _progress(run, rank0)
+    progress = progress_bar(run, rank0)
     # Steps run without a host sync: their loss and grad norm stay on the device until the window is read, once
     # per log interval (and before an eval, a checkpoint or the end), so the host queues the next step's work
     # while the GPU finishes this one. Window seconds are wall time between reads (each read syncs).
@@ -395,7 +394,7 @@ def train(
                 record = (
                     {"step": number, "skipped": "no trained token"} if skipped else {"step": number, **stats}
                 )
-                _append_jsonl(metrics_file, {**record, "tokens": tokens, "seconds": per_step})
+                append_jsonl(metrics_file, {**record, "tokens": tokens, "seconds": per_step})
             if on_step is not None and not skipped:
                 on_step(number, stats)
         pending = []
@@ -422,7 +421,7 @@ def train(
         if logging_now or evaluating or saving:
             read_pending()
         if logging_now:
-            _log_window(run, window, peak, sinks, progress)
+            log_window(run, window, peak, sinks, progress)
             window = []
         if (
             run.eval_data is not None
@@ -432,10 +431,10 @@ def train(
             result = evaluate(run)
             history["eval"].append({"step": run.step, **result})
             if rank0:
-                _append_jsonl(metrics_file, {"step": run.step, **result})
+                append_jsonl(metrics_file, {"step": run.step, **result})
             sinks.write(run.step, result)
             if rank0:
-                _write(
+                write_line(
                     progress,
                     f"eval step {run.step} | loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f}",
                 )
@@ -451,7 +450,7 @@ def train(
             run.skipped_steps, run.total_steps,
         )  # fmt: skip
     if recipe.data.on_bad_row == "skip":
-        _report_replaced(run, metrics_file if rank0 else None)
+        report_replaced(run, metrics_file if rank0 else None)
     if recipe.checkpoint.save_final:
         _save(run)
     run.checkpoints.wait()
@@ -461,78 +460,3 @@ def train(
             log.info("exported HF checkpoint to %s", history["exports"][-1])
     sinks.close()
     return history
-
-
-def _bad_rows(run: Run) -> dict[str, Any]:
-    """The rows the indexes left out (data.on_bad_row=skip), per file list: total and per kind."""
-    out = {}
-    for what, data in (("train_files", run.train_data), ("eval_files", run.eval_data)):
-        if data is not None:
-            out[what] = {"total": len(data.index.bad), "by_kind": data.index.bad.counts()}
-    return out
-
-
-def _report_replaced(run: Run, metrics_file: Path | None) -> None:
-    """Rows the workers replaced by a filler (bad only when encoded, see `veomni.train.data.loader`): each rank
-    saw its own, so their union over the DP ranks is gathered (every rank calls this) and rank 0 records it."""
-    mine = {what: sorted(data.replaced) for what, data in (("train_files", run.train_data),
-            ("eval_files", run.eval_data)) if data is not None}  # fmt: skip
-    gathered: list[dict[str, list[int]] | None] = [None] * dist.get_world_size(run.state.dp_group)
-    dist.all_gather_object(gathered, mine, group=run.state.dp_group)
-    union = {what: len({row for g in gathered for row in (g or {}).get(what, [])}) for what in mine}
-    if metrics_file is not None:
-        _append_jsonl(metrics_file, {"step": run.step, "bad_rows_replaced": union})
-        if any(union.values()):
-            log.warning(
-                "data: %s rows were bad only when encoded and were trained as pad-only fillers", union
-            )
-
-
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _progress(run: Run, rank0: bool):
-    if not rank0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True, leave=False
-    )
-
-
-def _write(progress, line: str) -> None:
-    if progress is not None:
-        progress.write(line)
-    else:
-        print(line, flush=True)
-
-
-def _log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progress) -> None:
-    trained = [w for w in window if not math.isnan(w[0]["loss"])]
-    skipped = len(window) - len(trained)
-    if not trained:
-        if skipped and dist.get_rank() == 0 and run.recipe.log.console:
-            _write(progress, f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token)")
-        return
-    world = run.state.dims.world_size
-    seconds = sum(w[1] for w in window)
-    tokens = sum(w[3] for w in trained)
-    flops = sum(w[4] for w in trained)
-    last = trained[-1][0]
-    metrics = StepMetrics(
-        step=run.step, total_steps=run.total_steps, loss=sum(w[0]["loss"] for w in trained) / len(trained),
-        grad_norm=last["grad_norm"], lr=last["lr"], tokens_per_s_per_device=tokens / seconds / world,
-        mfu=(flops / seconds / world / peak) if peak else None, peak_memory_gib=peak_memory_gib(run.device),
-        data_wait_fraction=sum(w[2] for w in window) / seconds, skipped=skipped,
-    )  # fmt: skip
-    if dist.get_rank() == 0:
-        if run.recipe.log.console:
-            _write(progress, console_line(metrics))
-        values = {"loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
-                  "tokens_per_s_per_device": metrics.tokens_per_s_per_device}  # fmt: skip
-        if metrics.mfu is not None:
-            values["mfu"] = metrics.mfu
-        sinks.write(run.step, values)

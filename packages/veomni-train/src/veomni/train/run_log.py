@@ -1,0 +1,101 @@
+"""The training loop's reporting: the console / progress-bar lines, the metric windows, the JSONL records and the
+bad-row reports of `veomni.train.loop.train`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_memory_gib
+
+if TYPE_CHECKING:
+    from veomni.train.loop import Run
+
+log = logging.getLogger("veomni.train")
+
+
+def bad_rows(run: Run) -> dict[str, Any]:
+    """The rows the indexes left out (data.on_bad_row=skip), per file list: total and per kind."""
+    out = {}
+    for what, data in (("train_files", run.train_data), ("eval_files", run.eval_data)):
+        if data is not None:
+            out[what] = {"total": len(data.index.bad), "by_kind": data.index.bad.counts()}
+    return out
+
+
+def report_replaced(run: Run, metrics_file: Path | None) -> None:
+    """Rows the workers replaced by a filler (bad only when encoded, see `veomni.train.data.loader`): each rank
+    saw its own, so their union over the DP ranks is gathered (every rank calls this) and rank 0 records it."""
+    mine = {what: sorted(data.replaced) for what, data in (("train_files", run.train_data),
+            ("eval_files", run.eval_data)) if data is not None}  # fmt: skip
+    gathered: list[dict[str, list[int]] | None] = [None] * dist.get_world_size(run.state.dp_group)
+    dist.all_gather_object(gathered, mine, group=run.state.dp_group)
+    union = {what: len({row for g in gathered for row in (g or {}).get(what, [])}) for what in mine}
+    if metrics_file is not None:
+        append_jsonl(metrics_file, {"step": run.step, "bad_rows_replaced": union})
+        if any(union.values()):
+            log.warning(
+                "data: %s rows were bad only when encoded and were trained as pad-only fillers", union
+            )
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to the metrics file ``path`` as one JSON line."""
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def progress_bar(run: Run, rank0: bool):
+    """A tqdm bar over the run's steps on rank 0 (starting at a resumed step), None elsewhere."""
+    if not rank0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True, leave=False
+    )
+
+
+def write_line(progress, line: str) -> None:
+    """Print ``line`` above the progress bar (or plainly without one)."""
+    if progress is not None:
+        progress.write(line)
+    else:
+        print(line, flush=True)
+
+
+def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progress) -> None:
+    """Report the steps since the last report: mean loss, throughput, MFU (with the device's ``peak`` FLOP/s),
+    data-wait share and memory, to the console (rank 0) and the metric sinks. ``window`` holds one
+    ``(stats, seconds, data_wait_seconds, tokens, flops)`` per step; steps without a trained token count as
+    skipped."""
+    trained = [w for w in window if not math.isnan(w[0]["loss"])]
+    skipped = len(window) - len(trained)
+    if not trained:
+        if skipped and dist.get_rank() == 0 and run.recipe.log.console:
+            write_line(progress, f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token)")
+        return
+    world = run.state.dims.world_size
+    seconds = sum(w[1] for w in window)
+    tokens = sum(w[3] for w in trained)
+    flops = sum(w[4] for w in trained)
+    last = trained[-1][0]
+    metrics = StepMetrics(
+        step=run.step, total_steps=run.total_steps, loss=sum(w[0]["loss"] for w in trained) / len(trained),
+        grad_norm=last["grad_norm"], lr=last["lr"], tokens_per_s_per_device=tokens / seconds / world,
+        mfu=(flops / seconds / world / peak) if peak else None, peak_memory_gib=peak_memory_gib(run.device),
+        data_wait_fraction=sum(w[2] for w in window) / seconds, skipped=skipped,
+    )  # fmt: skip
+    if dist.get_rank() == 0:
+        if run.recipe.log.console:
+            write_line(progress, console_line(metrics))
+        values = {"loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
+                  "tokens_per_s_per_device": metrics.tokens_per_s_per_device}  # fmt: skip
+        if metrics.mfu is not None:
+            values["mfu"] = metrics.mfu
+        sinks.write(run.step, values)
