@@ -1,4 +1,5 @@
-"""Smoke and parity test of tools/bench/bench_qwen3_next.py on CPU: a tiny Qwen3-Next stack, ours vs transformers.
+"""Smoke and parity test of tools/bench/bench_qwen3_next.py on CPU: a tiny Qwen3-Next / Qwen3.5 stack, ours vs
+transformers.
 
 One document (transformers' torch reference ignores packing), fp32: both contenders must compute the same logits and
 loss from the same weights and data; the timing fields are only checked for presence.
@@ -8,17 +9,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_loader import load_bench
 
 bench = load_bench("bench_qwen3_next.py")
 
 
-def test_tiny_stack_matches_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_tiny_stack_matches_transformers(tmp_path, family):
     out = tmp_path / "q3n.json"
     returned = bench.main(["--out", str(out), "--tiny", "--device", "cpu", "--tokens", "48", "--min-doc", "48",
-                           "--reps", "1", "--layers", "4"])  # fmt: skip
+                           "--reps", "1", "--layers", "4", "--family", family])  # fmt: skip
     result = json.loads(out.read_text())
-    assert result["documents"] == 1
+    assert result["documents"] == 1 and result["config"]["model_type"] in (family, f"{family}_text")
     assert result["veomni_ops"]["gated_delta_rule"] == "eager"
     for name in ("veomni", "hf"):
         row = result["rows"][name]

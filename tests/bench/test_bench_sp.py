@@ -142,3 +142,19 @@ def test_same_data_sp2_matches_sp1_step_for_step(dist_pools, tmp_path, ac):
         assert sorted(merged["runs"]) == ["sp1_seq128", "sp1_seq256", "sp2_seq256"]
         assert merged["runs"]["sp2_seq256"] == results[0]["runs"]["sp2_seq256"]
         assert merged["earlier_commands"] == [results[0]["command"]] and merged["longest_sp1_fit"] == 256
+
+
+def test_hybrid_model_sp2_matches_sp1_and_counts_attention_layers_only(dist_pools, tmp_path):
+    # --model qwen3_5_9b --tiny: Gated DeltaNet layers under Ulysses SP (heads split, recurrence whole) through the
+    # benchmark's own trainer path; the quadratic FLOPs term counts the one full-attention layer of the four.
+    out = str(tmp_path / "hybrid.json")
+    argv = [*SMOKE, "--model", "qwen3_5_9b", "--same-data", "--no-ac", "--out", out, "--sp-lengths", "2:256;1:256"]
+    result = dist_pools.get(2, "gloo").run(_bench_task, argv)[0]
+    assert result["model"]["config"]["model_type"] == "qwen3_5_text"
+    sp2, sp1 = _check_records(result, same_data=True)
+    assert sp2["losses"] == pytest.approx(sp1["losses"], rel=1e-5)
+    assert sp2["grad_norms"] == pytest.approx(sp1["grad_norms"], rel=1e-4)
+    width = 4 * 16  # heads x head_dim of the tiny config
+    attention = 6.0 * 1 * width * 256**2  # one full-attention layer, one 256-token document per SP group
+    assert sp2["attention_layers"] == 1 and sp2["ops"]["gated_delta_rule"] == "eager"
+    assert sp2["flops_per_step"] - attention == pytest.approx(256 * sp2["flops_per_token_matmul"])

@@ -100,8 +100,11 @@ def test_packed_row_equals_documents_run_alone(moe):
     assert_match(packed, (logits.detach(), loss.detach(), grads), 2e-5)
 
 
-def test_moe_fresh_init_draws_every_weight_as_upstream_does():
-    upstream, ours = build_pair(moe=True)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_fresh_init_draws_every_weight_as_upstream_does(moe):
+    # Both override _init_weights (A_log drawn on its own layout, for FSDP2-sharded fresh inits): on plain tensors
+    # the draws stay upstream's.
+    upstream, ours = build_pair(moe=moe)
     assert_fresh_init_like_upstream(type(upstream), type(ours), ours.config)
 
 

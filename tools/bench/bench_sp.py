@@ -1,11 +1,15 @@
-"""Ulysses sequence parallelism (T5): a Qwen3-8B-class model trains long sequences, SP=P against SP=1, JSON out.
+"""Ulysses sequence parallelism (T5): a Qwen3-8B-class (or Qwen3.5-9B hybrid) model trains long sequences, SP=P
+against SP=1, JSON out.
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 4 tools/bench/bench_sp.py --out sp.json
+    python3 -m torch.distributed.run --standalone --nproc-per-node 4 tools/bench/bench_sp.py --out hybrid.json \
+        --model qwen3_5_9b --sp-lengths "4:65536;1:65536"   # Gated DeltaNet hybrid at 64k (issue 21)
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench/bench_sp.py --out smoke.json \\
         --tiny --precision fp32 --device cpu --sp-lengths "2:256;1:256" --steps 2 --warmup 1   # CPU smoke
 
-Model: Qwen3-8B's published config written inline (max_position_embeddings 131072), RANDOMLY INITIALISED (seeded;
-a throughput benchmark). The rest is the trainer's: a `Recipe`, `build_model` with the trainer's FSDP2 policy
+Model: Qwen3-8B's published config written inline (max_position_embeddings 131072), or with ``--model qwen3_5_9b``
+Qwen3.5-9B's text model (Gated DeltaNet hybrid; fla's kernels on CUDA), RANDOMLY INITIALISED (seeded; a throughput
+benchmark). The rest is the trainer's: a `Recipe`, `build_model` with the trainer's FSDP2 policy
 over all ranks (dp_shard * sp = world; bf16 compute, fp32 masters and reduce; activation checkpointing),
 `build_adamw`, and `veomni.train.loop.train_step` for every step.
 
@@ -58,7 +62,7 @@ from veomni.train import recipe as rc
 from veomni.train.data import Sample, Step, collate
 from veomni.train.metrics import attention_flops, peak_flops
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
-from veomni.train.tasks import TextTask
+from veomni.train.tasks import TextTask, attention_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
 from bench_common import max_over_ranks  # noqa: E402
@@ -78,12 +82,42 @@ QWEN3_8B: dict[str, Any] = {
     "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
     "bos_token_id": 151_643, "eos_token_id": 151_645, "use_cache": False,
 }  # fmt: skip
-# The same architecture shrunk for CPU smoke runs (heads divisible by SP=2 and 4).
+# Qwen3.5-9B's text model (transformers' Qwen3_5TextConfig defaults, its "9B style" configuration): the Gated
+# DeltaNet hybrid, 3 linear-attention layers per gated full-attention layer; Ulysses SP splits the Gated DeltaNet heads
+# (16 key / 32 value) as it does the attention heads (16 q / 4 kv), so SP <= 4.
+QWEN3_5_9B: dict[str, Any] = {
+    "model_type": "qwen3_5_text", "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12_288,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False, "hidden_act": "silu", "use_cache": False,
+}  # fmt: skip
+# The same architectures shrunk for CPU smoke runs (heads divisible by SP=2 and 4).
 TINY: dict[str, Any] = QWEN3_8B | {
     "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
     "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+TINY_QWEN3_5: dict[str, Any] = QWEN3_5_9B | {
+    "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "max_position_embeddings": 4096,
+}  # fmt: skip
+# --model -> (full config, tiny config, name)
+MODELS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    "qwen3_8b": (QWEN3_8B, TINY, "Qwen3-8B"),
+    "qwen3_5_9b": (QWEN3_5_9B, TINY_QWEN3_5, "Qwen3.5-9B text model (Gated DeltaNet hybrid)"),
+}
+
+
+def model_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The config dict of ``--model`` (its tiny variant with ``--tiny``)."""
+    full, tiny, _ = MODELS[args.model]
+    return dict(tiny if args.tiny else full)
 
 
 # ---------------------------------------------------------------- setup
@@ -93,7 +127,7 @@ def make_recipe(args: argparse.Namespace, sp: int, max_len: int, world: int) -> 
     """The recipe of one SP degree as the trainer reads it. ``train_step`` reads ``recipe.optim``; the data and
     tokenizer entries are placeholders (the data is synthetic)."""
     return rc.Recipe(
-        model=rc.ModelSection(config=dict(TINY if args.tiny else QWEN3_8B), weights=None, tokenizer=SYNTHETIC,
+        model=rc.ModelSection(config=model_values(args), weights=None, tokenizer=SYNTHETIC,
                               dtype="bfloat16" if args.precision == "bf16" else "float32"),
         data=rc.DataSection(train_files=(SYNTHETIC,), max_seq_len=max_len, num_workers=0),
         parallel=rc.ParallelSection(sp=sp, activation_checkpointing=args.ac,
@@ -144,7 +178,8 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
         task=TextTask.for_model(probe), config=probe.config,
     )  # fmt: skip
     info = {
-        "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu")},
+        "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu",
+                                                       "gated_delta_rule", "causal_conv1d")},
         "attn_implementation": model.config._attn_implementation,
         # Whether build_recipe_model compiled the blocks (async_ulysses keeps them eager) and the exchange mode.
         "compiled_blocks": compile_stats(model) is not None,
@@ -154,7 +189,7 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
                  "reshard_after_forward": recipe.parallel.reshard_after_forward},
         "flops_per_token_matmul": run.task.flops_per_token,
         "query_width": loop.query_width(probe.config),
-        "num_layers": probe.config.num_hidden_layers,
+        "attention_layers": attention_layers(probe.config),  # softmax-attention layers (quadratic FLOPs term)
     }  # fmt: skip
     return run, info
 
@@ -252,7 +287,7 @@ def measure(
     timed = seconds[args.warmup :]
     tokens = steps[0].tokens
     flops = run.task.flops_per_token * tokens + attention_flops(
-        [seq_len] * state.dims.dp, info["num_layers"], info["query_width"]
+        [seq_len] * state.dims.dp, info["attention_layers"], info["query_width"]
     )
     world, peak = state.dims.world_size, peak_flops(device)
     record: dict[str, Any] = {
@@ -311,7 +346,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--sp-lengths", default=DEFAULT_SP_LENGTHS, help="'sp:len,len;sp:len,...' run in this order")
     add("--steps", type=int, default=3, help="timed optimizer steps per configuration")
     add("--warmup", type=int, default=1, help="untimed optimizer steps first")
-    add("--tiny", action="store_true", help="a 2-layer toy Qwen3 instead of Qwen3-8B (CPU smoke)")
+    add("--model", choices=sorted(MODELS), default="qwen3_8b", help="the architecture (published shapes)")
+    add("--tiny", action="store_true", help="a toy of --model's architecture (CPU smoke)")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16: bf16 compute over fp32 masters, fp32 reduce; fp32: no mixed precision (parity)")  # fmt: skip
     add("--ops", default="", help="OpsConfig overrides, e.g. attention=flash_attn_3,rope=eager")
@@ -373,14 +409,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _header(args: argparse.Namespace, device: torch.device, why: str) -> dict[str, Any]:
     return {
-        "benchmark": "bench_sp (T5: Ulysses SP, Qwen3-8B-class, long context)",
+        "benchmark": "bench_sp (T5: Ulysses SP, long context)",
         "command": sys.orig_argv, "argv": sys.argv,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "model": {"name": "tiny Qwen3" if args.tiny else "Qwen3-8B config",
+        "model": {"name": ("tiny " if args.tiny else "") + MODELS[args.model][2],
                   "weights": f"random init (the model's _init_weights, torch.manual_seed({args.seed}))",
-                  "config": TINY if args.tiny else QWEN3_8B},
+                  "config": model_values(args)},
         "settings": {"precision": args.precision, "activation_checkpointing": args.ac,
                      "reshard_after_forward": not args.no_reshard, "steps": args.steps, "warmup": args.warmup,
                      "same_data": args.same_data, "lr": args.lr, "max_grad_norm": args.max_grad_norm,

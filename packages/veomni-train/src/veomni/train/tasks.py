@@ -95,6 +95,15 @@ def query_width(config: PretrainedConfig) -> float:
     return text.num_attention_heads * head_dim
 
 
+def attention_layers(config: PretrainedConfig) -> int:
+    """Layers of the language model with softmax attention (the quadratic FLOPs term): all of them, except the
+    linear-attention layers of a hybrid (Gated DeltaNet's ``layer_types`` entries ``linear_attention``), whose cost
+    is linear in the length and already counted by their projections."""
+    text = text_config(config)
+    kinds = getattr(text, "layer_types", None) or ()
+    return int(text.num_hidden_layers) - sum(kind == "linear_attention" for kind in kinds)
+
+
 def flops_per_token(probe: nn.Module) -> float:
     """``6 * N_active``: matmul FLOPs per trained token of ``probe`` (an unsharded or meta instance); routed
     expert weights count ``top_k / E`` of their size."""
@@ -120,7 +129,7 @@ class TextTask:
 
     Attributes:
         flops_per_token: `flops_per_token` of the model.
-        num_layers: decoder layers (attention FLOPs term).
+        num_layers: `attention_layers` of the model (attention FLOPs term).
         query_width: `query_width` of the model.
         aux_loss_coef: the model's ``router_aux_loss_coef`` (0 without one); the loop adds the aux term.
     """
@@ -138,7 +147,7 @@ class TextTask:
         text = text_config(probe.config)
         return cls(
             flops_per_token=flops_per_token(probe),
-            num_layers=int(text.num_hidden_layers),
+            num_layers=attention_layers(probe.config),
             query_width=query_width(probe.config),
             aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
         )
@@ -289,7 +298,7 @@ class VlmTask(TextTask):
         tower = sum(p.numel() for p in visual.parameters() if p.dim() >= 2)
         return cls(
             flops_per_token=flops_per_token(probe) - 6.0 * tower,
-            num_layers=int(text.num_hidden_layers),
+            num_layers=attention_layers(probe.config),
             query_width=query_width(probe.config),
             aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
             vision_flops_per_patch=vision,

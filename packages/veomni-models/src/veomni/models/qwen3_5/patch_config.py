@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import torch
 from patchgen.config import PatchConfig
+from transformers import initialization as init
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Cache,
+    Qwen3_5GatedDeltaNet,
+    Qwen3_5RMSNorm,
     TransformersKwargs,
     Unpack,
     apply_mask_to_padding_states,
@@ -37,7 +40,7 @@ from veomni.models.qwen3.patch_config import (
     mlp_forward,
     seq_cls_init,
 )
-from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
     gated_rms_norm_forward,
@@ -59,7 +62,7 @@ config.add_import(
     "from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet"
 )
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
-config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train")
+config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
 config.override_method("Qwen3_5RMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
     offset_rms_norm_forward
 )
@@ -75,6 +78,19 @@ config.override_method("Qwen3_5Attention.forward", description="partial RoPE via
 config.override_method(
     "Qwen3_5ForCausalLM.forward", description="LM head + loss via lm_logits_and_loss (as Qwen3)"
 )(causal_lm_forward)
+
+
+@config.override_method(
+    "Qwen3_5PreTrainedModel._init_weights",
+    description="upstream's init with A_log drawn on its own layout (an FSDP2-sharded fresh init is a DTensor)",
+)
+def init_weights(self, module) -> None:
+    super()._init_weights(module)
+    if isinstance(module, Qwen3_5GatedDeltaNet):
+        init.ones_(module.dt_bias)
+        init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
+    elif isinstance(module, Qwen3_5RMSNorm):
+        init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
 
 
 @config.override_method(

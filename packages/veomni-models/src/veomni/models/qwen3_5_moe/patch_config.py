@@ -39,7 +39,7 @@ config.add_import(
     "from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet"
 )
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
-config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train")
+config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method("Qwen3_5MoeRMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
     offset_rms_norm_forward

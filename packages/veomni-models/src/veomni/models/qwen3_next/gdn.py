@@ -14,11 +14,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from veomni.kernels import Kernels
 from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
 
-__all__ = ["gated_delta_net_train"]
+__all__ = ["gated_delta_net_train", "init_decay_log"]
+
+
+def init_decay_log(a_log: torch.Tensor) -> None:
+    """Upstream's initial ``A_log`` (``log A``, ``A ~ U(0.01, 16)`` drawn in fp32), drawn on ``a_log``'s own layout.
+
+    Upstream draws a plain ``torch.empty(heads)``; copied into a parameter that FSDP2 already sharded (a fresh init
+    of the trainer) that mixes a tensor and a DTensor, which DTensor refuses. ``empty_like`` draws a DTensor
+    through DTensor's RNG there, and exactly upstream's numbers on a plain tensor.
+
+    Args:
+        a_log: ``[Hv]`` parameter (any float dtype; plain tensor or DTensor).
+    """
+    init.copy_(a_log, torch.empty_like(a_log, dtype=torch.float32).uniform_(0.01, 16).log_())
 
 
 def gated_delta_net_train(

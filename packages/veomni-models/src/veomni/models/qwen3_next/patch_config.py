@@ -40,7 +40,7 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
-from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -52,14 +52,14 @@ config = PatchConfig(
 use_veomni_masks(config, "create_causal_mask")
 config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
-config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train")
+config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
 config.add_import("from veomni.core.ep import ExpertPlan")
 
 
 @config.override_method(
     "Qwen3NextPreTrainedModel._init_weights",
     description="upstream's init, with the router initialised on its own module rather than on the sparse block "
-    "that holds it",
+    "that holds it, and A_log drawn on its own layout (FSDP2-sharded fresh init)",
 )
 def init_weights(self, module) -> None:
     super()._init_weights(module)
@@ -68,7 +68,7 @@ def init_weights(self, module) -> None:
     if isinstance(module, Qwen3NextGatedDeltaNet):
         init.ones_(module.dt_bias)
         # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
-        init.copy_(module.A_log, torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_())
+        init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
     elif isinstance(module, Qwen3NextRMSNorm):
         init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
     elif isinstance(module, Qwen3NextExperts):

@@ -11,6 +11,7 @@
 #   - override_method Qwen3_5MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3_5Attention.forward: partial RoPE via rope/partial, output gate
 #   - override_method Qwen3_5ForCausalLM.forward: LM head + loss via lm_logits_and_loss (as Qwen3)
+#   - override_method Qwen3_5PreTrainedModel._init_weights: upstream's init with A_log drawn on its own layout (an FSDP2-sharded fresh init is a DTensor)
 #   - override_method Qwen3_5GatedDeltaNet.forward: training: gated_delta_net_train (conv + delta-rule kernels with cu_seq_lens_q, Ulysses SP over heads); generation (a cache) or no kernels: upstream's forward
 #   - override_method Qwen3_5VisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5VisionModel.forward: rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
@@ -24,7 +25,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
+#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 #   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
 #   - add_import: from veomni.models.hf_attention import PREFIX
@@ -115,7 +116,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import (
 from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from veomni.models.kernel_hooks import apply_rope_vision
 from veomni.models.hf_attention import PREFIX
@@ -924,19 +925,15 @@ class Qwen3_5PreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _can_compile_fullgraph = True
 
+    # [PATCHED] upstream's init with A_log drawn on its own layout (an FSDP2-sharded fresh init is a DTensor)
     @torch.no_grad()
-    def _init_weights(self, module):
+    def _init_weights(self, module) -> None:
         super()._init_weights(module)
         if isinstance(module, Qwen3_5GatedDeltaNet):
             init.ones_(module.dt_bias)
-            # Lower bound kept away from 0 so log(A) never becomes -inf
-            init.copy_(
-                module.A_log,
-                torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_(),
-            )
-        # We initialize with 0s to be 1 centered as the RMSNorm here does (1 + weight)
+            init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
         elif isinstance(module, Qwen3_5RMSNorm):
-            init.zeros_(module.weight)
+            init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
 
 
 class Qwen3_5VisionMLP(nn.Module):

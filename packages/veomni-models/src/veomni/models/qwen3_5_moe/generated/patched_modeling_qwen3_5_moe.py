@@ -27,7 +27,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
+#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 #   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
@@ -116,7 +116,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet,
 )
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 from veomni.core.ep import ExpertPlan
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from veomni.models.kernel_hooks import apply_rope_vision
@@ -1024,10 +1024,7 @@ class Qwen3_5MoePreTrainedModel(PreTrainedModel):
         if isinstance(module, Qwen3_5MoeGatedDeltaNet):
             init.ones_(module.dt_bias)
             # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
-            init.copy_(
-                module.A_log,
-                torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_(),
-            )
+            init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
         elif isinstance(module, Qwen3_5MoeRMSNorm):
             init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
         elif isinstance(module, Qwen3_5MoeExperts):

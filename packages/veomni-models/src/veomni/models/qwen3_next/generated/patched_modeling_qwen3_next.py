@@ -6,7 +6,7 @@
 # Regenerate: patchgen veomni.models.qwen3_next.patch_config
 # Description: Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Qwen3NextPreTrainedModel._init_weights: upstream's init, with the router initialised on its own module rather than on the sparse block that holds it
+#   - override_method Qwen3NextPreTrainedModel._init_weights: upstream's init, with the router initialised on its own module rather than on the sparse block that holds it, and A_log drawn on its own layout (FSDP2-sharded fresh init)
 #   - override_method Qwen3NextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3NextForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
 #   - override_method Qwen3NextRMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
@@ -21,7 +21,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train
+#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -83,7 +83,7 @@ from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextCon
 from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -927,7 +927,7 @@ class Qwen3NextPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _can_compile_fullgraph = True
 
-    # [PATCHED] upstream's init, with the router initialised on its own module rather than on the sparse block that holds it
+    # [PATCHED] upstream's init, with the router initialised on its own module rather than on the sparse block that holds it, and A_log drawn on its own layout (FSDP2-sharded fresh init)
     @torch.no_grad()
     def _init_weights(self, module) -> None:
         super()._init_weights(module)
@@ -936,10 +936,7 @@ class Qwen3NextPreTrainedModel(PreTrainedModel):
         if isinstance(module, Qwen3NextGatedDeltaNet):
             init.ones_(module.dt_bias)
             # Lower bound kept away from 0 so that log(A) is finite (upstream's rule).
-            init.copy_(
-                module.A_log,
-                torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_(),
-            )
+            init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
         elif isinstance(module, Qwen3NextRMSNorm):
             init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
         elif isinstance(module, Qwen3NextExperts):
