@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import itertools
+import logging
 
 import pytest
 import torch
@@ -171,6 +172,25 @@ def test_fla_gated_delta_rule_refused_where_fla_computes_wrong_gradients(monkeyp
     for triton, tilelang in (("3.7.1", False), ("3.9.0+git0", False), ("3.3.1", False), ("3.6.0", True)):
         _installed(monkeypatch, triton, tilelang)
         assert fla_gated_delta_problem(H100) is None, (triton, tilelang)
+
+
+def test_model_specific_fallbacks_are_reported_when_a_model_takes_the_kernel(monkeypatch, caplog):
+    # Hopper with Triton 3.6 and no tilelang: fla's delta rule is refused (fla #640), or fla is absent altogether.
+    # Either way the default falls back to the oracle; a model without Gated DeltaNet never hears of it, one with it
+    # gets the warning once, when it takes the kernel.
+    _installed(monkeypatch, "3.6.0", tilelang=False)
+    with caplog.at_level(logging.WARNING, logger="veomni.kernels.config"):
+        ops = OpsConfig(hardware=H100)
+        assert ops.gated_delta_rule == "eager" and "gated_delta_rule" in ops.fallbacks
+        assert not [r for r in caplog.records if "gated_delta_rule" in r.getMessage()]
+        # A derived config (what the trainer binds: fp32 compute, compile off) keeps the record of the fallback.
+        kernels = resolve_kernels(ops.for_compute_dtype(torch.float32).with_compile("off"))
+        assert kernels.get("rms_norm", "standard") is not None  # other ops: nothing about the delta rule
+        assert not [r for r in caplog.records if "gated_delta_rule" in r.getMessage()]
+        for _ in range(3):
+            assert kernels.get("gated_delta_rule", "chunk") is gated_delta_rule_eager
+    reports = [r.getMessage() for r in caplog.records if "OpsConfig.gated_delta_rule" in r.getMessage()]
+    assert len(reports) == 1 and "the cuda default 'fla' cannot run" in reports[0] and "using 'eager'" in reports[0]
 
 
 def _fwd_bwd(fn, inputs, dy, **kw):

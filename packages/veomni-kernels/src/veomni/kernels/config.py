@@ -42,6 +42,9 @@ DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "rms_norm_gated": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
 }
 FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
+# Ops only some models call: a default of theirs that falls back is reported when a model first takes the kernel
+# (`Kernels.get`), not when the config is built, so a Llama run on a GPU host without fla logs nothing about fla.
+MODEL_SPECIFIC_OPS = frozenset({"gated_delta_rule", "causal_conv1d", "rms_norm_gated"})
 # Inside torch.compile'd blocks inductor fuses these ops' eager formulas into the kernels around them, which beats
 # calling our Triton kernels there: each custom-op call costs 0.2-0.5 ms of host time (Triton's Python launcher)
 # and the compiled step is host-bound (T1, Qwen3-1.7B on an H100: 33.1k tok/s with these eager vs 17.8k with
@@ -88,6 +91,8 @@ class OpsConfig:
         hardware: what to validate against (detected when omitted).
         registry: where backends are looked up (the global `KERNELS` unless a test passes its own).
         defaulted: the fields that were left unset and so got the hardware default.
+        fallbacks: for each defaulted field whose device default could not run, the warning saying why and what
+            runs instead (logged at construction; for `MODEL_SPECIFIC_OPS`, when a model first takes the kernel).
     """
 
     attention: str | None = _backend_field()
@@ -105,18 +110,33 @@ class OpsConfig:
     hardware: Hardware = attrs.field(factory=detect_hardware)
     registry: KernelRegistry = attrs.field(default=KERNELS, repr=False, eq=False)
     defaulted: frozenset[str] = attrs.field(default=frozenset(), init=False)
+    fallbacks: Mapping[str, str] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        defaulted = set()
+        defaulted, fallbacks = set(), {}
         for field in op_fields():
             value = getattr(self, field)
             if value is None:
-                value = _default_backend(field, self.hardware, self.registry)
+                value, fallback = _default_backend(field, self.hardware, self.registry)
                 defaulted.add(field)
+                if fallback is not None:
+                    fallbacks[field] = fallback
+                    if field not in MODEL_SPECIFIC_OPS:
+                        logger.warning(fallback)  # loud, not silent: the fast default cannot run here
             else:
                 _check_explicit(field, value, self.hardware, self.registry)
             object.__setattr__(self, field, value)
         object.__setattr__(self, "defaulted", frozenset(defaulted))
+        object.__setattr__(self, "fallbacks", fallbacks)
+
+    def replace(self, **changes: str) -> OpsConfig:
+        """This config with ``changes`` (field -> value) applied. ``defaulted`` and ``fallbacks`` are kept: they
+        record how the user's config was completed, which a derived config (an adapted backend) does not change;
+        a plain ``attrs.evolve`` would see every field as explicit and lose both."""
+        changed = attrs.evolve(self, **changes)
+        object.__setattr__(changed, "defaulted", self.defaulted)
+        object.__setattr__(changed, "fallbacks", self.fallbacks)
+        return changed
 
     def for_compute_dtype(self, dtype: torch.dtype) -> OpsConfig:
         """This config for a model computing in ``dtype``: a *defaulted* half-precision-only attention backend
@@ -128,15 +148,11 @@ class OpsConfig:
             or dtype in (torch.bfloat16, torch.float16)
         ):
             return self
-        changed = attrs.evolve(self, attention=FALLBACK_BACKENDS["attention"])
-        object.__setattr__(changed, "defaulted", self.defaulted)
-        return changed
+        return self.replace(attention=FALLBACK_BACKENDS["attention"])
 
     def with_compile(self, compile: str) -> OpsConfig:
         """This config with ``compile`` (auto / on / off) replaced; ``defaulted`` is unchanged."""
-        changed = attrs.evolve(self, compile=compile)
-        object.__setattr__(changed, "defaulted", self.defaulted)
-        return changed
+        return self.replace(compile=compile)
 
     def for_compiled_blocks(self) -> OpsConfig:
         """This config for a model whose decoder blocks ``torch.compile`` traces: each *defaulted* field in
@@ -149,9 +165,7 @@ class OpsConfig:
         }
         if not changes:
             return self
-        changed = attrs.evolve(self, **changes)
-        object.__setattr__(changed, "defaulted", self.defaulted)
-        return changed
+        return self.replace(**changes)
 
     def capabilities(self, field: str) -> frozenset[str]:
         """The optional features (e.g. ``sinks``) that the backend selected for ``field`` computes."""
@@ -178,9 +192,7 @@ class OpsConfig:
         if not runnable:
             self.require_capabilities(field, needed, why)  # raises, naming the backends
         pick = FALLBACK_BACKENDS.get(field)
-        changed = attrs.evolve(self, **{field: pick if pick in runnable else runnable[0]})
-        object.__setattr__(changed, "defaulted", self.defaulted)
-        return changed
+        return self.replace(**{field: pick if pick in runnable else runnable[0]})
 
     def require_capabilities(self, field: str, needed: Iterable[str], why: str) -> None:
         """Raise ``ValueError`` unless the backend of ``field`` has every capability in ``needed``.
@@ -216,7 +228,7 @@ def op_fields() -> list[str]:
     return [f.name for f in attrs.fields(OpsConfig) if f.name not in _NOT_BACKENDS]
 
 
-_NOT_BACKENDS = ("compile", "hardware", "registry", "defaulted")
+_NOT_BACKENDS = ("compile", "hardware", "registry", "defaulted", "fallbacks")
 
 
 def npu_backends(field: str, registry: KernelRegistry = KERNELS) -> list[str]:
@@ -230,20 +242,20 @@ def npu_backends(field: str, registry: KernelRegistry = KERNELS) -> list[str]:
     )
 
 
-def _default_backend(field: str, hw: Hardware, registry: KernelRegistry) -> str:
+def _default_backend(field: str, hw: Hardware, registry: KernelRegistry) -> tuple[str, str | None]:
+    """The default backend of ``field`` on ``hw``, and when the device default cannot run, the warning that says
+    why and what runs instead."""
     op = FIELD_OPS[field]
     preferred = DEFAULT_BACKENDS[field][hw.device_type]
     problem = registry.backend_problem(op, preferred, hw)
     if problem is None:
-        return preferred
+        return preferred, None
     fallback = FALLBACK_BACKENDS.get(field, "eager")
     chosen = fallback if registry.backend_problem(op, fallback, hw) is None else "eager"
-    # Loud, not silent: the fast default for this device cannot run (a missing package, usually).
-    logger.warning(
-        "OpsConfig.%s: the %s default %r cannot run (%s); using %r. Set the field to choose.",
-        field, hw.device_type, preferred, problem, chosen,
-    )  # fmt: skip
-    return chosen
+    return chosen, (
+        f"OpsConfig.{field}: the {hw.device_type} default {preferred!r} cannot run ({problem}); using {chosen!r}. "
+        "Set the field to choose."
+    )
 
 
 def _check_explicit(field: str, value: str, hw: Hardware, registry: KernelRegistry) -> None:
@@ -276,9 +288,14 @@ class Kernels:
     config: OpsConfig
     _table: Mapping[tuple[str, str], KernelFn]
     _missing: Mapping[tuple[str, str], str]
+    # The model-specific fallbacks not yet reported (`MODEL_SPECIFIC_OPS`): each is logged once, on first `get`.
+    _unreported: set[str] = attrs.field(factory=set)
 
     def get(self, field: str, variant: str) -> KernelFn:
         """The function for OpsConfig field ``field`` (an op name, or an alias such as rope_vision)."""
+        if field in self._unreported:
+            self._unreported.discard(field)
+            logger.warning(self.config.fallbacks[field])
         key = (field, variant)
         if key in self._table:
             return self._table[key]
@@ -307,4 +324,4 @@ def resolve_kernels(config: OpsConfig) -> Kernels:
                 missing[(field, variant)] = f"OpsConfig.{field}={backend!r}: {err.args[0]}"
                 continue
             table[(field, variant)] = spec.factory()
-    return Kernels(config, table, missing)
+    return Kernels(config, table, missing, set(config.fallbacks) & MODEL_SPECIFIC_OPS)

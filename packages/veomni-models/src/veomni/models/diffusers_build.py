@@ -21,7 +21,6 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -224,9 +223,7 @@ def dit_ops(ops: OpsConfig) -> OpsConfig:
     """
     if "attention" not in ops.defaulted or ops.attention == "sdpa":
         return ops
-    changed = attrs.evolve(ops, attention="sdpa")
-    object.__setattr__(changed, "defaulted", ops.defaulted)
-    return changed
+    return ops.replace(attention="sdpa")
 
 
 def _bind_kernels(model: nn.Module, ops: OpsConfig) -> bool:

@@ -308,9 +308,7 @@ def fit_experts_backend(model: nn.Module, ops: OpsConfig) -> OpsConfig:
             f"need; backends that have them: {having}"
         )
     logger.info("apply_ops: moe_experts default %r lacks %s for this model; using 'eager'", backend, sorted(missing))
-    changed = attrs.evolve(ops, moe_experts="eager")
-    object.__setattr__(changed, "defaulted", ops.defaulted)
-    return changed
+    return ops.replace(moe_experts="eager")
 
 
 def check_experts_modules(model: nn.Module, backend: str) -> int:

@@ -23,7 +23,6 @@ import inspect
 import logging
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -227,6 +226,4 @@ def check_loss_dispatch(model: nn.Module, ops: OpsConfig) -> OpsConfig:
     logger.info(
         "apply_ops: %s computes its loss upstream's way; cross_entropy %r -> 'eager'", name, ops.cross_entropy
     )
-    changed = attrs.evolve(ops, cross_entropy="eager")
-    object.__setattr__(changed, "defaulted", ops.defaulted)
-    return changed
+    return ops.replace(cross_entropy="eager")
