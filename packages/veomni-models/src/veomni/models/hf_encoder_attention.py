@@ -112,4 +112,14 @@ def backend_for_implementation(implementation: str | None) -> str:
     return backend
 
 
-__all__ = ["backend_for_implementation", "encoder_attention"]
+def needs_max_seqlen(implementation: str) -> bool:
+    """Whether the encoder attention backend behind ``implementation`` uses ``max_seqlen``.
+
+    The varlen kernels (flash_attn_2/3, ...) take the longest segment as a host int, and compute it themselves
+    (one host sync) when given None; a tower reads it once per forward, not once per layer, for those only.
+    ``eager``, ``sdpa`` and ``flex`` don't use it. Raises ``ValueError`` as `backend_for_implementation` does.
+    """
+    return backend_for_implementation(implementation) not in ("eager", "sdpa", "flex")
+
+
+__all__ = ["backend_for_implementation", "encoder_attention", "needs_max_seqlen"]

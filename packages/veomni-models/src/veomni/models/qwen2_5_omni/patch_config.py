@@ -93,11 +93,7 @@ config.add_import(
     "sp_world_size"
 )
 config.add_import("from veomni.models.hf_attention import PREFIX")
-config.add_import(
-    "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention"
-)
-for block in qwen3_vl.config.post_import_blocks:  # _NO_MAX_SEQLEN
-    config.add_post_import_block(block)
+config.add_import("from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen")
 # The HF-named implementations run upstream's own attention forwards, unchanged.
 config.add_import("from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream")
 

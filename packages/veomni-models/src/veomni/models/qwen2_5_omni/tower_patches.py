@@ -3,8 +3,8 @@ forward and the audio tower's injected ``dummy_forward``.
 
 patchgen copies these functions' source into the generated modeling file; `veomni.models.qwen2_5_omni.patch_config`
 registers them. Every name they use must therefore also exist in the generated module: upstream names come from
-``modeling_qwen2_5_omni``, veomni helpers from the config's ``add_import`` lines and ``_NO_MAX_SEQLEN`` from its
-post-import block. The imports below only make this module importable and checkable on its own.
+``modeling_qwen2_5_omni`` and veomni helpers from the config's ``add_import`` lines. The imports below only make
+this module importable and checkable on its own.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 )
 
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_5_omni.towers import dummy_audio_inputs
 from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
-from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 
 
 def audio_attention_forward(
@@ -110,11 +109,7 @@ def audio_encoder_forward(
     cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
     max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
     implementation = self.config._attn_implementation or ""
-    if (
-        max_seqlen is None
-        and implementation.startswith(PREFIX)
-        and (backend_for_implementation(implementation) not in _NO_MAX_SEQLEN)
-    ):
+    if max_seqlen is None and implementation.startswith(PREFIX) and needs_max_seqlen(implementation):
         # Read once per forward, not once per layer (each read is a host sync).
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 

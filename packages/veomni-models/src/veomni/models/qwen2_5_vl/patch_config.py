@@ -33,7 +33,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation
+from veomni.models.hf_encoder_attention import needs_max_seqlen
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
@@ -46,7 +46,6 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
-from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 
 config = PatchConfig(
     source_module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
@@ -58,8 +57,6 @@ use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mas
 for statement in qwen2_vl.IMPORTS:
     config.add_import(statement)
 config.add_import("from veomni.models.qwen2_5_vl.window import WindowIndex")
-for block in qwen2_vl.config.post_import_blocks:
-    config.add_post_import_block(block)
 
 _VISION = {"Qwen2Vision": "Qwen2_5_Vision", "Qwen2VL": "Qwen2_5_VL"}
 _REUSED = (
@@ -107,9 +104,7 @@ def vision_forward(
     max_seqlen, max_window = tables["max_seqlen"], tables["max_window_seqlen"]
     implementation = self.config._attn_implementation or ""
     # HF's flash names read the maxima themselves when given None; veomni's varlen backends get them here.
-    needs_max = implementation.startswith(PREFIX) and backend_for_implementation(implementation) not in (
-        _NO_MAX_SEQLEN
-    )
+    needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
     if needs_max and (max_seqlen is None or max_window is None):
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         max_window = int((cu_window[1:] - cu_window[:-1]).max())

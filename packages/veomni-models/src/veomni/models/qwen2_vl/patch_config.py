@@ -44,7 +44,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
 
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation
+from veomni.models.hf_encoder_attention import needs_max_seqlen
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, vision_position_ids
@@ -57,7 +57,6 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs
-from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 
 config = PatchConfig(
     source_module="transformers.models.qwen2_vl.modeling_qwen2_vl",
@@ -70,7 +69,7 @@ IMPORTS = (
     "from veomni.models.kernel_hooks import apply_rope, apply_rope_vision",
     "from veomni.models.causal_lm import lm_logits_and_loss",
     "from veomni.models.hf_attention import PREFIX",
-    "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention",
+    "from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen",
     "from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids",
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, "
     "sp_world_size",
@@ -79,8 +78,6 @@ IMPORTS = (
 """Imports of every function below (and of Qwen2.5-VL's config, which reuses them)."""
 for statement in IMPORTS:
     config.add_import(statement)
-for block in qwen3_vl.config.post_import_blocks:  # _NO_MAX_SEQLEN
-    config.add_post_import_block(block)
 
 
 config.override_method("Qwen2VLRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard') "
@@ -156,9 +153,7 @@ def vision_forward(
     position_ids = vision_position_ids(grid_thw, self.spatial_merge_size, total)
     cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
     implementation = self.config._attn_implementation or ""
-    needs_max = implementation.startswith(PREFIX) and backend_for_implementation(implementation) not in (
-        _NO_MAX_SEQLEN
-    )
+    needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
     if max_seqlen is None and needs_max:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one sync per forward, not per block
 

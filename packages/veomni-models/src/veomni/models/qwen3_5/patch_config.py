@@ -123,7 +123,7 @@ VISION_IMPORTS = (
     "from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures",
     "from veomni.models.kernel_hooks import apply_rope_vision",
     "from veomni.models.hf_attention import PREFIX",
-    "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention",
+    "from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen",
     "from veomni.models.qwen2_vl.vision import embed_visual",
     "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry",
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, "
@@ -143,8 +143,6 @@ def add_vision_patches(config: PatchConfig, prefix: str) -> None:
     """
     for statement in VISION_IMPORTS:
         config.add_import(statement)
-    for block in qwen3_vl.config.post_import_blocks:  # _NO_MAX_SEQLEN
-        config.add_post_import_block(block)
     renamed = {"Qwen3VL": prefix}
     reused = (
         ("VisionAttention.forward", qwen3_vl.vision_attention_forward,

@@ -56,7 +56,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen2_5_omni import patch_config as omni25
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs
@@ -71,7 +71,6 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.qwen3_vl.vision import parallel_world_size, scatter_visual
-from veomni.models.qwen3_vl.vision_patches import _NO_MAX_SEQLEN
 from veomni.models.qwen3_vl_moe import patch_config as vl_moe
 
 config = PatchConfig(
@@ -84,8 +83,6 @@ config = PatchConfig(
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 for statement in vl.config.imports:
     config.add_import(statement)
-for block in vl.config.post_import_blocks:
-    config.add_post_import_block(block)
 config.add_import("from veomni.models.causal_lm import router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.add_import("from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs")
@@ -245,9 +242,7 @@ def audio_encoder_forward(self, input_features=None, feature_lens=None, **kwargs
     )
     max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
     implementation = self.config._attn_implementation or ""
-    if max_seqlen is None and implementation.startswith(PREFIX) and (
-        backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
-    ):
+    if max_seqlen is None and implementation.startswith(PREFIX) and needs_max_seqlen(implementation):
         # Read once per forward, not once per layer (each read is a host sync).
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 

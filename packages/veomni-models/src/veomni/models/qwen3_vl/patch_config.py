@@ -66,9 +66,7 @@ use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope, apply_rope_vision")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.hf_attention import PREFIX")
-config.add_import(
-    "from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention"
-)
+config.add_import("from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen")
 config.add_import(
     "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, "
     "scatter_visual, vision_geometry"
@@ -76,14 +74,6 @@ config.add_import(
 config.add_import(
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, "
     "sp_group_or_none, sp_world_size"
-)
-
-config.add_post_import_block(
-    """
-    # veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-    # unless given, so the tower computes it once per forward for them.
-    _NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
-    """
 )
 
 

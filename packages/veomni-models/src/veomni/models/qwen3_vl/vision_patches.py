@@ -3,8 +3,8 @@
 patchgen copies these functions' source into the generated modeling file; `veomni.models.qwen3_vl.patch_config`
 registers them (``override_method``), and the Qwen2-VL, Qwen2.5-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3-Omni-MoE configs
 reuse them from there. Every name they use must therefore also exist in the generated module: upstream names come
-from ``modeling_qwen3_vl``, veomni helpers from the config's ``add_import`` lines, and ``_NO_MAX_SEQLEN`` from its
-post-import block. The imports below only make this module importable and checkable on its own.
+from ``modeling_qwen3_vl`` and veomni helpers from the config's ``add_import`` lines. The imports below only make
+this module importable and checkable on its own.
 
 * Vision attention: with a ``veomni_*`` implementation (or under Ulysses SP) it calls
   `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
@@ -33,14 +33,10 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 )
 
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.kernel_hooks import apply_rope_vision
 from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
-
-# veomni attention backends that never need max_seqlen (the same tuple as the config's post-import block, which
-# is what the generated module reads).
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 def vision_attention_forward(
@@ -147,9 +143,7 @@ def vision_forward(
     )
     cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
     implementation = self.config._attn_implementation or ""
-    needs_max = implementation.startswith(PREFIX) and (
-        backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
-    )
+    needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
     if max_seqlen is None and needs_max:
         # One host sync per tower forward instead of one per block.
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

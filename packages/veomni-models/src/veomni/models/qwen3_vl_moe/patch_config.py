@@ -52,8 +52,6 @@ for statement in dense.config.imports:
     config.add_import(statement)
 config.add_import("from veomni.models.causal_lm import router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
-for block in dense.config.post_import_blocks:
-    config.add_post_import_block(block)
 
 _REUSED = (
     ("Qwen3VLMoeTextRMSNorm.forward", dense.rms_norm_forward, "RMSNorm via kernels.get('rms_norm', 'standard')"),

@@ -34,11 +34,10 @@
 #   - add_import: from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from transformers.activations import SiLUActivation
-#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -125,15 +124,10 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
 from veomni.models.kernel_hooks import apply_rope
 from transformers.activations import SiLUActivation
-
-# [PATCHED] add_post_import_block
-# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-# unless given, so the tower computes it once per forward for them.
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 logger = logging.get_logger(__name__)
@@ -868,11 +862,7 @@ class Qwen2_5OmniAudioEncoder(Qwen2_5OmniPreTrainedModel):
         cu_seqlens = get_audio_cu_seqlens(chunk_lengths, kwargs=kwargs)
         max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
-        if (
-            max_seqlen is None
-            and implementation.startswith(PREFIX)
-            and (backend_for_implementation(implementation) not in _NO_MAX_SEQLEN)
-        ):
+        if max_seqlen is None and implementation.startswith(PREFIX) and needs_max_seqlen(implementation):
             # Read once per forward, not once per layer (each read is a host sync).
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
@@ -1250,9 +1240,7 @@ class Qwen2_5OmniVisionEncoder(Qwen2_5OmniPreTrainedModel):
         max_seqlen, max_window = tables["max_seqlen"], tables["max_window_seqlen"]
         implementation = self.config._attn_implementation or ""
         # HF's flash names read the maxima themselves when given None; veomni's varlen backends get them here.
-        needs_max = implementation.startswith(PREFIX) and backend_for_implementation(implementation) not in (
-            _NO_MAX_SEQLEN
-        )
+        needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
         if needs_max and (max_seqlen is None or max_window is None):
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             max_window = int((cu_window[1:] - cu_window[:-1]).max())

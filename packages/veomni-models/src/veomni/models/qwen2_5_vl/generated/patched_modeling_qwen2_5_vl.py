@@ -21,12 +21,11 @@
 #   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs
 #   - add_import: from veomni.models.qwen2_5_vl.window import WindowIndex
-#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -97,7 +96,7 @@ from veomni.models.hf_masks import create_causal_mask, create_sliding_window_cau
 from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
@@ -108,11 +107,6 @@ from veomni.models.qwen3_vl.sp import (
 )
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs
 from veomni.models.qwen2_5_vl.window import WindowIndex
-
-# [PATCHED] add_post_import_block
-# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-# unless given, so the tower computes it once per forward for them.
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 logger = logging.get_logger(__name__)
@@ -539,9 +533,7 @@ class Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLPreTrainedModel):
         max_seqlen, max_window = tables["max_seqlen"], tables["max_window_seqlen"]
         implementation = self.config._attn_implementation or ""
         # HF's flash names read the maxima themselves when given None; veomni's varlen backends get them here.
-        needs_max = implementation.startswith(PREFIX) and backend_for_implementation(implementation) not in (
-            _NO_MAX_SEQLEN
-        )
+        needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
         if needs_max and (max_seqlen is None or max_window is None):
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             max_window = int((cu_window[1:] - cu_window[:-1]).max())

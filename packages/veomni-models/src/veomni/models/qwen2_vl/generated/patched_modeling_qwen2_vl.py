@@ -21,11 +21,10 @@
 #   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs
-#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 # Copyright 2024 The Qwen team, Alibaba Group and the HuggingFace Inc. team. All rights reserved.
@@ -93,7 +92,7 @@ from veomni.models.hf_masks import create_causal_mask, create_sliding_window_cau
 from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
@@ -103,11 +102,6 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs
-
-# [PATCHED] add_post_import_block
-# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-# unless given, so the tower computes it once per forward for them.
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 logger = logging.get_logger(__name__)
@@ -772,9 +766,7 @@ class Qwen2VisionTransformerPretrainedModel(Qwen2VLPreTrainedModel):
         position_ids = vision_position_ids(grid_thw, self.spatial_merge_size, total)
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
-        needs_max = implementation.startswith(PREFIX) and backend_for_implementation(implementation) not in (
-            _NO_MAX_SEQLEN
-        )
+        needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
         if max_seqlen is None and needs_max:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one sync per forward, not per block
 

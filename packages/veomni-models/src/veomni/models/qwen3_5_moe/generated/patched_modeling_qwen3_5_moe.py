@@ -32,12 +32,11 @@
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 #   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen2_vl.vision import embed_visual
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from transformers.modeling_outputs import BaseModelOutputWithPast
-#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -121,7 +120,7 @@ from veomni.core.ep import ExpertPlan
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from veomni.models.kernel_hooks import apply_rope_vision
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_vl.vision import embed_visual
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 from veomni.models.qwen3_vl.sp import (
@@ -132,11 +131,6 @@ from veomni.models.qwen3_vl.sp import (
     sp_world_size,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
-
-# [PATCHED] add_post_import_block
-# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-# unless given, so the tower computes it once per forward for them.
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 class Qwen3_5MoeVisionRotaryEmbedding(nn.Module):
@@ -1295,9 +1289,7 @@ class Qwen3_5MoeVisionModel(Qwen3_5MoePreTrainedModel):
         )
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
-        needs_max = implementation.startswith(PREFIX) and (
-            backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
-        )
+        needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
         if max_seqlen is None and needs_max:
             # One host sync per tower forward instead of one per block.
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

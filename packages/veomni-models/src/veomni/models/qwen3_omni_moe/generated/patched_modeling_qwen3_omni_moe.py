@@ -33,7 +33,7 @@
 #   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.causal_lm import router_aux_loss
@@ -41,7 +41,6 @@
 #   - add_import: from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs
 #   - add_import: from veomni.models.qwen3_omni_moe.towers import TALKER_REFUSAL, check_audio_window
 #   - add_import: from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as _upstream
-#   - add_post_import_block: 1 block(s)
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -117,7 +116,7 @@ from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen3_vl.vision import (
     dummy_vision_inputs,
     parallel_world_size,
@@ -137,11 +136,6 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs
 from veomni.models.qwen3_omni_moe.towers import TALKER_REFUSAL, check_audio_window
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as _upstream
-
-# [PATCHED] add_post_import_block
-# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-# unless given, so the tower computes it once per forward for them.
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 # [PATCHED] helper: the thinker's vision features: one tower pass over all images and videos
@@ -906,11 +900,7 @@ class Qwen3OmniMoeAudioEncoder(Qwen3OmniMoePreTrainedModel):
         )
         max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
-        if (
-            max_seqlen is None
-            and implementation.startswith(PREFIX)
-            and (backend_for_implementation(implementation) not in _NO_MAX_SEQLEN)
-        ):
+        if max_seqlen is None and implementation.startswith(PREFIX) and needs_max_seqlen(implementation):
             # Read once per forward, not once per layer (each read is a host sync).
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
@@ -1324,9 +1314,7 @@ class Qwen3OmniMoeVisionEncoder(Qwen3OmniMoePreTrainedModel):
         )
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
-        needs_max = implementation.startswith(PREFIX) and (
-            backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
-        )
+        needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
         if max_seqlen is None and needs_max:
             # One host sync per tower forward instead of one per block.
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -24,12 +24,11 @@
 #   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.causal_lm import router_aux_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
-#   - add_post_import_block: 1 block(s)
 #   - name_map: Qwen3VL -> Qwen3VLMoe (origin: transformers.models.qwen3_vl.modeling_qwen3_vl)
 # ====================================================================================================
 
@@ -101,7 +100,7 @@ from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen3_vl.vision import (
     dummy_vision_inputs,
     parallel_world_size,
@@ -118,11 +117,6 @@ from veomni.models.qwen3_vl.sp import (
 )
 from veomni.models.causal_lm import router_aux_loss
 from veomni.core.ep import ExpertPlan
-
-# [PATCHED] add_post_import_block
-# veomni attention backends that never need max_seqlen; the others (varlen, flash) read it once per call
-# unless given, so the tower computes it once per forward for them.
-_NO_MAX_SEQLEN = ("eager", "sdpa", "flex")
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -818,9 +812,7 @@ class Qwen3VLMoeVisionModel(Qwen3VLMoePreTrainedModel):
         )
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, self.config, kwargs=kwargs)
         implementation = self.config._attn_implementation or ""
-        needs_max = implementation.startswith(PREFIX) and (
-            backend_for_implementation(implementation) not in _NO_MAX_SEQLEN
-        )
+        needs_max = implementation.startswith(PREFIX) and needs_max_seqlen(implementation)
         if max_seqlen is None and needs_max:
             # One host sync per tower forward instead of one per block.
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
