@@ -16,7 +16,7 @@ bench = load_bench("bench_omni.py")
 @pytest.mark.parametrize(
     "extra",
     [
-        ["--veomni-inputs", "trainer"],
+        ["--veomni-inputs", "trainer", "--contenders", "veomni,veomni_towers_eager,hf"],
         ["--veomni-inputs", "processor"],
         ["--video-frames", "4", "--video-side", "4", "--audio-in-video", "--seq-len", "700"],
     ],
@@ -28,5 +28,11 @@ def test_tiny_contenders_start_from_the_same_loss(tmp_path, extra):
     result = json.loads(out.read_text())
     rows = {r["contender"]: r for r in result["rows"]}
     assert not [r for r in rows.values() if "error" in r], rows
-    assert rows["veomni"]["first_loss"] == pytest.approx(rows["hf"]["first_loss"], rel=1e-4)
-    assert result["speedup_vs_hf"] > 0
+    for name in rows.keys() - {"hf"}:
+        assert rows[name]["first_loss"] == pytest.approx(rows["hf"]["first_loss"], rel=1e-4), name
+    assert result["speedup_vs_hf"] > 0 and set(result["speedups_vs_hf"]) == rows.keys() - {"hf"}
+
+
+def test_unknown_contenders_are_named():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x.json", "--contenders", "veomni,hf,veomni_towers_compiled"])

@@ -182,3 +182,42 @@ def test_fsdp2_build_and_export_match_diffusers(dist_pools, wan, tmp_path, world
     for key, value in ref.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
     assert (Path(out) / "config.json").read_bytes() == (Path(wan) / "config.json").read_bytes()
+
+
+def _fresh_build(ctx, src: str) -> dict:
+    torch.manual_seed(100 + ctx.rank)  # each rank draws its own values: the build must agree on rank 0's
+    model = build_model(src, parallel_state=state(ctx))
+    on = {p.device.type for p in model.parameters()}
+    buffers = {name: buf.cpu() for name, buf in model.named_buffers()}
+    return {"state": gather_state_dict(model, state(ctx)), "buffers": buffers, "devices": on}
+
+
+@pytest.mark.parametrize("world_size, backend", backend_params(2))
+def test_fresh_fsdp2_build_holds_rank0s_draws_on_every_rank(dist_pools, wan, world_size, backend):
+    results = dist_pools.get(world_size, backend).run(_fresh_build, wan)
+    assert all(r["devices"] == {"cuda" if backend == "nccl" else "cpu"} for r in results)
+    first = results[0]["state"]
+    for r in results[1:]:
+        for key, value in first.items():
+            assert torch.equal(r["state"][key], value), key
+    # The rotary tables are diffusers' own (computed on the CPU) also where the parameters were drawn on a GPU.
+    reference = dict(from_pretrained(wan).named_buffers())
+    assert reference
+    for r in results:
+        for name, buf in reference.items():
+            assert torch.equal(r["buffers"][name], buf), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fresh_build_on_a_gpu_draws_there_with_diffusers_buffers(wan):
+    torch.manual_seed(5)
+    ours = build_model(wan, device=torch.device("cuda"))
+    torch.manual_seed(5)
+    again = build_model(wan, device=torch.device("cuda"))
+    reference = from_pretrained(wan)
+    for key, value in ours.state_dict().items():
+        assert value.device.type == "cuda", key
+        assert torch.equal(value, again.state_dict()[key]), key  # seeded: the same draws
+    for name, buf in reference.named_buffers():
+        assert torch.equal(dict(ours.named_buffers())[name].cpu(), buf), name

@@ -46,6 +46,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration as Upstream,
 )
 
+from veomni.core import FSDPPolicy
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 
@@ -205,15 +206,30 @@ def trainer_inputs(model: torch.nn.Module, batch: dict, config: Qwen2_5OmniThink
     return {**batch, **moved, "attention_mask": None, "position_ids": position_ids.to(device)}
 
 
+# veomni contenders by how the towers' blocks run when blocks are compiled (``ops.compile`` on / auto on CUDA):
+# ``blocks`` = every block compiled on its own (build_model's default: 28 text + 32 ViT + 32 audio regions),
+# ``eager`` = the text blocks only, ``region`` = the text blocks, plus each tower's whole forward as one region.
+TOWER_VARIANTS = {"veomni": "blocks", "veomni_towers_eager": "eager", "veomni_towers_region": "region"}
+TEXT_BLOCKS = "model.language_model.layers.*"
+
+
 def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
-    if name == "veomni":
+    if name.startswith("veomni"):
         chosen = dict(args.veomni_ops)
         if device.type != "cuda":
             chosen.setdefault("attention", "sdpa")
         ops = OpsConfig(**chosen)
+        towers = TOWER_VARIANTS[name]
+        # Only the block patterns matter without a parallel_state: they choose what build_model compiles.
+        policy = None if towers == "blocks" else FSDPPolicy(block_patterns=(TEXT_BLOCKS,), param_dtype=None)
         model = build_model(
-            path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any"
-        )
+            path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any",
+            fsdp_policy=policy,
+        )  # fmt: skip
+        if towers == "region" and ops.compile_enabled:
+            for tower in (model.model.audio_tower, model.model.visual):
+                # One dynamo region per tower (graph breaks allowed: the towers' host-side table handling).
+                tower.forward = torch.compile(tower.forward)
         if args.veomni_inputs == "trainer":
             batch = trainer_inputs(model, batch, model.config)
     else:
@@ -254,7 +270,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized thinker (smoke test)")
-    p.add_argument("--contenders", default="veomni,hf")
+    p.add_argument(
+        "--contenders", default="veomni,hf", help=f"comma list of hf and {', '.join(TOWER_VARIANTS)}"
+    )
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--audio-seconds", type=float, default=10.0)
@@ -279,6 +297,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--profile-dir", default=None, help="profile one more step per contender: top ops to DIR/")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.contenders.split(",")) - {"hf", *TOWER_VARIANTS})
+    if unknown:
+        p.error(f"--contenders: unknown {unknown} (choose from hf, {', '.join(TOWER_VARIANTS)})")
     try:
         args.veomni_ops = parse_ops(args.veomni_ops)
     except ValueError as err:
@@ -314,8 +335,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 result["rows"].append({"contender": name, "error": error_text(err)})
                 release(device)
     by_name = {r["contender"]: r for r in result["rows"] if "error" not in r}
-    if "veomni" in by_name and "hf" in by_name:
-        result["speedup_vs_hf"] = by_name["veomni"]["tokens_per_s"] / by_name["hf"]["tokens_per_s"]
+    if "hf" in by_name:
+        result["speedups_vs_hf"] = {
+            name: row["tokens_per_s"] / by_name["hf"]["tokens_per_s"]
+            for name, row in by_name.items() if name in TOWER_VARIANTS
+        }  # fmt: skip
+        if "veomni" in by_name:
+            result["speedup_vs_hf"] = result["speedups_vs_hf"]["veomni"]
     write_json(args.out, result)
     print(result)
     return result

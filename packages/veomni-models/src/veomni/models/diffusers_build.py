@@ -159,6 +159,32 @@ def _construct(cls: type, values: Mapping[str, object], *, meta: bool) -> nn.Mod
         return cls.from_config(dict(values))
 
 
+def _construct_fresh(cls: type, values: Mapping[str, object], compute: torch.device) -> nn.Module:
+    """diffusers' own (random) ``__init__``, its parameters drawn on ``compute`` when they fit there.
+
+    On a GPU the draws take seconds where the CPU takes minutes at 14B; the buffers (Wan's float64 rotary
+    tables) are still computed on the CPU and copied in, so the forward stays diffusers' own to the bit.
+    """
+    if compute.type != "cuda":
+        return _construct(cls, values, meta=False)
+    reference = _construct(cls, values, meta=True)  # parameters on meta, buffers computed on the CPU
+    need = sum(p.numel() * p.element_size() for p in reference.parameters())
+    free, _ = torch.cuda.mem_get_info(compute)
+    if need > 0.8 * free:
+        logger.info(
+            "build_model: %s's fresh parameters (%.1f GiB) do not fit the %.1f GiB free on %s: drawn on the CPU",
+            cls.__name__, need / 2**30, free / 2**30, compute,
+        )  # fmt: skip
+        return _construct(cls, values, meta=False)
+    with torch.device(compute):
+        model = cls.from_config(dict(values))
+    computed = dict(reference.named_buffers())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(computed[name])
+    return model
+
+
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
     # Parameters only, and as diffusers' from_pretrained(torch_dtype=...) does: those under a module named in
     # _keep_in_fp32_modules stay fp32. Buffers keep the dtype diffusers computed them in (Wan's rotary tables
@@ -274,8 +300,9 @@ def build_diffusers_model(
 
     With ``weights``: parameters on meta, FSDP2 per block, shards allocated on ``compute``, rotary buffers
     restored, then `load_weights` (``"sharded"`` or ``"rank0_broadcast"``, strict accounting, no
-    converters). Without: diffusers' own ``__init__`` runs on the CPU on every rank, rank 0's values are
-    broadcast, then FSDP2 shards them (the full model is held on each rank's CPU once; warned). With
+    converters). Without: diffusers' own ``__init__`` runs on every rank (its parameters drawn on the GPU when
+    they fit there, else on the CPU), rank 0's values are broadcast, then FSDP2 shards them (the full model is
+    held on each rank once; warned). With
     ``parallel_state.dims.sp > 1``: `veomni.models.wan_sp.apply_dit_sp` (Wan only; other classes refused).
 
     ``ops`` None keeps diffusers' own attention code. An `OpsConfig` binds veomni's RMSNorm / rotary / attention
@@ -295,7 +322,11 @@ def build_diffusers_model(
         check_checkpoint_kind(weights, "diffusers", f"diffusers {name}")
         _check_class_name(weights, config.class_name)
     meta = weights is not None and on_meta
-    model = _construct(cls, config.values, meta=meta)
+    model = (
+        _construct(cls, config.values, meta=meta)
+        if weights is not None
+        else _construct_fresh(cls, config.values, compute)
+    )
     _cast(model, dtype)
     compiling = ops is not None and _bind_kernels(model, ops)
     if sp:
@@ -316,6 +347,8 @@ def build_diffusers_model(
     if parallel_state is not None:
         policy = default_fsdp_policy(model) if fsdp_policy is None else fsdp_policy
         apply_fsdp2(model, parallel_state, policy)
+        if weights is None and compute.type == "cuda":
+            torch.cuda.empty_cache()  # the full fresh copy is gone (sharded): its blocks back for training
     if meta:
         materialize_sharded(
             model, compute, _restore_buffers_fn(saved), cpu_offload=bool(policy and policy.cpu_offload)
