@@ -334,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 traceback.print_exc()
                 result["rows"].append({"contender": name, "error": error_text(err)})
                 release(device)
+            write_json(args.out, result)  # after every contender: a time-out keeps what finished
     by_name = {r["contender"]: r for r in result["rows"] if "error" not in r}
     if "hf" in by_name:
         result["speedups_vs_hf"] = {
