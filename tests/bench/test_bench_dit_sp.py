@@ -20,7 +20,11 @@ def test_sp_degrees_default_halves_down_to_one_and_checks_divisibility():
     assert bench.sp_degrees("2,1", 2) == [2, 1]
     with pytest.raises(ValueError, match="must divide the world size 4"):
         bench.sp_degrees("3", 4)
-    assert bench.tokens_per_sample("i2v_14b") == 21 * 30 * 52
+    assert bench.tokens_per_sample("i2v_14b", (21, 60, 104)) == 21 * 30 * 52
+    assert bench.parse_args(["--out", "x", "--size", "t2v_1_3b", "--latent", "21,90,160"]).latent == (21, 90, 160)
+    assert bench.parse_args(["--out", "x", "--size", "t2v_1_3b"]).latent == (21, 60, 104)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--latent", "21,90"])
 
 
 def _bench_task(ctx, argv: list[str]) -> dict:

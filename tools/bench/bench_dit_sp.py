@@ -84,11 +84,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--warmup", type=int, default=1, help="untimed optimizer steps first")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16: bf16 compute over fp32 masters, fp32 reduce; fp32: no mixed precision")  # fmt: skip
+    add("--latent", default=None,
+        help="latent frames,height,width of a sample (default: the size's 480x832, 81 frames = 21,60,104; "
+             "720x1280, 81 frames = 21,90,160)")  # fmt: skip
     add("--seed", type=int, default=0)
     add("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.latent is None:
+        args.latent = SIZES[args.size][1]
+    else:
+        try:
+            args.latent = tuple(int(x) for x in args.latent.split(","))
+        except ValueError:
+            args.latent = ()
+        if len(args.latent) != 3 or min(args.latent) < 1:
+            p.error(f"--latent: expected three positive integers F,H,W, got {args.latent!r}")
     return args
 
 
@@ -109,7 +121,8 @@ def sp_degrees(text: str | None, world: int) -> list[int]:
 
 def make_inputs(args: argparse.Namespace, step: int, dp_rank: int, device: torch.device) -> dict[str, Any]:
     """One sample's transformer inputs and target (module docstring), the same on every rank of an SP group."""
-    config, (frames, height, width), text_len, image_len = SIZES[args.size]
+    config, _, text_len, image_len = SIZES[args.size]
+    frames, height, width = args.latent
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_rank)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     shape = (1, config["in_channels"], frames, height, width)
@@ -126,9 +139,9 @@ def make_inputs(args: argparse.Namespace, step: int, dp_rank: int, device: torch
     return out
 
 
-def tokens_per_sample(size: str) -> int:
-    config, (frames, height, width), _, _ = SIZES[size]
-    pt, ph, pw = config["patch_size"]
+def tokens_per_sample(size: str, latent: tuple[int, int, int]) -> int:
+    frames, height, width = latent
+    pt, ph, pw = SIZES[size][0]["patch_size"]
     return (frames // pt) * (height // ph) * (width // pw)
 
 
@@ -183,7 +196,7 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
     step_s = statistics.median(times)
     times_max = max_over_ranks([step_s], device)[0]
     samples_per_step = world // sp
-    tokens = tokens_per_sample(args.size)
+    tokens = tokens_per_sample(args.size, args.latent)
     config, _, text_len, image_len = SIZES[args.size]
     with torch.device("meta"):
         from diffusers import WanTransformer3DModel
@@ -237,8 +250,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "bench_dit_sp (issue 18: Wan DiT Ulysses SP scaling)", "argv": list(sys.argv),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": world, "size": args.size, "config": SIZES[args.size][0],
-        "tokens_per_sample": tokens_per_sample(args.size), "precision": args.precision, "runs": [],
+        "world_size": world, "size": args.size, "latent": list(args.latent), "config": SIZES[args.size][0],
+        "tokens_per_sample": tokens_per_sample(args.size, args.latent), "precision": args.precision, "runs": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         shared = [write_config(args.size, tmp) if dist.get_rank() == 0 else None]
