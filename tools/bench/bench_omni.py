@@ -208,8 +208,12 @@ def trainer_inputs(model: torch.nn.Module, batch: dict, config: Qwen2_5OmniThink
 
 # veomni contenders by how the towers' blocks run when blocks are compiled (``ops.compile`` on / auto on CUDA):
 # ``blocks`` = every block compiled on its own (build_model's default: 28 text + 32 ViT + 32 audio regions),
-# ``eager`` = the text blocks only, ``region`` = the text blocks, plus each tower's whole forward as one region.
-TOWER_VARIANTS = {"veomni": "blocks", "veomni_towers_eager": "eager", "veomni_towers_region": "region"}
+# ``eager`` = the text blocks only, ``region`` = the text blocks, plus each tower's whole forward as one region,
+# ``graphs`` = as ``region``, the towers' graphs under CUDA graphs (``mode="reduce-overhead"``).
+TOWER_VARIANTS = {
+    "veomni": "blocks", "veomni_towers_eager": "eager", "veomni_towers_region": "region",
+    "veomni_towers_graphs": "graphs",
+}  # fmt: skip
 TEXT_BLOCKS = "model.language_model.layers.*"
 
 
@@ -226,10 +230,12 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
             path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any",
             fsdp_policy=policy,
         )  # fmt: skip
-        if towers == "region" and ops.compile_enabled:
+        if towers in ("region", "graphs") and ops.compile_enabled:
+            mode = "reduce-overhead" if towers == "graphs" else None
             for tower in (model.model.audio_tower, model.model.visual):
-                # One dynamo region per tower (graph breaks allowed: the towers' host-side table handling).
-                tower.forward = torch.compile(tower.forward)
+                # One dynamo region per tower (graph breaks allowed: the towers' host-side table handling);
+                # "graphs": its graphs replayed as CUDA graphs (inductor's cudagraph trees; static shapes here).
+                tower.forward = torch.compile(tower.forward, mode=mode)
         if args.veomni_inputs == "trainer":
             batch = trainer_inputs(model, batch, model.config)
     else:
