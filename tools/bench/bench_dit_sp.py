@@ -44,6 +44,7 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
+from veomni.models.diffusers_build import dit_ops
 from veomni.train.dit_task import DitFlops
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
@@ -214,7 +215,7 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
         "tokens_per_s_per_gpu": samples_per_step * tokens / times_max / world,
         "mfu": (samples_per_step * flops / times_max / world / peak) if peak else None,
         "peak_alloc_gib": mem[0], "peak_reserved_gib": mem[1], "losses": losses,
-        "attention": ops.attention, "wan_ops": {k: getattr(ops, k) for k in ("rms_norm", "rope")},
+        "attention": dit_ops(ops).attention, "wan_ops": {k: getattr(ops, k) for k in ("rms_norm", "rope")},
     }  # fmt: skip
     del model, optimizer
     _free_and_reset(device)
