@@ -29,7 +29,8 @@ Contenders, for each block, in this order:
   are claimed for ``moe_experts/clamped_routed``, DeepSeek-V3's run ``moe_experts/routed``. Routers stay upstream's
   on both sides. Nothing is ``torch.compile``d on either side, except with ``--compile``: then HF's default
   (``hf_<impl>_compiled``) and veomni's torch backend (``veomni_torch_compiled``) also run as
-  ``torch.compile(block)``, as a compiled decoder layer would (inductor fuses the router and the glue).
+  ``torch.compile(block)``, as a compiled decoder layer would (inductor fuses the router and the glue;
+  ``--compile-backend`` picks another dynamo backend, e.g. ``aot_eager`` for the CPU smoke test).
 
 Every contender shares the same parameter tensors (one copy in memory), input and upstream gradient, so routing is
 identical. A step is ``out = block(hidden)`` then ``torch.autograd.grad`` for the input and every parameter (no
@@ -286,7 +287,10 @@ def contenders(block: str, cli: Any) -> list[tuple[str, str, str, bool]]:
     rows = [(f"hf_{i}", "hf", i, False) for i in hf]
     rows += [(f"veomni_{b}", "veomni", b, False) for b in cli.veomni_backends]
     if cli.compile:
-        rows += [(f"hf_{default}_compiled", "hf", default, True), ("veomni_torch_compiled", "veomni", "torch", True)]
+        rows += [
+            (f"hf_{default}_compiled", "hf", default, True),
+            ("veomni_torch_compiled", "veomni", "torch", True),
+        ]
     return rows
 
 
@@ -340,8 +344,8 @@ def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str,
                 # The block as a compiled decoder layer would run it: inductor fuses the router and the
                 # elementwise glue (gathers, biases, activation, combine) around the grouped GEMMs.
                 torch._dynamo.reset()
-                row["compiled"] = "torch.compile(block), inductor, dynamic=False"
-                module = torch.compile(module, dynamic=False)
+                row["compiled"] = f"torch.compile(block), {cli.compile_backend}, dynamic=False"
+                module = torch.compile(module, dynamic=False, backend=cli.compile_backend)
             timing, kept = run_contender(name, module, block, inputs, cli)
             row |= timing
             if reference is None:
@@ -392,6 +396,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda if available (tiny: cpu)")
     parser.add_argument(
         "--compile", action="store_true", help="also HF's default and veomni torch under torch.compile"
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="dynamo backend of the *_compiled contenders"
     )
     cli = parser.parse_args(argv)
     tiny = cli.size == "tiny"
