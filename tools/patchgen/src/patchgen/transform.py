@@ -36,6 +36,15 @@ class _Absolutize(cst.CSTTransformer):
         super().__init__()
         self.package = package.split(".") if package else []
 
+    # An import is a small statement, so it sits directly in a statement line or a one-line suite; expressions
+    # hold none. Not descending into lines without one skips most of the tree (the visit of every upstream
+    # expression was the bulk of patchgen's time).
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        return any(isinstance(small, cst.ImportFrom) for small in node.body)
+
+    def visit_SimpleStatementSuite(self, node: cst.SimpleStatementSuite) -> bool:
+        return any(isinstance(small, cst.ImportFrom) for small in node.body)
+
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
         level = len(updated.relative)
         if level == 0:
