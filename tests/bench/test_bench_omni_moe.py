@@ -20,12 +20,16 @@ def test_batch_placeholders_match_the_token_rule_and_grids():
     config = bench.thinker_config(args)
     batch = bench.mixed_batch(config, args, torch.device("cpu"))
     frames = batch["input_features"].shape[-1]
+    # --tiny numbers the released placeholders from the top of its small vocabulary, order and spacing kept.
+    audio, image = config.audio_token_id, config.image_token_id
+    assert (audio, image) == (bench.AUDIO - bench.TINY_SHIFT, bench.IMAGE - bench.TINY_SHIFT)
+    assert bench.A_END - bench.TINY_SHIFT < config.text_config.vocab_size == bench.TINY_VOCAB
     for ids in batch["input_ids"]:
         assert ids.numel() == args.seq_len
-        assert int((ids == bench.AUDIO).sum()) == int(_get_feat_extract_output_lengths(torch.tensor(frames)))
-        assert int((ids == bench.IMAGE).sum()) == args.image_side**2 // 4
+        assert int((ids == audio).sum()) == int(_get_feat_extract_output_lengths(torch.tensor(frames)))
+        assert int((ids == image).sum()) == args.image_side**2 // 4
     assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
-    assert not bool((batch["labels"] >= bench.AUDIO - 1).any())
+    assert not bool((batch["labels"] >= audio - 1).any())
 
 
 @pytest.mark.slow
