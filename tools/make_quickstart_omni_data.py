@@ -58,9 +58,13 @@ def write_processor(out: Path) -> None:
     tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2).save_pretrained(out)
     image = json.loads((out / "preprocessor_config.json").read_text())
-    audio = WhisperFeatureExtractor(feature_size=MELS, sampling_rate=RATE, hop_length=160, chunk_length=1).to_dict()
+    audio = WhisperFeatureExtractor(
+        feature_size=MELS, sampling_rate=RATE, hop_length=160, chunk_length=1
+    ).to_dict()
     audio.pop("mel_filters", None)  # recomputed from the sizes on load
-    (out / "preprocessor_config.json").write_text(json.dumps({**audio, **image}, indent=2, sort_keys=True) + "\n")
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({**audio, **image}, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def write_clip(path: Path, rng: random.Random, hz: float) -> None:
@@ -73,10 +77,10 @@ def write_clip(path: Path, rng: random.Random, hz: float) -> None:
     soundfile.write(path, wave.astype(np.float32), FILE_RATE, format="FLAC", subtype="PCM_16")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    out = parser.parse_args().out
+    out = parser.parse_args(argv).out
     (out / "audio").mkdir(parents=True, exist_ok=True)
     write_processor(out / "processor")
     rng = random.Random(0)
