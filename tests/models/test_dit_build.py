@@ -186,10 +186,11 @@ def test_fsdp2_build_and_export_match_diffusers(dist_pools, wan, tmp_path, world
 
 def _fresh_build(ctx, src: str) -> dict:
     torch.manual_seed(100 + ctx.rank)  # each rank draws its own values: the build must agree on rank 0's
-    model = build_model(src, parallel_state=state(ctx))
+    pstate = state(ctx)
+    model = build_model(src, parallel_state=pstate)
     on = {p.device.type for p in model.parameters()}
     buffers = {name: buf.cpu() for name, buf in model.named_buffers()}
-    return {"state": gather_state_dict(model, state(ctx)), "buffers": buffers, "devices": on}
+    return {"state": gather_state_dict(model, pstate), "buffers": buffers, "devices": on}
 
 
 @pytest.mark.parametrize("world_size, backend", backend_params(2))
