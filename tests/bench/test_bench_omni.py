@@ -17,7 +17,7 @@ bench = load_bench("bench_omni.py")
     "extra",
     [
         ["--veomni-inputs", "trainer", "--contenders", "veomni,veomni_towers_eager,hf"],
-        ["--veomni-inputs", "processor"],
+        ["--veomni-inputs", "processor", "--rounds", "2"],
         ["--video-frames", "4", "--video-side", "4", "--audio-in-video", "--seq-len", "700"],
     ],
     ids=["trainer", "processor", "audio_in_video"],
@@ -26,11 +26,15 @@ def test_tiny_contenders_start_from_the_same_loss(tmp_path, extra):
     out = tmp_path / "omni.json"
     bench.main(["--out", str(out), "--tiny", "--steps", "1", "--warmup", "0", *extra])
     result = json.loads(out.read_text())
-    rows = {r["contender"]: r for r in result["rows"]}
+    rows = {r["contender"]: r for r in result["rows"]}  # the last round's row of each
     assert not [r for r in rows.values() if "error" in r], rows
     for name in rows.keys() - {"hf"}:
         assert rows[name]["first_loss"] == pytest.approx(rows["hf"]["first_loss"], rel=1e-4), name
     assert result["speedup_vs_hf"] > 0 and set(result["speedups_vs_hf"]) == rows.keys() - {"hf"}
+    rounds = int(extra[extra.index("--rounds") + 1]) if "--rounds" in extra else 1
+    assert sorted({r["round"] for r in result["rows"]}) == list(range(rounds))
+    for name, best in result["best"].items():  # each contender's fastest round is the one the ratios use
+        assert best == min(r["median_step_ms"] for r in result["rows"] if r["contender"] == name)
 
 
 def test_unknown_contenders_are_named():
