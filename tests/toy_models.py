@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from veomni.core.ep import ExpertPlan, combine_tokens, dispatch_tokens
+from veomni.core.fsdp import forward_through
 
 MOE_PLAN = ExpertPlan(patterns=("layers.*.experts.w1", "layers.*.experts.w2"))
 
@@ -80,8 +81,13 @@ class MoEBlock(nn.Module):
         return x + self.experts(flat, ids, weights).view_as(x)
 
 
+def _head_logits(head: nn.Linear, h: Tensor) -> Tensor:
+    return F.linear(h, head.weight)
+
+
 class ToyModel(nn.Module):
-    """Embedding -> blocks -> norm -> head. ``moe=True`` uses `MoEBlock` layers."""
+    """Embedding -> blocks -> norm -> head. ``moe=True`` uses `MoEBlock` layers. ``read_head_weight=True`` reads
+    the head's weight instead of calling it, as a fused linear-cross-entropy does (through `forward_through`)."""
 
     def __init__(
         self,
@@ -93,8 +99,10 @@ class ToyModel(nn.Module):
         moe: bool = False,
         num_experts: int = 4,
         top_k: int = 2,
+        read_head_weight: bool = False,
     ) -> None:
         super().__init__()
+        self.read_head_weight = read_head_weight
         self.embed = nn.Embedding(vocab, hidden)
         if moe:
             self.layers = nn.ModuleList(MoEBlock(hidden, inter, num_experts, top_k) for _ in range(layers))
@@ -108,7 +116,9 @@ class ToyModel(nn.Module):
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        return self.head(self.norm(h)) * self.logit_scale
+        h = self.norm(h)
+        logits = forward_through(self.head, _head_logits, h) if self.read_head_weight else self.head(h)
+        return logits * self.logit_scale
 
     def set_ep_group(self, group) -> None:
         for layer in self.layers:

@@ -25,6 +25,7 @@ from veomni.core.fsdp import (
     StateDictMismatchError,
     apply_activation_checkpointing,
     apply_fsdp2,
+    forward_through,
     load_full_state_dict,
     materialize_sharded,
     set_grad_sync,
@@ -133,6 +134,41 @@ def test_dense_step_matches_single_process(dist_pools, world_size, backend):
     pool = dist_pools.get(world_size, backend)
     for case in DENSE_CASES[world_size]:
         pool.run(_dense_parity, *case)
+
+
+def _head_unit_parity(ctx, moe: bool, read_head_weight: bool, reshard: bool):
+    state = _state(ctx, ep=2 if moe else 1)
+    ref = toy.build(0, ctx.device, moe=moe, read_head_weight=read_head_weight)
+    policy = attrs.evolve(FP32, head="head", reshard_after_forward=reshard)
+    model = apply_fsdp2(copy.deepcopy(ref), state, policy, toy.MOE_PLAN if moe else None)
+    if moe:
+        model.set_ep_group(state.ep_group)
+    # A unit of its own (not gathered with the root), the other root parameters untouched.
+    assert isinstance(model.head, FSDPModule) and not isinstance(model.embed, FSDPModule)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    ids, labels = toy.token_batch(5, ROWS_PER_RANK * state.dims.dp, SEQ)
+    _check_step(ctx, state, model, ref, ids.to(ctx.device), labels.to(ctx.device), microsteps=2)
+
+
+def _head_read_without_forward_through(ctx):
+    # Outside its forward a head unit's weight is this rank's shard: the reason for forward_through.
+    model = apply_fsdp2(toy.build(0, ctx.device), _state(ctx), attrs.evolve(FP32, head="head"))
+    assert isinstance(model.head.weight, DTensor)
+    kind, shape = forward_through(model.head, lambda head: (type(head.weight), tuple(head.weight.shape)))
+    assert not issubclass(kind, DTensor) and shape == (11, 8)
+    model.head.reshard()
+    assert isinstance(model.head.weight, DTensor)
+
+
+@pytest.mark.parametrize("world_size, backend", backend_params(2))
+def test_head_unit_matches_single_process(dist_pools, world_size, backend):
+    """The head as its own FSDP unit, called or read through `forward_through` (as a fused loss reads it), with
+    and without resharding the blocks, dense and EP: same loss, gradients and updated parameters as one
+    process over two micro-steps."""
+    pool = dist_pools.get(world_size, backend)
+    for moe, read, reshard in [(False, True, True), (False, False, False), (True, True, True)]:
+        pool.run(_head_unit_parity, moe, read, reshard)
+    pool.run(_head_read_without_forward_through)
 
 
 def _moe_parity(ctx, dp_replicate: int, ep: int, num_experts: int, ac: bool, sp: int = 1):
@@ -271,6 +307,17 @@ def _errors_world1(ctx):
             apply_fsdp2(toy.build(0, ctx.device, moe=plan is not None), state, FSDPPolicy(**kwargs), plan)
     with pytest.raises(ValueError, match="parameter\\(s\\) are not fp32: embed.weight"):
         apply_fsdp2(toy.build(0, ctx.device).bfloat16(), state, FSDPPolicy(block_patterns=("layers.*",)))
+    tied = toy.build(0, ctx.device)
+    tied.head.weight = tied.embed.weight
+    head_cases = [
+        (tied, "head", r"shares parameters with \['embed.weight'\] \(tied embeddings\?\)"),
+        (toy.build(0, ctx.device), "layers.1.fc2", "overlaps the block/expert units \\['layers.1'\\]"),
+        (toy.build(0, ctx.device), "lm_head", "names no submodule of ToyModel"),
+        (toy.build(0, ctx.device), "norm.missing", "names no submodule"),
+    ]
+    for model, head, match in head_cases:
+        with pytest.raises(ValueError, match=match):
+            apply_fsdp2(model, state, attrs.evolve(FP32, head=head))
     model = apply_fsdp2(toy.build(0, ctx.device), state, FP32)
     with pytest.raises(ValueError, match="already has FSDP applied"):
         apply_fsdp2(model, state, FP32)
@@ -314,6 +361,9 @@ def test_documented_errors(dist_pools):
         ({"block_patterns": ("layers..x",)}, ValueError, "empty FQN component"),
         ({"block_patterns": ("layers.*",), "param_dtype": torch.int32}, ValueError, "floating torch.dtype"),
         ({"block_patterns": ("layers.*",), "cpu_offload": "yes"}, TypeError, "cpu_offload"),
+        ({"block_patterns": ("layers.*",), "head": ""}, ValueError, "module FQN such as 'lm_head'"),
+        ({"block_patterns": ("layers.*",), "head": "lm..head"}, ValueError, "module FQN such as 'lm_head'"),
+        ({"block_patterns": ("layers.*",), "head": 3}, TypeError, "head"),
     ],
 )
 def test_policy_validation(kwargs, exc, match):

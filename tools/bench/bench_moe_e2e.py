@@ -69,7 +69,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e live
 from bench_common import profile_calls  # noqa: E402
 from bench_e2e import _free, _sync, packed_batches, parse_ops  # noqa: E402
 
-CONTENDERS = ("veomni", "hf")  # run order: veomni first, so that an HF OOM cannot cost its result
+# Run order: veomni first, so that an HF OOM cannot cost its result. veomni_head_in_root: the same with the LM head
+# left in the root FSDP unit (parallel.lm_head_unit: false), the layout before the head became a unit of its own.
+CONTENDERS = ("veomni", "veomni_head_in_root", "hf")
 GIB = 2**30
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -114,8 +116,10 @@ def save_initial_weights(config: PretrainedConfig, path: str, seed: int, dtype: 
 class Veomni:
     """``build_run``'s model and optimizer (no tokenizer, data or checkpoints); steps are ``train_step``."""
 
+    head_unit = True
+
     def __init__(self, args: argparse.Namespace, weights: str, device: torch.device) -> None:
-        recipe = _recipe(args, weights)
+        recipe = _recipe(args, weights, head_unit=self.head_unit)
         world = dist.get_world_size()
         state = build_parallel_state(loop.parallel_dims(recipe, world), device.type)
         config = recipe.model.weights  # the saved config.json, as model_config() gives for config: null
@@ -152,6 +156,7 @@ class Veomni:
             "step": "veomni.train.loop.train_step (aux loss weighted router_aux_loss_coef / dp)",
             "router_aux_loss_coef": aux_coef,
             "activation_checkpointing": recipe.parallel.activation_checkpointing,
+            "lm_head_unit": recipe.parallel.lm_head_unit,
         }  # fmt: skip
 
     def step(self, index: int, batch: dict[str, Any], valid_tokens: int) -> dict[str, float]:
@@ -219,10 +224,16 @@ class HF:
         return {"loss": float(sums[0]), "grad_norm": float(norm), "aux_loss": float(sums[1]) / self.world}
 
 
-BUILDERS = {"veomni": Veomni, "hf": HF}
+class VeomniHeadInRoot(Veomni):
+    """`Veomni` with ``parallel.lm_head_unit: false``: the LM head gathered and reduced with the root unit."""
+
+    head_unit = False
 
 
-def _recipe(args: argparse.Namespace, weights: str) -> Recipe:
+BUILDERS = {"veomni": Veomni, "veomni_head_in_root": VeomniHeadInRoot, "hf": HF}
+
+
+def _recipe(args: argparse.Namespace, weights: str, head_unit: bool = True) -> Recipe:
     """A trainer recipe holding this run's settings (data and checkpoint fields are required but unused)."""
     ops = dict(args.veomni_ops)
     if args.device_type == "cpu":
@@ -232,7 +243,8 @@ def _recipe(args: argparse.Namespace, weights: str) -> Recipe:
     return recipe_from_dict({
         "model": {"config": None, "weights": weights, "dtype": "bfloat16" if args.precision == "bf16" else "float32"},
         "data": {"train_files": ["builtin://quickstart/train.jsonl"], "max_seq_len": args.tokens, "num_workers": 0},
-        "parallel": {"ep": args.ep, "activation_checkpointing": args.ac in ("veomni", "all")},
+        "parallel": {"ep": args.ep, "activation_checkpointing": args.ac in ("veomni", "all"),
+                     "lm_head_unit": head_unit},
         "ops": ops,
         "optim": {"lr": args.lr, "betas": list(BETAS), "eps": EPS, "weight_decay": args.weight_decay,
                   "schedule": "constant", "warmup_steps": 0, "max_grad_norm": args.max_grad_norm},
@@ -481,13 +493,17 @@ def _versions() -> dict[str, str]:
 
 
 def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    ours, theirs = results.get("veomni", {}), results.get("hf", {})
-    if "tokens_per_s_per_gpu" not in ours or "tokens_per_s_per_gpu" not in theirs:
-        return {}
-    ratio = {"tokens_per_s_per_gpu": ours["tokens_per_s_per_gpu"] / theirs["tokens_per_s_per_gpu"]}
-    if "peak_memory_gib" in ours and "peak_memory_gib" in theirs:
-        ratio["peak_memory"] = ours["peak_memory_gib"] / theirs["peak_memory_gib"]
-    return {"veomni/hf": ratio}
+    """``veomni/hf`` and ``veomni/veomni_head_in_root`` (tokens/s per GPU, peak memory), where both ran."""
+    ratios = {}
+    for other in ("hf", "veomni_head_in_root"):
+        ours, theirs = results.get("veomni", {}), results.get(other, {})
+        if "tokens_per_s_per_gpu" not in ours or "tokens_per_s_per_gpu" not in theirs:
+            continue
+        ratio = {"tokens_per_s_per_gpu": ours["tokens_per_s_per_gpu"] / theirs["tokens_per_s_per_gpu"]}
+        if "peak_memory_gib" in ours and "peak_memory_gib" in theirs:
+            ratio["peak_memory"] = ours["peak_memory_gib"] / theirs["peak_memory_gib"]
+        ratios[f"veomni/{other}"] = ratio
+    return ratios
 
 
 def _print_table(result: dict[str, Any]) -> None:

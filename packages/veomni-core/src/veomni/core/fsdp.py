@@ -4,7 +4,11 @@
 
 1. every expert module (owner of `ExpertPlan` parameters) on the ``ep_fsdp`` mesh, after EP slicing;
 2. every block matched by `FSDPPolicy.block_patterns` on the dense FSDP mesh (optionally checkpointed);
-3. the root, which collects what is left (embeddings, final norm, head).
+3. the output head named by `FSDPPolicy.head`, when given (an untied LM head);
+4. the root, which collects what is left (embeddings, final norm, a tied head).
+
+Code that reads a unit's parameters without calling the module (a fused linear-cross-entropy takes the head's
+weight) goes through `forward_through`, so that FSDP gathers them and reduces their gradients as for a call.
 
 Meta-device construction, materialisation and loading of full checkpoints are in `veomni.core.fsdp_init`.
 """
@@ -13,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -23,6 +30,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -36,6 +44,7 @@ __all__ = [
     "FSDPPolicy",
     "StateDictMismatchError",
     "apply_fsdp2",
+    "forward_through",
     "load_full_state_dict",
     "materialize_sharded",
     "set_grad_sync",
@@ -45,6 +54,9 @@ __all__ = [
 _AC_MARK = "_veomni_checkpointed_forward"
 # Set by `veomni.core.compile.compile_blocks` on a block whose forward it compiled.
 COMPILED_MARK = "_veomni_compiled_forward"
+# The method `forward_through` adds to an FSDP unit and registers as one of its forward methods.
+_THROUGH = "_veomni_forward_through"
+_R = TypeVar("_R")
 
 
 def _float_dtype_or_none(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -85,7 +97,12 @@ class FSDPPolicy:
         reduce_dtype: dtype of gradient reduce-scatter / all-reduce (None: ``param_dtype``).
         output_dtype: dtype each unit casts its floating outputs to (None: no cast).
         reshard_after_forward: free gathered block/expert parameters after forward and re-gather in backward.
-            The root unit never reshards after forward (see `apply_fsdp2`).
+            The root and head units never reshard after forward (see `apply_fsdp2`).
+        head: FQN of an output head to make its own FSDP unit (e.g. ``"lm_head"``), or None to leave it in the
+            root. Its own unit is gathered while the last blocks still compute, and its gradient -- an LM head's
+            is as large as the embedding's -- is reduce-scattered as soon as the loss's backward is done, under
+            the blocks' backward, instead of with the root's after the whole backward. It must share no
+            parameter with the rest of the model (a tied head stays in the root).
         activation_checkpointing: recompute each block's forward in backward (non-reentrant checkpoint).
         ac_keep_attention: with ``activation_checkpointing``, save the attention kernels' outputs instead of
             recomputing them (see `apply_activation_checkpointing`).
@@ -105,6 +122,9 @@ class FSDPPolicy:
     ac_keep_attention: bool = attrs.field(default=False, validator=_BOOL)
     cpu_offload: bool = attrs.field(default=False, validator=_BOOL)
     pin_memory: bool = attrs.field(default=True, validator=_BOOL)
+    head: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.ac_keep_attention and not self.activation_checkpointing:
@@ -112,6 +132,8 @@ class FSDPPolicy:
                 "FSDPPolicy: ac_keep_attention=True selects what activation checkpointing saves, but "
                 "activation_checkpointing is False; set both or neither"
             )
+        if self.head is not None and (not self.head or any(not part for part in self.head.split("."))):
+            raise ValueError(f"FSDPPolicy.head must be a module FQN such as 'lm_head', got {self.head!r}")
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         """The ``fully_shard`` mixed-precision policy (floating inputs are cast to ``param_dtype``)."""
@@ -353,16 +375,18 @@ def apply_activation_checkpointing(
     return blocks
 
 
-def _set_prefetch(model: nn.Module, owned: dict[str, list[str]]) -> None:
+def _set_prefetch(model: nn.Module, owned: dict[str, list[str]], head: nn.Module | None) -> None:
     # Nested units blur FSDP2's implicit order (an expert's post-forward comes before its block's), so spell
     # it out, assuming modules run in registration order. Forward: a block gathers its experts and the next
-    # block. Experts prefetch nothing in forward: under activation checkpointing they run again inside
-    # backward, where a forward prefetch would re-gather the already finished next block. Backward: a block
-    # runs first, then its experts in reverse, then the previous block.
+    # block (the last one the head). Experts prefetch nothing in forward: under activation checkpointing they
+    # run again inside backward, where a forward prefetch would re-gather the already finished next block.
+    # Backward: the head first, then a block, its experts in reverse, then the previous block.
     blocks = [model.get_submodule(b) for b in owned]
     experts = [[model.get_submodule(e) for e in owned[b]] for b in owned]
+    if head is not None and blocks:
+        head.set_modules_to_backward_prefetch([blocks[-1]])
     for i, block in enumerate(blocks):
-        nxt = blocks[i + 1 : i + 2]
+        nxt = blocks[i + 1 : i + 2] or ([head] if head is not None else [])
         block.set_modules_to_forward_prefetch(experts[i] + nxt)
         chain = [block, *reversed(experts[i]), *([blocks[i - 1]] if i > 0 else [])]
         for cur, after in zip(chain, chain[1:], strict=False):
@@ -430,13 +454,82 @@ def apply_fsdp2(
             _checkpoint_forward(block, policy.ac_keep_attention)
         fully_shard(block, mesh=state.fsdp_mesh, reshard_after_forward=policy.reshard_after_forward, **common)
 
-    # The root's parameters (embeddings, final norm, head) are the first needed when backward starts, and
+    head = _check_head(model, policy.head, blocks, expert_fqns)
+    if head is not None:
+        # Last in forward, first in backward: resharding after forward would only gather it again at once.
+        fully_shard(head, mesh=state.fsdp_mesh, reshard_after_forward=False, **common)
+    # The root's parameters (embeddings, final norm, a tied head) are the first needed when backward starts, and
     # fused linear-cross-entropy kernels save the head weight for backward: resharding it would free that
     # storage.
     fully_shard(model, mesh=state.fsdp_mesh, reshard_after_forward=False, **common)
     if expert_fqns:
-        _set_prefetch(model, owned)
+        _set_prefetch(model, owned, head)
     return model
+
+
+def _check_head(
+    model: nn.Module, fqn: str | None, blocks: list[str], expert_fqns: list[str]
+) -> nn.Module | None:
+    """The head module `FSDPPolicy.head` names, after checking it can be a unit of its own."""
+    if fqn is None:
+        return None
+    try:
+        head = model.get_submodule(fqn)
+    except AttributeError:
+        raise ValueError(
+            f"apply_fsdp2: FSDPPolicy.head={fqn!r} names no submodule of {type(model).__name__}"
+        ) from None
+    inside = [
+        b for b in [*blocks, *expert_fqns] if fqn == b or fqn.startswith(b + ".") or b.startswith(fqn + ".")
+    ]
+    if inside:
+        raise ValueError(
+            f"apply_fsdp2: FSDPPolicy.head={fqn!r} overlaps the block/expert units {inside[:3]}; the head must be "
+            "a module of its own, outside every block"
+        )
+    own = {id(p) for p in head.parameters()}
+    if not own:
+        raise ValueError(f"apply_fsdp2: FSDPPolicy.head={fqn!r} has no parameters to shard")
+    shared = [
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in own and not name.startswith(fqn + ".")
+    ]
+    if shared:
+        raise ValueError(
+            f"apply_fsdp2: FSDPPolicy.head={fqn!r} shares parameters with {shared[:3]} (tied embeddings?); a "
+            "tied head must stay in the root unit: set FSDPPolicy.head=None"
+        )
+    return head
+
+
+def forward_through(module: nn.Module, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    """``fn(module, *args, **kwargs)``, run as a forward of ``module``.
+
+    For code that reads a module's parameters without calling it (a fused linear-cross-entropy takes
+    ``lm_head.weight`` and the hidden states): when ``module`` is an FSDP unit of its own, FSDP then gathers its
+    parameters before ``fn``, registers the backward hooks on ``fn``'s tensor inputs and outputs, and
+    reduce-scatters the parameters' gradients when the backward through ``fn`` is done -- as for
+    ``module(...)``. Any other module (a plain one, or one inside a larger unit) is passed to ``fn`` as is.
+
+    Args:
+        module: the module whose parameters ``fn`` reads.
+        fn: called as ``fn(module, *args, **kwargs)``; tensors that need gradients must be in ``args`` or
+            ``kwargs`` (FSDP finds them there), not captured by ``fn``.
+    Returns:
+        what ``fn`` returns.
+    """
+    if not isinstance(module, FSDPModule):
+        return fn(module, *args, **kwargs)
+    if not hasattr(module, _THROUGH):
+        # A bound method on this instance, registered once: FSDP runs its pre-/post-forward around each call.
+        setattr(module, _THROUGH, types.MethodType(_call_with_self, module))
+        register_fsdp_forward_method(module, _THROUGH)
+    return getattr(module, _THROUGH)(fn, *args, **kwargs)
+
+
+def _call_with_self(self: nn.Module, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    return fn(self, *args, **kwargs)
 
 
 def set_grad_sync(model: nn.Module, is_last_microstep: bool, *, defer_reduce_scatter: bool = False) -> None:

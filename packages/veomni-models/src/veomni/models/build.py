@@ -79,9 +79,28 @@ def _ops_for_compute(
     return adapted
 
 
+def untied_lm_head(model: nn.Module) -> str | None:
+    """``"lm_head"`` when ``model`` has an LM head sharing no parameter with the rest (its own FSDP unit, see
+    `FSDPPolicy.head`), else None (no head, or one tied to the input embeddings)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        return None
+    own = {id(p) for p in head.parameters()}
+    outside = (n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in own)
+    if not own or any(not n.startswith("lm_head.") for n in outside):
+        return None
+    return "lm_head"
+
+
 def default_fsdp_policy(model: nn.Module) -> FSDPPolicy:
-    """Blocks from `block_patterns`, parameters kept in their stored dtype, gradients reduced in fp32."""
-    return FSDPPolicy(block_patterns=block_patterns(model), param_dtype=None, reduce_dtype=torch.float32)
+    """Blocks from `block_patterns`, an untied LM head as its own unit (`untied_lm_head`), parameters kept in
+    their stored dtype, gradients reduced in fp32."""
+    return FSDPPolicy(
+        block_patterns=block_patterns(model),
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+        head=untied_lm_head(model),
+    )
 
 
 def _expert_plan(model: nn.Module, given: ExpertPlan | None, resolved: ResolvedModel, ep: int) -> ExpertPlan:
@@ -362,7 +381,9 @@ def _will_compile_blocks(model: nn.Module, ops: OpsConfig, state: ParallelState 
             problem = (
                 f"moe_experts={ops.moe_experts!r} cannot be traced (of the experts backends only 'torch' can)"
             )
-    if problem is None and "linear_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or ()):
+    if problem is None and "linear_attention" in (
+        getattr(getattr(model, "config", None), "layer_types", None) or ()
+    ):
         # Gated DeltaNet hybrids (Qwen3-Next): fla's Triton autograd functions and the eager oracle's
         # per-document loop are not traced with fullgraph=True (not yet verified on GPU).
         problem = "Gated DeltaNet layers (linear_attention) are not traced with fullgraph=True yet"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import slice_logits_to_keep
 
+from veomni.core.fsdp import forward_through
 from veomni.core.sp.real_tokens import real_token_mask
 from veomni.kernels.moe_loss import load_balancing_loss_global
 from veomni.models.hf_attention_inputs import current_sp_state
@@ -57,10 +58,13 @@ def lm_logits_and_loss(
     kernels = getattr(model, ATTR, None)
     text_config = model.config.get_text_config()
     if wants_loss and kernels is not None and kernels.config.cross_entropy != "eager":
-        loss = fused_causal_lm_loss(
+        # Through the head's forward hooks: an FSDP unit of its own is gathered, and its gradient reduced, as
+        # for a call of lm_head (veomni.core.fsdp.forward_through).
+        loss = forward_through(
+            model.lm_head,
+            _head_loss,
             kernels.get("cross_entropy", "causal"),
             hidden_states,
-            model.lm_head.weight,
             labels,
             shift_labels=shift_labels,
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
@@ -76,6 +80,12 @@ def lm_logits_and_loss(
             logits=logits, labels=target, vocab_size=text_config.vocab_size, **loss_kwargs
         )
     return logits, loss
+
+
+def _head_loss(
+    head: nn.Module, kernel: Callable[..., Any], hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    return fused_causal_lm_loss(kernel, hidden_states, head.weight, *args, **kwargs)
 
 
 def fused_causal_lm_loss(

@@ -228,7 +228,9 @@ class DataSection:
             raise RecipeError(f"data.video_max_frames: expected >= 1, found {self.video_max_frames}")
         pixels = self.video_frame_pixels
         if pixels is not None and not 0 < pixels[0] <= pixels[1]:
-            raise RecipeError(f"data.video_frame_pixels: expected [min, max] with 0 < min <= max, found {list(pixels)}")
+            raise RecipeError(
+                f"data.video_frame_pixels: expected [min, max] with 0 < min <= max, found {list(pixels)}"
+            )
         if self.use_audio_in_video and self.kind != "multimodal":
             raise RecipeError(
                 f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
@@ -254,6 +256,12 @@ class ParallelSection:
     )
     reshard_after_forward: bool = _field(
         True, "free gathered layer parameters after forward and gather again in backward (less memory)"
+    )
+    lm_head_unit: bool = _field(
+        True,
+        "with FSDP2 and an LM head not tied to the embeddings: shard the head as an FSDP unit of its own, gathered "
+        "while the last layers compute and its gradient reduce-scattered during the layers' backward; false keeps "
+        "it in the root unit with the embeddings (reduced after the whole backward)",
     )
     async_ulysses: bool = _field(
         False,
@@ -299,7 +307,9 @@ class OpsSection:
     load_balancing_loss: str | None = _field(None, "MoE load-balancing loss backend (eager, triton)")
     gated_delta_rule: str | None = _field(None, "Gated DeltaNet delta-rule backend (eager, fla)")
     causal_conv1d: str | None = _field(None, "Gated DeltaNet short-convolution backend (eager, fla)")
-    rms_norm_gated: str | None = _field(None, "Gated DeltaNet output norm RMSNorm(x)*silu(z) backend (eager, fla)")
+    rms_norm_gated: str | None = _field(
+        None, "Gated DeltaNet output norm RMSNorm(x)*silu(z) backend (eager, fla)"
+    )
     compile: Literal["auto", "on", "off"] = _field(
         "auto",
         "torch.compile each decoder block with the chosen kernels inside: auto (on for CUDA, off elsewhere), on, off",
