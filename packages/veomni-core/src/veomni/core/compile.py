@@ -23,8 +23,10 @@ dropout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
@@ -106,6 +108,7 @@ def compile_blocks(
     mode: str | None = None,
     dynamic: bool | None = None,
     options: dict[str, Any] | None = None,
+    call_context: Callable[[bool], AbstractContextManager[Any]] | None = None,
 ) -> CompiledBlocks:
     """Compile the ``forward`` of every block matching ``block_patterns`` with ``fullgraph=True``, in place.
 
@@ -116,6 +119,11 @@ def compile_blocks(
             code generation: the cheap way to prove there is no graph break).
         mode, dynamic, options: passed to ``torch.compile``. ``dynamic=None`` (automatic) plus the packing
             marks keeps the sequence length static and the document count dynamic.
+        call_context: entered around every call of a compiled forward, as ``call_context(priming)`` --
+            ``priming`` True for the eager first call whose result is thrown away, False for the compiled
+            calls. It hands state that code inside the block reads from where dynamo cannot trace it (a
+            ``ContextVar``) to a traceable place for the call, as this module does for the parallel state, and
+            can keep the priming call from recording anything. None: no extra context.
     Returns:
         `CompiledBlocks`; its ``stats`` is also reachable through `compile_stats` (``model`` or a block).
     Raises:
@@ -138,21 +146,28 @@ def compile_blocks(
     for fqn in blocks:
         block = model.get_submodule(fqn)
         compiled = torch.compile(block.forward, fullgraph=True, backend=stats, dynamic=dynamic)
-        block.forward = _priming_forward(block.forward, compiled)  # type: ignore[method-assign]
+        block.forward = _priming_forward(block.forward, compiled, call_context)  # type: ignore[method-assign]
         object.__setattr__(block, _MARK, True)
         object.__setattr__(block, STATS_ATTR, stats)
     object.__setattr__(model, STATS_ATTR, stats)
     return CompiledBlocks(tuple(blocks), stats)
 
 
-def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _priming_forward(
+    inner: Callable[..., Any],
+    compiled: Callable[..., Any],
+    call_context: Callable[[bool], AbstractContextManager[Any]] | None,
+) -> Callable[..., Any]:
     primed = False
+
+    def context(priming: bool) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext() if call_context is None else call_context(priming)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal primed
         if not primed:
-            with torch.no_grad():
+            with torch.no_grad(), context(True):
                 inner(*args, **kwargs)
             primed = True
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -167,7 +182,7 @@ def _priming_forward(inner: Callable[..., Any], compiled: Callable[..., Any]) ->
                 for tensor in value if isinstance(value, tuple) else (value,):
                     if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
                         torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        with hand_state_to_compiled_region():
+        with hand_state_to_compiled_region(), context(False):
             return compiled(*args, **kwargs)
 
     return forward

@@ -378,16 +378,17 @@ def apply_activation_checkpointing(
 def _set_prefetch(model: nn.Module, owned: dict[str, list[str]], head: nn.Module | None) -> None:
     # Nested units blur FSDP2's implicit order (an expert's post-forward comes before its block's), so spell
     # it out, assuming modules run in registration order. Forward: a block gathers its experts and the next
-    # block (the last one the head). Experts prefetch nothing in forward: under activation checkpointing they
-    # run again inside backward, where a forward prefetch would re-gather the already finished next block.
-    # Backward: the head first, then a block, its experts in reverse, then the previous block.
+    # block; the first one also the head (see `_prefetch_head`). Experts prefetch nothing in forward: under
+    # activation checkpointing they run again inside backward, where a forward prefetch would re-gather the
+    # already finished next block. Backward: the head first, then a block, its experts in reverse, then the
+    # previous block.
     blocks = [model.get_submodule(b) for b in owned]
     experts = [[model.get_submodule(e) for e in owned[b]] for b in owned]
     if head is not None and blocks:
         head.set_modules_to_backward_prefetch([blocks[-1]])
     for i, block in enumerate(blocks):
-        nxt = blocks[i + 1 : i + 2] or ([head] if head is not None else [])
-        block.set_modules_to_forward_prefetch(experts[i] + nxt)
+        early_head = [head] if head is not None and i == 0 else []
+        block.set_modules_to_forward_prefetch(experts[i] + blocks[i + 1 : i + 2] + early_head)
         chain = [block, *reversed(experts[i]), *([blocks[i - 1]] if i > 0 else [])]
         for cur, after in zip(chain, chain[1:], strict=False):
             cur.set_modules_to_backward_prefetch([after])
@@ -464,7 +465,17 @@ def apply_fsdp2(
     fully_shard(model, mesh=state.fsdp_mesh, reshard_after_forward=False, **common)
     if expert_fqns:
         _set_prefetch(model, owned, head)
+    elif head is not None and blocks:
+        _prefetch_head(model.get_submodule(blocks[0]), head)
     return model
+
+
+def _prefetch_head(first_block: nn.Module, head: nn.Module) -> None:
+    # FSDP2 issues a unit's all-gather when its forward starts, which overlaps earlier compute only when the host
+    # runs ahead of the GPU; host syncs in the step (EP's split sizes) stop that. Gathered from the first block
+    # on, the head's parameters (as large as the embedding's) arrive under the whole forward. It stays gathered
+    # until backward has used it (no reshard after forward), so this moves no peak.
+    first_block.set_modules_to_forward_prefetch([head])
 
 
 def _check_head(

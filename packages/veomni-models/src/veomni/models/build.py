@@ -28,6 +28,7 @@ from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig, op_fields
 from veomni.models.diffusers_build import build_diffusers_model, check_checkpoint_kind
+from veomni.models.hf_output_capture import capture_into_compiled_block
 from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
@@ -296,7 +297,9 @@ def build_model(
         # Before FSDP2 and activation checkpointing, which then shard / wrap the compiled blocks.
         if compiling:
             compile_blocks(
-                model, fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model)
+                model,
+                fsdp_policy.block_patterns if fsdp_policy is not None else block_patterns(model),
+                call_context=capture_into_compiled_block,
             )
     else:
         logger.warning(
