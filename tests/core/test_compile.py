@@ -280,6 +280,14 @@ def test_build_model_refuses_moe_compile_it_cannot_trace(caplog):
     assert compile_stats(model) is None and "leaves the blocks eager" in caplog.text
     model = build_model(config, ops=OpsConfig(moe_experts="torch", compile="on", hardware=CPU))
     assert compile_stats(model) is not None
+    # CUDA's torch._grouped_mm is traced in bf16 only: an fp32 model's MoE blocks stay eager (auto) or raise (on).
+    cuda = Hardware(device_type="cuda")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="veomni.models.build"):
+        model = build_model(config, ops=OpsConfig(moe_experts="torch", compile="auto", hardware=cuda))
+    assert compile_stats(model) is None and "traced on CUDA in bfloat16 only" in caplog.text
+    with pytest.raises(ValueError, match="bfloat16 only, and this model computes in torch.float32"):
+        build_model(config, ops=OpsConfig(moe_experts="torch", compile="on", hardware=cuda))
 
 
 def test_inductor_mode_and_options_reach_inductor():

@@ -60,17 +60,27 @@ def block_patterns(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(patterns))
 
 
+def _compute_dtype(
+    dtype: torch.dtype,
+    fsdp_policy: FSDPPolicy | None,
+    state: ParallelState | None,
+    compute_dtype: torch.dtype | None,
+) -> torch.dtype:
+    """``compute_dtype`` when given, FSDP2's ``param_dtype`` when sharded with mixed precision, else ``dtype``."""
+    if compute_dtype is not None:
+        return compute_dtype
+    if state is not None and fsdp_policy is not None and fsdp_policy.param_dtype is not None:
+        return fsdp_policy.param_dtype
+    return dtype
+
+
 def _ops_for_compute(
     ops: OpsConfig, dtype: torch.dtype, fsdp_policy: FSDPPolicy | None, state: ParallelState | None,
     compute_dtype: torch.dtype | None = None,
 ) -> OpsConfig:  # fmt: skip
-    """`OpsConfig.for_compute_dtype` for the dtype the model computes in (``compute_dtype`` when given, FSDP2's
-    ``param_dtype`` when sharded with mixed precision, else the parameter dtype), logging a changed default."""
-    compute = dtype
-    if compute_dtype is not None:
-        compute = compute_dtype
-    elif state is not None and fsdp_policy is not None and fsdp_policy.param_dtype is not None:
-        compute = fsdp_policy.param_dtype
+    """`OpsConfig.for_compute_dtype` for the dtype the model computes in (`_compute_dtype`), logging a changed
+    default."""
+    compute = _compute_dtype(dtype, fsdp_policy, state, compute_dtype)
     adapted = ops.for_compute_dtype(compute)
     if adapted.attention != ops.attention:
         logger.info(
@@ -283,7 +293,8 @@ def build_model(
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
         ops = _ops_for_compute(ops, dtype, fsdp_policy, parallel_state, compute_dtype)  # type: ignore[arg-type]
-        compiling = _will_compile_blocks(model, ops, parallel_state)  # type: ignore[arg-type]
+        computes_in = _compute_dtype(dtype, fsdp_policy, parallel_state, compute_dtype)
+        compiling = _will_compile_blocks(model, ops, parallel_state, computes_in)  # type: ignore[arg-type]
         if compiling:
             adapted = ops.for_compiled_blocks()
             if adapted != ops:
@@ -371,7 +382,9 @@ def build_model(
     return model
 
 
-def _will_compile_blocks(model: nn.Module, ops: OpsConfig, state: ParallelState | None) -> bool:
+def _will_compile_blocks(
+    model: nn.Module, ops: OpsConfig, state: ParallelState | None, compute: torch.dtype
+) -> bool:
     """Whether `build_model` compiles the decoder blocks (`veomni.core.compile.compile_blocks`):
     ``ops.compile_enabled`` and nothing in them untraceable; with ``compile="on"`` an untraceable block raises."""
     if not ops.compile_enabled:
@@ -383,6 +396,12 @@ def _will_compile_blocks(model: nn.Module, ops: OpsConfig, state: ParallelState 
         elif ops.moe_experts != "torch":
             problem = (
                 f"moe_experts={ops.moe_experts!r} cannot be traced (of the experts backends only 'torch' can)"
+            )
+        elif ops.hardware.device_type == "cuda" and compute != torch.bfloat16:
+            # torch's CUDA _grouped_mm kernels are bf16-only; other dtypes run an eager per-expert fallback whose
+            # fake-tensor rule dynamo refuses (measured on torch 2.11, fp32 compute, H200).
+            problem = (
+                f"torch._grouped_mm is traced on CUDA in bfloat16 only, and this model computes in {compute}"
             )
     if problem is None and "linear_attention" in (
         getattr(getattr(model, "config", None), "layer_types", None) or ()
