@@ -129,13 +129,13 @@ def test_flops_and_full_shapes_are_the_published_layers():
 
 
 @pytest.mark.slow
-def test_compiled_contenders_agree_with_eager_ones(tmp_path):
+def test_compiled_contenders_agree_with_eager_ones_and_are_profiled(tmp_path):
     # aot_eager: the compiled rows' wiring (the wrapper, its parameter names, dynamo tracing both blocks) is
     # what this checks; inductor's CPU C++ codegen is not what the bench runs on a GPU, and compiling it twice
     # cost most of this test's minute. The trainer's compiled blocks under inductor are test_bench_e2e's and
-    # tests/core/test_compile.py's.
+    # tests/core/test_compile.py's. --profile writes one op table per contender, compiled ones included.
     args = ["--size", "tiny", "--blocks", "gpt_oss", "--hf-impls", "grouped_mm", "--veomni-backends", "torch"]
-    args += ["--compile-backend", "aot_eager"]
+    args += ["--compile-backend", "aot_eager", "--profile", str(tmp_path / "prof")]
     result = bench.main([*args, "--compile", "--reps", "1", "--out", str(tmp_path / "c.json")])
     rows = {r["impl"]: r for r in result["blocks"]["gpt_oss"]["rows"]}
     assert list(rows) == ["hf_grouped_mm", "veomni_torch", "hf_grouped_mm_compiled", "veomni_torch_compiled"]
@@ -143,3 +143,14 @@ def test_compiled_contenders_agree_with_eager_ones(tmp_path):
         assert rows[name]["compiled"] == "torch.compile(block), aot_eager, dynamic=False"
         # Parameter names without torch.compile's "_orig_mod." prefix, so every gradient is compared.
         assert rows[name]["agrees"] is True and "d_experts.down_proj" in rows[name]["errors"]["d_params_rel"]
+    assert result["profile_dir"] == str(tmp_path / "prof")
+    written = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert written == sorted(f"gpt_oss-{name}.txt" for name in rows)
+    for name, row in rows.items():
+        assert row["profile"] == f"gpt_oss-{name}.txt" and "gpu_busy_fraction" not in row  # CUDA only
+        table = (tmp_path / "prof" / row["profile"]).read_text()
+        # Sorted by self CPU time on a CPU host; ours ran its grouped GEMMs in the profiled steps (HF's compiled
+        # fp32 block takes its own mm-loop fallback op, so only the table itself is checked there).
+        assert "Self CPU" in table and "aten::" in table, table[:2000]
+        if name.startswith("veomni"):
+            assert "aten::_grouped_mm" in table, table[:2000]

@@ -164,9 +164,16 @@ def write_json(path: str | Path, result: dict[str, Any]) -> None:
 
 
 def profile_calls(
-    run: Callable[[], object], device: torch.device, out_path: str | Path | None, *, steps: int = 1, rows: int = 40
+    run: Callable[[], object],
+    device: torch.device,
+    out_path: str | Path | None,
+    *,
+    steps: int = 1,
+    rows: int = 40,
+    sort_by: str | None = None,
 ) -> dict[str, float] | None:
-    """Call ``run`` under torch.profiler; the top ops by device time go to ``out_path`` (skipped when None).
+    """Call ``run`` under torch.profiler; the top ops by device time (total, or ``sort_by``: a ``key_averages``
+    column such as ``self_cuda_time_total``) go to ``out_path`` (skipped when None).
 
     Returns (CUDA only) ``gpu_busy_fraction``: the union of kernel intervals over the profiled wall time (1.0: the
     GPU never waited for the host), and ``profiled_step_ms``: that wall time over ``steps`` (the steps ``run``
@@ -181,7 +188,7 @@ def profile_calls(
         sync(device)
         wall_us = (time.perf_counter() - t0) * 1e6
     if out_path is not None:
-        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        sort = sort_by or ("cuda_time_total" if device.type == "cuda" else "cpu_time_total")
         table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
         if device.type == "cuda":  # where the host's time goes too (a host-bound step shows it here)
             table += "\n" + prof.key_averages().table(
@@ -196,7 +203,10 @@ def profile_calls(
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
-    return {"gpu_busy_fraction": min(1.0, union_us(kernels) / wall_us), "profiled_step_ms": wall_us / 1e3 / steps}
+    return {
+        "gpu_busy_fraction": min(1.0, union_us(kernels) / wall_us),
+        "profiled_step_ms": wall_us / 1e3 / steps,
+    }
 
 
 def union_us(intervals: Any) -> float:
@@ -211,7 +221,11 @@ def union_us(intervals: Any) -> float:
 
 
 def host_sync_sites(
-    run: Callable[[], object], device: torch.device, *, roots: tuple[str, ...] = ("veomni", "transformers"), top: int = 25
+    run: Callable[[], object],
+    device: torch.device,
+    *,
+    roots: tuple[str, ...] = ("veomni", "transformers"),
+    top: int = 25,
 ) -> dict[str, Any] | None:
     """Call ``run`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and count the synchronising CUDA calls
     by the innermost stack frame under one of ``roots`` (package path fragments), so that each host sync of a step
@@ -227,7 +241,9 @@ def host_sync_sites(
     sites: Counter[str] = Counter()
     previous = warnings.showwarning
 
-    def record(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    def record(
+        message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
         if "synchronizing" not in str(message):
             previous(message, category, filename, lineno, file, line)
             return

@@ -3,6 +3,7 @@
     python tools/bench/bench_families.py --out families.json [--blocks gpt_oss,deepseek_v3,qwen3_vl_moe]
         [--tokens 8192]
         [--hf-impls eager,grouped_mm,batched_mm,deepgemm,sonicmoe] [--dsv3-experts 256] [--size full|tiny]
+        [--compile [--compile-backend inductor]] [--profile DIR]
 
 Blocks (bf16 on CUDA; ``--size tiny`` runs small shapes in fp32 on the CPU: the parity check the tests run):
 
@@ -41,6 +42,11 @@ errors of its output, input gradient and parameter gradients against the referen
 that ran; expert weight gradients compared on experts 0-3). ``agrees``: every relative error within 2e-2 in bf16
 (1e-4 in fp32). ``speedup_vs_<hf>`` = HF ms / ours ms (= tokens/s ours / HF), ``peak_ratio_vs_<hf>`` = ours / HF.
 
+``--profile DIR``: after its timing, each contender runs 3 more fwd+bwd steps under torch.profiler (CPU, and CUDA
+activities on a GPU) and writes ``DIR/<block>-<contender>.txt``: the ``key_averages`` table of the top 40 ops by self
+CUDA time (self CPU time off CUDA; on CUDA a second table by self CPU time follows). The row records the file name
+(``profile``, relative to ``profile_dir`` at the top of the JSON) and, on CUDA, ``gpu_busy_fraction`` of those steps.
+
 FLOPs counted: expert GEMMs ``18 * T * k * H * I`` (gate/up ``[H, 2I]`` and down, forward + dgrad + wgrad), the
 shared expert ``18 * T * H * I_shared``, the router ``6 * T * H * E``; gathers, activations and combine not counted.
 """
@@ -64,6 +70,7 @@ from bench_common import (  # noqa: E402
     error_text,
     max_abs,
     measured_call,
+    profile_calls,
     rel_err,
     release,
     timed_row,
@@ -100,6 +107,7 @@ MODULES: dict[str, tuple[str, str, str, str, str]] = {
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
 VEOMNI_BACKENDS = ("torch", "triton")
 # Relative (Frobenius) error of the output and input gradient under which two contenders agree.
+PROFILE_STEPS = 3  # fwd+bwd steps per contender under torch.profiler (--profile)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
@@ -276,7 +284,23 @@ def run_contender(
     tokens = inputs["hidden"].shape[1]
     row["tokens_per_s"] = tokens / (row["ms"] / 1e3)
     row["tflops"] = flops(block, cli.shapes[block], tokens) / row["ms"] / 1e9
+    if cli.profile:
+        row |= profile_contender(step, f"{block}-{name}.txt", cli)
     return row, kept
+
+
+def profile_contender(step: Callable[[], object], file_name: str, cli: Any) -> dict[str, Any]:
+    """`PROFILE_STEPS` more calls of ``step`` (already warm) under torch.profiler; the top ops by self device
+    time (self CPU time off CUDA) go to ``cli.profile/file_name``. Returns the row's profile fields."""
+
+    def steps() -> None:
+        for _ in range(PROFILE_STEPS):
+            step()
+
+    sort = "self_cuda_time_total" if cli.device.type == "cuda" else "self_cpu_time_total"
+    path = os.path.join(cli.profile, file_name)
+    busy = profile_calls(steps, cli.device, path, steps=PROFILE_STEPS, sort_by=sort)
+    return {"profile": file_name, **(busy or {})}
 
 
 def contenders(block: str, cli: Any) -> list[tuple[str, str, str, bool]]:
@@ -400,6 +424,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compile-backend", default="inductor", help="dynamo backend of the *_compiled contenders"
     )
+    parser.add_argument(
+        "--profile", default=None, metavar="DIR", help="profile 3 more steps per contender: op tables to DIR/"
+    )
     cli = parser.parse_args(argv)
     tiny = cli.size == "tiny"
     cli.blocks = [b for b in cli.blocks.split(",") if b]
@@ -430,6 +457,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cli = parse_args(argv)
     result: dict[str, Any] = {**environment(cli.device), "size": cli.size, "tokens": cli.tokens, "blocks": {}}
+    if cli.profile:
+        result["profile_dir"] = cli.profile
     started = time.perf_counter()
     for block in cli.blocks:
 

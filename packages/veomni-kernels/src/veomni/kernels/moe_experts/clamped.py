@@ -20,7 +20,9 @@ grouped by expert, as expert-parallel dispatch returns them; the routing weight 
 Backends: ``eager`` (a loop over experts, the oracle), ``torch`` (``torch._grouped_mm``), ``triton`` (our Triton
 grouped GEMMs from ``triton_kernels``: forward, dgrad and wgrad). The fast ones run the same composition: gather
 rows expert-major, grouped GEMM, per-row bias, activation, grouped GEMM, bias, weighted combine; autograd
-differentiates the elementwise parts (the bias gradients go through ``index_select``'s backward).
+differentiates the elementwise parts. A bias is gathered per row, and its gradient is each expert's sum of rows,
+taken by a grouped GEMM with a ones operand (fp32 accumulation, fixed order), not by ``index_select``'s backward
+(an atomic ``index_add_`` of N rows onto E). Weight gradients come back in the parameters' own layout.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from veomni.kernels.moe_experts.common import (
 )
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (bias [E, C], row_expert [N], offsets [E + 1] int32) -> [N, C]: the bias of each expert-major row's expert.
+BiasRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
@@ -144,34 +148,41 @@ def moe_experts_clamped_routed_eager(
 # ---- the fast backends' shared composition -----------------------------------------------------------------
 
 
-def _rows(x, offsets, row_expert, params, limit, alpha, linear: Linear) -> torch.Tensor:
+def _rows(x, offsets, row_expert, params, limit, alpha, linear: Linear, bias: BiasRows) -> torch.Tensor:
     """``[N, H]`` expert-major rows -> ``y [N, H]`` (biases included, no routing weight)."""
     gate_up_proj, gate_up_bias, down_proj, down_bias = params
-    gu = linear(x, offsets, gate_up_proj) + gate_up_bias.index_select(0, row_expert)
+    gu = linear(x, offsets, gate_up_proj) + bias(gate_up_bias, row_expert, offsets)
     h = clamped_swiglu(gu, limit, alpha)
-    return linear(h, offsets, down_proj) + down_bias.index_select(0, row_expert)
+    return linear(h, offsets, down_proj) + bias(down_bias, row_expert, offsets)
 
 
-def _routed(hidden, top_k_index, top_k_weights, params, limit, alpha, linear: Linear) -> torch.Tensor:
+def _routed(
+    hidden, top_k_index, top_k_weights, params, limit, alpha, linear: Linear, bias: BiasRows
+) -> torch.Tensor:
     from veomni.kernels.moe_experts.torch_impl import _GatherRows
 
     tokens, top_k = top_k_index.shape
     order, offsets = expert_major_order(top_k_index, params[0].shape[0])
     unsort = inverse_permutation(order)
     x = _GatherRows.apply(hidden, order // top_k, unsort, top_k)
-    y = _rows(x, offsets, top_k_index.reshape(-1)[order], params, limit, alpha, linear)
-    weighted = y.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    y = _rows(x, offsets, top_k_index.reshape(-1)[order], params, limit, alpha, linear, bias)
+    # The routing weights are permuted like the rows, with a gather for a backward too (indexing's backward is a
+    # scatter-add). bf16 rows times fp32 weights: the product is taken in fp32 (type promotion) without an fp32
+    # copy of y in eager; inductor fuses it with the gather and the sum either way.
+    acc = torch.promote_types(y.dtype, torch.float32)
+    row_weights = _GatherRows.apply(top_k_weights.reshape(-1), order, unsort, 1)
+    weighted = y * row_weights.to(acc).unsqueeze(-1)
     rows = _GatherRows.apply(weighted, unsort, order, 1).view(tokens, top_k, y.shape[1])
     return rows.sum(1).to(hidden.dtype)
 
 
-def _grouped(x, tokens_per_expert, params, limit, alpha, linear: Linear) -> torch.Tensor:
+def _grouped(x, tokens_per_expert, params, limit, alpha, linear: Linear, bias: BiasRows) -> torch.Tensor:
     experts = params[0].shape[0]
     offsets = group_offsets(tokens_per_expert)
     ids = torch.arange(experts, device=x.device)
     # output_size makes repeat_interleave sync-free; the counts are checked to sum to N on the device.
     row_expert = torch.repeat_interleave(ids, tokens_per_expert, output_size=x.shape[0])
-    return _rows(x, offsets, row_expert, params, limit, alpha, linear)
+    return _rows(x, offsets, row_expert, params, limit, alpha, linear, bias)
 
 
 # ---- torch._grouped_mm -------------------------------------------------------------------------------------
@@ -182,6 +193,12 @@ def _torch_linear(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> to
 
     # _GroupedMM multiplies by w[e]^T for w [E, out, in]; the transposed view of [E, in, out] is exactly that.
     return _GroupedMM.apply(x, offsets[1:], w.transpose(-2, -1))
+
+
+def _torch_bias(bias: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    from veomni.kernels.moe_experts.torch_impl import expert_bias_rows
+
+    return expert_bias_rows(bias, row_expert, offsets[1:])
 
 
 def _check_torch(x: torch.Tensor, gate_up_proj: torch.Tensor) -> None:
@@ -198,7 +215,7 @@ def moe_experts_clamped_routed_torch(
     _as_standard(hidden, *params, limit, alpha)
     check_routed_inputs(hidden, top_k_index, top_k_weights, *_views(gate_up_proj, down_proj))
     _check_torch(hidden, gate_up_proj)
-    return _routed(hidden, top_k_index, top_k_weights, params, limit, alpha, _torch_linear)
+    return _routed(hidden, top_k_index, top_k_weights, params, limit, alpha, _torch_linear, _torch_bias)
 
 
 def moe_experts_clamped_grouped_torch(
@@ -209,7 +226,7 @@ def moe_experts_clamped_grouped_torch(
     _as_standard(x, *params, limit, alpha)
     check_grouped_inputs(x, tokens_per_expert, *_views(gate_up_proj, down_proj))
     _check_torch(x, gate_up_proj)
-    return _grouped(x, tokens_per_expert, params, limit, alpha, _torch_linear)
+    return _grouped(x, tokens_per_expert, params, limit, alpha, _torch_linear, _torch_bias)
 
 
 # ---- Triton grouped GEMMs ----------------------------------------------------------------------------------
@@ -250,6 +267,36 @@ def _triton_linear(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     return _TritonGroupedLinear.apply(x, offsets, w)
 
 
+class _TritonExpertBias(torch.autograd.Function):
+    """`torch_impl._ExpertBias` with the per-expert row sums taken by our Triton wgrad kernel (``ones^T @ g``
+    per expert), so the triton backend never calls ``torch._grouped_mm`` (a host sync in fp32 on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, bias, row_expert, offsets):  # type: ignore[override]
+        ctx.save_for_backward(offsets)
+        ctx.experts = bias.shape[0]
+        return bias.index_select(0, row_expert)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        from veomni.kernels.moe_experts import triton_kernels as kern
+        from veomni.kernels.moe_experts.configs import kernel_config
+
+        (offsets,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        grad = grad.contiguous()
+        # 16 rows of ones: the smallest operand tl.dot takes; every row of the [E, 16, C] product is the sum.
+        ones = grad.new_ones(grad.shape[0], 16)
+        cfg = kernel_config("wgrad_down", grad.dtype, grad.device)
+        sums = kern.wgrad(ones, None, grad, None, 1, offsets, ctx.experts, cfg)
+        return sums[:, 0].contiguous(), None, None
+
+
+def _triton_bias(bias: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _TritonExpertBias.apply(bias, row_expert, offsets)
+
+
 def _check_triton(x: torch.Tensor) -> None:
     from veomni.kernels.moe_experts.triton_impl import _check_device
 
@@ -264,7 +311,7 @@ def moe_experts_clamped_routed_triton(
     _as_standard(hidden, *params, limit, alpha)
     check_routed_inputs(hidden, top_k_index, top_k_weights, *_views(gate_up_proj, down_proj))
     _check_triton(hidden)
-    return _routed(hidden, top_k_index, top_k_weights, params, limit, alpha, _triton_linear)
+    return _routed(hidden, top_k_index, top_k_weights, params, limit, alpha, _triton_linear, _triton_bias)
 
 
 def moe_experts_clamped_grouped_triton(
@@ -275,7 +322,7 @@ def moe_experts_clamped_grouped_triton(
     _as_standard(x, *params, limit, alpha)
     check_grouped_inputs(x, tokens_per_expert, *_views(gate_up_proj, down_proj))
     _check_triton(x)
-    return _grouped(x, tokens_per_expert, params, limit, alpha, _triton_linear)
+    return _grouped(x, tokens_per_expert, params, limit, alpha, _triton_linear, _triton_bias)
 
 
 __all__ = [

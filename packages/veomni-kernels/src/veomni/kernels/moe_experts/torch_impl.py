@@ -57,9 +57,64 @@ class _GroupedMM(torch.autograd.Function):
         need_x, _, need_w = ctx.needs_input_grad
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, w, offs=ends) if need_x else None
-        # 2-D x 2-D form, jagged along the reduction (row) dim: [n_out, N] x [N, K] -> [E, n_out, K].
-        grad_w = torch._grouped_mm(grad.t(), x, offs=ends) if need_w else None
+        grad_w = _weight_grad(x, grad, ends, w) if need_w else None
         return grad_x, None, grad_w
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``dw [E, n_out, K]`` for ``w [E, n_out, K]``, in w's memory layout: 2-D x 2-D grouped GEMMs, jagged along
+    the reduction (row) dim. A gradient laid out unlike its parameter is copied whole by autograd's gradient
+    accumulation (``param.grad``), so the GEMM writes the layout the parameter has: ``[n_out, N] x [N, K]`` for a
+    contiguous ``w``, or ``[K, N] x [N, n_out]`` seen transposed for a transposed view of a ``[E, K, n_out]``
+    parameter (gpt-oss's experts)."""
+    if w.stride(-2) == 1 and w.stride(-1) != 1:
+        return torch._grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1)
+    return torch._grouped_mm(grad.t(), x, offs=ends)
+
+
+def expert_row_sums(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``[N, C]`` expert-major rows -> ``[E, C]``, the sum of each expert's run of rows (zeros for an expert with
+    no rows): a grouped GEMM ``ones [M, N_e] x rows_e`` per expert, so each sum accumulates in fp32 and rounds
+    once, in a fixed order (no atomics, no host sync on the CUTLASS path).
+
+    Args:
+        rows: ``[N, C]`` float (``C`` with 16-byte row strides, as every ``torch._grouped_mm`` operand).
+        ends: ``[E]`` int32, where each expert's rows end (``offsets[1:]``).
+    Returns:
+        ``[E, C]`` contiguous, in rows' dtype.
+    """
+    # A ones operand of M = 16 bytes / element rows keeps its [N, M] storage 16-byte strided for any N; every
+    # row of the [E, M, C] product is the same sum, and the first is kept.
+    width = 16 // rows.element_size()
+    ones = rows.new_ones(rows.shape[0], width)
+    return torch._grouped_mm(ones.t(), rows.contiguous(), offs=ends)[:, 0].contiguous()
+
+
+class _ExpertBias(torch.autograd.Function):
+    """``bias [E, C]`` -> ``[N, C]``: ``bias[e]`` on each row of expert ``e``, rows expert-major with ``ends [E]``.
+
+    The forward is the gather ``index_select`` does (fused into the bias add under ``torch.compile``); the
+    backward sums each expert's rows with `expert_row_sums` instead of ``index_select``'s scatter-add, which on
+    CUDA is an ``index_add_`` of ``N`` rows onto ``E`` with atomics (run-to-run different bits, and, in bf16
+    before torch's BF16 ``index_add`` lowering on sm_90, an unfused ATen kernel under inductor).
+    """
+
+    @staticmethod
+    def forward(ctx, bias, row_expert, ends):  # type: ignore[override]
+        ctx.save_for_backward(ends)
+        return bias.index_select(0, row_expert)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (ends,) = ctx.saved_tensors
+        grad_bias = expert_row_sums(grad, ends) if ctx.needs_input_grad[0] else None
+        return grad_bias, None, None
+
+
+def expert_bias_rows(bias: torch.Tensor, row_expert: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``bias [E, C]`` gathered to ``[N, C]`` by ``row_expert [N]`` (expert-major, runs ending at ``ends [E]``
+    int32); its gradient is the per-expert row sum (`expert_row_sums`), deterministic."""
+    return _ExpertBias.apply(bias, row_expert, ends)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -130,7 +185,9 @@ def moe_experts_routed_torch(
     return route_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
-def route_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mm=_GroupedMM.apply) -> torch.Tensor:
+def route_experts(
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mm=_GroupedMM.apply
+) -> torch.Tensor:
     """The routed variant around `run_experts` (inputs already checked): permute ``hidden [T, H]`` expert-major,
     run the experts with grouped GEMM ``mm``, un-permute and sum each token's ``k`` rows. Returns ``[T, H]``."""
     tokens, top_k = top_k_index.shape
