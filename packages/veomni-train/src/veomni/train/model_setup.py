@@ -54,10 +54,8 @@ def meta_instance(config: PretrainedConfig | str, task: str = "causal_lm") -> nn
 def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dtype: torch.dtype) -> Any:
     # Mixed precision only when parameters are stored above the compute dtype; gradients are reduced in fp32
     # either way (for pure bf16 too: FSDP casts them back to the parameter dtype after the reduction).
-    default = default_fsdp_policy(probe)
     return attrs.evolve(
-        default,
-        head=default.head if recipe.parallel.lm_head_unit else None,
+        default_fsdp_policy(probe, head_unit=recipe.parallel.lm_head_unit),
         activation_checkpointing=recipe.parallel.activation_checkpointing,
         ac_keep_attention=recipe.parallel.ac_keep_attention,
         reshard_after_forward=recipe.parallel.reshard_after_forward,

@@ -74,7 +74,7 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, w: tor
 
 def expert_row_sums(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``[N, C]`` expert-major rows -> ``[E, C]``, the sum of each expert's run of rows (zeros for an expert with
-    no rows): a grouped GEMM ``ones [M, N_e] x rows_e`` per expert, so each sum accumulates in fp32 and rounds
+    no rows): a grouped GEMM ``rows_e^T x ones [N_e, W]`` per expert, so each sum accumulates in fp32 and rounds
     once, in a fixed order (no atomics, no host sync on the CUTLASS path).
 
     Args:
@@ -83,11 +83,14 @@ def expert_row_sums(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[E, C]`` contiguous, in rows' dtype.
     """
-    # A ones operand of M = 16 bytes / element rows keeps its [N, M] storage 16-byte strided for any N; every
-    # row of the [E, M, C] product is the same sum, and the first is kept.
+    # rows^T [C, N] x ones [N, W] per expert, jagged along N: the operands of the wgrad in `_GroupedMM`'s backward,
+    # laid out the same way (the jagged dim never the contiguous one, which CUTLASS would need 16-byte aligned per
+    # expert). W = 16 bytes / element keeps the ones' rows 16-byte strided; every column of the [E, C, W] product
+    # is the same sum, and the first is kept. (ones^T x rows, the other way round, left inductor free to lay the
+    # ones out [W, N] contiguous: a device-side alignment assert on an H200.)
     width = 16 // rows.element_size()
     ones = rows.new_ones(rows.shape[0], width)
-    return torch._grouped_mm(ones.t(), rows.contiguous(), offs=ends)[:, 0].contiguous()
+    return torch._grouped_mm(rows.contiguous().t(), ones, offs=ends)[:, :, 0].contiguous()
 
 
 class _ExpertBias(torch.autograd.Function):
