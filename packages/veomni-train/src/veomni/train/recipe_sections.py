@@ -258,11 +258,10 @@ class ParallelSection:
         True, "free gathered layer parameters after forward and gather again in backward (less memory)"
     )
     lm_head_unit: bool = _field(
-        False,
+        True,
         "with FSDP2 and an LM head not tied to the embeddings: shard the head as an FSDP unit of its own, gathered "
         "during the forward and its gradient reduce-scattered during the layers' backward (+2% on a 4-GPU MoE "
-        "step); false keeps it in the root unit with the embeddings. Off by default: with compiled blocks and a "
-        "fused cross-entropy on 2 NCCL GPUs it gave a different step-0 loss, not yet explained",
+        "step); false keeps it in the root unit with the embeddings (reduced after the whole backward)",
     )
     async_ulysses: bool = _field(
         False,
