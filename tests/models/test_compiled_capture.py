@@ -94,6 +94,25 @@ def test_router_logits_recorded_once_per_layer_and_equal_to_eager(untraceable_co
     assert output_capturing._active_collector.compiling is False  # handed back after every call
 
 
+def test_recomputation_under_checkpointing_never_reads_the_context_var(untraceable_collector):
+    # Activation checkpointing reruns the compiled block in backward, after the model's forward has reset the
+    # collector: the hooks must still take the traceable path (nothing to record), not the ContextVar.
+    from veomni.core.fsdp import apply_activation_checkpointing
+
+    eager, compiled = _pair()
+    stats = compile_blocks(
+        compiled, ("model.layers.*",), backend="aot_eager", call_context=capture_into_compiled_block
+    ).stats
+    apply_activation_checkpointing(compiled, ("model.layers.*",))
+    for seed in range(2):
+        want, want_grads = _step(eager, seed)
+        got, got_grads = _step(compiled, seed)
+        assert len(got.router_logits) == LAYERS and torch.equal(got.loss, want.loss)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            assert torch.equal(a, b)
+    assert stats.graphs <= 2  # the recomputation's (no collector) variant at most once more
+
+
 def test_without_the_handoff_the_collector_is_read_while_tracing(untraceable_collector):
     _, compiled = _pair()
     compile_blocks(compiled, ("model.layers.*",), backend="aot_eager")

@@ -37,7 +37,13 @@ def capture_into_compiled_block(priming: bool) -> Iterator[None]:
         return
     outer = collector.context_var.get()
     if not outer:
-        yield
+        # No capture active (a recomputation under activation checkpointing runs after the model's forward reset
+        # the collector): the hooks still read it, through the traceable path, and find nothing to record.
+        collector.global_var, collector.compiling = None, True
+        try:
+            yield
+        finally:
+            collector.global_var, collector.compiling = None, False
         return
     # hidden_states' hook records the layer input first when its list is empty: a placeholder keeps that to the
     # first layer. The layer-index selection is read-only and passed as it is.
