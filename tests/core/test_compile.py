@@ -18,6 +18,7 @@ from transformers import Qwen3Config
 from veomni.core.compile import compile_blocks, compile_stats
 from veomni.core.fsdp import apply_activation_checkpointing
 from veomni.kernels import OpsConfig
+from veomni.kernels.attention.functions import segment_ids
 from veomni.kernels.hardware import Hardware
 from veomni.models.build import build_model
 from veomni.models.kernel_hooks import apply_ops
@@ -208,6 +209,44 @@ def test_cuda_inductor_blocks_match_eager_bf16_without_recompiles(attention):
     assert stats.graphs == 1, f"{stats.graphs} graphs: document-count changes recompiled"
 
 
+@pytest.mark.cuda
+def test_cuda_first_static_graph_matches_eager_fp32():
+    """The trainer's dense block (eager formulas, SDPA with a packed mask) in fp32, compiled afresh for an odd
+    packed length: dynamo's first graph is static. On torch 2.11 inductor's comprehensive padding made that graph's
+    forward 2.5e-3 relative off (SAFE_INDUCTOR_OPTIONS); fp32 must agree to rounding."""
+    config = Qwen3Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = Qwen3ForCausalLM(copy.deepcopy(config)).to("cuda")
+    compiled = Qwen3ForCausalLM(copy.deepcopy(config)).to("cuda")
+    compiled.load_state_dict(eager.state_dict())
+    ops = OpsConfig(rms_norm="eager", rope="eager", swiglu="eager", attention="sdpa", compile="off")
+    for model in (eager, compiled):
+        apply_ops(model, ops)
+    stats = compile_blocks(compiled, BLOCKS).stats
+    for i, lens in enumerate(([100, 80, 69], [120, 135], [7, 64, 64, 121])):
+        batch = packed(lens, seed=i, device="cuda")
+        batch["input_ids"] = torch.randint(0, 1024, batch["input_ids"].shape, device="cuda")
+        batch["labels"] = batch["input_ids"].clone()
+        want_loss, want_grads = loss_and_grads(eager, batch)
+        loss, grads = loss_and_grads(compiled, batch)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0, msg=f"documents {lens}")
+        for got, want in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"documents {lens}")
+    assert stats.graphs >= 1
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_segment_ids_equal_eager():
+    # torch 2.11's inductor read cu_seqlens[:-1] for the slice cu_seqlens[1:] in a compiled searchsorted.
+    cu = torch.tensor([0, 5, 9, 9, 20], dtype=torch.int32, device="cuda")
+    torch._dynamo.maybe_mark_dynamic(cu, 0)
+    got = torch.compile(segment_ids, fullgraph=True)(cu, 20)
+    assert got.tolist() == [0] * 5 + [1] * 4 + [3] * 11
+
+
 class LazyBlock(torch.nn.Module):
     """Sets itself up on its first call with code dynamo cannot trace, as HF attention functions do."""
 
@@ -296,7 +335,11 @@ def test_inductor_mode_and_options_reach_inductor():
     assert stats._inner.config.get("max_autotune") is True
     _, other = pair({"rms_norm": "eager"}, layers=1)
     stats = compile_blocks(other, BLOCKS, options={"epilogue_fusion": False}).stats
-    assert stats._inner.config == {"epilogue_fusion": False}
+    assert stats._inner.config == {"comprehensive_padding": False, "epilogue_fusion": False}
+    # The safety default is a default: an explicit option wins.
+    _, third = pair({"rms_norm": "eager"}, layers=1)
+    stats = compile_blocks(third, BLOCKS, options={"comprehensive_padding": True}).stats
+    assert stats._inner.config == {"comprehensive_padding": True}
 
 
 class _EncoderBlock(torch.nn.Module):

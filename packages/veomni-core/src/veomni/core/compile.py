@@ -19,6 +19,13 @@ trace. So the first call of each block also runs it once eagerly under ``torch.n
 result away; outputs and gradients always come from the compiled graph (also when activation checkpointing
 recomputes it). That costs one extra no-grad forward per block, once, and consumes RNG only if a block uses
 dropout.
+
+Inductor's ``comprehensive_padding`` is off for the blocks (`SAFE_INDUCTOR_OPTIONS`; an explicit ``options`` entry
+wins). On torch 2.11 CUDA it made the first, static-shape graph of a dense fp32 block compute a wrong forward
+(packed rows of 249 and 255 tokens: micro-batch losses 2.5e-3 relative off, the step-0 loss 6.4e-4; the dynamic
+graph that a recompile then builds is exact, as is the same graph with padding or the pattern matcher off; see
+pytorch/pytorch#194281 for the stale padded layout behind such faults). Padding only pads strides that are not
+multiples of the alignment, i.e. odd packed lengths; the aligned shapes of real runs never took it.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ from torch import nn
 from veomni.core.fsdp import _AC_MARK, COMPILED_MARK, _match_blocks, _to_pattern_tuple
 from veomni.core.parallel_state import hand_state_to_compiled_region
 
-__all__ = ["PACKING_DYNAMIC_SOURCES", "CompileStats", "CompiledBlocks", "compile_blocks", "compile_stats"]
+__all__ = [
+    "PACKING_DYNAMIC_SOURCES",
+    "SAFE_INDUCTOR_OPTIONS",
+    "CompileStats",
+    "CompiledBlocks",
+    "compile_blocks",
+    "compile_stats",
+]
 
 # HF's packing kwargs vary from micro-batch to micro-batch: the length of ``cu_seq_lens_q/k`` (documents + 1) and
 # the python ints ``max_length_q/k``. Dynamo reads this list (regexes on source names, ``:0`` = dim 0 only)
@@ -48,6 +62,8 @@ PACKING_DYNAMIC_SOURCES = (
     # that changes with the micro-batch's images (two recompiles in a 10-step VLM run before this was listed).
     r".*\['max_seqlen'\]",
 )
+# Inductor config every compiled block gets unless ``options`` sets the key (module docstring says why).
+SAFE_INDUCTOR_OPTIONS: dict[str, Any] = {"comprehensive_padding": False}
 _MARK = COMPILED_MARK
 STATS_ATTR = "veomni_compile_stats"
 
@@ -117,7 +133,8 @@ def compile_blocks(
         block_patterns: FQN patterns as in `veomni.core.FSDPPolicy.block_patterns` (``"model.layers.*"``).
         backend: dynamo backend (``"inductor"``; ``"aot_eager"`` traces and runs the captured graphs without
             code generation: the cheap way to prove there is no graph break).
-        mode, dynamic, options: passed to ``torch.compile``. ``dynamic=None`` (automatic) plus the packing
+        mode, dynamic, options: passed to ``torch.compile``; for inductor, ``options`` is laid over
+            `SAFE_INDUCTOR_OPTIONS`. ``dynamic=None`` (automatic) plus the packing
             marks keeps the sequence length static and the document count dynamic.
         call_context: entered around every call of a compiled forward, as ``call_context(priming)`` --
             ``priming`` True for the eager first call whose result is thrown away, False for the compiled
@@ -140,6 +157,8 @@ def compile_blocks(
                 f"compile_blocks: {fqn!r} already has a checkpointed forward; compile the blocks before "
                 "activation checkpointing (it then wraps the compiled forward)"
             )
+    if backend == "inductor":
+        options = {**SAFE_INDUCTOR_OPTIONS, **(options or {})}
     stats = CompileStats(backend, mode, options, dynamic)
     # A process-wide torch setting, but it names only HF's packing kwargs, which must never specialise.
     _add_dynamic_sources(PACKING_DYNAMIC_SOURCES)

@@ -85,7 +85,10 @@ def check_qkv(
 def segment_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``cu_seqlens`` int32 ``[n + 1]`` -> int64 ``[seq_len]`` segment index of every position."""
     positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+    # Every position p >= cu_seqlens[0] = 0, so counting the offsets <= p over the whole table and subtracting
+    # one needs no sliced view: torch 2.11's inductor (CUDA) dropped the slice's storage offset in its
+    # searchsorted, reading cu_seqlens[:-1] for cu_seqlens[1:].
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
 
 
 def allowed_mask(
