@@ -123,13 +123,19 @@ def test_gpu_replays_equal_the_eager_micro_batch_bitwise():
     assert (graphs.eager_runs, graphs.captures, graphs.replays) == (1, 1, 2)
 
 
-# Eager blocks in fp32: graphed steps equal eager ones to rounding (padded rows are another shape). The bf16 row
-# runs the CUDA defaults (compiled blocks).
+# fp32: graphed steps equal eager ones to rounding (padded rows are another shape), with eager and with compiled
+# blocks -- the compiled pair also checks that the first run's static-shape graph (the eager run compiles first)
+# agrees with the later dynamic one, which inductor's comprehensive padding broke on torch 2.11. The bf16 row runs the
+# CUDA defaults (compiled blocks).
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     ("dtype", "ops", "tol"),
-    [("float32", {"attention": "sdpa", "compile": "off"}, 1e-5), ("bfloat16", {}, 2e-2)],
-    ids=["fp32-sdpa", "bf16-defaults"],
+    [
+        ("float32", {"attention": "sdpa", "compile": "off"}, 1e-5),
+        ("float32", {"attention": "sdpa", "compile": "on"}, 1e-5),
+        ("bfloat16", {}, 2e-2),
+    ],
+    ids=["fp32-sdpa", "fp32-sdpa-compiled", "bf16-defaults"],
 )
 def test_gpu_graphed_steps_train_like_eager_ones(tmp_path, dtype, ops, tol):
     if not torch.cuda.is_available():

@@ -362,24 +362,31 @@ def test_async_ulysses_trains_like_the_sync_path(dist_pools, references, tmp_pat
         recipe_from_dict(no_sp)
 
 
-def test_async_ulysses_keeps_blocks_eager_where_compile_would_trace_them(tmp_path):
-    """Compiled blocks cannot trace the async_op=True all-to-alls: compile 'auto' on CUDA becomes 'off' for
-    async_ulysses (backend choices kept), an explicit 'on' is refused, CPU (auto = off) is untouched."""
+@pytest.mark.parametrize("feature", ["async_ulysses", "ac_keep_attention"])
+def test_eager_only_features_keep_blocks_eager_where_compile_would_trace_them(tmp_path, feature):
+    """Compiled blocks can trace neither the async_op=True all-to-alls nor checkpointing that selects the attention
+    call inside a block: compile 'auto' on CUDA becomes 'off' for those features (backend choices kept), an explicit
+    'on' is refused, CPU (auto = off) is untouched."""
     from veomni.kernels import Hardware, OpsConfig
-    from veomni.train.model_setup import ops_for_async_ulysses
+    from veomni.train.model_setup import ops_for_eager_only_features
     from veomni.train.preflight import PreflightError
 
     raw = tiny_recipe(str(tmp_path), DENSE, sp=2)
-    raw["parallel"]["async_ulysses"] = True
+    raw["parallel"]["activation_checkpointing"] = feature == "ac_keep_attention"
+    raw["parallel"][feature] = True
     recipe = recipe_from_dict(raw)
     h100 = Hardware(device_type="cuda", capability=(9, 0))
     auto = OpsConfig(hardware=h100)
-    eager = ops_for_async_ulysses(recipe, auto)
+    eager = ops_for_eager_only_features(recipe, auto)
     assert auto.compile_enabled and not eager.compile_enabled
-    assert (eager.attention, eager.rms_norm, eager.defaulted) == (auto.attention, auto.rms_norm, auto.defaulted)
-    with pytest.raises(PreflightError, match="cannot trace, but ops.compile is 'on'"):
-        ops_for_async_ulysses(recipe, OpsConfig(hardware=h100, compile="on"))
+    assert (eager.attention, eager.rms_norm, eager.defaulted) == (
+        auto.attention,
+        auto.rms_norm,
+        auto.defaulted,
+    )
+    with pytest.raises(PreflightError, match=f"parallel.{feature}: true .* but ops.compile is 'on'"):
+        ops_for_eager_only_features(recipe, OpsConfig(hardware=h100, compile="on"))
     cpu = OpsConfig(hardware=Hardware(device_type="cpu"))
-    assert ops_for_async_ulysses(recipe, cpu) is cpu
-    raw["parallel"]["async_ulysses"] = False
-    assert ops_for_async_ulysses(recipe_from_dict(raw), auto) is auto
+    assert ops_for_eager_only_features(recipe, cpu) is cpu
+    raw["parallel"][feature] = False
+    assert ops_for_eager_only_features(recipe_from_dict(raw), auto) is auto

@@ -86,10 +86,10 @@ def build_recipe_model(
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
     path = one_rank_path(recipe, state.dims.world_size)
+    ops = ops_for_eager_only_features(recipe, ops)
     if path == "fsdp2":
         if state.dims.world_size == 1:
             log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
-        ops = ops_for_async_ulysses(recipe, ops)
         model = build_model(
             config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
         )
@@ -116,20 +116,31 @@ def build_recipe_model(
     return model
 
 
-def ops_for_async_ulysses(recipe: Recipe, ops: Any) -> Any:
-    """``ops`` with eager blocks when ``parallel.async_ulysses`` is on and the blocks would compile by default
-    (``ops.compile: auto`` on CUDA): its all-to-alls run with ``async_op=True`` work handles, which torch.compile
-    cannot trace. An explicit ``ops.compile: on`` with it is a `PreflightError`."""
-    if not (recipe.parallel.async_ulysses and ops is not None and ops.compile_enabled):
+def ops_for_eager_only_features(recipe: Recipe, ops: Any) -> Any:
+    """``ops`` with eager blocks when the recipe turns on a feature that compiled blocks cannot run and the blocks
+    would compile by default (``ops.compile: auto`` on CUDA); an explicit ``ops.compile: on`` with one is a
+    `PreflightError`. The features: ``parallel.async_ulysses`` (its all-to-alls run with ``async_op=True`` work
+    handles, which torch.compile cannot trace) and ``parallel.ac_keep_attention`` (checkpointing selects the
+    attention call inside the block, which a compiled forward hides)."""
+    if ops is None or not ops.compile_enabled:
+        return ops
+    reasons = {
+        "async_ulysses": "overlaps the exchange with async_op=True collectives, which torch.compile cannot trace",
+        "ac_keep_attention": "saves the attention output inside each block, which a compiled block cannot select",
+    }
+    # (ac_keep_attention without activation_checkpointing is a RecipeError already.)
+    on = [name for name in reasons if getattr(recipe.parallel, name)]
+    if not on:
         return ops
     if ops.compile == "on":
         raise PreflightError(
-            "parallel.async_ulysses: true overlaps the exchange with async_op=True collectives, which torch.compile "
-            "cannot trace, but ops.compile is 'on'; set ops.compile to off or auto (auto keeps the blocks eager "
-            "under async_ulysses), or async_ulysses: false to keep compiled blocks"
+            "; ".join(f"parallel.{name}: true {reasons[name]}" for name in on)
+            + ", but ops.compile is 'on'; set ops.compile to off or auto (auto keeps the blocks eager), or turn "
+            + " / ".join(f"parallel.{name}" for name in on)
+            + " off to keep compiled blocks"
         )
-    log.info("parallel.async_ulysses: decoder blocks stay eager (ops.compile auto; the async all-to-alls cannot be "
-             "traced by torch.compile)")  # fmt: skip
+    log.info("decoder blocks stay eager (ops.compile auto): %s",
+             "; ".join(f"parallel.{name} {reasons[name]}" for name in on))  # fmt: skip
     return ops.with_compile("off")
 
 
