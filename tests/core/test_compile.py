@@ -232,9 +232,13 @@ def test_cuda_first_static_graph_matches_eager_fp32():
         batch["labels"] = batch["input_ids"].clone()
         want_loss, want_grads = loss_and_grads(eager, batch)
         loss, grads = loss_and_grads(compiled, batch)
-        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0, msg=lambda m: f"{m}\ndocuments {lens}")
+        torch.testing.assert_close(
+            loss, want_loss, rtol=1e-5, atol=0, msg=lambda m, lens=lens: f"{m}\ndocuments {lens}"
+        )
         for got, want in zip(grads, want_grads, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{m}\ndocuments {lens}")
+            torch.testing.assert_close(
+                got, want, rtol=1e-4, atol=1e-5, msg=lambda m, lens=lens: f"{m}\ndocuments {lens}"
+            )
     assert stats.graphs >= 1
 
 
