@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import backend_params
 
+from veomni.core.host_sync import HostSyncCounter
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import (
     build_parallel_state,
@@ -76,6 +77,18 @@ def _mesh_layout(ctx, dims_kwargs):
         out["ep_rank"] = state.ep_rank
     with use_parallel_state(state):
         out["current_is_state"] = current_parallel_state() is state
+    # Hot paths ask for their group on every call (each MoE dispatch, each Ulysses attention): the sub-meshes are
+    # sliced once, so asking again builds no new DeviceMesh (a slice runs a nonzero over the mesh tensor).
+    with HostSyncCounter() as slicing:
+        meshes = [state.sp_mesh] + ([state.ep_fsdp_mesh] if dims.ep > 1 else [])
+        groups = [state.sp_group, state.sp_rank] + ([state.ep_group, state.ep_rank] if dims.ep > 1 else [])
+    again_meshes = [state.sp_mesh] + ([state.ep_fsdp_mesh] if dims.ep > 1 else [])
+    out["submeshes_cached"] = all(a is b for a, b in zip(meshes, again_meshes, strict=True)) and groups == [
+        state.sp_group,
+        state.sp_rank,
+        *([state.ep_group, state.ep_rank] if dims.ep > 1 else []),
+    ]
+    out["slicing_after_first_use"] = dict(slicing.counts)
     # The all-reduce over each group proves the groups are real and agree across ranks.
     t = torch.ones(1, device=ctx.device)
     dist.all_reduce(t, group=state.loss_group)
@@ -89,6 +102,7 @@ def test_mesh_layout_4_ranks(dist_pools, world_size, backend):
     res = pool.run(_mesh_layout, {"dp_replicate": 1, "dp_shard": 2, "sp": 2, "ep": 2})
     for rank, r in enumerate(res):
         assert r["cached"] and r["current_is_state"]
+        assert r["submeshes_cached"] and not r["slicing_after_first_use"], r["slicing_after_first_use"]
         assert r["sp"] == [rank - rank % 2, rank - rank % 2 + 1]  # SP innermost: consecutive ranks
         assert r["dp"] == [rank % 2, rank % 2 + 2]
         assert r["fsdp_shard"] == [0, 1, 2, 3]

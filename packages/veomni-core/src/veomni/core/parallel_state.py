@@ -44,6 +44,12 @@ class ParallelState:
     fsdp_mesh: DeviceMesh
     loss_mesh: DeviceMesh
     ep_mesh: DeviceMesh | None
+    # Sub-meshes by (parent, dim names). Slicing a DeviceMesh builds a new one each time (a coordinate search and
+    # a new object: ~1 ms of host time measured on the CI box), and the hot paths (every MoE dispatch, every
+    # Ulysses attention call) ask for their group on each call.
+    _submeshes: dict[tuple[str, tuple[str, ...]], DeviceMesh] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
 
     # Meshes: the fields above are
     #   dp_mesh          1-D dp_replicate*dp_shard: ranks that read different data (SP peers excluded)
@@ -52,15 +58,22 @@ class ParallelState:
     #   loss_mesh        1-D dp*sp, the whole world: token counts, losses and gradient averaging
     @property
     def sp_mesh(self) -> DeviceMesh:
-        return self.mesh["sp"]
+        return self._submesh("main", "sp")
 
     @property
     def ep_fsdp_mesh(self) -> DeviceMesh:
         """The mesh expert modules are FSDP-sharded on: ``ep_fsdp``, or ``[ep_replicate, ep_fsdp]`` (HSDP)."""
-        ep_mesh = self._require_ep()
         if self.dims.ep_replicate > 1:
-            return ep_mesh["ep_replicate", "ep_fsdp"]
-        return ep_mesh["ep_fsdp"]
+            return self._submesh("ep", "ep_replicate", "ep_fsdp")
+        return self._submesh("ep", "ep_fsdp")
+
+    def _submesh(self, parent: str, *names: str) -> DeviceMesh:
+        key = (parent, names)
+        found = self._submeshes.get(key)
+        if found is None:
+            source = self.mesh if parent == "main" else self._require_ep()
+            found = self._submeshes[key] = source[names[0] if len(names) == 1 else names]
+        return found
 
     # Groups -----------------------------------------------------------------------------------------------
     @property
@@ -78,7 +91,7 @@ class ParallelState:
 
     @property
     def dp_replicate_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp_replicate"].get_group()
+        return self._submesh("main", "dp_replicate").get_group()
 
     @property
     def loss_group(self) -> dist.ProcessGroup:
@@ -86,11 +99,11 @@ class ParallelState:
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
-        return self._require_ep()["ep"].get_group()
+        return self._submesh("ep", "ep").get_group()
 
     @property
     def ep_fsdp_group(self) -> dist.ProcessGroup:
-        return self._require_ep()["ep_fsdp"].get_group()
+        return self._submesh("ep", "ep_fsdp").get_group()
 
     # Ranks and sizes ----------------------------------------------------------------------------------------
     @property
@@ -103,7 +116,7 @@ class ParallelState:
 
     @property
     def ep_rank(self) -> int:
-        return self._require_ep()["ep"].get_local_rank() if self.dims.ep > 1 else 0
+        return self._submesh("ep", "ep").get_local_rank() if self.dims.ep > 1 else 0
 
     @property
     def sp_enabled(self) -> bool:
