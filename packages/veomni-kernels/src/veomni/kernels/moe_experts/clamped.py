@@ -38,6 +38,7 @@ from veomni.kernels.moe_experts.common import (
     group_offsets,
     inverse_permutation,
 )
+from veomni.kernels.moe_experts.torch_impl import expert_bias_function
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (bias [E, C], row_expert [N], offsets [E + 1] int32) -> [N, C]: the bias of each expert-major row's expert.
@@ -267,30 +268,21 @@ def _triton_linear(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     return _TritonGroupedLinear.apply(x, offsets, w)
 
 
-class _TritonExpertBias(torch.autograd.Function):
-    """`torch_impl._ExpertBias` with the per-expert row sums taken by our Triton wgrad kernel (``ones^T @ g``
-    per expert), so the triton backend never calls ``torch._grouped_mm`` (a host sync in fp32 on CUDA)."""
+def _triton_row_sums(grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grad [N, C]`` expert-major with ``offsets [E + 1]`` int32 -> ``[E, C]`` per-expert row sums, by our Triton
+    wgrad kernel (``ones^T @ g`` per expert), so the triton backend never calls ``torch._grouped_mm`` (a host sync
+    in fp32 on CUDA)."""
+    from veomni.kernels.moe_experts import triton_kernels as kern
+    from veomni.kernels.moe_experts.configs import kernel_config
 
-    @staticmethod
-    def forward(ctx, bias, row_expert, offsets):  # type: ignore[override]
-        ctx.save_for_backward(offsets)
-        ctx.experts = bias.shape[0]
-        return bias.index_select(0, row_expert)
+    grad = grad.contiguous()
+    # 16 rows of ones: the smallest operand tl.dot takes; every row of the [E, 16, C] product is the sum.
+    ones = grad.new_ones(grad.shape[0], 16)
+    cfg = kernel_config("wgrad_down", grad.dtype, grad.device)
+    return kern.wgrad(ones, None, grad, None, 1, offsets, offsets.shape[0] - 1, cfg)[:, 0].contiguous()
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        from veomni.kernels.moe_experts import triton_kernels as kern
-        from veomni.kernels.moe_experts.configs import kernel_config
 
-        (offsets,) = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        grad = grad.contiguous()
-        # 16 rows of ones: the smallest operand tl.dot takes; every row of the [E, 16, C] product is the sum.
-        ones = grad.new_ones(grad.shape[0], 16)
-        cfg = kernel_config("wgrad_down", grad.dtype, grad.device)
-        sums = kern.wgrad(ones, None, grad, None, 1, offsets, ctx.experts, cfg)
-        return sums[:, 0].contiguous(), None, None
+_TritonExpertBias = expert_bias_function("_TritonExpertBias", _triton_row_sums)
 
 
 def _triton_bias(bias: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ the combine is a sum over each token's ``k`` rows with an fp32 accumulator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -93,25 +95,35 @@ def expert_row_sums(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(rows.contiguous().t(), ones, offs=ends)[:, :, 0].contiguous()
 
 
-class _ExpertBias(torch.autograd.Function):
-    """``bias [E, C]`` -> ``[N, C]``: ``bias[e]`` on each row of expert ``e``, rows expert-major with ``ends [E]``.
+def expert_bias_function(
+    name: str, row_sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> type[torch.autograd.Function]:
+    """An autograd Function ``(bias [E, C], row_expert [N], table) -> [N, C]``: ``bias[e]`` on each row of expert
+    ``e``, rows expert-major, ``table`` the expert boundaries that ``row_sums(grad [N, C], table) -> [E, C]`` reads.
 
     The forward is the gather ``index_select`` does (fused into the bias add under ``torch.compile``); the
-    backward sums each expert's rows with `expert_row_sums` instead of ``index_select``'s scatter-add, which on
-    CUDA is an ``index_add_`` of ``N`` rows onto ``E`` with atomics (run-to-run different bits, and, in bf16
-    before torch's BF16 ``index_add`` lowering on sm_90, an unfused ATen kernel under inductor).
+    backward sums each expert's rows with ``row_sums`` instead of ``index_select``'s scatter-add, which on CUDA
+    is an ``index_add_`` of ``N`` rows onto ``E`` with atomics (run-to-run different bits, and, in bf16 before
+    torch's BF16 ``index_add`` lowering on sm_90, an unfused ATen kernel under inductor). Backends differ only in
+    the kernel behind ``row_sums`` (``torch._grouped_mm`` here, our Triton wgrad for the clamped experts). The
+    class is called ``name`` (its autograd node ``name + "Backward"``), so each backend's node reads as its own.
     """
 
-    @staticmethod
-    def forward(ctx, bias, row_expert, ends):  # type: ignore[override]
-        ctx.save_for_backward(ends)
+    def forward(ctx, bias, row_expert, table):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(table)
         return bias.index_select(0, row_expert)
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (ends,) = ctx.saved_tensors
-        grad_bias = expert_row_sums(grad, ends) if ctx.needs_input_grad[0] else None
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        (table,) = ctx.saved_tensors
+        grad_bias = row_sums(grad, table) if ctx.needs_input_grad[0] else None
         return grad_bias, None, None
+
+    # type(): autograd names the node class after the Function's name when the class is created.
+    body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__}
+    return type(name, (torch.autograd.Function,), body)
+
+
+_ExpertBias = expert_bias_function("_ExpertBias", expert_row_sums)
 
 
 def expert_bias_rows(bias: torch.Tensor, row_expert: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
