@@ -7,6 +7,7 @@ two tensors after casting both to fp32. Nothing here knows about models: callers
 
 from __future__ import annotations
 
+import bisect
 import gc
 import importlib.metadata
 import json
@@ -177,7 +178,7 @@ def profile_calls(
 
     Returns (CUDA only) ``gpu_busy_fraction``: the union of kernel intervals over the profiled wall time (1.0: the
     GPU never waited for the host), and ``profiled_step_ms``: that wall time over ``steps`` (the steps ``run``
-    takes)."""
+    takes); with `mark` calls inside ``run``, also ``gpu_idle_ms_by_phase`` (`idle_by_phase`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -198,15 +199,47 @@ def profile_calls(
         Path(out_path).write_text(table)
     if device.type != "cuda":
         return None
-    kernels = (
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    return {
+    events = list(prof.events())
+    kernels = [
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    row: dict[str, Any] = {
         "gpu_busy_fraction": min(1.0, union_us(kernels) / wall_us),
         "profiled_step_ms": wall_us / 1e3 / steps,
     }
+    marks = [(e.time_range.start, e.name[len(MARK) :]) for e in events if e.name.startswith(MARK)]
+    if marks:
+        row["gpu_idle_ms_by_phase"] = idle_by_phase(kernels, marks)
+    return row
+
+
+MARK = "mark:"
+
+
+def mark(phase: str) -> None:
+    """Note on the profiler's host timeline that ``phase`` starts now (a zero-length ``record_function`` named
+    ``mark:<phase>``; any thread, e.g. the autograd engine's from a gradient hook). `profile_calls` then splits the
+    GPU's idle time by phase."""
+    with torch.profiler.record_function(MARK + phase):
+        pass
+
+
+def idle_by_phase(kernels: list[tuple[float, float]], marks: list[tuple[float, str]]) -> dict[str, float]:
+    """GPU idle time (ms) per host phase: each gap between busy intervals of ``kernels`` (``(start, end)`` us) is
+    charged to the phase the host was in when the gap ended, i.e. the last of ``marks`` (``(host us, phase)``,
+    same clock) at or before the next kernel's start: the host launched that kernel late, while in that phase.
+    The gap before the first kernel counts too; time after the last kernel does not."""
+    marks = sorted(marks)
+    times = [t for t, _ in marks]
+    idle: dict[str, float] = {}
+    busy_until = marks[0][0] if marks else 0.0
+    for start, end in sorted(kernels):
+        if start > busy_until:
+            at = bisect.bisect_right(times, start) - 1
+            phase = marks[at][1] if at >= 0 else "before first mark"
+            idle[phase] = idle.get(phase, 0.0) + (start - busy_until) / 1e3
+        busy_until = max(busy_until, end)
+    return {k: round(v, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}
 
 
 def union_us(intervals: Any) -> float:

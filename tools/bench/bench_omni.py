@@ -56,6 +56,7 @@ from bench_common import (  # noqa: E402
     environment,
     error_text,
     host_sync_sites,
+    mark,
     median_ms,
     profile_calls,
     release,
@@ -213,12 +214,42 @@ def trainer_inputs(model: torch.nn.Module, batch: dict, config: Qwen2_5OmniThink
 # ``graphs`` = as ``region``, the towers' graphs under CUDA graphs (``mode="reduce-overhead"``).
 TOWER_VARIANTS = {
     "veomni": "blocks", "veomni_towers_eager": "eager", "veomni_towers_region": "region",
-    "veomni_towers_graphs": "graphs",
+    "veomni_towers_graphs": "graphs", "veomni_cppwrap": "blocks",
 }  # fmt: skip
+# Inductor config a contender's compiles run under: ``cpp_wrapper`` replaces each compiled graph's Python wrapper
+# (kernel launches, allocations, size arithmetic in Python per call) with compiled C++, the host time per graph
+# call that the towers' small blocks are bound by.
+INDUCTOR_CONFIG = {"veomni_cppwrap": {"cpp_wrapper": True}}
 TEXT_BLOCKS = "model.language_model.layers.*"
 
 
+def tower_marks(model: torch.nn.Module) -> list[Any]:
+    """Hooks marking the towers' phases for `idle_by_phase`: each tower's forward (and the text model after it),
+    and its backward from the moment the gradient of its output arrives. Returns the handles to remove."""
+    holder = getattr(model, "model", model)  # veomni's thinker holds the towers one level down, HF's on itself
+    hooks = []
+    for label, tower in (("audio", holder.audio_tower), ("vision", holder.visual)):
+
+        def after(module: Any, inputs: Any, output: Any, label: str = label) -> None:
+            mark("forward: text")
+            hidden = output if torch.is_tensor(output) else output[0]
+            if hidden.requires_grad:
+                hidden.register_hook(lambda grad, label=label: mark(f"backward: {label} tower"))
+
+        hooks.append(tower.register_forward_pre_hook(lambda m, a, label=label: mark(f"forward: {label} tower")))
+        hooks.append(tower.register_forward_hook(after))
+    return hooks
+
+
 def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    import torch._inductor.config as inductor_config
+
+    # Compiles are lazy (first steps): the whole contender runs under its config.
+    with inductor_config.patch(INDUCTOR_CONFIG.get(name, {})):
+        return _run_contender(name, path, batch, args, device)
+
+
+def _run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, device: torch.device) -> dict:
     if name.startswith("veomni"):
         chosen = dict(args.veomni_ops)
         if device.type != "cuda":
@@ -244,14 +275,25 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
     model.train()
     # fused: what veomni's trainer and HF's Trainer (optim="adamw_torch_fused") both step with on CUDA.
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.optimizer == "fused")
-    losses = []
+    losses: list[torch.Tensor] = []
+    marking = False  # profiled pass only: phase marks for bench_common.idle_by_phase
 
     def step() -> None:
+        if marking:
+            mark("forward")
         loss = model(**batch, use_cache=False).loss  # training: no KV cache (as the trainer)
+        if marking:
+            mark("backward: text")
         loss.backward()
+        if marking:
+            mark("optimizer")
         optim.step()
         optim.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        if marking:
+            mark("after step")
+        losses.append(loss.detach())
+        if args.loss_read == "step":
+            float(losses[-1])  # a host sync per step, as a loop that logs every step's loss
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -261,13 +303,18 @@ def run_contender(name: str, path: str, batch: dict, args: argparse.Namespace, d
         "contender": name,
         "median_step_ms": ms,
         "tokens_per_s": tokens / (ms / 1e3),
-        "first_loss": losses[0],
+        "first_loss": float(losses[0]),
     }
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if args.profile_dir:
         out = os.path.join(args.profile_dir, f"omni_{name}.txt")
+        hooks = tower_marks(model)
+        marking = True
         row.update(profile_calls(step, device, out) or {})
+        marking = False
+        for hook in hooks:
+            hook.remove()
         row.update(host_sync_sites(step, device) or {})
     # The caller's release() frees the model once this frame (the closure's only owner) is gone.
     return row
@@ -307,6 +354,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=("trainer", "processor"),
         default="trainer",
         help="veomni's batch: with its collator's host tables (trainer) or HF's batch (processor)",
+    )
+    p.add_argument(
+        "--loss-read",
+        choices=("end", "step"),
+        default="end",
+        help="read the losses back after the timed steps (as both trainers: once per log window) or every step",
     )
     p.add_argument("--profile-dir", default=None, help="profile one more step per contender: top ops to DIR/")
     args = p.parse_args(argv)
