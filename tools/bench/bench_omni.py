@@ -359,7 +359,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--loss-read",
         choices=("end", "step"),
         default="end",
-        help="read the losses back after the timed steps (as both trainers: once per log window) or every step",
+        help="read the losses back after the timed steps (veomni's trainer: once per log window) or every step "
+        "(HF's Trainer with its default logging_nan_inf_filter tests each step's loss on the host)",
     )
     p.add_argument("--profile-dir", default=None, help="profile one more step per contender: top ops to DIR/")
     args = p.parse_args(argv)
