@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 import importlib
+import types
 
 import pytest
 import torch
 from transformers import Qwen3Config
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from veomni.core.compile import compile_blocks, compile_stats
 from veomni.core.fsdp import apply_activation_checkpointing
@@ -278,6 +280,34 @@ def test_first_call_primes_lazy_setup_eagerly_then_runs_the_graph():
     assert torch.equal(grad, want)
     model(x)
     assert stats.graphs == 1
+
+
+def _layer_kind(k: int) -> type[GradientCheckpointingLayer]:
+    """A GradientCheckpointingLayer subclass whose ``forward`` has a code object of its own, as each model's layer
+    class has (one closure would share one: what the test is about)."""
+
+    def __init__(self: torch.nn.Module) -> None:
+        GradientCheckpointingLayer.__init__(self)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * (1.0 + k)
+
+    own = types.FunctionType(forward.__code__.replace(co_name=f"forward_{k}"), globals(), closure=forward.__closure__)
+    return type(f"Kind{k}", (GradientCheckpointingLayer,), {"__init__": __init__, "forward": own})
+
+
+def test_block_kinds_do_not_share_one_recompile_budget():
+    # transformers wraps every GradientCheckpointingLayer's forward in one closure: compiled as such, ten block kinds
+    # (text layers, ViT blocks, audio layers, ... of several models in one process) shared one code object and
+    # its 8 cache entries, and the ninth kind failed with "recompile limit" under fullgraph=True.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_layer_kind(k)() for k in range(10)))
+    reference = copy.deepcopy(model)
+    stats = compile_blocks(model, ("*",), backend="eager").stats
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), reference(x))
+    assert stats.graphs == 10
 
 
 def test_moe_block_with_grouped_mm_experts_compiles_and_matches_eager():

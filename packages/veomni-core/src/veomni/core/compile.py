@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -164,12 +165,38 @@ def compile_blocks(
     _add_dynamic_sources(PACKING_DYNAMIC_SOURCES)
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        compiled = torch.compile(block.forward, fullgraph=True, backend=stats, dynamic=dynamic)
+        compiled = torch.compile(_own_code_forward(block), fullgraph=True, backend=stats, dynamic=dynamic)
         block.forward = _priming_forward(block.forward, compiled, call_context)  # type: ignore[method-assign]
         object.__setattr__(block, _MARK, True)
         object.__setattr__(block, STATS_ATTR, stats)
     object.__setattr__(model, STATS_ATTR, stats)
     return CompiledBlocks(tuple(blocks), stats)
+
+
+def _own_code_forward(block: nn.Module) -> Callable[..., Any]:
+    """``block.forward`` to compile, on a code object of the block's own class.
+
+    Dynamo keeps its compiled graphs per code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them,
+    and with ``fullgraph=True`` one more is a hard error. transformers (5.x) replaces the ``forward`` of every
+    ``GradientCheckpointingLayer`` subclass with one closure, ``forward_with_checkpointing``: the text decoder
+    layers, vision blocks and audio layers of a model would all share that code object, so a thinker's three block
+    kinds with their dynamic recompiles filled the 8 entries, and a third model built in one process failed. With
+    its checkpointing off (veomni checkpoints blocks itself: `apply_activation_checkpointing`), the wrapper only
+    calls the class's own ``forward`` (``__wrapped__``), which is compiled instead: same computation, one code
+    object per block class. A block with HF's checkpointing on keeps the wrapper.
+    """
+    bound = block.forward
+    function = getattr(bound, "__func__", None)
+    code = getattr(function, "__code__", None)
+    if (
+        code is not None
+        and code.co_name == "forward_with_checkpointing"
+        and code.co_filename.endswith("modeling_layers.py")
+        and hasattr(function, "__wrapped__")
+        and not getattr(block, "gradient_checkpointing", False)
+    ):
+        return types.MethodType(function.__wrapped__, block)
+    return bound
 
 
 def _priming_forward(
