@@ -6,8 +6,10 @@ block) run outside the compiled region, as with torchtitan's compile-then-shard 
 kernels are bound and before `apply_fsdp2` / `apply_activation_checkpointing`: checkpointing then wraps the
 compiled forward (recomputation reruns it), and ``fully_shard`` sees the blocks as they will run.
 
-Every block of one model type shares one code object, so dynamo compiles it once and the other blocks reuse
-that graph (their parameters are graph inputs). One counting backend is shared by all blocks of one call, so
+Every block of one class shares one code object, so dynamo compiles it once and the other blocks reuse that
+graph (their parameters are graph inputs); blocks of different classes (a thinker's text, ViT and audio blocks)
+get code objects, and dynamo caches, of their own, also when transformers wraps their ``forward`` in one shared
+closure (`_own_code_forward`). One counting backend is shared by all blocks of one call, so
 its count is the number of graphs dynamo built: `CompileStats`. Packed micro-batches differ in their document
 count, i.e. in the length of ``cu_seq_lens_q/k`` and in ``max_length_q/k`` (an encoder tower's blocks: in their
 token count and ``max_seqlen``); `PACKING_DYNAMIC_SOURCES` and dim-0 marks make those symbolic from the first
