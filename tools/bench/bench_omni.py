@@ -28,7 +28,10 @@ the ViT window tables ``vision_metadata``, the audio chunk tables ``audio_metada
 back from the device but the placeholder counts; ``--veomni-inputs processor`` gives veomni HF's batch instead. Both train bf16 parameters with AdamW (fp32 would not fit a 7B thinker's optimizer
 state on one 80 GB GPU without sharding; ``--optimizer fused`` by default on CUDA, as both trainers use); the step is forward + backward + optimizer step. ``--rounds N`` runs the contender list N times (ratios
 from each contender's fastest round: the host-bound HF step varied 676-831 ms from run to run on one machine). Reported: median step
-time, tokens/s, peak memory, and the first step's loss of each (they must agree to bf16 tolerance).
+time, tokens/s, peak memory, and the first step's loss of each (they must agree to bf16 tolerance). ``--loss-read
+end`` (default) reads the losses back after the timed steps, as veomni's trainer does once per log window, so one
+step's host work overlaps the previous step's GPU tail; ``step`` reads each step's loss (a host sync per step for
+both contenders, the protocol of the notebook's entries before 2026-11-28, fourth session).
 """
 
 from __future__ import annotations
