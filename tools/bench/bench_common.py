@@ -228,15 +228,15 @@ def idle_by_phase(kernels: list[tuple[float, float]], marks: list[tuple[float, s
     """GPU idle time (ms) per host phase: each gap between busy intervals of ``kernels`` (``(start, end)`` us) is
     charged to the phase the host was in when the gap ended, i.e. the last of ``marks`` (``(host us, phase)``,
     same clock) at or before the next kernel's start: the host launched that kernel late, while in that phase.
-    The gap before the first kernel counts too; time after the last kernel does not."""
+    The window starts at the first mark (``marks`` must not be empty): the gap from there to the first kernel counts,
+    kernels before it and time after the last kernel do not."""
     marks = sorted(marks)
     times = [t for t, _ in marks]
     idle: dict[str, float] = {}
-    busy_until = marks[0][0] if marks else 0.0
+    busy_until = marks[0][0]
     for start, end in sorted(kernels):
-        if start > busy_until:
-            at = bisect.bisect_right(times, start) - 1
-            phase = marks[at][1] if at >= 0 else "before first mark"
+        if start > busy_until:  # so start is past the first mark: bisect finds a phase
+            phase = marks[bisect.bisect_right(times, start) - 1][1]
             idle[phase] = idle.get(phase, 0.0) + (start - busy_until) / 1e3
         busy_until = max(busy_until, end)
     return {k: round(v, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}
