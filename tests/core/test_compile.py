@@ -310,6 +310,27 @@ def test_block_kinds_do_not_share_one_recompile_budget():
     assert stats.graphs == 10
 
 
+def test_later_models_of_one_class_reuse_the_graphs():
+    # Dynamo tags a code object's graphs with the backend that built them; one backend object per compile_blocks
+    # call made every build add graphs of its own, and the fifth model built in one process hit the recompile limit
+    # (a hard error under fullgraph). Equal settings now compare equal, so later builds reuse the first's graphs.
+    kinds = (_layer_kind(0), _layer_kind(1))
+    x = torch.randn(3, 4)
+    graphs = []
+    for seed in range(10):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*(kind() for kind in kinds))
+        reference = copy.deepcopy(model)
+        stats = compile_blocks(model, ("*",), backend="eager").stats
+        assert torch.equal(model(x), reference(x))  # each model computes with its own parameters
+        graphs.append(stats.graphs)
+    assert graphs == [2] + [0] * 9
+    model = torch.nn.Sequential(kinds[0]())
+    other = compile_blocks(model, ("*",), backend="aot_eager").stats
+    model(x)
+    assert other != stats and other.graphs == 1  # another backend compiles its own graph
+
+
 def test_moe_block_with_grouped_mm_experts_compiles_and_matches_eager():
     # moe_experts="torch" (torch._grouped_mm over device-side offsets): routing changes per batch change only
     # tensor values, never shapes, so one graph serves every batch.

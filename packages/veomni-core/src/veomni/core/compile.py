@@ -75,6 +75,14 @@ class CompileStats:
     """The dynamo backend shared by the compiled blocks, counting what it compiles: ``graphs`` built so far (each
     a dynamo compile or recompile). ``graphs`` at the end of a run minus ``graphs`` after warm-up is the number
     of recompiles in between.
+
+    Two of them compare equal when their backend, mode, options and ``dynamic`` are: dynamo keeps a code object's
+    graphs tagged with the backend that built them and reuses one only for an equal backend, at most
+    ``torch._dynamo.config.recompile_limit`` (8) graphs per code object, and with ``fullgraph=True`` one more is a
+    hard error. With identity equality every `compile_blocks` call added its own graphs of the same block class,
+    and the fifth model built in one process failed; with config equality a later model of the same class and
+    settings reuses the graphs (its parameters are graph inputs, and dynamo's guards still check everything else
+    the graph specialised on), and its ``graphs`` counts only what it compiled itself.
     """
 
     def __init__(
@@ -95,6 +103,14 @@ class CompileStats:
             self._inner = torch._dynamo.lookup_backend(backend)
             self._kwargs = {k: v for k, v in (("mode", mode), ("options", options)) if v}
         self.graphs = 0
+        # A string backend by name, a callable by itself; options by value (repr: values need not be hashable).
+        self._config_key = (backend, mode, repr(sorted((options or {}).items())), dynamic)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CompileStats) and self._config_key == other._config_key
+
+    def __hash__(self) -> int:
+        return hash(self._config_key)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         self.graphs += 1
