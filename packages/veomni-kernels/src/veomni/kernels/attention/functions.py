@@ -116,15 +116,14 @@ def allowed_mask(
     return mask
 
 
-def _check_cover(cu_seqlens: torch.Tensor, seq_len: int) -> list[int]:
-    """The offsets as a list, after checking they tile ``[0, seq_len]`` (a host read: eager / CPU paths only)."""
+def _check_cover(cu_seqlens: torch.Tensor, seq_len: int) -> None:
+    # The oracle pays for a host sync to reject segment tables that do not tile the sequence.
     offsets = cu_seqlens.tolist()
     # Empty segments are allowed: shape-stable packing (CUDA graphs) pads the table with them.
     if offsets[0] != 0 or offsets[-1] != seq_len or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError(
             f"cu_seqlens must run from 0 to S={seq_len} without decreasing (empty segments allowed), got {offsets}"
         )
-    return offsets
 
 
 def eager_attention(
@@ -189,8 +188,7 @@ def sdpa_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; packed inputs (two or more segments) and sliding windows use a bool mask,
-    except packed rows on the CPU outside ``torch.compile``, which run one unmasked call per segment.
+    """``F.scaled_dot_product_attention``; packed inputs (two or more segments) and sliding windows use a bool mask.
 
     Sinks: SDPA has no denominator term and returns no log-sum-exp, so the sink becomes an extra key whose score
     is the sink logit (`sink_key_augment`): exact, gradients included, at the price of an explicit
@@ -204,8 +202,6 @@ def sdpa_attention(
     # One segment tiles the whole row ([0, S] by the convention): plain (causal) attention, which keeps SDPA's
     # flash/cuDNN kernels -- the case of one long document per sequence (and per Ulysses group).
     packed = cu_seqlens is not None and cu_seqlens.numel() > 2
-    if packed and q.device.type == "cpu" and window is None and sinks is None and not torch.compiler.is_compiling():
-        return _sdpa_per_segment(q, k, v, cu_seqlens, causal, scale)
     needs_mask = packed or window is not None or sinks is not None
     cu = cu_seqlens if packed else None
     mask = allowed_mask(q.shape[1], causal, cu, q.device, window) if needs_mask else None
@@ -226,39 +222,6 @@ def sdpa_attention(
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
-
-
-def _sdpa_per_segment(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    """Packed rows on the CPU: one unmasked SDPA call per segment, concatenated; ``[1, S, Hq, Dv]``.
-
-    The same math as the block-diagonal mask, without its cost: the mask makes every query score all ``S`` keys,
-    and CPU training rows hold many short documents (the VLM quickstart's: ~56 tokens in a 1,024-token row), so
-    the masked call spent ~18x the FLOPs. Reading the offsets is a host read, free on the CPU; eager only (a compiled
-    region keeps the mask path, which needs no data-dependent shapes).
-    """
-    offsets = _check_cover(cu_seqlens, q.shape[1])
-    outs = []
-    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
-        if end == start:
-            continue
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, start:end].transpose(1, 2),
-                k[:, start:end].transpose(1, 2),
-                v[:, start:end].transpose(1, 2),
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=q.shape[2] != k.shape[2],
-            ).transpose(1, 2)
-        )
-    return torch.cat(outs, dim=1)
 
 
 @functools.cache
