@@ -10,7 +10,8 @@ separates tile quantisation (ragged groups leave partly empty tiles) from the re
 
 The six GEMMs of one experts layer, in the layout ``moe_experts=torch`` uses (``torch_impl._GroupedMM``):
 ``fwd_gate_up`` x[N,H] @ w[E,2I,H]^T, ``fwd_down`` a[N,I] @ w[E,H,I]^T, ``dgrad_*`` g @ w, ``wgrad_*`` g^T @ x
-(the reduction dimension is the ragged one). Every grouped result is checked against a per-expert loop once.
+(the reduction dimension is the ragged one). Every grouped result is checked once against a per-expert loop over
+three experts (`checked_experts`).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def run_shape(name: str, dims: tuple[int, int, int, int], routing: str, args: ar
     result: dict[str, Any] = {
         "experts": experts, "hidden": hidden, "inter": inter, "rows": rows, "routing": routing,
         "rows_per_expert_min_max": [int(counts.min()), int(counts.max())],
-        "tiles_of_128_over_ideal": float((counts + 127).div(128, rounding_mode="floor").sum() * 128 / rows),
+        "tiles_of_128_over_ideal": int(((counts + 127) // 128).sum()) * 128 / rows,
         "gemms": {},
     }  # fmt: skip
     total_grouped = total_dense = total_flops = 0.0
