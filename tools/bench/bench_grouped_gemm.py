@@ -58,10 +58,11 @@ def checked_experts(experts: int) -> list[int]:
 
 
 def gemm_cases(
-    experts: int, hidden: int, inter: int, rows: int, ends: torch.Tensor, device: torch.device, dtype: torch.dtype
+    experts: int, hidden: int, inter: int, rows: int, ends: torch.Tensor, checked: list[int], device: torch.device,
+    dtype: torch.dtype,
 ) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], torch.Tensor], float]]:
-    """name -> (grouped call, per-expert loop reference over experts 0, E // 2 and E - 1 (concatenated rows, or
-    stacked for the weight gradients), dense call of equal FLOPs, FLOPs)."""
+    """name -> (grouped call, per-expert loop reference over the ``checked`` experts (concatenated rows, or stacked
+    for the weight gradients), dense call of equal FLOPs, FLOPs)."""
     # Drawn on the device: DeepSeek's gate/up weights alone are 7.5e9 values, minutes of CPU randn.
     g = torch.Generator(device=device).manual_seed(1)
 
@@ -73,7 +74,6 @@ def gemm_cases(
     w_up, w_down = rand(experts, 2 * inter, hidden), rand(experts, hidden, inter)
     dense_up, dense_down = rand(hidden, 2 * inter), rand(inter, hidden)
     spans = group_spans(ends)
-    checked = checked_experts(experts)
 
     def loop(fn: Callable[[int, int, int], torch.Tensor], stacked: bool) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
@@ -139,8 +139,8 @@ def run_shape(name: str, dims: tuple[int, int, int, int], routing: str, args: ar
         "gemms": {},
     }  # fmt: skip
     total_grouped = total_dense = total_flops = 0.0
-    for gemm, (grouped, reference, dense, flops) in gemm_cases(experts, hidden, inter, rows, ends, device,
-                                                               dtype).items():  # fmt: skip
+    for gemm, (grouped, reference, dense, flops) in gemm_cases(experts, hidden, inter, rows, ends, checked,
+                                                               device, dtype).items():  # fmt: skip
         got = grouped()
         picked = got[checked] if got.dim() == 3 else torch.cat([got[slice(*spans[e])] for e in checked])
         err = rel_err(picked, reference())
