@@ -266,3 +266,15 @@ def test_varlen_names_the_dtype_it_needs():
         ATTENTION_FUNCTIONS["varlen"](
             q, k, v, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device="cuda")
         )
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_gqa_traces_with_symbolic_head_counts():
+    """A process that compiled SP 1 and then SP 2 has dynamic head counts: ``Hq != Hkv`` is then a SymBool, which
+    SDPA's and flex's ``enable_gqa`` argument refuse (a GPU layout test failed on it). Both trace, and match eager."""
+    q, k, v = (t.detach() for t in _qkv(0, 1, 8, 2, 2, 8))
+    for name in ("sdpa", "flex"):
+        fn = ATTENTION_FUNCTIONS[name]
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-6, atol=1e-6)

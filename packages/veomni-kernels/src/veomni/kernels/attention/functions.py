@@ -165,6 +165,14 @@ def eager_attention(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).to(q.dtype)
 
 
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> dict[str, bool]:
+    """``enable_gqa`` for SDPA / flex when q has more heads than k (they repeat each KV head for *consecutive* query
+    heads, as ``repeat_kv`` does). A branch, not ``enable_gqa=Hq != Hkv``: under dynamic shapes (a process that traced
+    SP 1 and then SP 2 has symbolic head counts) the comparison is a SymBool, which the argument parser refuses,
+    while dynamo resolves a branch on it with a guard."""
+    return {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+
+
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -212,8 +220,7 @@ def sdpa_attention(
         attn_mask=mask,
         is_causal=causal and mask is None,
         scale=scale,
-        # SDPA's GQA repeats KV heads with repeat_interleave: consecutive query heads share one.
-        enable_gqa=q.shape[2] != k.shape[2],
+        **_gqa(q, k),
     )
     return out.transpose(1, 2)
 
@@ -322,7 +329,7 @@ def flex_attention(
         score_mod=score_mod,
         block_mask=block_mask,
         scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
+        **_gqa(q, k),
         **kwargs,
     )
     if sinks is None:
