@@ -41,6 +41,11 @@ def runs_per_segment(q: Tensor, v: Tensor, window: int | None, sinks: Tensor | N
     return q.device.type == "cpu" and v.shape[-1] == q.shape[-1] and window is None and sinks is None
 
 
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    # The kernel keeps the log-sum-exp in fp32, or in fp64 for fp64 inputs.
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _heads_first(x: Tensor, groups: int) -> Tensor:
     """``[1, n, H, D]`` -> ``[1, H * groups, n, D]``, each head repeated ``groups`` times (GQA, consecutive)."""
     x = x.repeat_interleave(groups, dim=2) if groups > 1 else x
@@ -53,12 +58,12 @@ def sdpa_segments_fwd(
 ) -> tuple[Tensor, Tensor]:
     """``q [1, S, Hq, D]``, ``k``/``v [1, S, Hkv, D]``, ``cu_seqlens`` int32 ``[n + 1]`` on the CPU.
 
-    Returns ``(out [1, S, Hq, D] in q.dtype, lse fp32 [1, Hq, S])``.
+    Returns ``(out [1, S, Hq, D] in q.dtype, lse [1, Hq, S])``; lse in fp32 (fp64 for fp64 inputs).
     """
     offsets = segment_offsets(cu_seqlens, q.shape[1])
     groups = q.shape[2] // k.shape[2]
     out = q.new_empty(q.shape)
-    lse = q.new_empty((1, q.shape[2], q.shape[1]), dtype=torch.float32)
+    lse = q.new_empty((1, q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
     for a, b in itertools.pairwise(offsets):
         if b == a:
             continue
@@ -79,7 +84,7 @@ def sdpa_segments_fwd(
 def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
-    return q.new_empty(q.shape), q.new_empty((1, q.shape[2], q.shape[1]), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((1, q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("veomni::sdpa_segments_bwd", mutates_args=())
