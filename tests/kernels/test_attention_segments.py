@@ -1,5 +1,5 @@
 """Packed SDPA on the CPU runs segment by segment (`veomni.kernels.attention.segments`): the same result as SDPA
-under the block-diagonal mask, forward and backward, in fp32 and bf16, with GQA and empty segments; the ops pass
+under the block-diagonal mask, forward and backward, in fp32, bf16 and fp64, with GQA and empty segments; the ops pass
 torch's custom-op checks; a compiled caller traces them without graph breaks or recompiles; the cases the kernel
 cannot take (another value head size, windows, sinks) keep the mask path."""
 

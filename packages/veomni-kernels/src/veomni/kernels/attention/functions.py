@@ -146,6 +146,7 @@ def eager_attention(
     check_qkv(q, k, v, cu_seqlens, causal=causal)
     check_features("eager", q, causal, window, sinks, softcap)
     if cu_seqlens is not None:
+        # The oracle pays for a host read to reject segment tables that do not tile the sequence.
         segment_offsets(cu_seqlens, q.shape[1])
     groups = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(groups, dim=2)
