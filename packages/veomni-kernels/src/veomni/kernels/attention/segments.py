@@ -47,9 +47,15 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 
 def _heads_first(x: Tensor, groups: int) -> Tensor:
-    """``[1, n, H, D]`` -> ``[1, H * groups, n, D]``, each head repeated ``groups`` times (GQA, consecutive)."""
+    """``[1, S, H, D]`` -> ``[1, H * groups, S, D]`` (a view when ``groups == 1``): the kernel's layout, each head
+    repeated ``groups`` times for GQA (consecutive query heads share one). Done once per call, then sliced."""
     x = x.repeat_interleave(groups, dim=2) if groups > 1 else x
     return x.transpose(1, 2)
+
+
+def _spans(cu_seqlens: Tensor, seq_len: int) -> list[tuple[int, int]]:
+    """The non-empty segments ``(start, end)`` of a validated offset table."""
+    return [(a, b) for a, b in itertools.pairwise(segment_offsets(cu_seqlens, seq_len)) if b > a]
 
 
 @torch.library.custom_op("veomni::sdpa_segments_fwd", mutates_args=())
@@ -60,20 +66,13 @@ def sdpa_segments_fwd(
 
     Returns ``(out [1, S, Hq, D] in q.dtype, lse [1, Hq, S])``; lse in fp32 (fp64 for fp64 inputs).
     """
-    offsets = segment_offsets(cu_seqlens, q.shape[1])
     groups = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), _heads_first(k, groups), _heads_first(v, groups)
     out = q.new_empty(q.shape)
     lse = q.new_empty((1, q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
-    for a, b in itertools.pairwise(offsets):
-        if b == a:
-            continue
+    for a, b in _spans(cu_seqlens, q.shape[1]):
         seg_out, seg_lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
-            q[:, a:b].transpose(1, 2),
-            _heads_first(k[:, a:b], groups),
-            _heads_first(v[:, a:b], groups),
-            0.0,
-            causal,
-            scale=scale,
+            qh[:, :, a:b], kh[:, :, a:b], vh[:, :, a:b], 0.0, causal, scale=scale
         )
         out[:, a:b] = seg_out.transpose(1, 2)
         lse[:, :, a:b] = seg_lse
@@ -100,28 +99,30 @@ def sdpa_segments_bwd(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` in the shapes and dtypes of ``(q, k, v)``; ``out``/``lse`` from the forward."""
-    offsets = segment_offsets(cu_seqlens, q.shape[1])
     hkv, groups = k.shape[2], q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), _heads_first(k, groups), _heads_first(v, groups)
+    douth, outh = dout.transpose(1, 2), out.transpose(1, 2)
     # Every row is written: the offsets tile [0, S] (checked), and empty segments own no rows.
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for a, b in itertools.pairwise(offsets):
-        if b == a:
-            continue
+    dq = torch.empty_like(q)
+    dk_rep, dv_rep = q.new_empty(q.shape), q.new_empty((*q.shape[:3], v.shape[-1]))  # per query head
+    for a, b in _spans(cu_seqlens, q.shape[1]):
         seg_dq, seg_dk, seg_dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[:, a:b].transpose(1, 2),
-            q[:, a:b].transpose(1, 2),
-            _heads_first(k[:, a:b], groups),
-            _heads_first(v[:, a:b], groups),
-            out[:, a:b].transpose(1, 2),
+            douth[:, :, a:b],
+            qh[:, :, a:b],
+            kh[:, :, a:b],
+            vh[:, :, a:b],
+            outh[:, :, a:b],
             lse[:, :, a:b],
             0.0,
             causal,
             scale=scale,
         )
         dq[:, a:b] = seg_dq.transpose(1, 2)
-        # A KV head's gradient is the sum over the query heads that shared it.
-        dk[:, a:b] = seg_dk.transpose(1, 2).unflatten(2, (hkv, groups)).sum(3)
-        dv[:, a:b] = seg_dv.transpose(1, 2).unflatten(2, (hkv, groups)).sum(3)
+        dk_rep[:, a:b] = seg_dk.transpose(1, 2)
+        dv_rep[:, a:b] = seg_dv.transpose(1, 2)
+    # A KV head's gradient is the sum over the query heads that shared it.
+    dk = dk_rep.unflatten(2, (hkv, groups)).sum(3).to(k.dtype)
+    dv = dv_rep.unflatten(2, (hkv, groups)).sum(3).to(v.dtype)
     return dq, dk, dv
 
 
