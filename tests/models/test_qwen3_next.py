@@ -270,13 +270,17 @@ def _ep_step(ctx) -> dict:
     mine = batches[ctx.rank]
     with use_parallel_state(state):
         _, loss, grads = run(model, mine, **packed_kwargs(mine["position_ids"]))
+    # A gradient's error is measured against its own largest element, floored at 1e-4 x the largest gradient element
+    # of the model: the decay parameters (dt_bias, A_log) get gradients of ~1e-8 here, and fp32 reordering leaves
+    # ~1e-12 on them, which is 1e-4 of their own size on some CPUs (2.7e-4 on an AMD EPYC) but no real error.
+    floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads[ctx.rank].values())
     worst = 0.0
     for name, grad in grads.items():
         if name in shards:
             want = sum(g[name] for g in ref_grads)[shards[name].start : shards[name].stop]
         else:
             want = ref_grads[ctx.rank][name]
-        worst = max(worst, float((grad - want).abs().max() / want.abs().max().clamp(min=1e-12)))
+        worst = max(worst, float((grad - want).abs().max()) / max(float(want.abs().max()), floor))
     return {
         "loss_err": float((loss - ref_losses[ctx.rank]).abs()),
         "worst_grad_rel": worst,
