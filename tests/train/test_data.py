@@ -143,6 +143,32 @@ def test_per_message_loss_mask_overrides_the_default(tmp_path):
     assert runs(sample, True) == ["A1<|im_end|>\n", "A2<|im_end|>\n"]
 
 
+def test_an_opening_assistant_message_keeps_its_header_untrained(tmp_path):
+    # No earlier turn to put a generation prompt after: the header must still be found, not trained.
+    row = {"messages": [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Bye."}]}  # fmt: skip
+    (sample,) = encode([row], tmp_path)
+    assert runs(sample, True) == ["Hello!<|im_end|>\n", "Bye.<|im_end|>\n"]
+    (sample,) = encode([row], tmp_path, assistant_only_loss=False)
+    assert runs(sample, False) == ["<|im_start|>assistant\n", "<|im_start|>assistant\n"]
+
+
+def test_parquet_messages_without_a_loss_mask_take_the_default(tmp_path):
+    # Parquet gives every message the same struct fields: the unflagged message reads back with loss_mask None.
+    row = {
+        "messages": [
+            {"role": "user", "content": "Q1", "loss_mask": 1},
+            {"role": "assistant", "content": "A1"},
+        ]
+    }
+    path = write_parquet(tmp_path / "rows.parquet", [row])
+    encoder = build_encoder(tokenizer(), "conversation")
+    source = RowSource([str(path)], "auto", encoder.columns)
+    assert source[0]["messages"][1] == {"role": "assistant", "content": "A1", "loss_mask": None}
+    sample = encode_row(source, encoder, 0, 4096, "error")
+    assert runs(sample, True) == ["user\nQ1<|im_end|>\n", "A1<|im_end|>\n"]
+
+
 def test_template_that_is_not_prefix_stable_is_an_error(tmp_path, monkeypatch):
     tok = copy.deepcopy(tokenizer())
     tok.chat_template = "{% for m in messages %}[{{ messages|length }}]{{ m['content'] }}{% endfor %}"

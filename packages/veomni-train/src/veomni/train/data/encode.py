@@ -140,7 +140,9 @@ class ConversationEncoder:
                     f"content of type {type(content).__name__}"
                 )
             flag = role == "assistant" if self.assistant_only else True
-            if self.loss_mask_field is not None and self.loss_mask_field in message:
+            # A null flag is an absent one: parquet gives every message of a column the same struct fields, so a
+            # message that had no flag in the source reads back with loss_mask None.
+            if self.loss_mask_field is not None and message.get(self.loss_mask_field) is not None:
                 value = message[self.loss_mask_field]
                 if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
                     flag = bool(value)
@@ -173,8 +175,14 @@ class ConversationEncoder:
             start = start_of_message
             if message["role"] == "assistant":
                 # What the generation prompt and the rendered message share is template header, never trained.
-                header = self._render(messages[:i], ref, generation_prompt=True)
-                start = max(start, len(os.path.commonprefix([header, end])))
+                # An opening assistant message has no earlier turns to put a generation prompt after (templates
+                # refuse an empty conversation): its header is what two renderings with different one-character
+                # contents share (a default system prompt included).
+                if i:
+                    probes = [self._render(messages[:i], ref, generation_prompt=True), end]
+                else:
+                    probes = [self._render([{**message, "content": c}], ref) for c in ("a", "b")]
+                start = max(start, len(os.path.commonprefix(probes)))
             if flags[i]:
                 char_trained[start : len(end)] = True
             start_of_message = len(end)
