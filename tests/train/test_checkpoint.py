@@ -129,6 +129,36 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert all(bool((p == step).all()) for p in model.parameters())
 
 
+def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    model = toy.build(0)
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(4, model, optimizer, trainer_state={"step": 4, "run": "first"}, rank_state={})
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed during the tensor write")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp, "save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(4, model, optimizer, trainer_state={"step": 4, "run": "second"}, rank_state={})
+    # The interrupted rewrite left the complete step 4 as it was (keep_last=1: it is the only checkpoint).
+    assert latest_complete(tmp_path) == tmp_path / "step_00000004"
+    fresh = toy.build(1)
+    assert manager.load(tmp_path / "step_00000004", fresh, build_adamw(fresh, **ADAM))[0]["run"] == "first"
+    assert all(torch.equal(p, first[n]) for n, p in fresh.named_parameters())
+
+    _train_step(model, optimizer, 3)
+    manager.save(4, model, optimizer, trainer_state={"step": 4, "run": "second"}, rank_state={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+    fresh = toy.build(1)
+    assert manager.load(tmp_path / "step_00000004", fresh, build_adamw(fresh, **ADAM))[0]["run"] == "second"
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+
+
 # ---------------------------------------------------------------- resharding across world sizes and EP
 
 

@@ -230,6 +230,39 @@ def test_resume_on_another_world_size_continues_the_same_run(dist_pools, referen
     assert stats["lr"] == reference[2]["lr"]
 
 
+def _train_counting_saves(ctx, raw: dict) -> list[int]:
+    from veomni.train.checkpoint import CheckpointManager
+    from veomni.train.loop import train
+
+    saved, original = [], CheckpointManager.save
+
+    def counting(self, step, *args, **kwargs):
+        saved.append(step)
+        return original(self, step, *args, **kwargs)
+
+    CheckpointManager.save = counting
+    try:
+        train(recipe_from_dict(raw))
+    finally:
+        CheckpointManager.save = original
+    return saved
+
+
+def test_the_last_step_is_saved_once(dist_pools, tmp_path):
+    # An interval that divides the run saves its last step in the loop: save_final must not write it again (a
+    # rewrite is wasted time, and was once a window with no complete checkpoint), nor after a resume at the end.
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["checkpoint"].update({"interval": STEPS, "save_final": True, "keep_last": 1})
+    pool = dist_pools.get(1, "gloo")
+    assert pool.run(_train_counting_saves, raw)[0] == [STEPS]
+    raw["checkpoint"]["resume"] = "auto"
+    assert pool.run(_train_counting_saves, raw)[0] == []
+    raw["checkpoint"]["interval"] = 2  # not a divisor: the final save is the only one of the last step
+    raw["checkpoint"]["resume"] = "never"
+    raw["checkpoint"]["dir"] = str(tmp_path / "again")
+    assert pool.run(_train_counting_saves, raw)[0] == [2, STEPS]
+
+
 BF16_LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 # bf16 tolerances against the one-GPU bf16 run. Step 0 sees identical weights, so only the order of bf16/fp32
 # reductions differs (sharded gradient sums, SP attention heads, EP token groupings); later steps also carry

@@ -309,7 +309,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.async_save = async_save
         self.state = parallel_state
-        self._pending: tuple[Future, Path] | None = None
+        self._pending: tuple[Future, Path, Path] | None = None  # (future, staging dir, step dir)
         self._async_group = None
         if async_save and dist.is_initialized():
             # Async DCP coordinates through a CPU-capable group; with NCCL training that must be a gloo group.
@@ -324,41 +324,54 @@ class CheckpointManager:
         trainer_state: Mapping[str, Any],
         rank_state: Mapping[str, Any],
     ) -> Path:
-        """Write checkpoint ``step``. ``trainer_state`` (rank 0's) and ``rank_state`` (each rank's) are torch-saved."""
+        """Write checkpoint ``step``. ``trainer_state`` (rank 0's) and ``rank_state`` (each rank's) are torch-saved.
+
+        A complete checkpoint of the same step is replaced only once the new one is complete: the new one is
+        written beside it (``step_N.new``) and swapped in by two renames, so a save killed midway leaves it loadable.
+        """
         self.wait()
         path = step_dir(self.root, step)
+        # Every rank decides the same: the previous save's marker was written before its closing barrier.
+        staging = path.with_name(path.name + ".new") if (path / MARKER).is_file() else path
         if _rank() == 0:
-            if path.exists():
-                shutil.rmtree(path)  # a leftover of an interrupted save of the same step
-            path.mkdir(parents=True)
+            if staging.exists():
+                shutil.rmtree(staging)  # a leftover of an interrupted save of the same step
+            staging.mkdir(parents=True)
         _barrier()
         payload = _checkpoint_view(model, self.state, *get_state_dict(model, optimizer))
-        torch.save({**rank_state, "rng": rng_state()}, path / f"rank_{_rank():05d}.pt")
+        torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
         if _rank() == 0:
-            torch.save(dict(trainer_state), path / "trainer.pt")
+            torch.save(dict(trainer_state), staging / "trainer.pt")
         if self.async_save:
-            future = dcp.async_save(payload, checkpoint_id=path / "dcp", process_group=self._async_group)
-            self._pending = (getattr(future, "upload_completion", future), path)
+            future = dcp.async_save(payload, checkpoint_id=staging / "dcp", process_group=self._async_group)
+            self._pending = (getattr(future, "upload_completion", future), staging, path)
         else:
-            dcp.save(payload, checkpoint_id=path / "dcp")
-            self._finish(path)
+            dcp.save(payload, checkpoint_id=staging / "dcp")
+            self._finish(staging, path)
         return path
 
     def wait(self) -> None:
         """Block until a pending async save is written, then mark it complete."""
         if self._pending is None:
             return
-        future, path = self._pending
+        future, staging, path = self._pending
         self._pending = None
         future.result()
-        self._finish(path)
+        self._finish(staging, path)
 
-    def _finish(self, path: Path) -> None:
+    def _finish(self, staging: Path, path: Path) -> None:
         _barrier()  # every rank's files are written
         if _rank() == 0:
-            tmp = path / (MARKER + ".tmp")
+            tmp = staging / (MARKER + ".tmp")
             tmp.write_text(json.dumps({"step_dir": path.name}))
-            os.replace(tmp, path / MARKER)
+            os.replace(tmp, staging / MARKER)
+            if staging != path:
+                old = path.with_name(path.name + ".old")
+                if old.exists():
+                    shutil.rmtree(old)
+                path.rename(old)
+                staging.rename(path)
+                shutil.rmtree(old, ignore_errors=True)
             self._prune(keep=path)
         _barrier()
         log.info("checkpoint %s complete", path)

@@ -31,6 +31,7 @@ from veomni.train.checkpoint import (
     config_diff,
     latest_complete,
     read_trainer_state,
+    step_dir,
 )
 from veomni.train.cuda_graphs import MicroBatchGraphs
 from veomni.train.data import (
@@ -138,6 +139,7 @@ class Run:
     step: int = 0
     skipped_steps: int = 0
     resumed_from: Path | None = None
+    saved_step: int | None = None  # the step whose checkpoint in checkpoint.dir holds the current state
     masters: MasterWeights | None = None
     graphs: MicroBatchGraphs | None = None  # train.cuda_graphs
 
@@ -315,6 +317,8 @@ def _maybe_resume(run: Run) -> None:
             "were restored" if rank_state is not None else "start fresh on ranks that did not exist",
         )  # fmt: skip
     run.resumed_from = path
+    if path.resolve() == step_dir(Path(run.recipe.checkpoint.dir), run.step).resolve():
+        run.saved_step = run.step
     log.info("resumed from %s at step %d", path, run.step)
 
 
@@ -332,6 +336,7 @@ def _save(run: Run) -> None:
         },
         rank_state={},
     )  # fmt: skip
+    run.saved_step = run.step
 
 
 def _export(run: Run, name: str) -> Path:
@@ -451,7 +456,8 @@ def train(
         )  # fmt: skip
     if recipe.data.on_bad_row == "skip":
         report_replaced(run, metrics_file if rank0 else None)
-    if recipe.checkpoint.save_final:
+    # The last step may be saved already (an interval that divides the run, or a run resumed at its end).
+    if recipe.checkpoint.save_final and run.saved_step != run.step:
         _save(run)
     run.checkpoints.wait()
     if recipe.checkpoint.hf_export:
