@@ -294,6 +294,19 @@ def test_pipeline_kind_must_match_mode(t2v_dir: Path, i2v_dir: Path, tmp_path: P
     (root / "model_index.json").write_text(json.dumps(index | {"_class_name": "WanVACEPipeline"}))
     with pytest.raises(ConditionCheckpointError, match="'WanVACEPipeline' is not supported"):
         WanConditionModel.from_pretrained(root)
+    # Wan2.2 reuses WanPipeline: two experts split at boundary_ratio, or per-token timesteps. Null entries, as
+    # diffusers writes them for Wan2.1, are fine.
+    wan21 = index | {"transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
+    (root / "model_index.json").write_text(json.dumps(wan21))
+    WanConditionModel.from_pretrained(root)
+    experts = wan21 | {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}
+    for wan22, named in (
+        (experts, r"transformer_2=\['diffusers'"),
+        (wan21 | {"expand_timesteps": True}, "expand"),
+    ):
+        (root / "model_index.json").write_text(json.dumps(wan22))
+        with pytest.raises(ConditionCheckpointError, match=f"a Wan2.2 pipeline \\({named}"):
+            WanConditionModel.from_pretrained(root)
 
 
 def test_single_model_dirs_are_refused(t2v_dir: Path) -> None:
@@ -332,8 +345,10 @@ def test_inputs_feed_wan_transformer(mode: str, t2v_dir: Path, i2v_dir: Path) ->
     from diffusers import WanTransformer3DModel
 
     root = i2v_dir if mode == "i2v" else t2v_dir
+    # I2V: Wan's cross-attention takes the context's last 512 tokens as the prompt and the rest as CLIP tokens,
+    # so only a 512-token prompt gives it the layout it splits at.
     model = WanConditionModel.from_pretrained(
-        root, WanConditionConfig(mode=mode, max_sequence_length=MAX_LEN)
+        root, WanConditionConfig(mode=mode, max_sequence_length=512 if mode == "i2v" else MAX_LEN)
     )
     extra = dict(image_dim=16, added_kv_proj_dim=24) if mode == "i2v" else {}
     dit = WanTransformer3DModel(
@@ -342,6 +357,13 @@ def test_inputs_feed_wan_transformer(mode: str, t2v_dir: Path, i2v_dir: Path) ->
     )  # fmt: skip
     inputs = model.process_condition(model.get_condition(PROMPTS[:2], videos()), dp_generator(0, 0))
     targets, latents = inputs.pop("training_target"), inputs.pop("latents")
+    image_tokens = []
+    if mode == "i2v":
+        clip = model.image_encoder.config
+        want_image_tokens = (clip.image_size // clip.patch_size) ** 2 + 1
+        dit.blocks[0].attn2.add_k_proj.register_forward_hook(
+            lambda m, args, out: image_tokens.append(args[0].shape[1])
+        )
     for i in range(2):
         sample = {key: values[i] for key, values in inputs.items()}
         pred = dit(**sample, return_dict=False)[0]
@@ -350,6 +372,8 @@ def test_inputs_feed_wan_transformer(mode: str, t2v_dir: Path, i2v_dir: Path) ->
         loss.backward()
     assert all(p.grad is not None for p in dit.parameters() if p.requires_grad)
     assert all(p.grad is None for p in model.text_encoder.parameters())
+    if mode == "i2v":
+        assert image_tokens == [want_image_tokens] * 2  # the CLIP tokens, and only they, reach the image path
 
 
 @pytest.mark.cuda

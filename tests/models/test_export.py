@@ -130,6 +130,37 @@ def test_dcp_checkpoint_to_hf(dist_pools, ckpts, tmp_path, capsys):
         export_dcp_to_hf(ep_dir, tmp_path / "y", config=ckpts["moe4"], prefix="model.")
 
 
+def test_dcp_export_keeps_strict_fp32_tensors_and_the_generation_config(tmp_path):
+    # As export_hf (and save_pretrained): DeepSeek-V3's router bias stays fp32 under dtype=bf16, and the
+    # config directory's generation_config.json travels with the export.
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3Config, GenerationConfig
+
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    model = build_model(config, ops=eager_ops())
+    with torch.no_grad():
+        model.get_buffer(bias).copy_(torch.linspace(0.1, 0.3, 4) + 1e-4)  # not representable in bf16
+    want = model.get_buffer(bias).detach().clone()
+    config.save_pretrained(tmp_path / "config")
+    GenerationConfig(eos_token_id=[3, 5], temperature=0.42, do_sample=True).save_pretrained(
+        tmp_path / "config"
+    )
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    export_dcp_to_hf(tmp_path / "dcp", tmp_path / "out", config=tmp_path / "config", prefix="model.",
+                     dtype=torch.bfloat16)  # fmt: skip
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert tensors[bias].dtype == torch.float32 and torch.equal(tensors[bias], want)
+    assert tensors["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (generation.eos_token_id, generation.temperature) == ([3, 5], 0.42)
+
+
 def _train_step_and_export(ctx, src: str, out: str, lr: float) -> float:
     model = build_model(src, weights=src, ops=eager_ops(), parallel_state=state(ctx))
     ids = token_batch()

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state
-from veomni.train.checkpoint import MARKER, CheckpointManager, latest_complete
+from veomni.train.checkpoint import MARKER, CheckpointManager, CheckpointMismatchError, latest_complete
 from veomni.train.optim import build_adamw
 
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -157,6 +157,39 @@ def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_complete(tmp_p
     fresh = toy.build(1)
     assert manager.load(tmp_path / "step_00000004", fresh, build_adamw(fresh, **ADAM))[0]["run"] == "second"
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+
+
+def _saved_with(tmp_path, multipliers: dict) -> tuple[CheckpointManager, object]:
+    model = toy.build(0)
+    optimizer = build_adamw(model, lr_multipliers=multipliers, **ADAM)
+    _train_step(model, optimizer, 1)
+    manager = CheckpointManager(tmp_path)
+    return manager, manager.save(1, model, optimizer, trainer_state={"step": 1}, rank_state={})
+
+
+@pytest.mark.parametrize(
+    "then, now, problem",
+    [
+        # Same group count, other members: embed's x2 group would land on the matrices.
+        (
+            {"embed": 2.0},
+            {"head": 2.0},
+            r"2 parameters changed optimizer group: embed.weight saved \{'weight_decay': 0.1, 'lr_multiplier': 2.0\}",
+        ),
+        ({}, {"embed": 2.0}, r"embed.weight saved \{'weight_decay': 0.1, 'lr_multiplier': 1.0\}, now"),
+    ],
+)
+def test_optimizer_groups_must_hold_the_same_parameters(tmp_path, then, now, problem):
+    manager, path = _saved_with(tmp_path, then)
+    model = toy.build(1)
+    optimizer = build_adamw(model, lr_multipliers=now, **ADAM)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointMismatchError, match=problem):
+        manager.load(path, model, optimizer)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing was loaded
+    # The same grouping loads.
+    model = toy.build(1)
+    manager.load(path, model, build_adamw(model, lr_multipliers=then, **ADAM))
 
 
 # ---------------------------------------------------------------- resharding across world sizes and EP

@@ -213,6 +213,28 @@ def test_offline_embedding_resumes_and_trains_like_online(dist_pools, reference,
     assert "dit.max_sequence_length: encoded with 16, recipe has 32" in message
 
 
+def _pure_low_precision_steps(ctx, raw: dict, n: int) -> tuple[list[str], list[dict[str, float]]]:
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    dtypes = sorted({str(p.dtype) for p in run.model.parameters()})
+    it = iter(run.train_data)
+    return dtypes, [train_step(run, next(it)) for _ in range(n)]
+
+
+def test_pure_bf16_trains_through_fsdp2(dist_pools, reference, tmp_path):
+    # Low-precision storage under FSDP2: a Wan block's keep-fp32 parameters (scale_shift_table, the cross-attention
+    # norm) would put two dtypes in one FSDP unit, which FSDP2 refuses at the first forward; they are stored in
+    # bf16 there. The one-rank plain path keeps them in fp32.
+    raw = dit_recipe(str(tmp_path), steps=2)
+    raw["model"].update({"dtype": "bfloat16", "param_dtype": "bfloat16"})
+    raw["parallel"]["force_fsdp2"] = True
+    dtypes, stats = dist_pools.get(1, "gloo").run(_pure_low_precision_steps, raw, 2)[0]
+    assert dtypes == ["torch.bfloat16"]
+    assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in stats)
+    assert stats[0]["loss"] == pytest.approx(reference[0]["loss"], rel=3e-2)  # the fp32 run's first loss
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -241,6 +263,35 @@ def test_transformers_checkpoint_as_dit_is_refused(dist_pools, tmp_path):
     raw["model"]["config"] = str(tmp_path / "wan")
     kind, message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
     assert kind == "PreflightError" and f"to {tmp_path / 'wan' / 'transformer'}" in message
+
+
+@pytest.mark.parametrize("length", [512, 500, 1024])
+def test_i2v_prompt_length_must_be_the_one_wan_splits_at(tmp_path, length):
+    # Wan's image-conditioned cross-attention takes the context's last 512 tokens as the prompt and the rest as
+    # CLIP tokens: another prompt length would route tokens through the wrong projections without an error.
+    from models.test_dit_condition import write_wan_dir
+
+    from veomni.train.dit_setup import check_compatible, condition_configs, transformer_config
+    from veomni.train.preflight import PreflightError
+
+    condition = write_wan_dir(tmp_path / "wan_i2v", i2v=True)
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({
+        "_class_name": "WanTransformer3DModel", "added_kv_proj_dim": 24, "attention_head_dim": 12,
+        "cross_attn_norm": True, "eps": 1e-6, "ffn_dim": 32, "freq_dim": 32, "image_dim": 16, "in_channels": 12,
+        "num_attention_heads": 2, "num_layers": 1, "out_channels": 4, "patch_size": [1, 2, 2],
+        "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32, "text_dim": 32,
+    }))  # fmt: skip
+    raw = dit_recipe(str(tmp_path / "run"))
+    raw["model"].update({"config": str(tmp_path / "transformer"), "weights": None})
+    raw["dit"].update({"condition": str(condition), "mode": "i2v", "max_sequence_length": length})
+    recipe = recipe_from_dict(raw)
+    config, cond = transformer_config(recipe), condition_configs(recipe)
+    if length == 512:
+        check_compatible(config, cond, recipe)
+    else:
+        with pytest.raises(PreflightError, match=f"dit.max_sequence_length={length} \\(expected 512"):
+            check_compatible(config, cond, recipe)
 
 
 @pytest.mark.parametrize("missing", ["vae", "text_encoder"])

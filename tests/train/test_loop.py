@@ -263,6 +263,21 @@ def test_the_last_step_is_saved_once(dist_pools, tmp_path):
     assert pool.run(_train_counting_saves, raw)[0] == [2, STEPS]
 
 
+def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_saved_values(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from veomni.train.loop import _check_resumable
+
+    saved = recipe_to_dict(recipe_from_dict(tiny_recipe(str(tmp_path), DENSE)))
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["optim"].update({"lr": saved["optim"]["lr"] * 2, "warmup_steps": 3})
+    with caplog.at_level("WARNING", logger="veomni.train"):
+        _check_resumable(SimpleNamespace(recipe=recipe_from_dict(raw)), tmp_path, {"recipe": saved})
+    (message,) = [r.getMessage() for r in caplog.records if "optimizer and schedule state" in r.getMessage()]
+    assert f"optim.lr: saved {saved['optim']['lr']!r}, recipe {raw['optim']['lr']!r}" in message
+    assert "warmup" not in message.split("keep the saved values of")[1].split("(the")[0]  # the recipe's, no warning
+
+
 BF16_LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 # bf16 tolerances against the one-GPU bf16 run. Step 0 sees identical weights, so only the order of bf16/fp32
 # reductions differs (sharded gradient sums, SP attention heads, EP token groupings); later steps also carry

@@ -185,11 +185,11 @@ def _construct_fresh(cls: type, values: Mapping[str, object], compute: torch.dev
     return model
 
 
-def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    # Parameters only, and as diffusers' from_pretrained(torch_dtype=...) does: those under a module named in
-    # _keep_in_fp32_modules stay fp32. Buffers keep the dtype diffusers computed them in (Wan's rotary tables
-    # are float64), so the forward is diffusers' own to the bit.
-    keep = list(getattr(model, "_keep_in_fp32_modules", None) or ())
+def _cast(model: nn.Module, dtype: torch.dtype, *, keep_fp32: bool) -> None:
+    # Parameters only, and as diffusers' from_pretrained(torch_dtype=...) does: with ``keep_fp32`` those under a
+    # module named in _keep_in_fp32_modules stay fp32. Buffers keep the dtype diffusers computed them in (Wan's
+    # rotary tables are float64), so the forward is diffusers' own to the bit.
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or ()) if keep_fp32 else []
     for module_name, module in model.named_modules():
         for name, param in list(module._parameters.items()):
             if param is None or not param.is_floating_point():
@@ -327,7 +327,16 @@ def build_diffusers_model(
         if weights is not None
         else _construct_fresh(cls, config.values, compute)
     )
-    _cast(model, dtype)
+    # FSDP2 needs one stored dtype per unit, and a Wan block holds keep-fp32 parameters (scale_shift_table, the
+    # cross-attention norm) beside its linears: with low-precision storage under FSDP2 they are stored in
+    # ``dtype`` too (as FSDP2's mixed precision already computes them), instead of failing at the first forward.
+    keep_fp32 = parallel_state is None or dtype == torch.float32
+    if not keep_fp32 and getattr(model, "_keep_in_fp32_modules", None):
+        logger.info(
+            "build_model: %s's _keep_in_fp32_modules %s are stored in %s under FSDP2 (one dtype per unit)",
+            name, list(model._keep_in_fp32_modules), dtype,
+        )  # fmt: skip
+    _cast(model, dtype, keep_fp32=keep_fp32)
     compiling = ops is not None and _bind_kernels(model, ops)
     if sp:
         # Explicit: Ulysses SP is attention processors + sequence hooks (veomni.models.wan_sp), installed

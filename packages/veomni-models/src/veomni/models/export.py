@@ -439,8 +439,10 @@ def export_dcp_to_hf(
     targets = model_targets(model)
     stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     chosen = _dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
+    fp32 = _keep_fp32(model)
     shapes = {
-        k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen
+        k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, None if fp32(k) else dtype))
+        for k in chosen
     }
     converters = converters_for(model, targets, for_export=True)
     items = plan_layout(shapes, converters)
@@ -458,6 +460,17 @@ def export_dcp_to_hf(
     )
     first = next(iter(shapes.values()))[1] if shapes else torch.float32
     save_config(cfg, out_dir, resolved.cls.__name__, dtype or first)
+    if model.can_generate():
+        # The checkpoint's own generation_config.json where the config came from a directory (EOS ids, sampling
+        # defaults), as export_hf carries the live model's; else the one transformers derives from the config.
+        generation = model.generation_config
+        if isinstance(config, (str, os.PathLike)):
+            folder = Path(config) if Path(config).is_dir() else Path(config).parent
+            if (folder / "generation_config.json").is_file():
+                from transformers import GenerationConfig
+
+                generation = GenerationConfig.from_pretrained(str(folder))
+        generation.save_pretrained(str(out_dir))
     logger.info(
         "export_dcp_to_hf: wrote %d files, %.1f MiB to %s",
         len(report.files),

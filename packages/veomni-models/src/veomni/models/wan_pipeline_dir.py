@@ -83,7 +83,8 @@ def locate_wan_components(root: str | Path, mode: Literal["t2v", "i2v"] = "t2v")
         )
     index_file = root / "model_index.json"
     if index_file.is_file():
-        pipeline = json.loads(index_file.read_text()).get("_class_name")
+        index = json.loads(index_file.read_text())
+        pipeline = index.get("_class_name")
         if pipeline not in _PIPELINE_MODES:
             raise ConditionCheckpointError(
                 f"{index_file}: pipeline _class_name {pipeline!r} is not supported; expected one of "
@@ -93,6 +94,17 @@ def locate_wan_components(root: str | Path, mode: Literal["t2v", "i2v"] = "t2v")
             raise ConditionCheckpointError(
                 f"{index_file}: a {pipeline} checkpoint serves mode {_PIPELINE_MODES[pipeline]!r}, but the "
                 f"condition model was asked for mode {mode!r} (WanConditionConfig.mode)"
+            )
+        # Wan2.2 reuses these pipeline classes: two expert transformers split at boundary_ratio (the transformer/
+        # subfolder then serves only the high-noise timesteps), or per-token timesteps (expand_timesteps).
+        second = index.get("transformer_2")
+        wan22 = [f"{k}={index[k]!r}" for k in ("boundary_ratio", "expand_timesteps") if index.get(k)]
+        if isinstance(second, list) and any(part is not None for part in second):
+            wan22.insert(0, f"transformer_2={second!r}")
+        if wan22:
+            raise ConditionCheckpointError(
+                f"{index_file}: a Wan2.2 pipeline ({', '.join(wan22)}); only Wan2.1 pipelines are supported (one "
+                "transformer trained over the whole timestep range, one timestep per sample)"
             )
     wanted = dict(_T2V_COMPONENTS) | (_I2V_COMPONENTS if mode == "i2v" else {})
     missing = [

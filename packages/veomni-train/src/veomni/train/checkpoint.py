@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -139,11 +140,8 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
             tensor that is a parameter of its own on one side and tied (or frozen) on the other -- an untied
             ``lm_head`` -- is a model difference.
     """
-    saved = {
-        key: tuple(md.size)
-        for key, md in dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata.items()
-        if hasattr(md, "size")
-    }
+    metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
+    saved = {key: tuple(md.size) for key, md in metadata.items() if hasattr(md, "size")}
     wanted = {k: tuple(v.shape) for k, v in _flatten(payload, "", {}).items() if isinstance(v, torch.Tensor)}
     # A tied lm_head is in the state dict under both names but is one trained parameter: the model tensors of a
     # tied and an untied model match, and only the optimizer state shows it. That is a model difference.
@@ -183,6 +181,42 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
                 "saved with (its recipe is in trainer.pt), or start fresh (another checkpoint.dir, or "
                 "checkpoint.resume=never)."
             )
+    _check_param_groups(dcp_dir, metadata, payload)
+
+
+def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Mapping[str, Any]) -> None:
+    # The saved param_groups are matched to this run's by parameter name (torch's set_state_dict), and a group takes
+    # the hyperparameters of the saved group its parameters were in: each parameter must have had the weight decay
+    # and lr multiplier it has now, or another group's would land on it without a word. Groups may still split
+    # differently (by device mesh: EP experts form their own), which is harmless.
+    groups = (payload.get("optim") or {}).get("param_groups") if isinstance(payload, Mapping) else None
+    if groups is None:
+        return
+    prefix, keys = "optim.param_groups.", ("weight_decay", "lr_multiplier")
+    count = len({k[len(prefix) :].split(".", 1)[0] for k in metadata if k.startswith(prefix)})
+    saved = {f"{prefix}{i}.{key}": None for i in range(count) for key in ("params", *keys)
+             if f"{prefix}{i}.{key}" in metadata}  # fmt: skip
+    with warnings.catch_warnings():  # one process reading a few small entries is the intent here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(saved, checkpoint_id=dcp_dir, no_dist=True)
+    then = {fqn: tuple(saved.get(f"{prefix}{i}.{key}") for key in keys)
+            for i in range(count) for fqn in saved.get(f"{prefix}{i}.params") or ()}  # fmt: skip
+    now = {fqn: tuple(group.get(key) for key in keys) for group in groups for fqn in group["params"]}
+    changed = [f"{fqn} saved {dict(zip(keys, then[fqn], strict=True))}, now {dict(zip(keys, now[fqn], strict=True))}"
+               for fqn in sorted(then.keys() & now.keys()) if then[fqn] != now[fqn]]  # fmt: skip
+    problems = [f"{len(changed)} parameters changed optimizer group: {_listing(changed)}"] if changed else []
+    if len(groups) > count:
+        problems.append(
+            f"the checkpoint has {count} optimizer param groups, this run {len(groups)} (a finer split, e.g. "
+            "expert parallelism where the checkpoint had none, cannot take the saved groups' hyperparameters)"
+        )
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {dcp_dir.parent} groups the optimizer's parameters differently:\n  - "
+            + "\n  - ".join(problems)
+            + "\nThe groups come from optim.lr_multipliers, weight decay (matrices or not) and the device mesh; "
+            "resume with the recipe the checkpoint was saved with (its recipe is in trainer.pt), or start fresh."
+        )
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:

@@ -151,6 +151,20 @@ def check_compatible(config: Any, cond: ConditionConfigs, recipe: Recipe) -> Non
         checks.append(
             ("image_dim", values.get("image_dim"), cond.image_dim, "the CLIP image encoder's hidden_size")
         )
+    if values.get("added_kv_proj_dim") is not None:
+        from veomni.models.wan_kernels import WAN_TEXT_CONTEXT_LEN
+
+        # The image-conditioned cross-attention splits its context as [image tokens; the last 512 tokens as text]
+        # (diffusers' WanAttnProcessor and ours): any other prompt length feeds CLIP tokens through the text
+        # projections, or text tokens through the image ones, without an error.
+        checks.append(
+            (
+                "dit.max_sequence_length",
+                recipe.dit.max_sequence_length,
+                WAN_TEXT_CONTEXT_LEN,
+                "Wan's image-conditioned cross-attention takes the last 512 context tokens as the prompt",
+            )
+        )
     bad = [f"{k}={found} (expected {want}: {why})" for k, found, want, why in checks if found != want]
     if bad:
         raise PreflightError(

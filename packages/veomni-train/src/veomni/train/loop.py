@@ -289,6 +289,18 @@ def _check_resumable(run: Run, path: Path, trainer_state: dict[str, Any]) -> Non
             log.warning(
                 "resuming %s with a changed model section (same model, so allowed): %s", path, changed
             )
+    saved_optim = (trainer_state.get("recipe") or {}).get("optim")
+    if saved_optim is not None:
+        now = recipe_to_dict(run.recipe)["optim"]
+        # The optimizer's param_groups and the scheduler's base lrs are state: they resume as saved.
+        restored = [f"optim.{k}: saved {saved_optim.get(k)!r}, recipe {now[k]!r}" for k in ("lr", "betas", "eps",
+                    "weight_decay") if saved_optim.get(k) != now[k]]  # fmt: skip
+        if restored:
+            log.warning(
+                "resuming %s: the checkpoint's optimizer and schedule state keep the saved values of %s (the "
+                "schedule's shape, warmup and max_grad_norm follow the recipe); start fresh to change them",
+                path, restored,
+            )  # fmt: skip
 
 
 def _maybe_resume(run: Run) -> None:
