@@ -71,6 +71,11 @@ def test_keep_last_prunes_old_and_incomplete(tmp_path):
     assert latest_complete(tmp_path).name == "step_00000002"
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         manager.load(tmp_path / "step_00000003", model, optimizer)
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"pass one of its step directories, e.g. the newest, {tmp_path}/step_00000002",
+    ):
+        manager.load(tmp_path, model, optimizer)  # the run's directory where a step's is meant
     with pytest.raises(ValueError, match="keep_last must be >= 0"):
         CheckpointManager(tmp_path, keep_last=-1)
 

@@ -222,9 +222,18 @@ def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Map
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     """Rank 0's ``trainer.pt`` of a complete checkpoint (step, schedule, data position, recipe, model config)."""
     path = Path(path)
-    if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    _check_complete(path)
     return torch.load(path / "trainer.pt", weights_only=False)
+
+
+def _check_complete(path: Path) -> None:
+    if (path / MARKER).is_file():
+        return
+    hint = ""
+    if (newest := latest_complete(path)) is not None:
+        # A run's checkpoint.dir given where one of its step directories is meant.
+        hint = f"; it is a checkpoint directory: pass one of its step directories, e.g. the newest, {newest}"
+    raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker){hint}")
 
 
 # ---------------------------------------------------------------- RNG
@@ -440,8 +449,7 @@ class CheckpointManager:
             (a larger world than was saved) — the caller decides what to do with its data state.
         """
         path = Path(path)
-        if not (path / MARKER).is_file():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+        _check_complete(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         payload = _checkpoint_view(model, self.state, model_sd, optim_sd)
         check_payload_matches(path / "dcp", payload)
