@@ -62,18 +62,26 @@ def _close(got: list[dict], want: list[dict], what: str) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=TOL["grad_norm"]), what
 
 
-@pytest.fixture(scope="module")
-def fla_references(dist_pools, tmp_path_factory):
-    """Per model: its initial weights and the one-GPU fla run's per-step stats."""
-    pool = dist_pools.get(1, "nccl")
-    out = {}
-    for name in NAMES:
-        weights = initial_weights(gpu_config(name), str(tmp_path_factory.mktemp(f"{name}_init")))
-        raw = gpu_recipe(str(tmp_path_factory.mktemp(f"{name}_fla")), name, weights)
-        stats, backends = pool.run(_steps_and_backends, raw)[0]
+class _References(dict):
+    """Per model, computed on first use (so ``-k NAME`` runs one model's): its initial weights and the one-GPU
+    fla run's per-step stats."""
+
+    def __init__(self, dist_pools, tmp_path_factory) -> None:
+        super().__init__()
+        self.pools, self.tmp = dist_pools, tmp_path_factory
+
+    def __missing__(self, name: str) -> tuple[str, list[dict[str, float]]]:
+        weights = initial_weights(gpu_config(name), str(self.tmp.mktemp(f"{name}_init")))
+        raw = gpu_recipe(str(self.tmp.mktemp(f"{name}_fla")), name, weights)
+        stats, backends = self.pools.get(1, "nccl").run(_steps_and_backends, raw)[0]
         assert backends == dict.fromkeys(EAGER_GDN, "fla"), backends  # the CUDA defaults really are fla's
-        out[name] = (weights, stats)
-    return out
+        self[name] = (weights, stats)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def fla_references(dist_pools, tmp_path_factory) -> _References:
+    return _References(dist_pools, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", NAMES)
