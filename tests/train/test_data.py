@@ -193,6 +193,20 @@ def test_text_rows_train_every_token_after_the_first(tmp_path):
     assert sample.input_ids.tolist() == expected[:-1]
 
 
+def test_text_rows_end_with_one_eos_where_the_tokenizer_adds_it_itself(tmp_path):
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer())
+    eos = tok.eos_token
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"$A {eos}", special_tokens=[(eos, tok.eos_token_id)]
+    )
+    encoder = build_encoder(tok, "text")
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"text": "alpha beta"}])
+    sample = encode_row(RowSource([str(path)], "auto", encoder.columns), encoder, 0, 64, "error")
+    assert sample.input_ids.tolist() == tokenizer()("alpha beta")["input_ids"] + [tok.eos_token_id]
+
+
 def test_overlong_policies(tmp_path):
     rows = [{"text": "alpha " * 30}, {"text": "beta"}]
     long, short = encode(rows, tmp_path, kind="text", max_seq_len=10, overlong="truncate")

@@ -62,7 +62,7 @@ class TextEncoder:
     """``row[field]`` is one text; every token but the first is trained.
 
     The tokenizer's own special tokens are added (a BOS where its post-processor adds one); with ``add_eos``
-    its EOS token is appended.
+    its EOS token ends the text (appended unless the post-processor put it there).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, field: str, add_eos: bool) -> None:
@@ -78,7 +78,9 @@ class TextEncoder:
         if not isinstance(text, str):
             raise DataError(f"{ref}: field {self.field!r} must be a string, found {type(text).__name__}")
         ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
-        if self.add_eos:
+        # Not a second one where the tokenizer's post-processor already ends the text with it (T5, or Llama's
+        # add_eos_token).
+        if self.add_eos and (not ids or ids[-1] != self.tokenizer.eos_token_id):
             ids.append(self.tokenizer.eos_token_id)
         if not ids:
             raise DataError(f"{ref}: the text is empty and produced no tokens")
