@@ -101,6 +101,18 @@ def _plain_and_nonfinite(ctx):
         local.view(-1)[0] = float("nan") if local.numel() else local.view(-1)[0]
     norm = clip_grad_norm(model, 1.0, state)
     assert torch.isnan(norm)
+    # The inf-norm too, whichever rank holds the NaN: a backend's MAX keeps one operand (gloo's std::max drops a
+    # NaN met in one order), so the NaN must travel apart.
+    for bad in range(ctx.world_size):
+        model.zero_grad()
+        _backward(model, ids, labels, 1.0)
+        local = model.layers[0].fc1.weight.grad.to_local()
+        if ctx.rank == bad and local.numel():
+            local.view(-1)[0] = float("nan")
+        assert torch.isnan(clip_grad_norm(model, 1.0, state, norm_type=math.inf, scale_gradients=False)), bad
+    local = model.head.weight.grad.to_local()
+    if ctx.rank == ctx.world_size - 1 and local.numel():
+        local.view(-1)[0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm(model, 1.0, state, error_if_nonfinite=True)
     with pytest.raises(ValueError, match="norm_type must be > 0"):

@@ -80,6 +80,17 @@ def _combine(a: Tensor, b: Tensor, p: float) -> Tensor:
     return torch.maximum(a, b) if math.isinf(p) else a + b
 
 
+def _all_reduce(x: Tensor, p: float, group: dist.ProcessGroup | None) -> Tensor:
+    """``x`` (0-dim fp32) summed over ``group``, or its max for p = inf. A backend's MAX keeps the non-NaN value
+    (gloo's is std::max), so a NaN on one rank travels as a flag beside the max and comes back as NaN everywhere."""
+    if not math.isinf(p):
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+    packed = torch.stack([x, torch.isnan(x).to(x.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
+
+
 def clip_grad_norm(
     parameters_or_model: nn.Module | Tensor | Iterable[Tensor],
     max_norm: float,
@@ -147,15 +158,12 @@ def clip_grad_norm(
             buckets[(is_expert, False)].append(grad)
 
     p = norm_type
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    dense = _power_sum(buckets[(False, True)], p, device)
-    dist.all_reduce(dense, op=op, group=dense_group)
+    dense = _all_reduce(_power_sum(buckets[(False, True)], p, device), p, dense_group)
     total = _combine(dense, _power_sum(buckets[(False, False)], p, device), p)
     if state.ep_enabled:
-        expert = _power_sum(buckets[(True, True)], p, device)
-        dist.all_reduce(expert, op=op, group=state.ep_fsdp_group)
+        expert = _all_reduce(_power_sum(buckets[(True, True)], p, device), p, state.ep_fsdp_group)
         expert = _combine(expert, _power_sum(buckets[(True, False)], p, device), p)
-        dist.all_reduce(expert, op=op, group=state.ep_group)
+        expert = _all_reduce(expert, p, state.ep_group)
         total = _combine(total, expert, p)
     if not math.isinf(p):
         total = total.pow(1.0 / p)
