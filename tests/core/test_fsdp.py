@@ -346,6 +346,12 @@ def _errors_ep(ctx):
             FSDPPolicy(block_patterns=("layers.*.experts",)),
             toy.MOE_PLAN,
         )
+    # ep = world: one-rank ep_fsdp groups, where FSDP2 would divide fp16-reduced expert gradients twice.
+    fp16 = FSDPPolicy(block_patterns=("layers.*",), param_dtype=None, reduce_dtype=torch.float16)
+    with pytest.raises(
+        ValueError, match="expert module layers.0.experts is reduced in torch.float16 over a one-rank ep_fsdp"
+    ):
+        apply_fsdp2(toy.build(0, ctx.device, moe=True), state, fp16, toy.MOE_PLAN)
 
 
 def test_documented_errors(dist_pools):

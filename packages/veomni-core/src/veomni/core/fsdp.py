@@ -430,6 +430,15 @@ def apply_fsdp2(
 
     for fqn in expert_fqns:
         module = model.get_submodule(fqn)
+        reduce = policy.reduce_dtype or policy.param_dtype or next(module.parameters()).dtype
+        if state.dims.ep_fsdp == 1 and reduce not in (torch.float32, torch.bfloat16):
+            # torch then splits the divide factor into a pre- and a post-divide, and with a one-rank group also
+            # divides once more on its copy path: the expert gradients would come out divided by world_size twice.
+            raise ValueError(
+                f"apply_fsdp2: expert module {fqn} is reduced in {reduce} over a one-rank ep_fsdp group (ep = "
+                f"dp_shard * sp = {state.dims.ep}); FSDP2 divides such gradients twice unless the reduce dtype is "
+                "float32 or bfloat16: set FSDPPolicy.reduce_dtype to one of them"
+            )
         _fully_shard_keep_metadata(
             module,
             mesh=state.ep_fsdp_mesh,
