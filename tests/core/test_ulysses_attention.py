@@ -156,3 +156,42 @@ def test_kv_repeats_rules():
         kv_repeats_for_sp(12, 3, 4)
     with pytest.raises(ValueError, match="must be a multiple of KV heads"):
         kv_repeats_for_sp(8, 3, 2)
+
+
+def _padded_past_a_multiple_of_p(ctx) -> list[tuple]:
+    from veomni.core.parallel_dims import ParallelDims
+    from veomni.core.parallel_state import build_parallel_state
+    from veomni.core.sp import async_ulysses_attention, pad_and_slice
+
+    group = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type).sp_group
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 5, 2 * ctx.world_size, 4, generator=gen) for _ in range(3)]
+
+    def attn(q, k, v):
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+    want = attn(*full)
+    # Vision-style slicing pads to a multiple of P x 4 (merge groups never straddle ranks): 5 -> 8 rows.
+    q, k, v = (pad_and_slice(t, 1, group, pad_scale=4) for t in full)
+    mine = slice(ctx.rank * q.shape[1], (ctx.rank + 1) * q.shape[1])
+    sync = ulysses_attention(q, k, v, attn, group, seq_dim=1, head_dim=2, unpadded_len=5)
+
+    def project(x):
+        yield from zip("qkv", (q, k, v), strict=True)
+
+    overlapped = async_ulysses_attention(
+        q, project, attn, group, seq_dim=1, head_dim=2, query_heads=q.shape[2], unpadded_len=5
+    )
+    expected = torch.cat([want, torch.zeros(1, 3, *want.shape[2:])], dim=1)[:, mine]
+    return [
+        (tuple(q.shape), tuple(out.shape), float((out - expected).abs().max())) for out in (sync, overlapped)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_output_covers_the_whole_shard_when_padding_exceeds_a_multiple_of_p(dist_pools, world_size):
+    # The output is the input shard's length again, padding rows (zeros) included, not cut to the next multiple
+    # of P above the true length.
+    for results in dist_pools.get(world_size).run(_padded_past_a_multiple_of_p):
+        for shard, out, err in results:
+            assert out == shard and err < 1e-6, (shard, out, err)

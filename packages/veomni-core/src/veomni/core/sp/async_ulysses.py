@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from veomni.core.sp.attention import AttentionFn, kv_repeats_for_sp
 from veomni.core.sp.comm import _check_heads, heads_to_seq
-from veomni.core.sp.padding import _norm_dim, unpad
+from veomni.core.sp.padding import _norm_dim, pad_to_length, unpad
 
 __all__ = ["async_ulysses_attention"]
 
@@ -136,6 +136,8 @@ def async_ulysses_attention(
         seq, head = _norm_dim(t, seq_dim), _norm_dim(t, head_dim)
         if name == "q" and t.shape[head] != query_heads:
             raise ValueError(f"q has {t.shape[head]} heads, query_heads says {query_heads}")
+        if name == "q":
+            padded_len = t.shape[seq] * world  # what the output must cover again, padding rows included
         if name != "q":
             kv_heads[name] = t.shape[head]
             repeats = kv_repeats_for_sp(query_heads, t.shape[head], world)
@@ -153,6 +155,8 @@ def async_ulysses_attention(
     if unpadded_len is not None:
         landed = [unpad(t, seq, unpadded_len) for t in landed]
     out = attn_fn(*landed, **attn_kwargs)
+    if unpadded_len is not None:
+        out = pad_to_length(out, seq, padded_len)
     if world == 1:
         return out
     return heads_to_seq(out, group, seq_dim=seq, head_dim=head)

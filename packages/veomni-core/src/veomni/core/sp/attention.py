@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from veomni.core.sp.comm import heads_to_seq, seq_to_heads
-from veomni.core.sp.padding import _norm_dim
+from veomni.core.sp.padding import _norm_dim, pad_to_length
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -86,6 +86,7 @@ def ulysses_attention(
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     world = dist.get_world_size(group)
+    padded_len = q.shape[seq_dim] * world  # what the output must cover again, padding rows included
     repeats = kv_repeats_for_sp(q.shape[head_dim], k.shape[head_dim], world)
     if repeats > 1:
         k = k.repeat_interleave(repeats, dim=head_dim)
@@ -109,6 +110,9 @@ def ulysses_attention(
     out = attn_fn(q, k, v, **attn_kwargs)
     out_seq = seq_dim if out_seq_dim is None else _norm_dim(out, out_seq_dim)
     out_head = head_dim if out_head_dim is None else _norm_dim(out, out_head_dim)
+    if unpadded_len is not None:
+        # Shards padded past the next multiple of P (vision merges pad to P x merge): every padding row back.
+        out = pad_to_length(out, out_seq, padded_len)
     return heads_to_seq(out, group, seq_dim=out_seq, head_dim=out_head)
 
 
