@@ -236,3 +236,24 @@ def test_compiled_blocks_take_the_eager_formulas_of_defaulted_elementwise_ops_on
         rms_norm="triton", rope="triton", rope_vision="triton", swiglu="triton", hardware=H100, registry=reg
     )
     assert everything_set.for_compiled_blocks() is everything_set
+
+
+def test_flash_attn_4_needs_its_cute_subpackage_not_any_flash_attn(tmp_path, monkeypatch):
+    # A FlashAttention 2 install (flash_attn without cute) must not make flash_attn_4 look runnable: refused at
+    # config time, as the attention entry itself would refuse it at its first call.
+    import importlib
+
+    from veomni.kernels import Hardware
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    with pytest.raises(ValueError, match=r"flash_attn_4.*flash-attn-cute.*'flash_attn.cute' not found"):
+        OpsConfig(attention="flash_attn_4", hardware=Hardware(device_type="cuda", capability=(9, 0)))
+    (tmp_path / "flash_attn" / "cute").mkdir()
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    importlib.invalidate_caches()
+    assert OpsConfig(
+        attention="flash_attn_4", hardware=Hardware(device_type="cuda", capability=(9, 0))
+    ).attention == ("flash_attn_4")

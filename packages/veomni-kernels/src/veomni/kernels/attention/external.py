@@ -40,6 +40,13 @@ def _module_present(module: str) -> bool:
     )
 
 
+def flash_4_problem(hw: object) -> str | None:
+    """The registry condition of ``flash_attn_4``: FlashAttention 4 is the ``flash_attn.cute`` subpackage, which a
+    FlashAttention 2 install (a plain ``flash_attn``) does not have. Checked without importing either."""
+    module, package = _FLASH_MODULES["flash_attn_4"]
+    return None if _module_present(module) else f"needs the {package} package (module {module!r} not found)"
+
+
 def _unavailable_reason(name: str) -> str | None:
     if name == "varlen":
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
