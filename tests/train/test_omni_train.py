@@ -191,6 +191,18 @@ def test_audio_expands_to_the_extractors_tokens_and_collates(assets):
         enc(row({"type": "text", "text": "<|AUDIO|>"}), REF)
 
 
+def test_a_clip_too_short_for_one_audio_token_is_a_data_error(assets):
+    # 0.015 s at 8 kHz: 2 mel frames at 16 kHz, which Qwen2.5-Omni's convolution and pooling turn into 0 tokens.
+    enc = encoder(assets)
+    name = tone(Path(assets["media"]) / "blip.wav", 440.0, seconds=0.015)
+    short = row({"type": "audio", "audio": name}, {"type": "image", "image": "a.png"})
+    for call in (enc, enc.measure):
+        with pytest.raises(
+            DataError, match=r"blip.wav is too short for the audio tower \(2 feature frames give 0"
+        ):
+            call(short, REF)
+
+
 def test_a_rows_audio_changes_the_loss(assets):
     from veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni import (
         Qwen2_5OmniThinkerForConditionalGeneration,
@@ -216,7 +228,10 @@ def test_a_rows_audio_changes_the_loss(assets):
     batch = collate_multimodal(samples, vision_metadata=task.collate_metadata)
     n = (batch["labels"] != -100).sum().float()
     kwargs = task.model_kwargs(batch, torch.device("cpu"), n)
-    assert kwargs["audio_metadata"]["audio_tokens"] == 9 and kwargs["vision_metadata"]["cu_window_seqlens"].numel()
+    assert (
+        kwargs["audio_metadata"]["audio_tokens"] == 9
+        and kwargs["vision_metadata"]["cu_window_seqlens"].numel()
+    )
     with torch.no_grad():
         derived = model(**{k: v for k, v in kwargs.items() if k not in ("audio_metadata", "vision_metadata")})
         torch.testing.assert_close(model(**kwargs).loss, derived.loss, rtol=1e-6, atol=1e-6)
@@ -234,7 +249,10 @@ def _steps(ctx, raw: dict, n: int, export: str) -> dict:
     it = iter(run.train_data)
     steps = [next(it) for _ in range(n)]
     clips = sum(
-        int(b["input_features"].shape[0]) for s in steps for b in s.micro_batches if b.get("input_features") is not None
+        int(b["input_features"].shape[0])
+        for s in steps
+        for b in s.micro_batches
+        if b.get("input_features") is not None
     )
     stats = [train_step(run, s) for s in steps]
     run.task.export(run.model, Path(export), run.tokenizer, run.state)
@@ -302,3 +320,63 @@ def test_sp2_matches_one_rank(dist_pools, assets, one_rank, tmp_path):
     got = dist_pools.get(2, "gloo").run(_steps, raw, 3, str(tmp_path / "export"))
     for g in got:
         assert g["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-5), (g, one_rank)
+
+
+OMNI_TOKENS = ["<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>", "<|VIDEO|>", "<|audio_bos|>", "<|AUDIO|>",
+               "<|audio_eos|>"]  # fmt: skip
+OMNI_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}"
+    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}{%- elif part['type'] == 'audio' %}"
+    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}{%- else %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+)
+
+
+def test_the_tokenizers_declared_image_token_is_the_placeholder(tmp_path):
+    # Qwen2.5-Omni's tokenizer declares image_token <|IMAGE|> (what its processor reads), not Qwen-VL's
+    # <|image_pad|>: the encoder must take the declared one.
+    from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig, WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from veomni.train.data.omni import OmniEncoder
+
+    declared = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>"}
+    tokenizer = AutoTokenizer.from_pretrained(str(QUICKSTART), extra_special_tokens=declared)
+    tokenizer.add_special_tokens({"additional_special_tokens": OMNI_TOKENS})
+    tokenizer.chat_template = OMNI_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tokenizer.image_token == "<|IMAGE|>"
+    ids = dict(zip(OMNI_TOKENS, tokenizer.convert_tokens_to_ids(OMNI_TOKENS), strict=True))
+    config = Qwen2_5OmniThinkerConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96,
+                     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 2,
+                       "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 8, "out_hidden_size": 64},
+        audio_config={"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 48,
+                      "d_model": 32, "max_source_positions": 64, "n_window": 8, "output_dim": 64},
+        audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"], video_token_index=ids["<|VIDEO|>"],
+        audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
+        vision_start_token_id=ids["<|vision_bos|>"], vision_end_token_id=ids["<|vision_eos|>"],
+    )  # fmt: skip
+    images = Qwen2VLImageProcessorPil(
+        patch_size=2, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16, "longest_edge": 1024}
+    )
+    extractor = WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=1)
+    enc = OmniEncoder(
+        tokenizer, images, "messages", None, True, media_root=None, max_patches=None, feature_extractor=extractor,
+        thinker_config=config,
+    )  # fmt: skip
+    picture = {
+        "role": "user",
+        "content": [{"type": "image", "image": png(16, 16)}, {"type": "text", "text": "What?"}],
+    }
+    out_ids, trained, media = enc({"messages": [picture, {"role": "assistant", "content": "A square."}]}, REF)
+    # 16 x 16 pixels in 2-pixel patches merged 2 x 2: 16 image tokens.
+    assert int((out_ids == ids["<|IMAGE|>"]).sum()) == 16
+    assert media.image_grid_thw.tolist() == [[1, 8, 8]]
+    assert not trained[out_ids == ids["<|IMAGE|>"]].any()
+    assert np.asarray(media.mrope).shape == (3, len(out_ids))

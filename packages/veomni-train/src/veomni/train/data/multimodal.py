@@ -63,6 +63,11 @@ IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
+def image_token_of(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The image placeholder the tokenizer declares (``tokenizer.image_token``), else Qwen-VL's ``<|image_pad|>``."""
+    return str(getattr(tokenizer, "image_token", None) or IMAGE_TOKEN)
+
+
 def load_image_processor(path: str) -> Any:
     """``AutoImageProcessor.from_pretrained(path)`` (transformers picks the PIL class without torchvision)."""
     from transformers import AutoImageProcessor
@@ -119,7 +124,10 @@ class MultimodalEncoder(ConversationEncoder):
     ) -> None:
         super().__init__(tokenizer, field, loss_mask_field, assistant_only)
         self.vision_metadata = vision_metadata
-        self.image_token_id = self._token_id(IMAGE_TOKEN, "data.kind is multimodal")
+        # The processors read the tokenizer's declared image token (Qwen2.5-Omni's is <|IMAGE|>); <|image_pad|>,
+        # the Qwen-VL name, where it declares none.
+        self.image_token = image_token_of(tokenizer)
+        self.image_token_id = self._token_id(self.image_token, "data.kind is multimodal")
         self.image_processor, self.media_root, self.max_patches = image_processor, media_root, max_patches
         self.merge = int(image_processor.merge_size)
         self.width = 3 * int(image_processor.temporal_patch_size) * int(image_processor.patch_size) ** 2
@@ -222,7 +230,7 @@ class MultimodalEncoder(ConversationEncoder):
     ) -> tuple[np.ndarray, np.ndarray, list[ImageRef], list[VideoRef]]:
         messages, flags, images, videos = self._parse(row, ref)
         ids, trained = self._tokens(messages, flags, ref)
-        counts = [(IMAGE_TOKEN, self.image_token_id, images, "image")]
+        counts = [(self.image_token, self.image_token_id, images, "image")]
         if self.video_token_id is not None:
             counts.append((VIDEO_TOKEN, self.video_token_id, videos, "video"))
         for token, token_id, items, name in counts:

@@ -80,7 +80,9 @@ def thinker_positions(thinker_config: Any, *, use_audio_in_video: bool = False) 
     """The position-id function of the thinker ``thinker_config`` describes (an error lists the known ones)."""
     model_type = getattr(thinker_config, "model_type", None)
     if model_type not in POSITIONS:
-        raise DataError(f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}")
+        raise DataError(
+            f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}"
+        )
     return POSITIONS[model_type](thinker_config, use_audio_in_video=use_audio_in_video)
 
 
@@ -193,7 +195,10 @@ class OmniEncoder(MultimodalEncoder):
         # Qwen2.5-Omni's name where the tokenizer declares none.
         self.audio_token = str(getattr(tokenizer, "audio_token", None) or AUDIO_TOKEN)
         self.audio_token_id = self._token_id(self.audio_token, "model.task is omni")
-        for name, token_id in (("audio_token_id", self.audio_token_id), ("image_token_id", self.image_token_id)):
+        for name, token_id in (
+            ("audio_token_id", self.audio_token_id),
+            ("image_token_id", self.image_token_id),
+        ):
             if getattr(thinker_config, name) != token_id:
                 raise DataError(
                     f"the thinker config's {name} is {getattr(thinker_config, name)} but the tokenizer gives "
@@ -280,6 +285,13 @@ class OmniEncoder(MultimodalEncoder):
         features, tokens = audio_features(clips, self.feature_extractor, ref, names)
         if hasattr(self.positions, "audio_tokens"):  # Qwen3-Omni: 13 tokens per 100-frame chunk
             tokens = [self.positions.audio_tokens(f.shape[1]) for f in features]
+        for name, n, clip in zip(names, tokens, features, strict=True):
+            if n < 1:
+                # The tower's convolutions and pooling leave nothing of it: it cannot be placed in the sequence.
+                raise DataError(
+                    f"{ref}: {name} is too short for the audio tower ({clip.shape[1]} feature frames give {n} audio "
+                    "tokens; at least 1 is needed)"
+                )
         clip_tokens = {(kind, k): n for (_, kind, k), n in zip(sources, tokens, strict=True)}
         seconds = [self._second_per_grid(video) for video in videos]
         replacements = [(at, np.full(clip_tokens["audio", k], self.audio_token_id, np.int64))

@@ -131,8 +131,12 @@ def _print_batch(
             f"    vision: {0 if grids is None else len(grids)} images, {batch['num_patches']} patches "
             f"(grids {[] if grids is None else grids.tolist()}){videos}\n"
         )
-        image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        from veomni.train.data.multimodal import VIDEO_TOKEN, image_token_of
+
+        image_token_id = tokenizer.convert_tokens_to_ids(image_token_of(tokenizer))
+        video_token_id = tokenizer.convert_tokens_to_ids(
+            getattr(tokenizer, "video_token", None) or VIDEO_TOKEN
+        )
         if video_token_id == tokenizer.unk_token_id:
             video_token_id = None
     limit = opts["--samples"] or len(samples)
