@@ -34,77 +34,23 @@ _K = "veomni.kernels"
 BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     # op, variant, backend, implementation, requirement
     ("cross_entropy", "causal", "eager", f"{_K}.cross_entropy.eager:causal_lm_cross_entropy", ANYWHERE),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "eager",
-        f"{_K}.cross_entropy.eager:sequence_classification_cross_entropy",
-        ANYWHERE,
-    ),
+    ("cross_entropy", "seq_cls", "eager", f"{_K}.cross_entropy.eager:sequence_classification_cross_entropy", ANYWHERE),
     ("cross_entropy", "causal", "triton", f"{_K}.cross_entropy.triton_impl:causal_lm_cross_entropy", TRITON),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "triton",
-        f"{_K}.cross_entropy.triton_impl:sequence_classification_cross_entropy",
-        TRITON,
-    ),
+    ("cross_entropy", "seq_cls", "triton", f"{_K}.cross_entropy.triton_impl:sequence_classification_cross_entropy", TRITON),
     ("cross_entropy", "causal", "liger", f"{_K}.cross_entropy.liger_impl:causal_lm_cross_entropy", LIGER),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "liger",
-        f"{_K}.cross_entropy.liger_impl:sequence_classification_cross_entropy",
-        LIGER,
-    ),
+    ("cross_entropy", "seq_cls", "liger", f"{_K}.cross_entropy.liger_impl:sequence_classification_cross_entropy", LIGER),
     ("moe_experts", "routed", "eager", f"{_K}.moe_experts.eager:moe_experts_routed_eager", ANYWHERE),
     ("moe_experts", "grouped", "eager", f"{_K}.moe_experts.eager:moe_experts_grouped_eager", ANYWHERE),
     ("moe_experts", "routed", "torch", f"{_K}.moe_experts.torch_impl:moe_experts_routed_torch", GROUPED_MM),
     ("moe_experts", "grouped", "torch", f"{_K}.moe_experts.torch_impl:moe_experts_grouped_torch", GROUPED_MM),
     ("moe_experts", "routed", "triton", f"{_K}.moe_experts.triton_impl:moe_experts_routed_triton", TRITON),
     ("moe_experts", "grouped", "triton", f"{_K}.moe_experts.triton_impl:moe_experts_grouped_triton", TRITON),
-    (
-        "moe_experts",
-        "clamped_routed",
-        "eager",
-        f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_eager",
-        ANYWHERE,
-    ),
-    (
-        "moe_experts",
-        "clamped_grouped",
-        "eager",
-        f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_eager",
-        ANYWHERE,
-    ),
-    (
-        "moe_experts",
-        "clamped_routed",
-        "torch",
-        f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_torch",
-        GROUPED_MM,
-    ),
-    (
-        "moe_experts",
-        "clamped_grouped",
-        "torch",
-        f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_torch",
-        GROUPED_MM,
-    ),
-    (
-        "moe_experts",
-        "clamped_routed",
-        "triton",
-        f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_triton",
-        TRITON,
-    ),
-    (
-        "moe_experts",
-        "clamped_grouped",
-        "triton",
-        f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_triton",
-        TRITON,
-    ),
+    ("moe_experts", "clamped_routed", "eager", f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_eager", ANYWHERE),
+    ("moe_experts", "clamped_grouped", "eager", f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_eager", ANYWHERE),
+    ("moe_experts", "clamped_routed", "torch", f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_torch", GROUPED_MM),
+    ("moe_experts", "clamped_grouped", "torch", f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_torch", GROUPED_MM),
+    ("moe_experts", "clamped_routed", "triton", f"{_K}.moe_experts.clamped:moe_experts_clamped_routed_triton", TRITON),
+    ("moe_experts", "clamped_grouped", "triton", f"{_K}.moe_experts.clamped:moe_experts_clamped_grouped_triton", TRITON),
     ("rms_norm", "standard", "eager", f"{_K}.rms_norm.eager:rms_norm_standard", ANYWHERE),
     ("rms_norm", "offset", "eager", f"{_K}.rms_norm.eager:rms_norm_offset", ANYWHERE),
     ("rms_norm", "unweighted", "eager", f"{_K}.rms_norm.eager:rms_norm_unweighted", ANYWHERE),
@@ -125,13 +71,7 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("swiglu", "standard", "eager", f"{_K}.swiglu.eager:swiglu_eager", ANYWHERE),
     ("swiglu", "standard", "triton", f"{_K}.swiglu.triton_impl:swiglu_triton", TRITON),
     ("load_balancing_loss", "switch", "eager", f"{_K}.moe_loss.eager:load_balancing_loss_eager", ANYWHERE),
-    (
-        "load_balancing_loss",
-        "switch",
-        "triton",
-        f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton",
-        TRITON,
-    ),
+    ("load_balancing_loss", "switch", "triton", f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton", TRITON),
     ("rms_norm", "standard", "liger", f"{_K}.liger_backend:rms_norm_standard", LIGER),
     ("rms_norm", "offset", "liger", f"{_K}.liger_backend:rms_norm_offset", LIGER),
     ("rope", "full", "liger", f"{_K}.liger_backend:apply_rope", LIGER),
@@ -151,20 +91,8 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("rope", "mrope", "eager", f"{_K}.rope.multimodal:apply_mrope_eager", ANYWHERE),
     ("rope", "mrope", "triton", f"{_K}.rope.multimodal_triton:apply_mrope_triton", TRITON),
     # Portable token-chunked linear CE (plain torch): the NPU default, and runnable anywhere.
-    (
-        "cross_entropy",
-        "causal",
-        "chunk_loss",
-        f"{_K}.cross_entropy.chunked:causal_lm_cross_entropy",
-        ANYWHERE,
-    ),
-    (
-        "cross_entropy",
-        "seq_cls",
-        "chunk_loss",
-        f"{_K}.cross_entropy.chunked:sequence_classification_cross_entropy",
-        ANYWHERE,
-    ),
+    ("cross_entropy", "causal", "chunk_loss", f"{_K}.cross_entropy.chunked:causal_lm_cross_entropy", ANYWHERE),
+    ("cross_entropy", "seq_cls", "chunk_loss", f"{_K}.cross_entropy.chunked:sequence_classification_cross_entropy", ANYWHERE),
     # QuACK (optional extra, sm_90+): RMSNorm, fused linear CE and the experts' grouped GEMM (quack_backend.py).
     ("rms_norm", "standard", "quack", f"{_K}.quack_backend:rms_norm_standard", QUACK),
     ("rms_norm", "offset", "quack", f"{_K}.quack_backend:rms_norm_offset", QUACK),
@@ -187,13 +115,7 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("moe_experts", "routed", "npu", f"{_K}.npu_backend:moe_experts_routed", NPU),
     ("moe_experts", "grouped", "npu", f"{_K}.npu_backend:moe_experts_grouped", NPU),
     ("gated_delta_rule", "chunk", "eager", f"{_K}.linear_attention.eager:gated_delta_rule_eager", ANYWHERE),
-    (
-        "gated_delta_rule",
-        "chunk",
-        "fla",
-        f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla",
-        FLA_GATED_DELTA,
-    ),
+    ("gated_delta_rule", "chunk", "fla", f"{_K}.linear_attention.fla_impl:gated_delta_rule_fla", FLA_GATED_DELTA),
     ("causal_conv1d", "standard", "eager", f"{_K}.linear_attention.eager:causal_conv1d_eager", ANYWHERE),
     ("causal_conv1d", "standard", "fla", f"{_K}.linear_attention.fla_impl:causal_conv1d_fla", FLA),
     ("rms_norm_gated", "standard", "eager", f"{_K}.linear_attention.eager:rms_norm_gated_eager", ANYWHERE),
@@ -226,6 +148,4 @@ def register_builtin() -> None:
     """Register every row of `BUILTIN`."""
     for op, variant, backend, target, requires in BUILTIN:
         caps = _capabilities(op, backend)
-        KERNELS.register(
-            op, variant, backend, _importer(target), requires, description=target, capabilities=caps
-        )
+        KERNELS.register(op, variant, backend, _importer(target), requires, description=target, capabilities=caps)

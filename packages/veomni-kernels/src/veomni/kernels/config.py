@@ -238,9 +238,7 @@ def npu_backends(field: str, registry: KernelRegistry = KERNELS) -> list[str]:
     op = FIELD_OPS[field]
     specs = [s for s in registry.specs() if s.op == op]
     return sorted(
-        b
-        for b in registry.backends(op)
-        if all("npu" in s.requires.device_types for s in specs if s.backend == b)
+        b for b in registry.backends(op) if all("npu" in s.requires.device_types for s in specs if s.backend == b)
     )
 
 

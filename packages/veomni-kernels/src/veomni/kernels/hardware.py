@@ -64,21 +64,13 @@ class Requirement:
     def unmet(self, hw: Hardware) -> str | None:
         """Why this requirement fails on ``hw`` (a sentence), or None when it is met."""
         devices = set(self.device_types)
-        runs_here = hw.device_type in devices or (
-            "triton" in devices and (hw.device_type == "cuda" or hw.triton_interpret)
-        )
+        runs_here = hw.device_type in devices or ("triton" in devices and (hw.device_type == "cuda" or hw.triton_interpret))
         if not runs_here:
             wanted = ", ".join(
-                "cuda (or any device with TRITON_INTERPRET=1)" if d == "triton" else d
-                for d in self.device_types
+                "cuda (or any device with TRITON_INTERPRET=1)" if d == "triton" else d for d in self.device_types
             )
             return f"needs {wanted}; this process has {hw.describe()}"
-        if (
-            self.min_capability
-            and hw.device_type == "cuda"
-            and hw.capability
-            and hw.capability < self.min_capability
-        ):
+        if self.min_capability and hw.device_type == "cuda" and hw.capability and hw.capability < self.min_capability:
             need = f"sm_{self.min_capability[0]}{self.min_capability[1]}"
             return f"needs compute capability >= {need}; this GPU is {hw.describe()}"
         missing = [p for p in self.packages if importlib.util.find_spec(p) is None]

@@ -199,7 +199,10 @@ def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Map
     with warnings.catch_warnings():  # one process reading a few small entries is the intent here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(saved, checkpoint_id=dcp_dir, no_dist=True)
-    then = {fqn: tuple(saved.get(f"{prefix}{i}.{key}") for key in keys)
+    # A checkpoint from before lr multipliers existed has none: its groups trained at 1x.
+    default = {"weight_decay": None, "lr_multiplier": 1.0}
+    then = {fqn: tuple(default[key] if saved.get(f"{prefix}{i}.{key}") is None else saved[f"{prefix}{i}.{key}"]
+                       for key in keys)
             for i in range(count) for fqn in saved.get(f"{prefix}{i}.params") or ()}  # fmt: skip
     now = {fqn: tuple(group.get(key) for key in keys) for group in groups for fqn in group["params"]}
     changed = [f"{fqn} saved {dict(zip(keys, then[fqn], strict=True))}, now {dict(zip(keys, now[fqn], strict=True))}"

@@ -31,9 +31,7 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gat
         )
     # Chunk p (destination rank p) becomes row p of a contiguous send buffer. Contiguity before allocating the
     # receive buffer matters: NCCL rejects buffers that inherit odd strides.
-    send = (
-        x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world)).movedim(scatter_dim, 0).contiguous()
-    )
+    send = x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # Row p of recv came from rank p and holds that rank's part of the gathered dim, in rank order.
@@ -42,9 +40,7 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gat
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
-    ) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
         return _all_to_all(x, group, scatter_dim, gather_dim)
 
@@ -54,9 +50,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
-def all_to_all(
-    x: torch.Tensor, group: dist.ProcessGroup, *, scatter_dim: int, gather_dim: int
-) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Differentiable all-to-all: split ``scatter_dim`` into P chunks (chunk p to rank p), concatenate the
     received chunks along ``gather_dim`` in rank order.
 

@@ -114,9 +114,7 @@ def pad_and_slice(
     return slice_for_rank(padded, dim, dist.get_rank(group), world)
 
 
-def slice_sequence(
-    x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, pad_value: float = 0
-) -> torch.Tensor:
+def slice_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, pad_value: float = 0) -> torch.Tensor:
     """This rank's chunk of the full sequence ``x``, padding first so that no token is dropped.
 
     Args:

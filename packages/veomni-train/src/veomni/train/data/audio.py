@@ -116,7 +116,9 @@ def load_video_audio(path: str, sampling_rate: int, what: str) -> np.ndarray:
             # Planar float, [channels, n] per frame: the decoder's own samples, converted only to float32.
             resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=rate)
             chunks = [
-                out.to_ndarray() for frame in container.decode(stream) for out in resampler.resample(frame)
+                out.to_ndarray()
+                for frame in container.decode(stream)
+                for out in resampler.resample(frame)
             ]
             chunks += [out.to_ndarray() for out in resampler.resample(None)]
     except (av.FFmpegError, OSError) as err:

@@ -80,9 +80,7 @@ def thinker_positions(thinker_config: Any, *, use_audio_in_video: bool = False) 
     """The position-id function of the thinker ``thinker_config`` describes (an error lists the known ones)."""
     model_type = getattr(thinker_config, "model_type", None)
     if model_type not in POSITIONS:
-        raise DataError(
-            f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}"
-        )
+        raise DataError(f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}")
     return POSITIONS[model_type](thinker_config, use_audio_in_video=use_audio_in_video)
 
 
@@ -195,10 +193,7 @@ class OmniEncoder(MultimodalEncoder):
         # Qwen2.5-Omni's name where the tokenizer declares none.
         self.audio_token = str(getattr(tokenizer, "audio_token", None) or AUDIO_TOKEN)
         self.audio_token_id = self._token_id(self.audio_token, "model.task is omni")
-        for name, token_id in (
-            ("audio_token_id", self.audio_token_id),
-            ("image_token_id", self.image_token_id),
-        ):
+        for name, token_id in (("audio_token_id", self.audio_token_id), ("image_token_id", self.image_token_id)):
             if getattr(thinker_config, name) != token_id:
                 raise DataError(
                     f"the thinker config's {name} is {getattr(thinker_config, name)} but the tokenizer gives "
