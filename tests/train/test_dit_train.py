@@ -193,12 +193,14 @@ def test_offline_embedding_resumes_and_trains_like_online(dist_pools, reference,
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "48 samples in 3 shards" in first.stdout and "(3 encoded now" in first.stdout
-    # An interrupted run leaves whole shards only; running again encodes just the missing one.
+    # Running again encodes just what is missing or cut short (a partial copy, a crash mid-write).
     (out / "shards" / "00001.safetensors").unlink()
+    cut = out / "shards" / "00002.safetensors"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 3])
     (out / "latents.jsonl").unlink()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "(1 encoded now" in again.stdout
+    assert "(2 encoded now" in again.stdout
     raw = dit_recipe(str(tmp_path / "run"))
     raw["data"].update({"kind": "dit_latents", "train_files": [str(out / "latents.jsonl")]})
     # Same seed: same micro-batches, noise and timesteps; the stored conditions equal the online ones up to the
@@ -349,6 +351,59 @@ def test_bad_clips_name_file_and_row(tmp_path, sizes, message):
     source = RowSource([str(tmp_path / "d.jsonl")], "auto", ["video", "caption"])
     with pytest.raises(DataError, match=f"{re.escape(str(tmp_path / 'd.jsonl'))} {message}"):
         index_dit(source, None, ShapeRule(temporal=4, spatial=8, patch=(1, 2, 2)))
+
+
+def test_empty_video_path_is_refused_not_read_as_the_data_directory(tmp_path):
+    # os.path.join(root, "") is the data file's directory: its pictures must not become a clip.
+    from veomni.train.data.dit import ShapeRule, index_dit
+    from veomni.train.data.sources import DataError, RowSource
+
+    from PIL import Image
+
+    for i in range(5):
+        Image.new("RGB", (32, 32), (200, 10, 10)).save(tmp_path / f"{i:03d}.png")
+    rows = [{"image": f"{i:03d}.png", "caption": "a still"} for i in range(5)] + [{"video": "", "caption": "x"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = RowSource([str(tmp_path / "d.jsonl")], "auto", ["caption"])
+    with pytest.raises(DataError, match="line 6: 'video' must be a frames directory"):
+        index_dit(source, None, ShapeRule(temporal=4, spatial=8, patch=(1, 2, 2)))
+
+
+def test_parquet_files_of_clips_and_of_stills_read_together(tmp_path):
+    # Each row gives a video or an image: a file of clips has no image column, one of stills no video column.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from veomni.train.data.dit import MEDIA_COLUMNS, ShapeRule, index_dit
+    from veomni.train.data.sources import DataError, RowSource
+
+    _write_clip(tmp_path, "clip", [(32, 32)] * 5)
+    _write_clip(tmp_path, "stills", [(32, 32)])
+    pq.write_table(pa.table({"video": ["clip"], "caption": ["a clip"]}), tmp_path / "videos.parquet")
+    pq.write_table(pa.table({"image": ["stills/000.png"], "caption": ["a still"]}), tmp_path / "images.parquet")
+    files = [str(tmp_path / "videos.parquet"), str(tmp_path / "images.parquet")]
+    source = RowSource(files, "auto", ["caption"], MEDIA_COLUMNS)
+    assert source[1] == {"caption": "a still", "image": "stills/000.png", "video": None}
+    rule = ShapeRule(temporal=4, spatial=8, patch=(1, 2, 2))
+    assert index_dit(source, None, rule).tolist() == [[5, 32, 32], [1, 32, 32]]
+    pq.write_table(pa.table({"image": ["stills/000.png"]}), tmp_path / "uncaptioned.parquet")
+    with pytest.raises(DataError, match=r"uncaptioned.parquet: missing column\(s\) \['caption'\]"):
+        RowSource([str(tmp_path / "uncaptioned.parquet")], "auto", ["caption"], MEDIA_COLUMNS)
+
+
+def test_a_truncated_latent_shard_is_a_data_error_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from veomni.train.data.dit import load_latent_row
+    from veomni.train.data.sources import DataError, RowRef
+
+    shard = tmp_path / "shards" / "00000.safetensors"
+    shard.parent.mkdir()
+    save_file({"0.prompt_embeds": torch.zeros(1, 4, 8), "0.latent_params": torch.zeros(1, 8, 1, 2, 2)}, str(shard))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    row = {"shard": "shards/00000.safetensors", "index": 0, "shape": [1, 16, 16], "caption": "x"}
+    with pytest.raises(DataError, match=r"latents.jsonl line 1: latent shard .*00000.safetensors is unreadable"):
+        load_latent_row(row, RowRef(str(tmp_path / "latents.jsonl"), 0, 1), str(tmp_path))
 
 
 def test_dit_recipe_rules():

@@ -63,7 +63,25 @@ def _digest(shapes: Any, files: list[str]) -> str:
 def _write_atomic(path: Path, write: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     write(tmp)
+    # On disk before the rename: a crash must not leave a short file under the final name.
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _shard_done(path: Path) -> bool:
+    """Whether ``path`` is a whole shard: it exists and its header opens (a shard cut short, by a copy or a crash,
+    is encoded again)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError):
+        return False
+    return True
 
 
 def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[str, Any]:
@@ -75,7 +93,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from veomni.train.data.dit import index_dit, load_clip, parquet_columns, row_root, sample_frames
+    from veomni.train.data.dit import MEDIA_COLUMNS, index_dit, load_clip, row_root, sample_frames
     from veomni.train.data.sources import RowSource
     from veomni.train.dit_setup import (
         check_compatible,
@@ -99,7 +117,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     config, cond = transformer_config(recipe), condition_configs(recipe)
     check_compatible(config, cond, recipe)
     data = recipe.data
-    source = RowSource(data.train_files, data.format, parquet_columns(data.train_files, data.format))
+    source = RowSource(data.train_files, data.format, ["caption"], MEDIA_COLUMNS)
     shapes = index_dit(source, data.media_root, shape_rule(config, cond))
     meta = _meta(recipe, _digest(shapes, list(data.train_files)), len(shapes), shard_size)
     if (out / META).is_file():
@@ -118,7 +136,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     condition = load_condition(recipe, device)
     n_shards = math.ceil(len(shapes) / shard_size)
     mine = list(range(rank, n_shards, world))
-    todo = [k for k in mine if not (out / SHARDS / f"{k:05d}.safetensors").is_file()]
+    todo = [k for k in mine if not _shard_done(out / SHARDS / f"{k:05d}.safetensors")]
     progress = (
         tqdm(total=len(mine), initial=len(mine) - len(todo), desc="embed", unit="shard")
         if rank == 0

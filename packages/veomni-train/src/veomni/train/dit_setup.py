@@ -208,7 +208,7 @@ def _probe(recipe: Recipe, config: Any, sp: int) -> torch.nn.Module:
 def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any:
     """The dit task's `veomni.train.loop.TaskSetup`: the tokenizer (the condition's UMT5; None offline), the
     diffusers config, a meta probe, the task with its condition side, and the training data."""
-    from veomni.train.data.dit import DitData, parquet_columns
+    from veomni.train.data.dit import MEDIA_COLUMNS, DitData
     from veomni.train.dit_embed import check_latents, load_empty_prompt
     from veomni.train.loop import TaskSetup
 
@@ -233,11 +233,9 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
         empty = encoder.empty_prompt_embeds() if noising.prompt_dropout_prob > 0 else None
     topology = DataTopology.from_parallel_state(state)
     data = recipe.data
-    columns = (
-        ["shard", "index", "shape", "caption"] if offline else parquet_columns(data.train_files, data.format)
-    )
+    columns, optional = (["shard", "index", "shape", "caption"], ()) if offline else (["caption"], MEDIA_COLUMNS)
     train_data = DitData(
-        RowSource(data.train_files, data.format, columns), media_root=data.media_root, rule=shape_rule(config, cond),
+        RowSource(data.train_files, data.format, columns, optional), media_root=data.media_root, rule=shape_rule(config, cond),
         topology=topology, samples_per_micro_batch=recipe.train.samples_per_micro_batch,
         grad_accum=recipe.grad_accum(topology.dp_size), seed=recipe.train.seed, shuffle=data.shuffle,
         num_workers=data.num_workers, pin_memory=device.type == "cuda", latents=offline,

@@ -38,7 +38,8 @@ from veomni.train.data.sources import DataError, RowRef, RowSource
 log = logging.getLogger(__name__)
 STATE_FORMAT = "veomni.train.data.dit/1"
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-COLUMNS = ("video", "image", "caption")
+# Each row gives a video or an image: a parquet file may hold only one of the two columns.
+MEDIA_COLUMNS = ("video", "image")
 
 
 @attrs.frozen
@@ -74,7 +75,7 @@ class ShapeRule:
 
 
 def _frame_list(value: Any, root: str, ref: RowRef) -> list[str]:
-    if isinstance(value, str):
+    if isinstance(value, str) and value.strip():
         path = value if os.path.isabs(value) else os.path.join(root, value)
         if not os.path.isdir(path):
             raise DataError(f"{ref}: video {value!r} is not a directory of frames ({path} does not exist)")
@@ -156,7 +157,7 @@ def index_latents(source: RowSource, rule: ShapeRule) -> np.ndarray:
 def load_latent_row(row: dict[str, Any], ref: RowRef, root: str) -> dict[str, torch.Tensor]:
     """The stored conditions of one manifest row: ``{name: tensor}`` from its shard (``prompt_embeds``,
     ``latent_params``, and for I2V ``image_condition``, ``image_embeds``)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = os.path.join(root, row["shard"])
     if not os.path.isfile(path):
@@ -164,8 +165,13 @@ def load_latent_row(row: dict[str, Any], ref: RowRef, root: str) -> dict[str, to
             f"{ref}: no such latent shard {path} (was veomni-dit-embed interrupted? run it again)"
         )
     prefix = f"{row['index']}."
-    with safe_open(path, framework="pt") as f:
-        out = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
+    try:
+        with safe_open(path, framework="pt") as f:
+            out = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
+    except (SafetensorError, OSError) as err:  # a shard cut short (a copy or a crash mid-write)
+        raise DataError(
+            f"{ref}: latent shard {path} is unreadable ({err}); delete it and run veomni-dit-embed again"
+        ) from None
     if "latent_params" not in out or "prompt_embeds" not in out:
         raise DataError(
             f"{ref}: shard {path} holds no latent_params / prompt_embeds for sample {row['index']}"
@@ -353,16 +359,3 @@ class DitData(PlannedSteps):
             "micro_batches_per_epoch": len(plan), "micro_batches_left_out_per_epoch": len(plan) - used,
             "steps_per_epoch": self.steps_in_epoch(0), "grad_accum": self.grad_accum,
         }  # fmt: skip
-
-
-def parquet_columns(files: Sequence[str], format: str) -> list[str]:
-    """The DiT columns the parquet files among ``files`` hold (jsonl rows are checked per row)."""
-    from veomni.train.data.sources import detect_format
-
-    present: set[str] = set()
-    for path in files:
-        if detect_format(path, format) == "parquet" and os.path.isfile(path):
-            import pyarrow.parquet as pq
-
-            present |= set(pq.ParquetFile(path).schema_arrow.names) & set(COLUMNS)
-    return [c for c in COLUMNS if c in present] or ["caption"]

@@ -129,9 +129,10 @@ class JsonlFile:
 
 
 class ParquetFile:
-    """A parquet file read column-wise: only ``columns`` are loaded, once per process, when first needed."""
+    """A parquet file read column-wise: only ``columns`` are loaded, once per process, when first needed.
+    ``optional`` columns are loaded where the file has them and read as None where it does not."""
 
-    def __init__(self, path: str, columns: Sequence[str]) -> None:
+    def __init__(self, path: str, columns: Sequence[str], optional: Sequence[str] = ()) -> None:
         import pyarrow.parquet as pq
 
         if not os.path.isfile(path):
@@ -146,6 +147,8 @@ class ParquetFile:
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise DataError(f"{path}: missing column(s) {missing}; the file has {names}")
+        self.columns += [c for c in optional if c in names and c not in self.columns]
+        self.absent = [c for c in optional if c not in names]
         self._num_rows = meta.metadata.num_rows
         self._table: Any = None
 
@@ -163,7 +166,7 @@ class ParquetFile:
             import pyarrow.parquet as pq
 
             self._table = pq.read_table(self.path, columns=self.columns)
-        return {c: self._table.column(c)[row].as_py() for c in self.columns}
+        return {**{c: self._table.column(c)[row].as_py() for c in self.columns}, **dict.fromkeys(self.absent)}
 
 
 class RowSource:
@@ -173,15 +176,19 @@ class RowSource:
         files: paths, read in this order.
         format: ``auto``, ``jsonl`` or ``parquet`` (`detect_format`).
         columns: the fields a row must provide (parquet loads only these; jsonl rows are checked when encoded).
+        optional: fields a parquet file may lack (read as None there), e.g. DiT's ``video`` / ``image``, one of
+            which each row gives.
     """
 
-    def __init__(self, files: Sequence[str], format: str, columns: Sequence[str]) -> None:
+    def __init__(
+        self, files: Sequence[str], format: str, columns: Sequence[str], optional: Sequence[str] = ()
+    ) -> None:
         if not files:
             raise DataError("no data files given")
         self.files: list[JsonlFile | ParquetFile] = []
         for path in files:
             kind = detect_format(path, format)
-            self.files.append(JsonlFile(path) if kind == "jsonl" else ParquetFile(path, columns))
+            self.files.append(JsonlFile(path) if kind == "jsonl" else ParquetFile(path, columns, optional))
         self._starts = np.cumsum([0] + [len(f) for f in self.files]).tolist()
         if self._starts[-1] == 0:
             raise DataError(f"the data files hold no rows: {list(files)}")
