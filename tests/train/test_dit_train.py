@@ -355,10 +355,10 @@ def test_bad_clips_name_file_and_row(tmp_path, sizes, message):
 
 def test_empty_video_path_is_refused_not_read_as_the_data_directory(tmp_path):
     # os.path.join(root, "") is the data file's directory: its pictures must not become a clip.
+    from PIL import Image
+
     from veomni.train.data.dit import ShapeRule, index_dit
     from veomni.train.data.sources import DataError, RowSource
-
-    from PIL import Image
 
     for i in range(5):
         Image.new("RGB", (32, 32), (200, 10, 10)).save(tmp_path / f"{i:03d}.png")

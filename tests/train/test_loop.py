@@ -263,6 +263,36 @@ def test_the_last_step_is_saved_once(dist_pools, tmp_path):
     assert pool.run(_train_counting_saves, raw)[0] == [2, STEPS]
 
 
+def _step_flops_and_local_lengths(ctx, raw: dict) -> tuple[float, list[int], float]:
+    import torch.distributed as dist
+
+    from veomni.train.loop import build_run
+    from veomni.train.metrics import attention_flops
+
+    run = build_run(recipe_from_dict(raw))
+    step = next(iter(run.train_data))
+    mine = [
+        int(b - a)
+        for batch in step.micro_batches
+        for a, b in zip(batch["cu_seqlens"][:-1], batch["cu_seqlens"][1:], strict=True)
+    ]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    want = run.task.flops_per_token * step.tokens + attention_flops(
+        [n for lengths in every for n in lengths], run.task.num_layers, run.task.query_width
+    )
+    return run.task.step_flops(step), sorted(step.sample_tokens), want
+
+
+def test_step_flops_count_the_attention_of_every_dp_rank(dist_pools, tmp_path):
+    # The MFU numerator is the whole step's FLOPs (the loop divides by the world size): the attention term too,
+    # not only this rank's samples.
+    results = dist_pools.get(2, "gloo").run(_step_flops_and_local_lengths, tiny_recipe(str(tmp_path), DENSE))
+    for flops, _, want in results:
+        assert flops == pytest.approx(want, rel=1e-12)
+    assert results[0][:2] == results[1][:2]
+
+
 def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_saved_values(tmp_path, caplog):
     from types import SimpleNamespace
 
@@ -275,7 +305,9 @@ def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_sav
         _check_resumable(SimpleNamespace(recipe=recipe_from_dict(raw)), tmp_path, {"recipe": saved})
     (message,) = [r.getMessage() for r in caplog.records if "optimizer and schedule state" in r.getMessage()]
     assert f"optim.lr: saved {saved['optim']['lr']!r}, recipe {raw['optim']['lr']!r}" in message
-    assert "warmup" not in message.split("keep the saved values of")[1].split("(the")[0]  # the recipe's, no warning
+    assert (
+        "warmup" not in message.split("keep the saved values of")[1].split("(the")[0]
+    )  # the recipe's, no warning
 
 
 BF16_LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]

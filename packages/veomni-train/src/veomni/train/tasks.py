@@ -114,15 +114,6 @@ def flops_per_token(probe: nn.Module) -> float:
     return 6.0 * active_matmul_params(probe, expert_names, fraction)
 
 
-def sample_lengths(step: Step) -> list[int]:
-    """Lengths of the packed samples of ``step``'s micro-batches on this rank (from their ``cu_seqlens``)."""
-    lengths: list[int] = []
-    for batch in step.micro_batches:
-        cu = batch["cu_seqlens"].tolist()
-        lengths.extend(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
-    return lengths
-
-
 @attrs.frozen(kw_only=True)
 class TextTask:
     """Causal language modelling on packed documents (labels pre-shifted per document by the collator).
@@ -192,8 +183,10 @@ class TextTask:
         dist.barrier()
 
     def step_flops(self, step: Step) -> float:
+        # Both terms over the whole step, all DP ranks (the loop divides by the world size): the samples' lengths
+        # come from the plan, not from this rank's cu_seqlens.
         return self.flops_per_token * step.tokens + attention_flops(
-            sample_lengths(step), self.num_layers, self.query_width
+            step.sample_tokens, self.num_layers, self.query_width
         )
 
 

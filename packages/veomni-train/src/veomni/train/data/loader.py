@@ -84,6 +84,7 @@ class Step:
         valid_tokens: valid labels of the whole step over all DP ranks: the loss normaliser ``N_global``, known
             here without communication (``veomni.core.global_token_count`` over the batches gives the same).
         patches: vision patches of the whole step over all DP ranks (multimodal data; 0 for text).
+        sample_tokens: every packed sample's tokens over all DP ranks (the attention FLOPs of the whole step).
     """
 
     step: int
@@ -92,6 +93,7 @@ class Step:
     tokens: int
     valid_tokens: int
     patches: int = 0
+    sample_tokens: tuple[int, ...] = ()
 
 
 class _PackedRows(Dataset):
@@ -278,6 +280,7 @@ class TrainData(PlannedSteps):
                 tokens=int(self.index.lengths[rows].sum()),
                 valid_tokens=int(self.index.trained[rows].sum()),
                 patches=0 if self.index.patches is None else int(self.index.patches[rows].sum()),
+                sample_tokens=tuple(self.index.lengths[rows].tolist()),
             )
 
     def state_dict(self) -> dict[str, Any]:
