@@ -13,7 +13,15 @@ from veomni.train.recipe import builtin_recipes, load_recipe, recipe_fields
 @pytest.mark.parametrize("name", builtin_recipes())
 def test_every_shipped_recipe_validates(name):
     recipe = load_recipe(name)
-    single = ("quickstart", "quickstart_vlm", "quickstart_omni", "quickstart_dit", "qwen3_0.6b", "qwen3_1.7b", "qwen3_vl_2b")
+    single = (
+        "quickstart",
+        "quickstart_vlm",
+        "quickstart_omni",
+        "quickstart_dit",
+        "qwen3_0.6b",
+        "qwen3_1.7b",
+        "qwen3_vl_2b",
+    )
     dp = 1 if name in single else 8
     assert recipe.grad_accum(dp) >= 1
 
@@ -46,6 +54,12 @@ def test_print_shows_the_resolved_recipe_with_overrides(capsys):
     assert "lr: 0.0001" in capsys.readouterr().out
 
 
+def test_print_without_a_recipe_is_a_usage_error(capsys):
+    assert main(["--print"]) == 2
+    assert main(["--print", "--optim.lr=1e-4"]) == 2
+    assert "the recipe comes first" in capsys.readouterr().err
+
+
 def test_a_typo_exits_2_with_a_suggestion(capsys):
     assert main(["quickstart", "--optim.lrr=1e-4"]) == 2
     assert "did you mean" in capsys.readouterr().err
@@ -57,7 +71,11 @@ def test_doctor_reports_backends_and_why_not():
     assert "moe_experts" in text and "cross_entropy" in text
     # Every backend with its variants, NPU acceptance and the reason it cannot run here (NPU and QuACK included).
     quack = next(line for line in text.splitlines() if " cross_entropy " in line and " quack " in line)
-    assert "npu:no" in quack and "[causal,seq_cls]" in quack and ("unavailable: " in quack or quack.endswith(" ok"))
+    assert (
+        "npu:no" in quack
+        and "[causal,seq_cls]" in quack
+        and ("unavailable: " in quack or quack.endswith(" ok"))
+    )
     npu = next(line for line in text.splitlines() if " rms_norm " in line and " npu " in line)
     assert "npu:ok" in npu
     if "kernel backends on npu" not in text:

@@ -351,6 +351,27 @@ def test_inline_config_entries_can_be_overridden(tmp_path):
         load_recipe(write(tmp_path, raw), ["--model.config.hidden_size=2"])
 
 
+def test_an_entry_of_a_mapping_field_the_file_leaves_at_its_default_can_be_set(tmp_path):
+    # config_overrides is {} by default: setting one entry needs no `config_overrides: {}` in the file, and the
+    # recipe behaves the same before and after a dump (which writes the {}).
+    override = ["--model.config_overrides.attention_dropout=0.1"]
+    assert load_recipe("qwen3_0.6b", override).model.config_overrides == {"attention_dropout": 0.1}
+    dumped = save_recipe(load_recipe("qwen3_0.6b"), tmp_path / "r.yaml")
+    assert load_recipe(dumped, override) == load_recipe("qwen3_0.6b", override)
+
+
+def test_bare_on_and_off_in_yaml_are_the_choices_of_that_name(tmp_path):
+    # YAML 1.1 reads a bare `off` as False; the docs write `ops.compile: off`.
+    raw = minimal()
+    for word, want in (("off", "off"), ("on", "on"), ("auto", "auto")):
+        path = tmp_path / f"{word}.yaml"
+        path.write_text(yaml.safe_dump(raw) + f"ops:\n  compile: {word}\n")
+        assert load_recipe(path).ops.compile == want
+    text = yaml.safe_dump(raw).replace("data:\n", "data:\n  shuffle: off\n")  # a bool field keeps YAML's bool
+    path.write_text(text)
+    assert load_recipe(path).data.shuffle is False
+
+
 def test_paths_resolve_against_cwd_and_builtin(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     raw = minimal()

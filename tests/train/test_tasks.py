@@ -159,7 +159,9 @@ def test_text_task_reads_the_language_model_config_of_a_composite():
     assert dense.aux_loss_coef == 0.0
     moe = build_task("text", meta_instance(_meta_model(MOE).config))
     assert moe.aux_loss_coef == 0.01
-    with pytest.raises(ValueError, match=r"model.task: expected one of \['dit', 'omni', 'text', 'vlm'\], found 'tts'"):
+    with pytest.raises(
+        ValueError, match=r"model.task: expected one of \['dit', 'omni', 'text', 'vlm'\], found 'tts'"
+    ):
         build_task("tts", probe)
 
 
@@ -216,3 +218,24 @@ def test_config_overrides_apply_to_the_checkpoint_config_and_are_checked(tmp_pat
     inline["model"]["config_overrides"] = {"rms_norm_eps": 1e-5}
     with pytest.raises(RecipeError, match=r"model.config is an inline mapping; put \['rms_norm_eps'\] in it"):
         recipe_from_dict(inline)
+
+
+def test_biases_are_not_decayed_nor_counted_as_matmuls_fused_expert_ones_included():
+    # gpt-oss keeps its per-expert biases as [E, out] tensors: 2-D, yet additions, not matrices.
+    from test_loop import GPT_OSS
+    from transformers import AutoConfig
+
+    from veomni.train.metrics import active_matmul_params
+    from veomni.train.model_setup import meta_instance
+
+    values = dict(GPT_OSS)
+    probe = meta_instance(AutoConfig.for_model(values.pop("model_type"), **values), "causal_lm")
+    decayed = {n for g in param_groups(probe, 0.1, 1.0) if g["weight_decay"] > 0 for n in g["names"]}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in decayed
+    assert not [n for n in decayed if n.endswith("bias")]
+    biases = sum(p.numel() for n, p in probe.named_parameters() if n.endswith("bias") and p.dim() >= 2)
+    assert biases > 0
+    with_biases = sum(
+        p.numel() for n, p in probe.named_parameters() if p.dim() >= 2
+    ) - probe.get_input_embeddings().weight.numel() * (0 if probe.config.tie_word_embeddings else 1)
+    assert active_matmul_params(probe) == with_biases - biases

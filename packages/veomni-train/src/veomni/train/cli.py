@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     show = "--print" in args
     args = [a for a in args if a != "--print"]
+    if not args or args[0].startswith("--"):
+        print(f"veomni-train: the recipe comes first (a name or a YAML path), found {args[:1] or 'none'}\n" + USAGE,
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         recipe = load_recipe(args[0], args[1:])
     except (RecipeError, FileNotFoundError) as err:

@@ -63,7 +63,7 @@ def active_matmul_params(
     tied = embedding is not None and head is not None and embedding.weight is head.weight
     total = 0.0
     for name, param in model.named_parameters():
-        if param.dim() < 2:
+        if param.dim() < 2 or name.endswith("bias"):  # fused per-expert biases ([E, out]) are additions
             continue
         if embedding is not None and param is embedding.weight and not tied:
             continue  # a lookup; when tied, the same tensor is counted once, as the LM head's matmul

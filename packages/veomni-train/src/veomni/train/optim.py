@@ -79,7 +79,8 @@ def param_groups(
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = param.dim() >= 2
+        # Matrices decay; norms and biases do not, fused per-expert biases ([E, out], gpt-oss) included.
+        decay = param.dim() >= 2 and not name.endswith("bias")
         scale = lr_multiplier(name, lr_multipliers) if lr_multipliers else 1.0
         parts = name.split(".")
         used |= {

@@ -161,6 +161,11 @@ def convert(value: Any, tp: Any, key: str) -> Any:
         choices = typing.get_args(tp)
         if value in choices and type(value) is type(choices[choices.index(value)]):
             return value
+        if isinstance(value, bool):
+            # YAML 1.1 reads a bare on/off (yes/no) as a bool: `compile: off` means the choice 'off'.
+            words = [w for w in (("on", "yes", "true") if value else ("off", "no", "false")) if w in choices]
+            if words:
+                return words[0]
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise RecipeError(f"{key}: expected one of {list(choices)}, found {value!r}{hint}")
@@ -374,6 +379,11 @@ def _inline_mapping_entry(
     for section in parts[: cut - 1]:
         holder = holder.get(section) if isinstance(holder, dict) else None
     current = holder.get(parts[cut - 1]) if isinstance(holder, dict) else None
+    if current is None and isinstance(holder, dict) and parts[cut - 1] not in holder:
+        # Not in the recipe file: the field's default mapping (e.g. model.config_overrides' {}) takes the entry.
+        default = known[leaf].default
+        default = default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[arg-type]
+        current = dict(default) if isinstance(default, dict) else None
     if not isinstance(current, dict):
         raise RecipeError(
             f"override --{key}: {leaf} is not an inline mapping here (found {current!r}), so it has no entry to set"
