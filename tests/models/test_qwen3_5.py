@@ -115,3 +115,38 @@ def test_moe_parallel_plan_shards_the_fused_experts():
         f"model.layers.{i}.mlp.experts.{name}" for i in range(4) for name in ("gate_up_proj", "down_proj")
     )
     assert all(s.start == 2 and s.stop == 4 for s in shards.values())
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_released_vlm_checkpoint_trains_text_only_as_a_causal_lm(tmp_path, moe):
+    # Qwen3.5 checkpoints carry the VLM model_type; transformers' AutoModelForCausalLM builds the text model from
+    # them (the tower's weights left out), and so does build_model(task="causal_lm"), with the same logits.
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5MoeConfig
+
+    from veomni.models.build import build_model
+
+    text = dict(vocab_size=128, hidden_size=48, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
+                num_key_value_heads=2, head_dim=12, linear_num_key_heads=2, linear_num_value_heads=6,
+                linear_key_head_dim=10, linear_value_head_dim=6)  # fmt: skip
+    if moe:
+        del text["intermediate_size"]
+        text.update(
+            moe_intermediate_size=20, shared_expert_intermediate_size=28, num_experts=4, num_experts_per_tok=2
+        )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48)
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision)
+    vlm_class = (
+        upstream_moe_modeling.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else upstream_modeling.Qwen3_5ForConditionalGeneration
+    )
+    torch.manual_seed(0)
+    vlm_class(config).save_pretrained(tmp_path)
+    upstream = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = build_model(
+        str(tmp_path), weights=str(tmp_path), ops=OpsConfig(**EAGER_OPS), task="causal_lm"
+    ).eval()
+    assert type(ours) is (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, upstream(ids).logits, rtol=2e-5, atol=2e-5)

@@ -282,6 +282,11 @@ def build_model(
     elif not isinstance(ops, OpsConfig):
         raise TypeError(f"build_model: ops must be a veomni.kernels.OpsConfig, got {type(ops).__name__}")
     resolved = registry.model_class(config, task or "causal_lm", backend=backend)
+    text_config_class = getattr(config, "sub_configs", {}).get("text_config")
+    if text_config_class is not None and getattr(resolved.cls, "config_class", None) is text_config_class:
+        # A text-only class of a composite config (a Qwen3.5 VLM checkpoint as a causal LM): it takes the text
+        # config, as transformers' AutoModelForCausalLM gives it.
+        config = config.get_text_config()
     with torch.device(init_device), no_init_weights():
         model = resolved.cls._from_config(config, dtype=dtype)
     # post_init ties inside init_weights, which no_init_weights skipped.

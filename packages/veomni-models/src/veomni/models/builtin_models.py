@@ -208,7 +208,12 @@ def register_builtin(registry: ModelRegistry) -> None:
     registry.register_config("qwen3_5", "transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5Config")
     registry.register_model(
         "qwen3_5",
-        {"image_text_to_text": f"{qwen3_5}:Qwen3_5ForConditionalGeneration", "base": f"{qwen3_5}:Qwen3_5Model"},
+        {
+            "image_text_to_text": f"{qwen3_5}:Qwen3_5ForConditionalGeneration",
+            "base": f"{qwen3_5}:Qwen3_5Model",
+            # Text-only training of a released VLM checkpoint, as transformers' AutoModelForCausalLM allows.
+            "causal_lm": f"{qwen3_5}:Qwen3_5ForCausalLM",
+        },
         fast_paths={"sp", "fused_kernels"},
     )
     registry.register_config(
@@ -219,6 +224,7 @@ def register_builtin(registry: ModelRegistry) -> None:
         {
             "image_text_to_text": f"{qwen3_5_moe}:Qwen3_5MoeForConditionalGeneration",
             "base": f"{qwen3_5_moe}:Qwen3_5MoeModel",
+            "causal_lm": f"{qwen3_5_moe}:Qwen3_5MoeForCausalLM",
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
