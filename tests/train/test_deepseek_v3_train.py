@@ -1,6 +1,7 @@
 """DeepSeek-V3 in the text trainer on real gloo ranks: the (dp, sp, ep) layouts give the single-process loss and grad
 norm per step (test_loop's grid, with MLA, group-limited routing and shared experts); the aux-loss-free router bias is
-a buffer no step changes (transformers defines no update rule) that DCP checkpoints and the HF export carry exactly."""
+a buffer no step changes by default (transformers defines no update rule) that DCP checkpoints and the HF export carry
+exactly, and with optim.moe_bias_update_speed it follows DeepSeek-V3's sign rule over the step's global load."""
 
 from __future__ import annotations
 
@@ -110,3 +111,78 @@ def test_router_bias_round_trips_through_dcp_and_export_under_ep(dist_pools, set
     assert torch.equal(load_file(exported / "model.safetensors")[BIAS], updated)
     plain = AutoModelForCausalLM.from_pretrained(exported)
     assert torch.equal(plain.state_dict()[BIAS], updated)
+
+
+def _balanced_steps(ctx, raw: dict) -> dict:
+    """Steps with optim.moe_bias_update_speed on: each step's all-reduced loads and the bias after it, and the
+    experts this rank's router chose in the step (its own outputs, counted here apart from veomni's counter)."""
+    from veomni.models.deepseek_v3 import aux_free_balance
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    (router,) = run.balanced_routers
+    loads, biases, chosen = [], [], []
+    original = aux_free_balance.update_correction_biases
+
+    def recording(routers, speed, group=None):
+        out = original(routers, speed, group)
+        loads.append(out[0].cpu().clone())
+        biases.append(routers[0].e_score_correction_bias.cpu().clone())
+        return out
+
+    picks: list[torch.Tensor] = []
+    capture = router.register_forward_hook(
+        lambda m, args, out: picks.append(out[2].detach().reshape(-1).cpu())
+    )
+    aux_free_balance.update_correction_biases = recording
+    try:
+        it = iter(run.train_data)
+        for _ in range(STEPS):
+            picks.clear()
+            train_step(run, next(it))
+            chosen.append(torch.bincount(torch.cat(picks), minlength=8).float())
+    finally:
+        aux_free_balance.update_correction_biases = original
+        capture.remove()
+    return {"loads": loads, "biases": biases, "chosen": chosen}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_aux_free_bias_update_follows_deepseek_rule(dist_pools, setup, tmp_path, world_size):
+    # bias += speed * sign(mean(load) - load) after every step, load = the step's (token, choice) pairs per expert
+    # over every micro-batch and rank, as DeepSeek-V3 defines its auxiliary-loss-free balancing.
+    weights, loaded, _ = setup
+    speed = 0.01
+    raw = _recipe(str(tmp_path), weights)
+    raw["optim"]["moe_bias_update_speed"] = speed
+    results = dist_pools.get(world_size, "gloo").run(_balanced_steps, raw)
+    bias = loaded.clone()
+    for step in range(STEPS):
+        # The load is every rank's (token, choice) pairs per expert, all micro-batches.
+        load = sum(r["chosen"][step] for r in results)
+        assert load.sum() > 0
+        for r in results:
+            assert torch.equal(r["loads"][step], load)
+        bias = bias + speed * torch.sign(load.mean() - load)
+        for r in results:
+            torch.testing.assert_close(r["biases"][step], bias, rtol=0, atol=1e-6)
+    assert not torch.equal(bias, loaded)
+
+
+def _build_error(ctx, raw: dict) -> tuple[str, str]:
+    from veomni.train.loop import build_run
+
+    try:
+        build_run(recipe_from_dict(raw))
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return type(err).__name__, str(err)
+    return "no error", ""
+
+
+def test_bias_update_without_such_routers_is_refused(dist_pools, tmp_path):
+    from test_loop import DENSE
+
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["optim"]["moe_bias_update_speed"] = 0.001
+    kind, message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
+    assert kind == "PreflightError" and "has none; set it to 0" in message

@@ -142,6 +142,7 @@ class Run:
     saved_step: int | None = None  # the step whose checkpoint in checkpoint.dir holds the current state
     masters: MasterWeights | None = None
     graphs: MicroBatchGraphs | None = None  # train.cuda_graphs
+    balanced_routers: list[nn.Module] = attrs.Factory(list)  # optim.moe_bias_update_speed > 0
 
     @property
     def trained(self) -> nn.Module:
@@ -241,6 +242,17 @@ def build_run(recipe: Recipe) -> Run:
     torch.manual_seed(recipe.train.seed)
     model = build_recipe_model(recipe, config, probe, ops, state, device)
     hand_aux_loss_to_loop(model)
+    routers: list[nn.Module] = []
+    if recipe.optim.moe_bias_update_speed > 0:
+        from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
+
+        routers = attach_load_counters(model)
+        if not routers:
+            raise PreflightError(
+                f"optim.moe_bias_update_speed={recipe.optim.moe_bias_update_speed} moves routers' "
+                f"e_score_correction_bias (DeepSeek-V3's auxiliary-loss-free balancing), but {type(model).__name__} "
+                "has none; set it to 0"
+            )
     masters = master_weights_of(model)
     # On the one-rank master-weights path AdamW steps the fp32 masters (same names, so the same groups).
     optimizer = build_adamw(
@@ -259,7 +271,7 @@ def build_run(recipe: Recipe) -> Run:
     run = Run(
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
-        total_steps=steps, task=task, config=config, masters=masters,
+        total_steps=steps, task=task, config=config, masters=masters, balanced_routers=routers,
     )  # fmt: skip
     if recipe.train.cuda_graphs:
         run.graphs = make_graphs(run)

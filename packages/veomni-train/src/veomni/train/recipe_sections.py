@@ -342,6 +342,12 @@ class OptimSection:
         "on a parameter's path wins; a name matching no trainable parameter is an error",
         factory=True,
     )
+    moe_bias_update_speed: float = _field(
+        0.0,
+        "DeepSeek-V3 auxiliary-loss-free balancing: after each step every router's e_score_correction_bias moves by "
+        "this toward balance (+speed for experts below the mean load, -speed above; DeepSeek used 0.001); 0 keeps "
+        "the bias fixed, as transformers does",
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.lr <= 0:
@@ -358,6 +364,8 @@ class OptimSection:
                if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}  # fmt: skip
         if bad:
             raise RecipeError(f"optim.lr_multipliers: expected numbers >= 0 per name, found {bad}")
+        if self.moe_bias_update_speed < 0:
+            raise RecipeError(f"optim.moe_bias_update_speed: expected >= 0, found {self.moe_bias_update_speed}")
 
 
 @attrs.frozen(kw_only=True)

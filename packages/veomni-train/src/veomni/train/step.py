@@ -127,6 +127,10 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     grad_norm = clip_and_step(run.optimizer, run.trained, run.recipe.optim.max_grad_norm, run.state)
     if run.masters is not None:
         run.masters.push()  # the stepped fp32 masters, rounded into the compute parameters
+    if run.balanced_routers:
+        from veomni.models.deepseek_v3.aux_free_balance import update_correction_biases
+
+        update_correction_biases(run.balanced_routers, run.recipe.optim.moe_bias_update_speed)
     run.scheduler.step()
     # Captured graphs accumulate into the gradient tensors they were captured with: zero them, keep them.
     run.optimizer.zero_grad(set_to_none=run.graphs is None)
