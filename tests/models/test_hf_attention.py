@@ -419,6 +419,19 @@ def test_kv_cache_decoding_still_matches_hf():
     assert torch.equal(got, ref)
 
 
+def test_a_static_cache_is_refused_not_decoded_wrongly():
+    # A StaticCache hands over all its slots (the unwritten ones zero), not past + new: the decode path would take
+    # the queries as the last keys and attend to future prompt tokens and empty slots.
+    from transformers import StaticCache
+
+    model = build_model("qwen3", "veomni_sdpa").eval()
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    for mask in (None, torch.ones_like(prompt)):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad(), pytest.raises(NotImplementedError, match="16 key slots from 0 for queries at 0..4"):
+            model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
 def _sp_cross_case(ctx, attn: str, sq: int, sk: int) -> None:
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
     group = state.sp_group

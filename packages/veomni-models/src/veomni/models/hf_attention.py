@@ -389,6 +389,14 @@ def padding_mask_passthrough(
     built; HF's packing-derived ``mask_function`` is ignored because the attention function reads the same
     packing from its kwargs.
     """
+    if q_length != kv_length and int(q_offset) + q_length != int(kv_offset) + kv_length:
+        # The decode path takes the queries as the last keys (a dynamic cache's past + new). A preallocated cache
+        # (StaticCache, generate(cache_implementation="static")) hands over every slot, the unwritten ones too.
+        raise NotImplementedError(
+            f"veomni attention decodes with a cache whose keys end at the queries; this one has {kv_length} key "
+            f"slots from {int(kv_offset)} for queries at {int(q_offset)}..{int(q_offset) + q_length - 1} (a static "
+            "cache?): use a dynamic cache, or an HF attention implementation for generation"
+        )
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:]
