@@ -331,7 +331,7 @@ class OptimSection:
     eps: float = _field(1e-8, "AdamW epsilon")
     weight_decay: float = _field(0.1, "decoupled weight decay")
     schedule: Literal["cosine", "linear", "constant"] = _field(
-        "cosine", "decay after warmup, from lr to lr * min_lr_ratio at the last step"
+        "cosine", "decay after warmup, from lr toward lr * min_lr_ratio, which step total_steps would reach"
     )
     warmup_steps: int = _field(0, "linear warmup from 0 to lr over this many steps")
     min_lr_ratio: float = _field(0.1, "final lr as a fraction of lr (cosine and linear)")
