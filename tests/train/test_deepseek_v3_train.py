@@ -169,17 +169,8 @@ def test_aux_free_bias_update_follows_deepseek_rule(dist_pools, setup, tmp_path,
     assert not torch.equal(bias, loaded)
 
 
-def _build_error(ctx, raw: dict) -> tuple[str, str]:
-    from veomni.train.loop import build_run
-
-    try:
-        build_run(recipe_from_dict(raw))
-    except Exception as err:  # noqa: BLE001 - the test inspects it
-        return type(err).__name__, str(err)
-    return "no error", ""
-
-
 def test_bias_update_without_such_routers_is_refused(dist_pools, tmp_path):
+    from test_dit_train import _build_error
     from test_loop import DENSE
 
     raw = tiny_recipe(str(tmp_path), DENSE)
