@@ -430,6 +430,12 @@ def test_a_static_cache_is_refused_not_decoded_wrongly():
         cache = StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad(), pytest.raises(NotImplementedError, match="16 key slots from 0 for queries at 0..4"):
             model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+    # The same numbers from an encoder-decoder's cross-attention mask (no cache) are not a cache.
+    from transformers.masking_utils import bidirectional_mask_function
+
+    from veomni.models.hf_attention import padding_mask_passthrough
+
+    assert padding_mask_passthrough(1, 5, 16, mask_function=bidirectional_mask_function) is None
 
 
 def _sp_cross_case(ctx, attn: str, sq: int, sk: int) -> None:

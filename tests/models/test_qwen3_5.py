@@ -147,6 +147,10 @@ def test_a_released_vlm_checkpoint_trains_text_only_as_a_causal_lm(tmp_path, moe
         str(tmp_path), weights=str(tmp_path), ops=OpsConfig(**EAGER_OPS), task="causal_lm"
     ).eval()
     assert type(ours) is (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)
+    # The trainer's meta probe (block patterns, FLOPs) takes the same text config.
+    from veomni.train.model_setup import meta_instance
+
+    assert type(meta_instance(str(tmp_path), "causal_lm")) is type(ours)
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, upstream(ids).logits, rtol=2e-5, atol=2e-5)

@@ -179,9 +179,9 @@ def _saved_with(tmp_path, multipliers: dict) -> tuple[CheckpointManager, object]
         (
             {"embed": 2.0},
             {"head": 2.0},
-            r"2 parameters changed optimizer group: embed.weight saved \{'weight_decay': 0.1, 'lr_multiplier': 2.0\}",
+            r"2 parameters changed optimizer group: embed.weight saved \{'decayed': True, 'lr_multiplier': 2.0\}",
         ),
-        ({}, {"embed": 2.0}, r"embed.weight saved \{'weight_decay': 0.1, 'lr_multiplier': 1.0\}, now"),
+        ({}, {"embed": 2.0}, r"embed.weight saved \{'decayed': True, 'lr_multiplier': 1.0\}, now"),
     ],
 )
 def test_optimizer_groups_must_hold_the_same_parameters(tmp_path, then, now, problem):
@@ -192,9 +192,11 @@ def test_optimizer_groups_must_hold_the_same_parameters(tmp_path, then, now, pro
     with pytest.raises(CheckpointMismatchError, match=problem):
         manager.load(path, model, optimizer)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing was loaded
-    # The same grouping loads.
+    # The same grouping loads, with another weight decay value too (the saved one is optimizer state).
     model = toy.build(1)
     manager.load(path, model, build_adamw(model, lr_multipliers=then, **ADAM))
+    model = toy.build(1)
+    manager.load(path, model, build_adamw(model, lr_multipliers=then, **{**ADAM, "weight_decay": 0.05}))
 
 
 # ---------------------------------------------------------------- resharding across world sizes and EP

@@ -33,7 +33,14 @@ from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
 from veomni.models.loading.quantized import check_not_quantized
-from veomni.models.registry import DIFFUSERS_TASK, MODELS, DiffusersConfig, ModelRegistry, ResolvedModel
+from veomni.models.registry import (
+    DIFFUSERS_TASK,
+    MODELS,
+    DiffusersConfig,
+    ModelRegistry,
+    ResolvedModel,
+    config_for_class,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -282,11 +289,7 @@ def build_model(
     elif not isinstance(ops, OpsConfig):
         raise TypeError(f"build_model: ops must be a veomni.kernels.OpsConfig, got {type(ops).__name__}")
     resolved = registry.model_class(config, task or "causal_lm", backend=backend)
-    text_config_class = getattr(config, "sub_configs", {}).get("text_config")
-    if text_config_class is not None and getattr(resolved.cls, "config_class", None) is text_config_class:
-        # A text-only class of a composite config (a Qwen3.5 VLM checkpoint as a causal LM): it takes the text
-        # config, as transformers' AutoModelForCausalLM gives it.
-        config = config.get_text_config()
+    config = config_for_class(config, resolved.cls)
     with torch.device(init_device), no_init_weights():
         model = resolved.cls._from_config(config, dtype=dtype)
     # post_init ties inside init_weights, which no_init_weights skipped.

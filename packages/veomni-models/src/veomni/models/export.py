@@ -428,11 +428,12 @@ def export_dcp_to_hf(
     from torch.distributed.checkpoint import FileSystemReader
     from transformers.initialization import no_init_weights
 
-    from veomni.models.registry import MODELS
+    from veomni.models.registry import MODELS, config_for_class
 
     registry = MODELS if registry is None else registry
     cfg = registry.load_config(config)  # type: ignore[attr-defined]
     resolved = registry.model_class(cfg, task)  # type: ignore[attr-defined]
+    cfg = config_for_class(cfg, resolved.cls)
     with torch.device("meta"), no_init_weights():
         model = resolved.cls._from_config(cfg)
     model.tie_weights()

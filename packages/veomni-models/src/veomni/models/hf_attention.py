@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function
 from transformers.modeling_utils import AttentionInterface
 
 from veomni.core.sp import sp_cross_attention, ulysses_attention
@@ -389,7 +389,8 @@ def padding_mask_passthrough(
     built; HF's packing-derived ``mask_function`` is ignored because the attention function reads the same
     packing from its kwargs.
     """
-    if q_length != kv_length and int(q_offset) + q_length != int(kv_offset) + kv_length:
+    cross = mask_function is bidirectional_mask_function  # an encoder-decoder's cross-attention mask: no cache
+    if not cross and q_length != kv_length and int(q_offset) + q_length != int(kv_offset) + kv_length:
         # The decode path takes the queries as the last keys (a dynamic cache's past + new). A preallocated cache
         # (StaticCache, generate(cache_implementation="static")) hands over every slot, the unwritten ones too.
         raise NotImplementedError(

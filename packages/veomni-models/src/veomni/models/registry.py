@@ -436,3 +436,12 @@ from veomni.models.builtin_models import register_builtin  # noqa: E402  (the ta
 MODELS = ModelRegistry()
 """The default registry, filled with veomni's adapters at import (`veomni.models.builtin_models`)."""
 register_builtin(MODELS)
+
+
+def config_for_class(config: PretrainedConfig, cls: type) -> PretrainedConfig:
+    """The config ``cls`` is built from: a composite config's text config for a text-only class of it (a Qwen3.5
+    VLM checkpoint as a causal LM), as transformers' auto classes hand it; else ``config`` itself."""
+    text_config_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text_config_class is not None and getattr(cls, "config_class", None) is text_config_class:
+        return config.get_text_config()
+    return config

@@ -51,6 +51,7 @@ from veomni.core.parallel_state import ParallelState
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+STAGED_DIR = re.compile(r"^step_\d{8}\.(new|old)$")  # a re-save's new copy and the one it replaces
 MARKER = "COMPLETE"
 # Config entries that describe how a model runs or where it came from, not what it is.
 RUNTIME_CONFIG_KEYS = frozenset(
@@ -186,27 +187,29 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
 
 def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Mapping[str, Any]) -> None:
     # The saved param_groups are matched to this run's by parameter name (torch's set_state_dict), and a group takes
-    # the hyperparameters of the saved group its parameters were in: each parameter must have had the weight decay
-    # and lr multiplier it has now, or another group's would land on it without a word. Groups may still split
-    # differently (by device mesh: EP experts form their own), which is harmless.
+    # the hyperparameters of the saved group its parameters were in: each parameter must sit in a group of the same
+    # kind as before (decayed or not, same lr multiplier), or another group's settings would land on it without a
+    # word. The values themselves (the weight decay, the lr) are optimizer state and resume as saved. Groups may be
+    # coarser than saved (EP experts merged back with the dense parameters); a finer split cannot load.
     groups = (payload.get("optim") or {}).get("param_groups") if isinstance(payload, Mapping) else None
     if groups is None:
         return
-    prefix, keys = "optim.param_groups.", ("weight_decay", "lr_multiplier")
+    prefix = "optim.param_groups."
     count = len({k[len(prefix) :].split(".", 1)[0] for k in metadata if k.startswith(prefix)})
-    saved = {f"{prefix}{i}.{key}": None for i in range(count) for key in ("params", *keys)
+    saved = {f"{prefix}{i}.{key}": None for i in range(count) for key in ("params", "weight_decay", "lr_multiplier")
              if f"{prefix}{i}.{key}" in metadata}  # fmt: skip
     with warnings.catch_warnings():  # one process reading a few small entries is the intent here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(saved, checkpoint_id=dcp_dir, no_dist=True)
-    # A checkpoint from before lr multipliers existed has none: its groups trained at 1x.
-    default = {"weight_decay": None, "lr_multiplier": 1.0}
-    then = {fqn: tuple(default[key] if saved.get(f"{prefix}{i}.{key}") is None else saved[f"{prefix}{i}.{key}"]
-                       for key in keys)
+
+    def kind(weight_decay: Any, multiplier: Any) -> dict[str, Any]:
+        return {"decayed": bool(weight_decay), "lr_multiplier": multiplier}
+
+    then = {fqn: kind(saved.get(f"{prefix}{i}.weight_decay"), saved.get(f"{prefix}{i}.lr_multiplier"))
             for i in range(count) for fqn in saved.get(f"{prefix}{i}.params") or ()}  # fmt: skip
-    now = {fqn: tuple(group.get(key) for key in keys) for group in groups for fqn in group["params"]}
-    changed = [f"{fqn} saved {dict(zip(keys, then[fqn], strict=True))}, now {dict(zip(keys, now[fqn], strict=True))}"
-               for fqn in sorted(then.keys() & now.keys()) if then[fqn] != now[fqn]]  # fmt: skip
+    now = {fqn: kind(group.get("weight_decay"), group.get("lr_multiplier")) for group in groups for fqn in group["params"]}
+    changed = [f"{fqn} saved {then[fqn]}, now {now[fqn]}" for fqn in sorted(then.keys() & now.keys())
+               if then[fqn] != now[fqn]]  # fmt: skip
     problems = [f"{len(changed)} parameters changed optimizer group: {_listing(changed)}"] if changed else []
     if len(groups) > count:
         problems.append(
@@ -217,7 +220,7 @@ def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Map
         raise CheckpointMismatchError(
             f"checkpoint {dcp_dir.parent} groups the optimizer's parameters differently:\n  - "
             + "\n  - ".join(problems)
-            + "\nThe groups come from optim.lr_multipliers, weight decay (matrices or not) and the device mesh; "
+            + "\nThe groups come from optim.lr_multipliers, which parameters are decayed and the device mesh; "
             "resume with the recipe the checkpoint was saved with (its recipe is in trainer.pt), or start fresh."
         )
 
@@ -426,6 +429,9 @@ class CheckpointManager:
         current = int(STEP_DIR.match(keep.name).group(1))
         complete, stale = [], []
         for p in self.root.iterdir():
+            if STAGED_DIR.match(p.name):
+                stale.append(p)  # the staging or replaced copy of an interrupted re-save
+                continue
             m = STEP_DIR.match(p.name)
             if not m:
                 continue

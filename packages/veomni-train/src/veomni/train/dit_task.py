@@ -180,7 +180,7 @@ class DitTask:
         export_diffusers(model, out, parallel_state=parallel_state)
 
     def step_flops(self, step: Step) -> float:
-        return sum(self.flops.sample(s) for s in getattr(step, "sample_tokens", ()))
+        return sum(self.flops.sample(s) for s in step.sample_tokens)
 
 
 __all__ = ["DitFlops", "DitOutput", "DitTask"]

@@ -46,9 +46,12 @@ def model_config(recipe: Recipe) -> PretrainedConfig:
 def meta_instance(config: PretrainedConfig | str, task: str = "causal_lm") -> nn.Module:
     """The model class veomni builds for ``config`` and registry ``task``, on the meta device (no memory): for
     block patterns and parameter counts, which the sharded model no longer shows whole."""
+    from veomni.models.registry import config_for_class
+
     loaded = MODELS.load_config(config)
+    cls = MODELS.model_class(loaded, task).cls
     with torch.device("meta"):
-        return MODELS.model_class(loaded, task).cls._from_config(loaded)
+        return cls._from_config(config_for_class(loaded, cls))
 
 
 def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dtype: torch.dtype) -> Any:

@@ -134,9 +134,9 @@ def async_ulysses_attention(
                 f"project must yield 'q', 'k' and 'v' once each; got {name!r} (after {list(pending)})"
             )
         seq, head = _norm_dim(t, seq_dim), _norm_dim(t, head_dim)
-        if name == "q" and t.shape[head] != query_heads:
-            raise ValueError(f"q has {t.shape[head]} heads, query_heads says {query_heads}")
         if name == "q":
+            if t.shape[head] != query_heads:
+                raise ValueError(f"q has {t.shape[head]} heads, query_heads says {query_heads}")
             padded_len = t.shape[seq] * world  # what the output must cover again, padding rows included
         if name != "q":
             kv_heads[name] = t.shape[head]

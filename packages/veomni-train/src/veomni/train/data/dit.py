@@ -262,9 +262,8 @@ class _DitRows(Dataset):
 @attrs.frozen(eq=False)
 class DitStep(Step):
     """A `Step` of DiT data. ``valid_tokens`` is the step's sample count over all DP ranks (the loss normaliser),
-    ``tokens`` its transformer tokens; ``sample_tokens`` lists every sample's tokens over all DP ranks (FLOPs)."""
-
-    sample_tokens: tuple[int, ...] = ()
+    ``tokens`` its transformer tokens; ``sample_tokens`` (the base field) lists every sample's transformer tokens
+    over all DP ranks (FLOPs)."""
 
 
 class DitData(PlannedSteps):
