@@ -360,6 +360,12 @@ def test_an_entry_of_a_mapping_field_the_file_leaves_at_its_default_can_be_set(t
     assert load_recipe(dumped, override) == load_recipe("qwen3_0.6b", override)
 
 
+def test_a_module_glob_of_lr_multipliers_is_one_key_on_the_command_line():
+    # `--optim.lr_multipliers.model.visual=0.1` sets the glob "model.visual", not {"model": {"visual": 0.1}}.
+    recipe = load_recipe("quickstart-vlm", ["--optim.lr_multipliers.model.visual=0.1", "--optim.lr_multipliers.x.*=2"])
+    assert recipe.optim.lr_multipliers == {"model.visual": 0.1, "x.*": 2}
+
+
 def test_bare_on_and_off_in_yaml_are_the_choices_of_that_name(tmp_path):
     # YAML 1.1 reads a bare `off` as False; the docs write `ops.compile: off`.
     raw = minimal()

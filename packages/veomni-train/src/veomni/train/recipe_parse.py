@@ -390,6 +390,9 @@ def _inline_mapping_entry(
         )
     mapping = dict(current)
     holder[parts[cut - 1]] = mapping
+    if known[leaf].metadata.get("dotted_keys"):
+        # Keys that are dotted names themselves (optim.lr_multipliers' module globs): the rest is one key.
+        return mapping, ".".join(parts[cut:])
     for part in parts[cut:-1]:
         inner = mapping.get(part)
         mapping[part] = dict(inner) if isinstance(inner, dict) else {}

@@ -14,8 +14,10 @@ from veomni.kernels import OpsConfig
 from veomni.train.recipe_parse import RecipeError
 
 
-def _field(default: Any, help: str, *, path: bool = False, factory: bool = False) -> Any:
-    meta = {"help": help, "path": path}
+def _field(
+    default: Any, help: str, *, path: bool = False, factory: bool = False, dotted_keys: bool = False
+) -> Any:
+    meta = {"help": help, "path": path, "dotted_keys": dotted_keys}
     if factory:
         return attrs.field(factory=default, metadata=meta)
     return attrs.field(default=default, metadata=meta)
@@ -341,6 +343,7 @@ class OptimSection:
         "lr multiplier per module or parameter name glob, e.g. {model.visual: 0.1}; the deepest matching name "
         "on a parameter's path wins; a name matching no trainable parameter is an error",
         factory=True,
+        dotted_keys=True,
     )
     moe_bias_update_speed: float = _field(
         0.0,
@@ -365,7 +368,9 @@ class OptimSection:
         if bad:
             raise RecipeError(f"optim.lr_multipliers: expected numbers >= 0 per name, found {bad}")
         if self.moe_bias_update_speed < 0:
-            raise RecipeError(f"optim.moe_bias_update_speed: expected >= 0, found {self.moe_bias_update_speed}")
+            raise RecipeError(
+                f"optim.moe_bias_update_speed: expected >= 0, found {self.moe_bias_update_speed}"
+            )
 
 
 @attrs.frozen(kw_only=True)
