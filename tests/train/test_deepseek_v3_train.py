@@ -116,13 +116,13 @@ def test_router_bias_round_trips_through_dcp_and_export_under_ep(dist_pools, set
 def _balanced_steps(ctx, raw: dict) -> dict:
     """Steps with optim.moe_bias_update_speed on: each step's all-reduced loads and the bias after it, and the
     experts this rank's router chose in the step (its own outputs, counted here apart from veomni's counter)."""
-    from veomni.models.deepseek_v3 import aux_free_balance
+    from veomni.train import step as train_step_module
     from veomni.train.loop import build_run, train_step
 
     run = build_run(recipe_from_dict(raw))
     (router,) = run.balanced_routers
     loads, biases, chosen = [], [], []
-    original = aux_free_balance.update_correction_biases
+    original = train_step_module.update_correction_biases
 
     def recording(routers, speed, group=None):
         out = original(routers, speed, group)
@@ -134,7 +134,7 @@ def _balanced_steps(ctx, raw: dict) -> dict:
     capture = router.register_forward_hook(
         lambda m, args, out: picks.append(out[2].detach().reshape(-1).cpu())
     )
-    aux_free_balance.update_correction_biases = recording
+    train_step_module.update_correction_biases = recording
     try:
         it = iter(run.train_data)
         for _ in range(STEPS):
@@ -142,7 +142,7 @@ def _balanced_steps(ctx, raw: dict) -> dict:
             train_step(run, next(it))
             chosen.append(torch.bincount(torch.cat(picks), minlength=8).float())
     finally:
-        aux_free_balance.update_correction_biases = original
+        train_step_module.update_correction_biases = original
         capture.remove()
     return {"loads": loads, "biases": biases, "chosen": chosen}
 

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from veomni.core.master_weights import MasterWeights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
+from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
 from veomni.train.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
@@ -244,8 +245,6 @@ def build_run(recipe: Recipe) -> Run:
     hand_aux_loss_to_loop(model)
     routers: list[nn.Module] = []
     if recipe.optim.moe_bias_update_speed > 0:
-        from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
-
         routers = attach_load_counters(model)
         if not routers:
             raise PreflightError(

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_state import use_parallel_state
 from veomni.core.sp.real_tokens import use_real_length
+from veomni.models.deepseek_v3.aux_free_balance import update_correction_biases
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
 from veomni.train.optim import clip_and_step
@@ -128,8 +129,6 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     if run.masters is not None:
         run.masters.push()  # the stepped fp32 masters, rounded into the compute parameters
     if run.balanced_routers:
-        from veomni.models.deepseek_v3.aux_free_balance import update_correction_biases
-
         update_correction_biases(run.balanced_routers, run.recipe.optim.moe_bias_update_speed)
     run.scheduler.step()
     # Captured graphs accumulate into the gradient tensors they were captured with: zero them, keep them.
