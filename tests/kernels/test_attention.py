@@ -257,6 +257,27 @@ def test_gpu_backends_match_eager_bf16(name, causal, packed):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", GPU_NAMES)
+def test_gpu_cross_attention_to_a_shorter_context_matches_eager(name):
+    """Wan's text cross-attention: 300 queries (not a tile multiple) to 77 keys, non-causal, 2 samples."""
+    why = available_attention_functions()[name]
+    if why != "ok":
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 300, 4, 128, generator=gen)
+    k, v = (torch.randn(2, 77, 4, 128, generator=gen) for _ in range(2))
+    grad_out = torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16)
+    q, k, v = (t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, ref_grads = _run(eager, q32, k32, v32, grad_out.float(), causal=False)
+    out, grads = _run(ATTENTION_FUNCTIONS[name], q, k, v, grad_out, causal=False)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    for which, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.float(), r, rtol=3e-2, atol=3e-2, msg=lambda m, w=which: f"{name} {w}: {m}")
+
+
+@pytest.mark.cuda
 def test_varlen_names_the_dtype_it_needs():
     why = available_attention_functions()["varlen"]
     if why != "ok":

@@ -215,7 +215,7 @@ def test_ulysses_sp2_sinks_and_window_match_single_process(dist_pools, backend, 
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["flex", "varlen", "flash_attn_2", "flash_attn_3"])
+@pytest.mark.parametrize("name", ["flex", "varlen", "flash_attn_2", "flash_attn_3", "flash_attn_4"])
 def test_gpu_backends_with_features_match_eager(name):
     from veomni.kernels.attention import available_attention_functions
 

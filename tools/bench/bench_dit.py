@@ -69,6 +69,7 @@ from dit_contenders import (  # noqa: E402
     backend_contenders,
     backend_problem,
     builder,
+    contender_problem,
     param_dtypes,
 )
 
@@ -86,7 +87,7 @@ SIZES: dict[str, tuple[dict[str, Any], tuple[int, int, int, int], tuple[int, int
 SHIFT = 3.0  # Wan2.1 T2V 480p scheduler flow_shift
 # Run order: the two eager paths, then diffusers' backends (cheap), then the compiled pair (compiling takes a while).
 FIRST, LAST = (
-    ("diffusers", "veomni", "veomni_kernels", "veomni_keep_attention"),
+    ("diffusers", "veomni", "veomni_kernels", "veomni_keep_attention", "veomni_fa4", "veomni_fa4_keep_attention"),
     ("veomni_compiled", "diffusers_compiled"),
 )
 
@@ -328,7 +329,7 @@ def plan(
     names = list(order) if requested is None else [n for n in order if n in requested]
     out = []
     for name in names:
-        problem = None
+        problem = contender_problem(name, device)
         if name in backends:
             problem = backend_problem(backends[name], device, dtype)
             if problem is None and requested is None and backends[name] in NOT_BY_DEFAULT:

@@ -44,6 +44,11 @@ SHAPES: dict[tuple[str, str], Callable[[], tuple[tuple, dict]]] = {
     ("swiglu", "standard"): lambda: ((_t(16384, 12288), _t(16384, 12288)), {}),
     ("load_balancing_loss", "switch"): lambda: (([_t(16384, 128) for _ in range(4)], 128, 8), {}),
     ("attention", "default"): lambda: ((_t(1, 8192, 32, 128), _t(1, 8192, 8, 128), _t(1, 8192, 8, 128)), {}),
+    # Wan2.1-T2V-1.3B self-attention at 480p x 81 frames: 32,760 tokens, 12 heads of 128, non-causal (T9).
+    ("attention", "wan"): lambda: (
+        (_t(1, 32760, 12, 128), _t(1, 32760, 12, 128), _t(1, 32760, 12, 128)),
+        {"causal": False},
+    ),
     # Qwen2.5-VL-7B's tower (16 heads of 80) on 16k packed patches; cos/sin rows per patch.
     ("rope_vision", "full"): lambda: (
         (_t(16384, 16, 80), _t(16384, 16, 80), *_t(2, 16384, 80, grad=False)),
@@ -107,17 +112,27 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ops", default="", help="comma-separated ops (default: all with a shape)")
     parser.add_argument(
+        "--backends", default="", help="comma-separated backends (default: every registered one)"
+    )
+    parser.add_argument(
+        "--variants", default="", help="comma-separated variants, e.g. wan (default: all with a shape)"
+    )
+    parser.add_argument(
         "--inductor", action="store_true", help="also time torch.compile of each eager oracle"
     )
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     wanted = set(filter(None, cli.ops.split(",")))
+    backends = set(filter(None, cli.backends.split(",")))
+    variants = set(filter(None, cli.variants.split(",")))
     rows = []
     for op, variant in SHAPES:
-        if wanted and op not in wanted:
+        if (wanted and op not in wanted) or (variants and variant not in variants):
             continue
         for backend in KERNELS.backends(op):
+            if backends and backend not in backends:
+                continue
             if (op, variant, backend) in {(s.op, s.variant, s.backend) for s in KERNELS.specs()}:
                 rows.append(bench_one(op, variant, backend))
                 torch.cuda.empty_cache()

@@ -19,6 +19,9 @@
   (`veomni.core.compile.compile_blocks`, inductor, ``fullgraph=True``; defaulted rms_norm/rope take the eager
   formulas inductor fuses) before checkpointing: what veomni-train builds on CUDA by default (``compile: auto``).
 - ``veomni_keep_attention``: ``veomni_kernels`` with ``parallel.ac_keep_attention`` (eager blocks only).
+- ``veomni_fa4`` / ``veomni_fa4_keep_attention``: the two above with ``ops.attention: flash_attn_4``
+  (FlashAttention 4 from PyPI's ``flash-attn-4``; diffusers reaches the same kernel only through its Hub backend
+  ``flash_4_hub``, listed as a skipped contender where the Hub is out of reach).
 
 Both sides train the same parameters with the same AdamW hyper-parameters and parameter groups, in the same dtype
 policy (parameters, gradients and AdamW state in ``--precision``, ``_keep_in_fp32_modules`` in fp32).
@@ -178,12 +181,13 @@ def load_diffusers(weights: str, dtype: torch.dtype) -> tuple[nn.Module, str]:
     )
 
 
-def _ops(s: DitSettings, compile_setting: str) -> OpsConfig:
+def _ops(s: DitSettings, compile_setting: str, attention: str | None = None) -> OpsConfig:
     # Validated against the device we run on, not whatever CUDA the process could see.
     hardware = detect_hardware()
     if s.device.type != hardware.device_type:
         hardware = Hardware(device_type=s.device.type, triton_interpret=hardware.triton_interpret)
-    return OpsConfig(compile=compile_setting, hardware=hardware)
+    chosen = {} if attention is None else {"attention": attention}
+    return OpsConfig(compile=compile_setting, hardware=hardware, **chosen)
 
 
 class Veomni(DitContender):
@@ -194,7 +198,12 @@ class Veomni(DitContender):
     ``OpsConfig(compile="on")``: ``build_model`` compiles every block (inductor) before checkpointing."""
 
     def __init__(
-        self, s: DitSettings, compiled: bool = False, keep_attention: bool = False, kernels: bool = False
+        self,
+        s: DitSettings,
+        compiled: bool = False,
+        keep_attention: bool = False,
+        kernels: bool = False,
+        attention: str | None = None,
     ) -> None:
         from veomni.models.wan_kernels import bound_wan_ops
 
@@ -207,7 +216,9 @@ class Veomni(DitContender):
         # OpsConfig(compile="on") compiles with inductor inside build_model; another dynamo backend (aot_eager for
         # the CPU smoke test) gets the same kernels (`for_compiled_blocks`) and compile_blocks after the build.
         by_build = compiled and s.compile_backend == "inductor"
-        ops = _ops(s, "on" if by_build else "off") if kernels else None
+        if attention is not None and not kernels:
+            raise ValueError(f"attention={attention!r} is a veomni kernel choice: it needs kernels=True")
+        ops = _ops(s, "on" if by_build else "off", attention) if kernels else None
         if compiled and not by_build:
             ops = ops.for_compiled_blocks()
         build = {"weights": s.weights, "dtype": s.dtype, "device": s.device, "task": "diffusion_transformer"}
@@ -319,7 +330,28 @@ BUILDERS: dict[str, Callable[[DitSettings], DitContender]] = {
     "veomni_compiled": lambda s: Veomni(s, kernels=True, compiled=True),
     # parallel.ac_keep_attention: the attention outputs saved, the rest of each block recomputed (eager blocks).
     "veomni_keep_attention": lambda s: Veomni(s, kernels=True, keep_attention=True),
+    # ops.attention: flash_attn_4 (FlashAttention 4, flash_attn.cute from PyPI's flash-attn-4).
+    "veomni_fa4": lambda s: Veomni(s, kernels=True, attention="flash_attn_4"),
+    "veomni_fa4_keep_attention": lambda s: Veomni(s, kernels=True, keep_attention=True, attention="flash_attn_4"),
 }
+
+
+# Contenders that need one of veomni's optional attention kernels: skipped (with the reason) where it cannot run.
+ATTENTION_OF = {"veomni_fa4": "flash_attn_4", "veomni_fa4_keep_attention": "flash_attn_4"}
+
+
+def contender_problem(name: str, device: torch.device) -> str | None:
+    """Why veomni contender ``name`` cannot run on ``device`` (None when it can): its optional attention kernel
+    is missing (`ATTENTION_OF`)."""
+    from veomni.kernels.attention import available_attention_functions
+
+    attention = ATTENTION_OF.get(name)
+    if attention is None:
+        return None
+    if device.type != "cuda":
+        return f"attention {attention!r} runs on CUDA only, this run is on {device.type}"
+    why = available_attention_functions()[attention]
+    return None if why == "ok" else f"attention {attention!r}: {why}"
 
 
 def builder(name: str) -> Callable[[DitSettings], DitContender]:

@@ -212,6 +212,9 @@ def _flash(
         extra["window_size"] = _window_size(causal, features["window"])
     if features["softcap"] is not None:
         extra["softcap"] = features["softcap"]
+    if features["sinks"] is not None:
+        # Only FlashAttention 4 declares sinks (check_features refused them above for 2/3).
+        extra["learnable_sink"] = features["sinks"]
     # FlashAttention maps query head h to KV head h // (Hq // Hkv): our GQA layout, no repeat needed.
     if cu_seqlens is None:
         fn = mod.flash_attn_func
@@ -291,7 +294,8 @@ def flash_attn_4(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """FlashAttention 4 (``flash_attn.cute``, Hopper/Blackwell; bf16/fp16 CUDA tensors)."""
+    """FlashAttention 4 (``flash_attn.cute``, Hopper/Blackwell; bf16/fp16 CUDA tensors); windows, soft-cap and
+    sinks (its ``learnable_sink``, differentiable) run inside the kernel."""
     features = {"window": window, "sinks": sinks, "softcap": softcap}
     return _flash("flash_attn_4", q, k, v, causal, cu_seqlens, max_seqlen, scale, features)
 

@@ -24,8 +24,9 @@ ATTENTION_FEATURES = (SOFTCAP, SINKS, WINDOW)
 # What each built-in backend implements; the registry's capabilities and the kernels' own checks read this.
 # sdpa: sinks as an extra key, windows as a mask, no soft-cap (SDPA cannot transform scores). flex: everything
 # (soft-cap as a score_mod, sinks by log-sum-exp rescaling). varlen: windows (torch's varlen backward drops the
-# log-sum-exp gradient that sinks would need). FlashAttention 2/3: windows and soft-cap; FlashAttention 4's
-# interface spells its options differently across releases, so nothing optional is claimed for it.
+# log-sum-exp gradient that sinks would need). FlashAttention 2/3: windows and soft-cap. FlashAttention 4
+# (flash_attn.cute, 4.0.0b36 checked on SM90): all three, sinks as its ``learnable_sink`` with their gradient; a
+# release whose function lacks one of these parameters is refused by name when it is asked for (`_check_accepts`).
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "eager": frozenset(ATTENTION_FEATURES),
     "sdpa": frozenset({SINKS, WINDOW}),
@@ -33,7 +34,7 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "varlen": frozenset({WINDOW}),
     "flash_attn_2": frozenset({WINDOW, SOFTCAP}),
     "flash_attn_3": frozenset({WINDOW, SOFTCAP}),
-    "flash_attn_4": frozenset(),
+    "flash_attn_4": frozenset(ATTENTION_FEATURES),
     # torch_npu's npu_fusion_attention: window and sinks are not wired (veomni has no NPU to test them on).
     "npu": frozenset(),
 }
