@@ -14,9 +14,9 @@ from veomni.core.fsdp import ATTENTION_OPS, FSDPPolicy, apply_activation_checkpo
 
 
 class Block(torch.nn.Module):
-    def __init__(self, width: int = 16, heads: int = 2) -> None:
+    def __init__(self, width: int = 16, heads: int = 2, attention: str = "sdpa") -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.attention = heads, attention
         self.qkv = torch.nn.Linear(width, 3 * width)
         self.out = torch.nn.Linear(width, width)
         self.mlp = torch.nn.Sequential(
@@ -26,16 +26,22 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, w = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, w)
-        x = x + self.out(attn)
+        if self.attention == "sdpa":
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.attention == "eager":  # the formula: nothing torch dispatches as one attention op
+            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            attn = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:  # a block without attention (a hybrid's linear-attention layer, say)
+            attn = v
+        x = x + self.out(attn.transpose(1, 2).reshape(b, s, w))
         return x + self.mlp(x)
 
 
 class Tower(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, attention: tuple[str, str] = ("sdpa", "sdpa")) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.blocks = torch.nn.ModuleList([Block(attention=a) for a in attention])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -83,3 +89,21 @@ def test_keep_attention_refuses_compiled_blocks_and_is_a_policy_field():
     assert policy.ac_keep_attention
     with pytest.raises(ValueError, match="activation_checkpointing is False"):
         FSDPPolicy(block_patterns=("blocks.*",), ac_keep_attention=True)
+
+
+def test_keep_attention_that_keeps_nothing_is_an_error_at_the_first_forward_with_gradients():
+    # Eager attention (as FlashAttention's own kernel launches) is invisible to the checkpoint policy: without the
+    # check keep_attention would silently recompute every block whole.
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(1))
+    model = Tower(("eager", "none"))
+    apply_activation_checkpointing(model, ("blocks.*",), keep_attention=True)
+    with torch.no_grad():
+        model(x)  # an evaluation first: checkpointing saves nothing there, so it decides nothing
+    with pytest.raises(ValueError, match=r"keep_attention.*ran no attention op.*'sdpa' or 'varlen'"):
+        model(x)
+    # One block with a saved kernel is enough: a hybrid's attention-free layers keep nothing by design.
+    hybrid = Tower(("none", "sdpa"))
+    apply_activation_checkpointing(hybrid, ("blocks.*",), keep_attention=True)
+    hybrid(x).sum().backward()
+    hybrid(x).sum().backward()  # checked once, then the hook is gone
+    assert not hybrid._forward_hooks

@@ -278,6 +278,39 @@ def test_gpu_cross_attention_to_a_shorter_context_matches_eager(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("name", GPU_NAMES)
+def test_gpu_backends_take_hf_head_major_views(name, head_dim, packed):
+    """q/k/v as HF's attention interface hands them over: transposed views of ``[B, H, S, D]`` (head-major, not
+    contiguous), GQA, a small head size too (tiny test models use 16)."""
+    why = available_attention_functions()[name]
+    if why != "ok":
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(head_dim)
+    batch = 1 if packed else 2
+    leaves = [
+        torch.randn(batch, h, 128, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+        for h in (4, 2, 2)
+    ]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    assert not q.is_contiguous()
+    kwargs = {"causal": True}
+    if packed:
+        kwargs |= {"cu_seqlens": torch.tensor([0, 37, 101, 128], dtype=torch.int32, device="cuda"), "max_seqlen": 64}
+    grad_out = torch.randn(batch, 128, 4, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    out = ATTENTION_FUNCTIONS[name](q, k, v, **kwargs)
+    out.backward(grad_out)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = eager(*(t.transpose(1, 2) for t in ref_leaves), **kwargs)
+    ref.backward(grad_out.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    for which, got, want in zip(("dq", "dk", "dv"), leaves, ref_leaves, strict=True):
+        err = ((got.grad.float() - want.grad).abs().max() / want.grad.abs().max()).item()
+        assert err < 3e-2, f"{name} {which}: max error {err:.4f} of the largest gradient"
+
+
+@pytest.mark.cuda
 def test_varlen_names_the_dtype_it_needs():
     why = available_attention_functions()["varlen"]
     if why != "ok":

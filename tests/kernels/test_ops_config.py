@@ -249,7 +249,7 @@ def test_flash_attn_4_needs_its_cute_subpackage_not_any_flash_attn(tmp_path, mon
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    with pytest.raises(ValueError, match=r"flash_attn_4.*flash-attn-cute.*'flash_attn.cute' not found"):
+    with pytest.raises(ValueError, match=r"flash_attn_4.*flash-attn-4.*'flash_attn.cute' not found"):
         OpsConfig(attention="flash_attn_4", hardware=Hardware(device_type="cuda", capability=(9, 0)))
     (tmp_path / "flash_attn" / "cute").mkdir()
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
@@ -257,3 +257,26 @@ def test_flash_attn_4_needs_its_cute_subpackage_not_any_flash_attn(tmp_path, mon
     assert OpsConfig(
         attention="flash_attn_4", hardware=Hardware(device_type="cuda", capability=(9, 0))
     ).attention == ("flash_attn_4")
+
+
+def test_flash_attn_2_needs_its_interface_not_the_namespace_flash_attn_4_installs(tmp_path, monkeypatch):
+    # flash-attn-4's wheel installs flash_attn/cute/ with no flash_attn/__init__.py: `flash_attn` then imports as a
+    # namespace package, which made flash_attn_2 look runnable (every FA2 GPU test failed on an H200 with FA4 alone).
+    import importlib
+
+    from veomni.kernels import Hardware
+    from veomni.kernels.attention import available_attention_functions
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    h100 = Hardware(device_type="cuda", capability=(9, 0))
+    with pytest.raises(ValueError, match=r"flash_attn_2.*flash-attn.*'flash_attn.flash_attn_interface' not found"):
+        OpsConfig(attention="flash_attn_2", hardware=h100)
+    assert "flash_attn.flash_attn_interface" in available_attention_functions()["flash_attn_2"]
+    assert OpsConfig(attention="flash_attn_4", hardware=h100).attention == "flash_attn_4"
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "flash_attn_interface.py").write_text("")
+    importlib.invalidate_caches()
+    assert OpsConfig(attention="flash_attn_2", hardware=h100).attention == "flash_attn_2"

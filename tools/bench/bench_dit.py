@@ -87,7 +87,7 @@ SIZES: dict[str, tuple[dict[str, Any], tuple[int, int, int, int], tuple[int, int
 SHIFT = 3.0  # Wan2.1 T2V 480p scheduler flow_shift
 # Run order: the two eager paths, then diffusers' backends (cheap), then the compiled pair (compiling takes a while).
 FIRST, LAST = (
-    ("diffusers", "veomni", "veomni_kernels", "veomni_keep_attention", "veomni_fa4", "veomni_fa4_keep_attention"),
+    ("diffusers", "veomni", "veomni_kernels", "veomni_keep_attention", "veomni_fa4"),
     ("veomni_compiled", "diffusers_compiled"),
 )
 

@@ -19,9 +19,10 @@
   (`veomni.core.compile.compile_blocks`, inductor, ``fullgraph=True``; defaulted rms_norm/rope take the eager
   formulas inductor fuses) before checkpointing: what veomni-train builds on CUDA by default (``compile: auto``).
 - ``veomni_keep_attention``: ``veomni_kernels`` with ``parallel.ac_keep_attention`` (eager blocks only).
-- ``veomni_fa4`` / ``veomni_fa4_keep_attention``: the two above with ``ops.attention: flash_attn_4``
-  (FlashAttention 4 from PyPI's ``flash-attn-4``; diffusers reaches the same kernel only through its Hub backend
-  ``flash_4_hub``, listed as a skipped contender where the Hub is out of reach).
+- ``veomni_fa4``: ``veomni_kernels`` with ``ops.attention: flash_attn_4`` (FlashAttention 4 from PyPI's
+  ``flash-attn-4``; diffusers reaches the same kernel only through its Hub backend ``flash_4_hub``, listed as a
+  skipped contender where the Hub is out of reach). Not with ``keep_attention``: checkpointing cannot see
+  FlashAttention's own kernel launches, so that combination is refused at the first forward.
 
 Both sides train the same parameters with the same AdamW hyper-parameters and parameter groups, in the same dtype
 policy (parameters, gradients and AdamW state in ``--precision``, ``_keep_in_fp32_modules`` in fp32).
@@ -332,12 +333,11 @@ BUILDERS: dict[str, Callable[[DitSettings], DitContender]] = {
     "veomni_keep_attention": lambda s: Veomni(s, kernels=True, keep_attention=True),
     # ops.attention: flash_attn_4 (FlashAttention 4, flash_attn.cute from PyPI's flash-attn-4).
     "veomni_fa4": lambda s: Veomni(s, kernels=True, attention="flash_attn_4"),
-    "veomni_fa4_keep_attention": lambda s: Veomni(s, kernels=True, keep_attention=True, attention="flash_attn_4"),
 }
 
 
 # Contenders that need one of veomni's optional attention kernels: skipped (with the reason) where it cannot run.
-ATTENTION_OF = {"veomni_fa4": "flash_attn_4", "veomni_fa4_keep_attention": "flash_attn_4"}
+ATTENTION_OF = {"veomni_fa4": "flash_attn_4"}
 
 
 def contender_problem(name: str, device: torch.device) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import attrs
 import torch
@@ -297,14 +298,44 @@ def _attention_ops() -> frozenset[object]:
 
 
 ATTENTION_OPS = _attention_ops()
-"""Ops whose outputs ``keep_attention`` checkpointing saves instead of recomputing."""
+"""Ops whose outputs ``keep_attention`` checkpointing saves instead of recomputing (`_KeptAttention`)."""
 
 
-def _keep_attention_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+class _KeptAttention:
+    """What ``keep_attention`` checkpointing of one model's blocks saved: the first forward with gradients must
+    keep at least one attention output, or the setting silently does nothing (an attention kernel torch does not
+    dispatch, e.g. FlashAttention's own launches, is invisible to the policy)."""
+
+    def __init__(self) -> None:
+        self.kept = 0
+        self.hook: Any = None
+
+    def policy(self, ctx: Any, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        if op in ATTENTION_OPS:
+            self.kept += not ctx.is_recompute
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def watch(self, model: nn.Module) -> None:
+        """Check after ``model``'s first forward with gradients that something was kept (then stop checking)."""
+        self.hook = model.register_forward_hook(self._check)
+
+    def _check(self, model: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.hook.remove()
+        if self.kept == 0:
+            kinds = sorted({f"{op.namespace}::{op._opname}" for op in ATTENTION_OPS})
+            raise ValueError(
+                f"activation checkpointing with keep_attention: {type(model).__name__}'s forward ran no attention "
+                f"op that checkpointing can save (it saves the outputs of {kinds}), so every block would be "
+                "recomputed whole as if keep_attention were off. The attention kernel in use is launched outside "
+                "torch's dispatcher (FlashAttention 2/3/4, flex) or is the eager formula: use attention 'sdpa' or "
+                "'varlen' (ops.attention), or turn parallel.ac_keep_attention off"
+            )
 
 
-def _checkpoint_forward(module: nn.Module, keep_attention: bool = False) -> None:
+def _checkpoint_forward(module: nn.Module, keep_attention: bool = False, tally: _KeptAttention | None = None) -> None:
     if getattr(module, _AC_MARK, False):
         raise ValueError(
             f"activation checkpointing: {type(module).__name__} already has a checkpointed forward"
@@ -318,8 +349,10 @@ def _checkpoint_forward(module: nn.Module, keep_attention: bool = False) -> None
             "or checkpoint whole blocks (keep_attention off)"
         )
     inner = module.forward
+    if keep_attention and tally is None:
+        raise ValueError("keep_attention checkpointing needs the model's _KeptAttention tally")
     extra = (
-        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_attention_policy)}
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts, tally.policy)}
         if keep_attention
         else {}
     )
@@ -356,7 +389,9 @@ def apply_activation_checkpointing(
         block_patterns: FQN patterns of the blocks, as in `FSDPPolicy.block_patterns`.
         keep_attention: save the outputs of the attention kernels (`ATTENTION_OPS`: out ``[B, S, H, D]``-sized and
             its log-sum-exp) and recompute everything else: backward then skips the attention forward, the
-            costliest op at long sequences. Eager blocks only (a compiled block is refused).
+            costliest op at long sequences. Eager blocks only (a compiled block is refused). The model's first
+            forward with gradients raises ValueError if it kept nothing (an attention kernel torch does not
+            dispatch: FlashAttention, flex, eager).
     Returns:
         the FQNs of the checkpointed blocks.
     Raises:
@@ -364,8 +399,11 @@ def apply_activation_checkpointing(
             a compiled block.
     """
     blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [], "apply_activation_checkpointing")
+    tally = _KeptAttention() if keep_attention else None
     for fqn in blocks:
-        _checkpoint_forward(model.get_submodule(fqn), keep_attention)
+        _checkpoint_forward(model.get_submodule(fqn), keep_attention, tally)
+    if tally is not None:
+        tally.watch(model)
     return blocks
 
 
@@ -452,10 +490,13 @@ def apply_fsdp2(
             # with one shard: FSDP then skips the reduce-scatter but divides twice (before and after).
             module.set_force_sum_reduction_for_comms(True)
 
+    tally = _KeptAttention() if policy.activation_checkpointing and policy.ac_keep_attention else None
+    if tally is not None:
+        tally.watch(model)
     for fqn in blocks:
         block = model.get_submodule(fqn)
         if policy.activation_checkpointing:
-            _checkpoint_forward(block, policy.ac_keep_attention)
+            _checkpoint_forward(block, policy.ac_keep_attention, tally)
         fully_shard(block, mesh=state.fsdp_mesh, reshard_after_forward=policy.reshard_after_forward, **common)
 
     head = _check_head(model, policy.head, blocks, expert_fqns)

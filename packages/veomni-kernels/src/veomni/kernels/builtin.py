@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from veomni.kernels.attention.external import flash_4_problem
+from veomni.kernels.attention.external import flash_2_problem, flash_4_problem
 from veomni.kernels.hardware import ANYWHERE, TRITON, Requirement
 from veomni.kernels.linear_attention.fla_support import fla_gated_delta_problem
 from veomni.kernels.registry import KERNELS, KernelFn
@@ -19,7 +19,9 @@ NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
 # torch._grouped_mm: CPU kernels (torch >= 2.9), and on CUDA the sync-free CUTLASS path exists for sm_90/sm_100
 # (older GPUs get a fallback that copies the offsets to the host). See moe_experts/torch_impl.py for dtypes.
 GROUPED_MM = Requirement(device_types=("cpu", "cuda"), min_capability=(9, 0))
-FLASH_2 = Requirement(device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",))
+FLASH_2 = Requirement(
+    device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",), condition=flash_2_problem
+)
 FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
 # quack-kernels (CuTe-DSL): Hopper and newer; the import name is `quack`.
 QUACK = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("quack",))

@@ -23,7 +23,14 @@ from veomni.kernels.attention.functions import check_qkv, sdpa_attention
 _FLASH_MODULES = {
     "flash_attn_2": ("flash_attn", "flash-attn"),
     "flash_attn_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention's hopper/ build)"),
-    "flash_attn_4": ("flash_attn.cute", "flash-attn-cute (FlashAttention 4, flash_attn.cute)"),
+    "flash_attn_4": ("flash_attn.cute", "flash-attn-4 (FlashAttention 4, flash_attn.cute)"),
+}
+# What proves each install is there: FlashAttention 4's wheel alone also makes ``flash_attn`` importable (a
+# namespace holding ``cute``), so FlashAttention 2 is its ``flash_attn_interface`` submodule, not the bare name.
+_FLASH_PROBES = {
+    "flash_attn_2": "flash_attn.flash_attn_interface",
+    "flash_attn_3": "flash_attn_interface",
+    "flash_attn_4": "flash_attn.cute",
 }
 
 
@@ -40,11 +47,22 @@ def _module_present(module: str) -> bool:
     )
 
 
+def flash_problem(name: str) -> str | None:
+    """Why FlashAttention ``name`` (``flash_attn_2/3/4``) is not installed (None when it is), checked without
+    importing anything: 2 and 4 share the ``flash_attn`` package name, so each is probed by its own submodule
+    (`_FLASH_PROBES`)."""
+    probe, package = _FLASH_PROBES[name], _FLASH_MODULES[name][1]
+    return None if _module_present(probe) else f"needs the {package} package (module {probe!r} not found)"
+
+
+def flash_2_problem(hw: object) -> str | None:
+    """The registry condition of ``flash_attn_2`` (`flash_problem`)."""
+    return flash_problem("flash_attn_2")
+
+
 def flash_4_problem(hw: object) -> str | None:
-    """The registry condition of ``flash_attn_4``: FlashAttention 4 is the ``flash_attn.cute`` subpackage, which a
-    FlashAttention 2 install (a plain ``flash_attn``) does not have. Checked without importing either."""
-    module, package = _FLASH_MODULES["flash_attn_4"]
-    return None if _module_present(module) else f"needs the {package} package (module {module!r} not found)"
+    """The registry condition of ``flash_attn_4`` (`flash_problem`)."""
+    return flash_problem("flash_attn_4")
 
 
 def _unavailable_reason(name: str) -> str | None:
@@ -52,9 +70,9 @@ def _unavailable_reason(name: str) -> str | None:
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
     else:
-        module, package = _FLASH_MODULES[name]
-        if not _module_present(module):
-            return f"needs the {package} package (module {module!r} not found)"
+        problem = flash_problem(name)
+        if problem is not None:
+            return problem
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     return None
@@ -207,6 +225,11 @@ def _flash(
     mod = importlib.import_module(_FLASH_MODULES[name][0])
     head_v = v.shape[-1]
     v = _pad_value(q, v)
+    if name == "flash_attn_4":
+        # HF hands q/k/v over as transposes of [B, H, S, D]; FlashAttention 4 (4.0.0b36, SM90) returned wrong
+        # gradients for such views (a tiny Qwen3 trained through it; tools/bench/diag_fa4_layouts.py). A copy to
+        # [B, S, H, D] is a no-op for contiguous inputs (Wan's processor) and cheap next to the attention.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     extra: dict[str, Any] = {}
     if features["window"] is not None:
         extra["window_size"] = _window_size(causal, features["window"])
