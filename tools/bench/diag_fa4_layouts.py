@@ -1,7 +1,9 @@
 """Diagnostic (GPU): FlashAttention 4's gradients against an fp32 eager oracle by head size, memory layout and
 packing, calling ``flash_attn.cute`` directly (no veomni wrapper). Written when a tiny Qwen3 (head size 16, HF's
 ``[B, H, S, D]`` q/k/v seen through a transpose, packed) trained through ``flash_attn_4`` had wrong gradients
-while the kernel test (head size 64, contiguous) passed. Prints one row per case and writes JSON.
+while the kernel test (head size 64, contiguous) passed. Result (H200, flash-attn-4 4.0.0b36, 2026-11-28): head
+size 16 has wrong gradients in every layout (dq off by up to 100% of its largest value), 32/64/128 are right in
+both layouts; veomni refuses to train head sizes below 32 with it. Prints one row per case and writes JSON.
 
     python3 tools/bench/diag_fa4_layouts.py --out fa4_layouts.json
 """

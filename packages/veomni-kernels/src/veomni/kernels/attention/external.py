@@ -221,15 +221,18 @@ def _flash(
 ) -> torch.Tensor:
     check_qkv(q, k, v, cu_seqlens, causal=causal)
     check_features(name, q, causal, **features)
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if name == "flash_attn_4" and q.shape[-1] < FLASH_4_MIN_TRAINED_HEAD and trains:
+        raise ValueError(
+            f"attention 'flash_attn_4' with head size {q.shape[-1]}: FlashAttention 4 (flash-attn-4 4.0.0b36 on "
+            f"an H200) returns wrong gradients below head size {FLASH_4_MIN_TRAINED_HEAD} (16: dq off by up to "
+            "100%; 32, 64, 128 correct; tools/bench/diag_fa4_layouts.py), its forward is right. Train this model "
+            "with attention 'sdpa', 'varlen' or 'flash_attn_2'"
+        )
     _require(name, q.device)
     mod = importlib.import_module(_FLASH_MODULES[name][0])
     head_v = v.shape[-1]
     v = _pad_value(q, v)
-    if name == "flash_attn_4":
-        # HF hands q/k/v over as transposes of [B, H, S, D]; FlashAttention 4 (4.0.0b36, SM90) returned wrong
-        # gradients for such views (a tiny Qwen3 trained through it; tools/bench/diag_fa4_layouts.py). A copy to
-        # [B, S, H, D] is a no-op for contiguous inputs (Wan's processor) and cheap next to the attention.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     extra: dict[str, Any] = {}
     if features["window"] is not None:
         extra["window_size"] = _window_size(causal, features["window"])
@@ -259,6 +262,10 @@ def _flash(
         kwargs.update(max_seqlen_q=max_len, max_seqlen_k=max_len)
     out = fn(q[0], k[0], v[0], **kwargs)
     return _first(out)[..., :head_v].unsqueeze(0)
+
+
+FLASH_4_MIN_TRAINED_HEAD = 32
+"""The smallest head size whose FlashAttention 4 gradients were measured right (16 was wrong; 32, 64, 128 right)."""
 
 
 def _check_accepts(name: str, fn: Any, extra: dict[str, Any]) -> None:
