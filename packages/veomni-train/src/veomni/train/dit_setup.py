@@ -25,7 +25,7 @@ from veomni.train.data import DataTopology
 from veomni.train.data.sources import RowSource
 from veomni.train.dit_task import DitFlops, DitTask
 from veomni.train.model_setup import _hardware
-from veomni.train.preflight import PreflightError, check_trainable
+from veomni.train.preflight import PreflightError, check_parallel_fit, check_trainable
 from veomni.train.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,8 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     config = transformer_config(recipe)
     probe = _probe(recipe, config, state.dims.sp)
+    # Wan's Ulysses SP is applied by the diffusers build itself (veomni.models.wan_sp), not a registry fast path.
+    check_parallel_fit(probe, ("sp",), backend=recipe.model.backend, sp=state.dims.sp, ep=state.dims.ep)
     cond = condition_configs(recipe)
     check_compatible(config, cond, recipe)
     offline = recipe.data.kind == "dit_latents"

@@ -26,6 +26,7 @@ from veomni.core.master_weights import MasterWeights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
+from veomni.models.registry import MODELS
 from veomni.train.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
@@ -55,7 +56,14 @@ from veomni.train.model_setup import (
     one_rank_path,
 )
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
-from veomni.train.preflight import PreflightError, check_sp_heads, check_trainable, check_vocab, check_warmup
+from veomni.train.preflight import (
+    PreflightError,
+    check_parallel_fit,
+    check_sp_heads,
+    check_trainable,
+    check_vocab,
+    check_warmup,
+)
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.run_log import append_jsonl, bad_rows, log_window, progress_bar, report_replaced, write_line
 from veomni.train.step import (
@@ -190,8 +198,11 @@ def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Ta
             "remove them or use model.backend=veomni"
         )
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
-    probe = meta_instance(config, TASKS[recipe.model.task].model_task)
+    model_task = TASKS[recipe.model.task].model_task
+    probe = meta_instance(config, model_task)
     check_trainable(probe, recipe.model.freeze, recipe.optim.lr_multipliers)
+    fast_paths = MODELS.model_class(MODELS.load_config(config), model_task).fast_paths
+    check_parallel_fit(probe, fast_paths, backend=recipe.model.backend, sp=state.dims.sp, ep=state.dims.ep)
     task = build_task(recipe.model.task, probe)
     topology = DataTopology.from_parallel_state(state)
     # Tokenising the index is split over all ranks (each then holds the whole index).

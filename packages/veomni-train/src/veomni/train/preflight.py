@@ -5,7 +5,7 @@ Each raises `PreflightError` naming what was expected and what was found.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -40,6 +40,46 @@ def check_sp_heads(config: PretrainedConfig, sp: int) -> None:
         raise PreflightError(
             f"parallel.sp={sp} does not fit the model ({type(config).__name__}): {err}"
         ) from None
+
+
+def check_parallel_fit(
+    probe: nn.Module, fast_paths: Collection[str], *, backend: str, sp: int, ep: int
+) -> None:
+    """The model supports the recipe's SP and EP degrees: what the model build would refuse, found on the meta probe
+    before the data is indexed (which can take minutes).
+
+    Args:
+        probe: a meta instance of the model class the run builds.
+        fast_paths: the fast paths the registry lists for that class (``"sp"`` for Ulysses attention).
+        backend: ``model.backend``; ``hf`` trains transformers' own class, which has neither SP nor EP.
+        sp, ep: the run's ``parallel.sp`` and ``parallel.ep``.
+    """
+    name = type(probe).__name__
+    if backend == "hf" and (sp > 1 or ep > 1):
+        raise PreflightError(
+            f"model.backend=hf trains transformers' own {name} with FSDP2 only (no Ulysses SP, no expert "
+            f"parallelism), but parallel.sp={sp}, parallel.ep={ep}; set both to 1 or use model.backend=veomni"
+        )
+    if sp > 1 and "sp" not in fast_paths:
+        raise PreflightError(
+            f"parallel.sp={sp}: {name} does not support Ulysses sequence parallelism (its fast paths: "
+            f"{sorted(fast_paths)}); set parallel.sp=1"
+        )
+    if ep == 1:
+        return
+    getter = getattr(probe, "get_parallel_plan", None)
+    plan = getter() if getter is not None else None
+    experts = {} if plan is None else {n: p.shape[0] for n, p in probe.named_parameters() if plan.matches(n)}
+    if not experts:
+        raise PreflightError(
+            f"parallel.ep={ep}: {name} has no experts to split (not a MoE model); set parallel.ep=1"
+        )
+    uneven = sorted({int(count) for count in experts.values() if count % ep})
+    if uneven:
+        raise PreflightError(
+            f"parallel.ep={ep} does not divide the {uneven[0]} experts of {name} (each EP rank holds experts / ep "
+            f"of every MoE layer); choose an ep that divides {uneven[0]}"
+        )
 
 
 def check_vocab(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, tokenizer_path: str) -> None:

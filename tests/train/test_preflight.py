@@ -1,0 +1,60 @@
+"""Preflight: a recipe whose parallel degrees the model cannot take fails before the data is indexed or the model
+built, with a `PreflightError` naming the recipe field, what was expected and what was found."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from test_loop import DENSE, MOE, tiny_recipe
+
+from veomni.train.preflight import PreflightError, check_parallel_fit
+
+
+def _probe(values: dict):
+    from transformers import AutoConfig
+
+    from veomni.train.model_setup import meta_instance
+
+    values = dict(values)
+    return meta_instance(AutoConfig.for_model(values.pop("model_type"), **values))
+
+
+def test_ep_needs_a_moe_model_whose_experts_it_divides():
+    dense, moe = _probe(DENSE), _probe({**MOE, "num_experts": 6})
+    with pytest.raises(PreflightError, match=r"parallel.ep=2: Qwen3ForCausalLM has no experts to split"):
+        check_parallel_fit(dense, {"sp"}, backend="veomni", sp=1, ep=2)
+    with pytest.raises(
+        PreflightError, match=r"parallel.ep=4 does not divide the 6 experts of Qwen3MoeForCausalLM"
+    ):
+        check_parallel_fit(moe, {"sp", "ep"}, backend="veomni", sp=1, ep=4)
+    check_parallel_fit(moe, {"sp", "ep"}, backend="veomni", sp=1, ep=2)
+    check_parallel_fit(dense, {"sp"}, backend="veomni", sp=2, ep=1)
+
+
+def test_sp_needs_a_model_with_ulysses_attention_and_the_veomni_backend():
+    dense = _probe(DENSE)
+    with pytest.raises(PreflightError, match=r"parallel.sp=2: Qwen3ForCausalLM does not support Ulysses"):
+        check_parallel_fit(dense, set(), backend="veomni", sp=2, ep=1)
+    with pytest.raises(PreflightError, match=r"model.backend=hf .* parallel.sp=2, parallel.ep=1"):
+        check_parallel_fit(dense, {"sp"}, backend="hf", sp=2, ep=1)
+
+
+def _preflight_error(ctx, raw: dict) -> str:
+    from veomni.train.loop import build_run
+    from veomni.train.recipe import recipe_from_dict
+
+    try:
+        build_run(recipe_from_dict(raw))
+    except PreflightError as err:
+        return str(err)
+    return "no PreflightError"
+
+
+def test_ep_on_a_dense_model_fails_before_the_data_is_read(dist_pools, tmp_path):
+    # The training file does not exist: reading the data would fail first if the check came after it (it used to
+    # come from the model build, after the data index, as a bare ValueError).
+    raw = tiny_recipe(str(tmp_path), DENSE, ep=2)
+    raw["data"]["train_files"] = [str(tmp_path / "missing.jsonl")]
+    errors = dist_pools.get(2, "gloo").run(_preflight_error, copy.deepcopy(raw))
+    assert all("parallel.ep=2: Qwen3ForCausalLM has no experts to split" in e for e in errors), errors
