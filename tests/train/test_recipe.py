@@ -294,6 +294,20 @@ def test_every_problem_is_reported_at_once(tmp_path):
             "list of 2",
         ),
         (lambda r: r.update(optim={"min_lr_ratio": 1.5}), "min_lr_ratio: expected a value in"),
+        # What torch's AdamW refuses (only once the model is built) and what would train on NaN, at load.
+        (lambda r: r.update(optim={"eps": -1e-8}), "optim.eps: expected >= 0, found -1e-08"),
+        (lambda r: r.update(optim={"weight_decay": -0.1}), "optim.weight_decay: expected >= 0, found -0.1"),
+        (lambda r: r.update(optim={"lr": float("nan")}), "optim.lr: expected a finite value > 0, found nan"),
+        (lambda r: r.update(optim={"lr": float("inf")}), "optim.lr: expected a finite value > 0, found inf"),
+        (
+            lambda r: r.update(optim={"max_grad_norm": float("nan")}),
+            "optim.max_grad_norm: expected > 0 or None",
+        ),
+        (
+            lambda r: r.update(optim={"moe_bias_update_speed": float("nan")}),
+            "moe_bias_update_speed: expected >= 0",
+        ),
+        (lambda r: r.update(optim={"lr_multipliers": {"lm_head": float("nan")}}), "expected numbers >= 0"),
         (lambda r: r["data"].update(train_files="/one.jsonl"), "data.train_files: expected list"),
         (lambda r: r["train"].update(steps=True), "train.steps: expected int | null, found bool"),
         (lambda r: r.update(parallel={"sp": 0}), "parallel.sp: expected >= 1"),

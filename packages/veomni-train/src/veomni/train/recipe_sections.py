@@ -5,6 +5,7 @@ typed and documented in its metadata (``help``: the ``--help`` text; ``path``: r
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Any, Literal
 
@@ -353,21 +354,26 @@ class OptimSection:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.lr <= 0:
-            raise RecipeError(f"optim.lr: expected > 0, found {self.lr}")
+        # NaN passes every `x < 0` test; these checks are written so that NaN (and inf where it matters) fails them.
+        if not 0 < self.lr < math.inf:
+            raise RecipeError(f"optim.lr: expected a finite value > 0, found {self.lr}")
+        if not self.eps >= 0:
+            raise RecipeError(f"optim.eps: expected >= 0, found {self.eps}")
+        if not self.weight_decay >= 0:
+            raise RecipeError(f"optim.weight_decay: expected >= 0, found {self.weight_decay}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise RecipeError(f"optim.betas: expected two values in [0, 1), found {list(self.betas)}")
         if self.warmup_steps < 0:
             raise RecipeError(f"optim.warmup_steps: expected >= 0, found {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise RecipeError(f"optim.min_lr_ratio: expected a value in [0, 1], found {self.min_lr_ratio}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise RecipeError(f"optim.max_grad_norm: expected > 0 or None, found {self.max_grad_norm}")
         bad = {k: v for k, v in self.lr_multipliers.items()
-               if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}  # fmt: skip
+               if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf}  # fmt: skip
         if bad:
             raise RecipeError(f"optim.lr_multipliers: expected numbers >= 0 per name, found {bad}")
-        if self.moe_bias_update_speed < 0:
+        if not 0 <= self.moe_bias_update_speed < math.inf:
             raise RecipeError(
                 f"optim.moe_bias_update_speed: expected >= 0, found {self.moe_bias_update_speed}"
             )
