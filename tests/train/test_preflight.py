@@ -4,6 +4,7 @@ built, with a `PreflightError` naming the recipe field, what was expected and wh
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from test_loop import DENSE, MOE, tiny_recipe
@@ -58,3 +59,22 @@ def test_ep_on_a_dense_model_fails_before_the_data_is_read(dist_pools, tmp_path)
     raw["data"]["train_files"] = [str(tmp_path / "missing.jsonl")]
     errors = dist_pools.get(2, "gloo").run(_preflight_error, copy.deepcopy(raw))
     assert all("parallel.ep=2: Qwen3ForCausalLM has no experts to split" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    "parallel, message",
+    [
+        ({"sp": 4}, "parallel: dp_replicate*sp = 1*4 must divide the world size 2"),
+        ({"dp_shard": 4}, "parallel.dp_shard=4 but 2 ranks / (dp_replicate=1 * sp=1) = 2"),
+        ({"ep": 4}, "parallel: ep=4 must divide dp_shard*sp=2*1=2"),
+    ],
+)
+def test_degrees_that_do_not_fit_the_world_are_preflight_errors(tmp_path, parallel, message):
+    # A PreflightError is what the CLI reports as bad input (exit 2, no traceback); a bare ValueError is a crash.
+    from veomni.train.loop import parallel_dims
+    from veomni.train.recipe import recipe_from_dict
+
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["parallel"].update(parallel)
+    with pytest.raises(PreflightError, match=re.escape(message)):
+        parallel_dims(recipe_from_dict(raw), 2)

@@ -113,11 +113,20 @@ def setup_distributed(device_pref: str) -> torch.device:
 
 
 def parallel_dims(recipe: Recipe, world_size: int) -> ParallelDims:
-    """The recipe's degrees on ``world_size`` ranks (``dp_shard`` None: whatever the others leave)."""
+    """The recipe's degrees on ``world_size`` ranks (``dp_shard`` None: whatever the others leave).
+
+    Raises:
+        PreflightError: degrees that do not fit ``world_size`` (bad input the CLI reports without a traceback).
+    """
     p = recipe.parallel
-    dims = ParallelDims.for_world(world_size, dp_replicate=p.dp_replicate, sp=p.sp, ep=p.ep)
+    try:
+        dims = ParallelDims.for_world(world_size, dp_replicate=p.dp_replicate, sp=p.sp, ep=p.ep)
+    except ValueError as err:
+        # ParallelDims names its own class; the user wrote the recipe's parallel section.
+        message = str(err).removeprefix("ParallelDims.for_world: ").removeprefix("ParallelDims: ")
+        raise PreflightError(f"parallel: {message}") from None
     if p.dp_shard is not None and p.dp_shard != dims.dp_shard:
-        raise ValueError(
+        raise PreflightError(
             f"parallel.dp_shard={p.dp_shard} but {world_size} ranks / (dp_replicate={p.dp_replicate} * sp={p.sp}) "
             f"= {dims.dp_shard}; leave it null or launch a matching number of ranks"
         )
