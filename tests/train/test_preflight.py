@@ -78,3 +78,18 @@ def test_degrees_that_do_not_fit_the_world_are_preflight_errors(tmp_path, parall
     raw["parallel"].update(parallel)
     with pytest.raises(PreflightError, match=re.escape(message)):
         parallel_dims(recipe_from_dict(raw), 2)
+
+
+def test_query_heads_not_a_multiple_of_kv_heads_are_refused_without_sp():
+    # Without the check the run built the model, loaded its weights and failed in the first attention call.
+    from transformers import AutoConfig
+
+    from veomni.train.preflight import check_sp_heads
+
+    values = {k: v for k, v in DENSE.items() if k != "model_type"}
+    config = AutoConfig.for_model("qwen3", **{**values, "num_attention_heads": 5, "num_key_value_heads": 2})
+    with pytest.raises(
+        PreflightError, match=r"num_attention_heads=5 is not a multiple of num_key_value_heads=2"
+    ):
+        check_sp_heads(config, 1)
+    check_sp_heads(AutoConfig.for_model("qwen3", **values), 1)

@@ -28,12 +28,19 @@ def check_warmup(warmup_steps: int, total_steps: int) -> None:
 
 
 def check_sp_heads(config: PretrainedConfig, sp: int) -> None:
-    """Ulysses SP splits attention heads over ``sp`` ranks: the language model's head counts must allow it."""
-    if sp == 1:
-        return
+    """The language model's head counts are a valid grouped-query layout and, when Ulysses SP splits them over
+    ``sp > 1`` ranks, allow that split."""
     text = config.get_text_config()
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        # transformers accepts such a config; the first attention call of the built model would fail.
+        raise PreflightError(
+            f"the model config ({type(config).__name__}): num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={kv_heads} (each KV head serves a whole group of query heads)"
+        )
+    if sp == 1:
+        return
     try:
         kv_repeats_for_sp(heads, kv_heads, sp)
     except ValueError as err:
