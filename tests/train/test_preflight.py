@@ -93,3 +93,22 @@ def test_query_heads_not_a_multiple_of_kv_heads_are_refused_without_sp():
     ):
         check_sp_heads(config, 1)
     check_sp_heads(AutoConfig.for_model("qwen3", **values), 1)
+
+
+@pytest.mark.parametrize("where", ["inline", "overrides"])
+def test_a_config_value_of_the_wrong_type_is_a_preflight_error(tmp_path, where):
+    from transformers import AutoConfig
+
+    from veomni.train.model_setup import model_config
+    from veomni.train.recipe import recipe_from_dict
+
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    if where == "inline":
+        raw["model"]["config"]["num_hidden_layers"] = "two"
+    else:
+        values = {k: v for k, v in DENSE.items() if k != "model_type"}
+        AutoConfig.for_model("qwen3", **values).save_pretrained(tmp_path / "config")
+        raw["model"]["config"] = str(tmp_path / "config")
+        raw["model"]["config_overrides"] = {"num_hidden_layers": "two"}
+    with pytest.raises(PreflightError, match=r"(?s)model\.config.*num_hidden_layers.*expected int"):
+        model_config(recipe_from_dict(raw))

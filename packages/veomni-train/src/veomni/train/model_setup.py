@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
@@ -35,11 +36,14 @@ def model_config(recipe: Recipe) -> PretrainedConfig:
     if isinstance(config, dict):
         values = dict(config)
         model_type = values.pop("model_type")
-        return AutoConfig.for_model(model_type, **values)
+        try:
+            return AutoConfig.for_model(model_type, **values)
+        except StrictDataclassError as err:  # a value of the wrong type (transformers' configs are strict)
+            raise PreflightError(f"model.config: {err}") from None
     source = config if config is not None else recipe.model.weights
     try:
         return MODELS.load_config(source, **recipe.model.config_overrides)
-    except ValueError as err:
+    except (ValueError, StrictDataclassError) as err:
         raise PreflightError(f"model.config_overrides: {err}") from None
 
 
