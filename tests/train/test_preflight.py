@@ -112,3 +112,12 @@ def test_a_config_value_of_the_wrong_type_is_a_preflight_error(tmp_path, where):
         raw["model"]["config_overrides"] = {"num_hidden_layers": "two"}
     with pytest.raises(PreflightError, match=r"(?s)model\.config.*num_hidden_layers.*expected int"):
         model_config(recipe_from_dict(raw))
+
+
+def test_a_step_budget_the_dp_ranks_cannot_split_fails_before_the_data_is_read(dist_pools, tmp_path):
+    # 768 tokens per step is 3 micro-batches of 256 on one rank, 1.5 on each of two: found only after indexing
+    # the training files before, as a RecipeError the CLI did not report as bad input.
+    raw = tiny_recipe(str(tmp_path), DENSE, tokens_per_step=768)
+    raw["data"]["train_files"] = [str(tmp_path / "missing.jsonl")]
+    errors = dist_pools.get(2, "gloo").run(_preflight_error, raw)
+    assert all("train.tokens_per_step=768 is not a multiple of" in e for e in errors), errors

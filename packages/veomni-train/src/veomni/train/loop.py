@@ -64,7 +64,7 @@ from veomni.train.preflight import (
     check_vocab,
     check_warmup,
 )
-from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
+from veomni.train.recipe import Recipe, RecipeError, recipe_to_dict, save_recipe
 from veomni.train.run_log import append_jsonl, bad_rows, log_window, progress_bar, report_replaced, write_line
 from veomni.train.step import (
     check_cuda_graphs,
@@ -251,6 +251,10 @@ def build_run(recipe: Recipe) -> Run:
     device = setup_distributed(recipe.train.device)
     torch.manual_seed(recipe.train.seed)
     state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
+    try:  # the step budget must split into whole micro-batches on this many DP ranks: known before any data is read
+        recipe.grad_accum(state.dims.dp)
+    except RecipeError as err:
+        raise PreflightError(str(err)) from None
     if recipe.train.cuda_graphs:
         check_cuda_graphs(recipe, dist.get_world_size(), device)
     setup = SETUPS[recipe.model.task](recipe, state, device)
