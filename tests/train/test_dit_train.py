@@ -424,6 +424,15 @@ def test_dit_recipe_rules():
     bad["model"]["config"] = {"_class_name": "WanTransformer3DModel"}
     with pytest.raises(RecipeError, match="model.task=dit takes a diffusers config.json"):
         recipe_from_dict(bad)
+    # The clip pipeline reads no token-pipeline field: one set would be ignored (on_bad_row=skip used to crash
+    # after the model build, reading a bad-row index DitData does not have).
+    bad = copy.deepcopy(raw)
+    bad["data"].update({"on_bad_row": "skip", "max_seq_len": 4096})
+    with pytest.raises(
+        RecipeError,
+        match=r"\['data.max_seq_len', 'data.on_bad_row'\] set, but model.task=dit does not read them",
+    ):
+        recipe_from_dict(bad)
 
 
 # ---------------------------------------------------------------- quickstart

@@ -54,6 +54,9 @@ BUILTIN_PREFIX = "builtin://"
 
 
 DIT_KINDS = ("dit", "dit_latents")
+# The data fields the clip pipeline (veomni.train.dit_setup, veomni-dit-embed) reads; the rest belong to the token
+# pipeline. eval_files has a check of its own.
+DIT_DATA_FIELDS = ("train_files", "eval_files", "format", "kind", "media_root", "shuffle", "num_workers")
 
 
 def check_task_sections(recipe: Recipe) -> None:
@@ -84,6 +87,14 @@ def check_task_sections(recipe: Recipe) -> None:
                 f"dit: {['dit.' + k for k in changed]} set, but model.task={recipe.model.task!r} (not dit)"
             )
         return
+    data = recipe_parse.to_plain(recipe.data)
+    defaults = recipe_parse.to_plain(DataSection(train_files=("x",)))
+    unread = sorted(f"data.{k}" for k, v in data.items() if k not in DIT_DATA_FIELDS and v != defaults[k])
+    if unread:
+        raise RecipeError(
+            f"{unread} set, but model.task=dit does not read them (its data fields: "
+            f"{['data.' + k for k in DIT_DATA_FIELDS]}); remove them"
+        )
     if recipe.dit.condition is None:
         raise RecipeError("dit.condition: required for model.task=dit (the Wan pipeline directory), missing")
     if recipe.data.eval_files:
