@@ -121,3 +121,14 @@ def test_a_step_budget_the_dp_ranks_cannot_split_fails_before_the_data_is_read(d
     raw["data"]["train_files"] = [str(tmp_path / "missing.jsonl")]
     errors = dist_pools.get(2, "gloo").run(_preflight_error, raw)
     assert all("train.tokens_per_step=768 is not a multiple of" in e for e in errors), errors
+
+
+def test_a_resume_path_that_is_no_checkpoint_fails_before_the_data_is_read(dist_pools, tmp_path):
+    # It used to surface as a FileNotFoundError traceback once the data was indexed and the model built.
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["checkpoint"]["resume"] = str(tmp_path / "step_00000100")
+    raw["data"]["train_files"] = [str(tmp_path / "missing.jsonl")]
+    (error,) = dist_pools.get(1, "gloo").run(_preflight_error, raw)
+    assert (
+        error.startswith("checkpoint.resume: ") and "step_00000100 is not a complete checkpoint" in error
+    ), error

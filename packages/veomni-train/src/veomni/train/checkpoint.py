@@ -228,11 +228,13 @@ def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Map
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     """Rank 0's ``trainer.pt`` of a complete checkpoint (step, schedule, data position, recipe, model config)."""
     path = Path(path)
-    _check_complete(path)
+    check_complete(path)
     return torch.load(path / "trainer.pt", weights_only=False)
 
 
-def _check_complete(path: Path) -> None:
+def check_complete(path: str | os.PathLike) -> None:
+    """Raise ``FileNotFoundError`` unless ``path`` is a complete checkpoint (a step directory with ``COMPLETE``)."""
+    path = Path(path)
     if (path / MARKER).is_file():
         return
     hint = ""
@@ -458,7 +460,7 @@ class CheckpointManager:
             (a larger world than was saved) — the caller decides what to do with its data state.
         """
         path = Path(path)
-        _check_complete(path)
+        check_complete(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         payload = _checkpoint_view(model, self.state, model_sd, optim_sd)
         check_payload_matches(path / "dcp", payload)

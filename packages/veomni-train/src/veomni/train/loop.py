@@ -58,13 +58,15 @@ from veomni.train.model_setup import (
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import (
     PreflightError,
+    check_grad_accum,
     check_parallel_fit,
+    check_resume_path,
     check_sp_heads,
     check_trainable,
     check_vocab,
     check_warmup,
 )
-from veomni.train.recipe import Recipe, RecipeError, recipe_to_dict, save_recipe
+from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.run_log import append_jsonl, bad_rows, log_window, progress_bar, report_replaced, write_line
 from veomni.train.step import (
     check_cuda_graphs,
@@ -249,12 +251,10 @@ def build_run(recipe: Recipe) -> Run:
     """Set up distributed state, check everything checkable, build data, model, optimizer, schedule and
     checkpoints; resume when asked."""
     device = setup_distributed(recipe.train.device)
+    check_resume_path(recipe.checkpoint.resume)
     torch.manual_seed(recipe.train.seed)
     state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
-    try:  # the step budget must split into whole micro-batches on this many DP ranks: known before any data is read
-        recipe.grad_accum(state.dims.dp)
-    except RecipeError as err:
-        raise PreflightError(str(err)) from None
+    check_grad_accum(recipe, state.dims.dp)
     if recipe.train.cuda_graphs:
         check_cuda_graphs(recipe, dist.get_world_size(), device)
     setup = SETUPS[recipe.model.task](recipe, state, device)

@@ -12,6 +12,8 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from veomni.core.freeze import freeze_modules
 from veomni.core.sp.attention import kv_repeats_for_sp
+from veomni.train.checkpoint import check_complete
+from veomni.train.recipe import Recipe, RecipeError
 
 
 class PreflightError(ValueError):
@@ -25,6 +27,25 @@ def check_warmup(warmup_steps: int, total_steps: int) -> None:
             f"optim.warmup_steps={warmup_steps} is longer than the run ({total_steps} steps): the learning rate "
             "would never reach optim.lr; lower the warmup or train longer"
         )
+
+
+def check_grad_accum(recipe: Recipe, dp: int) -> None:
+    """The step budget splits into whole micro-batches on ``dp`` data-parallel ranks (`Recipe.grad_accum`): known
+    from the world size, so checked before the data pipeline indexes the files."""
+    try:
+        recipe.grad_accum(dp)
+    except RecipeError as err:
+        raise PreflightError(str(err)) from None
+
+
+def check_resume_path(resume: str) -> None:
+    """An explicit ``checkpoint.resume`` path is a complete checkpoint (``auto`` and ``never`` name none)."""
+    if resume in ("auto", "never"):
+        return
+    try:
+        check_complete(resume)
+    except FileNotFoundError as err:
+        raise PreflightError(f"checkpoint.resume: {err}") from None
 
 
 def check_sp_heads(config: PretrainedConfig, sp: int) -> None:
