@@ -99,6 +99,16 @@ FIELD_VALUES = {
 }
 
 
+# Data fields only data.kind=multimodal reads (None for the other kinds).
+MEDIA_FIELDS = (
+    "media_root",
+    "patches_per_micro_batch",
+    "video_fps",
+    "video_max_frames",
+    "video_frame_pixels",
+)
+
+
 @st.composite
 def recipes(draw: st.DrawFn) -> dict:
     raw: dict = {}
@@ -130,6 +140,8 @@ def recipes(draw: st.DrawFn) -> dict:
         raw["data"]["eval_files"] = []
     if raw["data"]["kind"] != "multimodal":
         raw["data"]["use_audio_in_video"] = False  # videos (and their audio tracks) are multimodal data
+        for name in MEDIA_FIELDS:
+            raw["data"][name] = None  # read by the multimodal pipeline only
     if raw["data"]["video_frame_pixels"] is not None:
         raw["data"]["video_frame_pixels"] = sorted(raw["data"]["video_frame_pixels"])  # [min, max]
     raw["data"] = {k: list(v) if isinstance(v, tuple) else v for k, v in raw["data"].items()}
@@ -173,6 +185,7 @@ COUPLED = [
     {"parallel.activation_checkpointing", "parallel.ac_keep_attention"},
     {"parallel.sp", "parallel.async_ulysses"},
     {"model.config", "model.config_overrides", "model.weights", "model.tokenizer"},
+    {"data.kind", "data.use_audio_in_video", *(f"data.{name}" for name in MEDIA_FIELDS)},
 ]
 
 
@@ -316,6 +329,16 @@ def test_every_problem_is_reported_at_once(tmp_path):
             "ac_keep_attention: true chooses what activation checkpointing keeps",
         ),
         (lambda r: r["train"].update(seed=-1), "train.seed: expected >= 0"),
+        # Fields the text and conversation pipelines never read are refused, not ignored.
+        (
+            lambda r: r["data"].update(patches_per_micro_batch=4096),
+            "data.patches_per_micro_batch: read for data.kind multimodal only, but data.kind is 'conversation'",
+        ),
+        (
+            lambda r: r["data"].update(kind="text", media_root="/media"),
+            "data.media_root: read for data.kind multimodal, dit only, but data.kind is 'text'",
+        ),
+        (lambda r: r["data"].update(video_fps=2.0), "data.video_fps: read for data.kind multimodal only"),
         (lambda r: r.update(model=[1]), "model: expected a mapping"),
     ],
 )

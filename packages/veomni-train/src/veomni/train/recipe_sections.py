@@ -234,6 +234,16 @@ class DataSection:
             raise RecipeError(
                 f"data.video_frame_pixels: expected [min, max] with 0 < min <= max, found {list(pixels)}"
             )
+        # The token pipelines of kind text and conversation read none of the media fields: set, they would be ignored.
+        readers = {"media_root": ("multimodal", "dit"), "patches_per_micro_batch": ("multimodal",),
+                   "video_fps": ("multimodal",), "video_max_frames": ("multimodal",),
+                   "video_frame_pixels": ("multimodal",)}  # fmt: skip
+        for name, kinds in readers.items():
+            if getattr(self, name) is not None and self.kind in ("text", "conversation"):
+                raise RecipeError(
+                    f"data.{name}: read for data.kind {', '.join(kinds)} only, but data.kind is {self.kind!r}; "
+                    f"found {getattr(self, name)!r} (remove it)"
+                )
         if self.use_audio_in_video and self.kind != "multimodal":
             raise RecipeError(
                 f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
