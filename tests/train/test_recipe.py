@@ -410,6 +410,13 @@ def test_bare_on_and_off_in_yaml_are_the_choices_of_that_name(tmp_path):
         path = tmp_path / f"{word}.yaml"
         path.write_text(yaml.safe_dump(raw) + f"ops:\n  compile: {word}\n")
         assert load_recipe(path).ops.compile == want
+    # The command line reads a choice as the file does: true/yes are 'on' and false/no are 'off' there too.
+    base = write(tmp_path, raw, "base.yaml")
+    for word, want in (("false", "off"), ("no", "off"), ("true", "on"), ("yes", "on")):
+        path = tmp_path / f"{word}.yaml"
+        path.write_text(yaml.safe_dump(raw) + f"ops:\n  compile: {word}\n")
+        assert load_recipe(path).ops.compile == want
+        assert load_recipe(base, [f"--ops.compile={word}"]).ops.compile == want
     text = yaml.safe_dump(raw).replace("data:\n", "data:\n  shuffle: off\n")  # a bool field keeps YAML's bool
     path.write_text(text)
     assert load_recipe(path).data.shuffle is False

@@ -205,6 +205,7 @@ def _matches_scalar(value: Any, tp: Any) -> bool:
 
 
 _NULLS = {"null", "none", "~"}
+_YAML_BOOLS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
 _BOOLS = {
     "true": True,
     "yes": True,
@@ -269,6 +270,9 @@ def parse_cli_value(text: str, tp: Any, key: str) -> Any:
             raise RecipeError(f"{key}: expected a float, found {text!r}") from None
     if tp is dict:
         return parse_flow(text, key)
+    if origin is Literal and stripped not in typing.get_args(tp) and stripped.lower() in _YAML_BOOLS:
+        # What YAML reads as a bool in a file (`compile: false`), `convert` maps to the choice of that meaning.
+        return _YAML_BOOLS[stripped.lower()]
     return text  # str and Literal (checked by convert)
 
 
