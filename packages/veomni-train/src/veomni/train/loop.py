@@ -463,10 +463,12 @@ def train(
         pending.append((run.step, stats, t_data, step.tokens, flops))
         if progress is not None:
             progress.update(1)
-        evaluating = (
+        # The last step is evaluated too: the finished model is the one saved and exported, and an interval longer
+        # than the run would otherwise leave the eval data unused without a word.
+        evaluating = bool(
             run.eval_data is not None
             and recipe.train.eval_interval
-            and run.step % recipe.train.eval_interval == 0
+            and (run.step % recipe.train.eval_interval == 0 or run.step == run.total_steps)
         )
         saving = bool(recipe.checkpoint.interval and run.step % recipe.checkpoint.interval == 0)
         logging_now = run.step % recipe.train.log_interval == 0 or run.step == run.total_steps
@@ -475,11 +477,7 @@ def train(
         if logging_now:
             log_window(run, window, peak, sinks, progress)
             window = []
-        if (
-            run.eval_data is not None
-            and recipe.train.eval_interval
-            and run.step % recipe.train.eval_interval == 0
-        ):
+        if evaluating:
             result = evaluate(run)
             history["eval"].append({"step": run.step, **result})
             if rank0:

@@ -419,7 +419,9 @@ class TrainSection:
     )
     seed: int = _field(0, "seed of model initialisation, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto: cuda when available, else cpu")
-    eval_interval: int | None = _field(None, "evaluate on data.eval_files every this many steps")
+    eval_interval: int | None = _field(
+        None, "evaluate on data.eval_files every this many steps, and after the last step"
+    )
     log_interval: int = _field(10, "steps between console metric lines")
     cuda_graphs: bool = _field(
         False,
