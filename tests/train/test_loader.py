@@ -186,3 +186,17 @@ def test_eval_data_gives_every_rank_the_same_number_of_batches(data):
     assert sum(int(b["num_valid_tokens"]) for per_rank in batches for b in per_rank) == ranks[0].valid_tokens
     # Rows are packed in file order (first-fit): within a batch they ascend.
     assert all(np.all(np.diff(b["sample_index"]) > 0) for per_rank in batches for b in per_rank)
+
+
+def test_iterating_the_data_leaves_the_global_rng_alone(data):
+    # Dropout draws from torch's global RNG. A DataLoader draws its workers' base seed from it whenever an iterator
+    # is made: after a resume (RNG restored, then the train iterator made) the training stream was one draw off the
+    # uninterrupted run's, and every evaluation pass moved it between two training steps.
+    source, encoder, index = data
+    evaluation = EvalData(source, encoder, index, topology=DataTopology(), tokens_per_micro_batch=256,
+                          max_seq_len=64, overlong="truncate")  # fmt: skip
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    take(train_data(*data), 2)
+    list(evaluation)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -41,7 +41,7 @@ from veomni.train.data.plan import (
     pack_rows,
     steps_in_epoch,
 )
-from veomni.train.data.schedule import KeySampler, PlannedSteps, identity
+from veomni.train.data.schedule import KeySampler, PlannedSteps, identity, loader_generator
 from veomni.train.data.sources import DataError, OverlongError, RowSource
 
 log = logging.getLogger(__name__)
@@ -428,6 +428,7 @@ class EvalData:
             num_workers=self.num_workers,
             collate_fn=identity,
             pin_memory=self.pin_memory,
+            generator=loader_generator(),
         )
         for batch in loader:
             _note_replaced(batch, self.replaced)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from veomni.train.data.plan import MicroBatches, rank_schedule, steps_in_epoch
@@ -32,6 +33,14 @@ class KeySampler(Sampler):
 def identity(x: Any) -> Any:
     """``collate_fn`` for datasets whose items are already whole micro-batches."""
     return x
+
+
+def loader_generator() -> torch.Generator:
+    """The ``generator`` of the data's DataLoaders: each iterator draws its workers' base seed from it instead of
+    torch's global RNG, which dropout draws from. A resumed run makes its train iterator after the checkpoint's RNG
+    state is restored, and every evaluation pass makes one between two training steps; either draw would shift the
+    training's random stream. No worker reads the seed (orders and noise come from explicitly seeded generators)."""
+    return torch.Generator().manual_seed(0)
 
 
 class PlannedSteps:
@@ -98,6 +107,7 @@ class PlannedSteps:
             num_workers=self.num_workers,
             collate_fn=identity,
             pin_memory=self.pin_memory,
+            generator=loader_generator(),
         )
         batches = iter(loader)
         while True:
