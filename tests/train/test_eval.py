@@ -98,3 +98,20 @@ def test_eval_loss_is_the_one_process_token_mean(dist_pools, reference, tmp_path
             assert micro_batches % 2 == 1  # so that one DP rank runs a filler batch
             assert per_rank == -(-micro_batches // (world_size // sp))
             assert result["eval_loss"] == pytest.approx(want, rel=tol), (dp_replicate, sp)
+
+
+def _evaluate_without_eval_files(ctx, raw: dict) -> str:
+    from veomni.train.loop import build_run
+    from veomni.train.step import evaluate
+
+    run = build_run(recipe_from_dict(raw))
+    with pytest.raises(ValueError, match="data.eval_files") as err:
+        evaluate(run)
+    return str(err.value)
+
+
+def test_evaluate_without_eval_files_says_so(dist_pools, tmp_path):
+    # evaluate() is usable on its own (tests, benchmarks): a run built without eval files is a clear error, not a
+    # bare assert (or, under python -O, iterating None).
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    assert "no data.eval_files" in dist_pools.get(1, "gloo").run(_evaluate_without_eval_files, raw)[0]

@@ -140,7 +140,8 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
     """Mean token loss and perplexity over the eval data (every rank must call it)."""
-    assert run.eval_data is not None
+    if run.eval_data is None:
+        raise ValueError("evaluate: this run has no data.eval_files, so there is nothing to evaluate")
     run.model.eval()
     totals = torch.zeros(2, device=run.device, dtype=torch.float64)
     one = torch.ones((), device=run.device)
