@@ -156,3 +156,28 @@ def test_the_text_model_loads_from_the_composite_checkpoint(composite):
     assert report.ignored and all(k.startswith("model.visual.") for k in report.ignored)
     assert report.sources["model.layers.0.mlp.experts.down_proj"].startswith("ExpertMergeConverter")
     assert report.sources["model.norm.weight"] == "model.language_model.norm.weight"
+
+
+def test_an_export_cast_to_bf16_says_so_in_every_sub_config(composite, tmp_path):
+    # transformers' from_pretrained(dtype=bf16) puts the dtype on the config and each sub-config, and
+    # save_pretrained writes them so. Ours, live and from DCP, must write the same config.json, not sub-configs
+    # still saying float32 (the dtype the model was built and trained in).
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from veomni.models.export import export_dcp_to_hf
+
+    path = composite["qwen2_vl"]
+    model = build_model(path, weights=path, ops=eager_ops(), task=TASK)
+    export_hf(model, tmp_path / "live", dtype=torch.bfloat16)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    export_dcp_to_hf(
+        tmp_path / "dcp", tmp_path / "offline", config=path, prefix="model.", task=TASK, dtype=torch.bfloat16
+    )
+    upstream = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16)
+    upstream.save_pretrained(tmp_path / "hf")
+    want = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert want["text_config"]["dtype"] == want["vision_config"]["dtype"] == "bfloat16"
+    for out in ("live", "offline"):
+        assert json.loads((tmp_path / out / "config.json").read_text()) == want, out

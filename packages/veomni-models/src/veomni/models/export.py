@@ -223,14 +223,20 @@ def _remove_stale(out: Path, written: set[str], stem: str = "model") -> None:
 def save_config(
     config: PretrainedConfig, out_dir: str | os.PathLike, architecture: str, dtype: torch.dtype
 ) -> None:
-    """Write ``config.json`` for plain transformers: ``architectures`` and ``dtype`` set, veomni's runtime
-    attention / experts implementation choices left out."""
+    """Write ``config.json`` for plain transformers: ``architectures`` and ``dtype`` set (on every sub-config
+    too), veomni's runtime attention / experts implementation choices left out."""
     config = copy.deepcopy(config)
     for attr in _RUNTIME_CONFIG_ATTRS:
         if hasattr(config, attr):
             setattr(config, attr, None)
     config.architectures = [architecture]
     config.dtype = dtype
+    # As from_pretrained / _from_config do: a composite's sub-configs (text_config, vision_config, ...) carry the
+    # weights' dtype too, else an export cast to bf16 would still say float32 (the build dtype) in them.
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig):
+            sub.dtype = dtype
     config.save_pretrained(str(out_dir))
 
 
