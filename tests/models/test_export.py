@@ -130,6 +130,20 @@ def test_dcp_checkpoint_to_hf(dist_pools, ckpts, tmp_path, capsys):
         export_dcp_to_hf(ep_dir, tmp_path / "y", config=ckpts["moe4"], prefix="model.")
 
 
+def test_a_training_step_directory_points_at_its_dcp_subdirectory(ckpts, tmp_path, capsys):
+    # The trainer writes step_N/dcp/ beside trainer.pt; the step directory itself is the natural thing to pass.
+    src = ckpts["dense_tied"]
+    model = build_model(src, weights=src, ops=eager_ops())
+    step = tmp_path / "ckpt" / "step_00000010"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(step / "dcp"), no_dist=True)
+    out = str(tmp_path / "out")
+    assert export_cli([str(step), out, "--config", src, "--prefix", "model."]) == 1
+    err = capsys.readouterr().err
+    assert "not a torch.distributed.checkpoint directory" in err and f"{step / 'dcp'} holds one" in err
+    assert export_cli([str(step / "dcp"), out, "--config", src, "--prefix", "model."]) == 0
+    assert_same_hf_checkpoint(src, out)
+
+
 def test_dcp_export_keeps_strict_fp32_tensors_and_the_generation_config(tmp_path):
     # As export_hf (and save_pretrained): DeepSeek-V3's router bias stays fp32 under dtype=bf16, and the
     # config directory's generation_config.json travels with the export.

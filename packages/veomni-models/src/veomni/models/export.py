@@ -403,6 +403,19 @@ def _dcp_accounting(
     return chosen
 
 
+def _dcp_directory(dcp_dir: str | os.PathLike) -> Path:
+    # A training run keeps its DCP files in step_N/dcp/ beside the trainer state: name that directory when the
+    # step directory itself is given, instead of torch's bare "No such file ... .metadata".
+    path = Path(dcp_dir)
+    if (path / ".metadata").is_file():
+        return path
+    nested = sorted(p.parent for p in path.glob("*/.metadata")) if path.is_dir() else []
+    hint = f"; {nested[0]} holds one: pass that directory" if len(nested) == 1 else ""
+    raise FileNotFoundError(
+        f"{path} is not a torch.distributed.checkpoint directory (it has no .metadata file){hint}"
+    )
+
+
 def export_dcp_to_hf(
     dcp_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -444,7 +457,7 @@ def export_dcp_to_hf(
         model = resolved.cls._from_config(cfg)
     model.tie_weights()
     targets = model_targets(model)
-    stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    stored = FileSystemReader(str(_dcp_directory(dcp_dir))).read_metadata().state_dict_metadata
     chosen = _dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
     fp32 = _keep_fp32(model)
     shapes = {

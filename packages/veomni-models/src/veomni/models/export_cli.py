@@ -2,7 +2,7 @@
 
 Example::
 
-    veomni-export-hf ckpt/step_1000 hf_out --config Qwen/Qwen3-30B-A3B-local-dir --prefix model. --dtype bfloat16
+    veomni-export-hf ckpt/step_00001000/dcp hf_out --config Qwen/Qwen3-30B-A3B-local-dir --prefix model. --dtype bfloat16
 
 The output (sharded safetensors + index + config.json) loads with plain
 ``transformers.AutoModelForCausalLM.from_pretrained`` and no veomni import.
