@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from bench_loader import load_bench
@@ -47,3 +49,12 @@ def test_tower_marks_follow_the_thinker_through_forward_and_backward(tmp_path):
 @pytest.mark.parametrize("value", ["end", "step"])
 def test_loss_read_choices(value, tmp_path):
     assert omni.parse_args(["--out", str(tmp_path / "o.json"), "--loss-read", value]).loss_read == value
+
+
+def test_worst_error_is_nan_when_any_error_is_nan():
+    nan = float("nan")
+    assert common.worst([0.1, 0.3, 0.2]) == 0.3
+    assert common.worst([], default=0.0) == 0.0
+    # Python's max keeps a NaN only when it comes first; an agreement check must see it wherever it is.
+    for values in ([nan, 0.1], [0.1, nan], [0.1, 0.2, nan]):
+        assert math.isnan(common.worst(values))

@@ -148,3 +148,18 @@ def test_time_budget_skips_the_contenders_left_and_still_writes_json(tmp_path):
     runs = json.loads(out.read_text())["contenders"]
     assert set(runs) == {"diffusers", "veomni"}
     assert all("time budget" in r["skipped"] for r in runs.values())
+
+
+def test_parity_reports_a_contender_whose_loss_is_nan(tmp_path):
+    # diffusers first (its own difference, 0.0), then a contender gone NaN: Python's max would keep the 0.0.
+    runs = {
+        "diffusers": {"losses": [2.0]},
+        "veomni": {"losses": [float("nan")]},
+        "veomni_kernels": {"losses": [2.0]},
+    }
+    result = {"contenders": runs}
+    bench._write(result, str(tmp_path / "p.json"))
+    assert math.isnan(result["parity"]["max_rel_diff_vs_diffusers"])
+    runs["veomni"]["losses"] = [2.2]
+    bench._write(result, str(tmp_path / "p.json"))
+    assert result["parity"]["max_rel_diff_vs_diffusers"] == pytest.approx(0.1)

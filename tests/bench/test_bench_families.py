@@ -8,6 +8,7 @@ weights, routing or clamp settings would not. The timing fields are only checked
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -154,3 +155,16 @@ def test_compiled_contenders_agree_with_eager_ones_and_are_profiled(tmp_path):
         assert "Self CPU" in table and "aten::" in table, table[:2000]
         if name.startswith("veomni"):
             assert "aten::_grouped_mm" in table, table[:2000]
+
+
+@pytest.mark.parametrize("broken", ["d_hidden", "d_w", "d_v"])
+def test_a_nan_error_anywhere_breaks_agreement(broken):
+    # A contender whose input or later parameter gradient is NaN must not be reported as agreeing: Python's max
+    # drops a NaN that is not its first argument.
+    want = {k: torch.ones(3) for k in ("out", "d_hidden", "d_w", "d_v")}
+    got = {k: v.clone() for k, v in want.items()}
+    got[broken][0] = float("nan")
+    errs = bench.errors(got, want)
+    assert not bench.agrees(errs, 1e-2)
+    if broken != "d_hidden":
+        assert math.isnan(errs["d_params_max_rel"])

@@ -11,10 +11,11 @@ import bisect
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,18 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     diff = (got.float() - want.float()).norm().item()
     norm = want.float().norm().item()
     return diff / norm if norm > 0 else diff
+
+
+def worst(values: Iterable[float], default: float = 0.0) -> float:
+    """The largest of ``values`` (``default`` when there are none), NaN when any of them is NaN.
+
+    Python's ``max`` keeps a NaN only when it comes first (every comparison with NaN is false), so a contender whose
+    later gradient went NaN would pass an agreement check built on it; here the NaN wins.
+    """
+    values = list(values)
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=default)
 
 
 def error_text(err: BaseException) -> str:

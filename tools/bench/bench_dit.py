@@ -60,6 +60,7 @@ from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers and contenders live beside this
+from bench_common import worst  # noqa: E402
 from bench_e2e import _compile_seconds, _free, _sync  # noqa: E402
 from dit_contenders import (  # noqa: E402
     BUILDERS,
@@ -428,7 +429,7 @@ def _write(result: dict[str, Any], path: str) -> None:
     result["parity"] = {
         "step0_loss": losses,
         "max_rel_diff_vs_diffusers": None if base is None or len(losses) < 2
-        else max(abs(v - base) / abs(base) for v in losses.values()),
+        else worst(abs(v - base) / abs(base) for v in losses.values()),  # NaN if a loss is NaN
     }  # fmt: skip
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -74,6 +74,7 @@ from bench_common import (  # noqa: E402
     rel_err,
     release,
     timed_row,
+    worst,
     write_json,
 )
 
@@ -248,14 +249,14 @@ def errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[
         result[key] = {"max_abs": max_abs(got[key], want[key]), "rel": rel_err(got[key], want[key])}
     params = {k: rel_err(got[k], want[k]) for k in want if k.startswith("d_") and k != "d_hidden"}
     result["d_params_rel"] = params
-    result["d_params_max_rel"] = max(params.values(), default=0.0)
+    result["d_params_max_rel"] = worst(params.values())
     return result
 
 
 def agrees(errs: dict[str, Any], tol: float) -> bool:
-    """True when the output, the input gradient and every kept parameter gradient are within ``tol`` (relative)."""
-    worst = max(errs["out"]["rel"], errs["d_hidden"]["rel"], errs["d_params_max_rel"])
-    return worst <= tol
+    """True when the output, the input gradient and every kept parameter gradient are within ``tol`` (relative);
+    False when any of those errors is NaN."""
+    return worst((errs["out"]["rel"], errs["d_hidden"]["rel"], errs["d_params_max_rel"])) <= tol
 
 
 def run_contender(
