@@ -42,3 +42,16 @@ def test_tiny_run_matches_hf_and_reports_every_field(tmp_path):
 def test_unknown_contender_is_an_error(tmp_path):
     with pytest.raises(SystemExit):
         bench.parse_args(["--size", "tiny", "--contenders", "hf,liger", "--out", str(tmp_path / "x.json")])
+
+
+def test_contenders_without_hf_run_against_the_first_one(tmp_path):
+    # Without hf in --contenders, the first contender is the reference and no speed-up against HF is reported
+    # (this used to index the empty row list before the first row was appended).
+    result = bench.main(
+        ["--size", "tiny", "--layers", "1", "--reps", "1", "--contenders", "veomni_decoder_eager",
+         "--out", str(tmp_path / "s.json")]
+    )  # fmt: skip
+    (row,) = result["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["reference"] == "veomni_decoder_eager" and row["agrees"] is True
+    assert "speedup_vs_hf" not in row
