@@ -44,3 +44,14 @@ def test_tiny_contenders_start_from_the_same_loss(tmp_path):
         rows["hf"]["first_loss"], rel=1e-3
     )  # bf16 parameters
     assert result["speedup_vs_hf"] > 0
+
+
+def test_unknown_contenders_are_refused_before_anything_runs(capsys):
+    # Refused by the parser, not by the loader after the earlier contenders ran (its SystemExit is no Exception,
+    # so it ended the run before the JSON was written).
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x.json", "--contenders", "veomni,hf_grouped_mmm"])
+    assert "hf_grouped_mmm" in capsys.readouterr().err
+    assert bench.parse_args(["--out", "x.json", "--contenders", "veomni,hf,hf_grouped_mm"]).contenders == [
+        "veomni", "hf", "hf_grouped_mm",
+    ]  # fmt: skip

@@ -51,6 +51,7 @@ AUDIO, IMAGE, VIDEO, V_START, V_END, A_START, A_END = 151646, 151655, 151656, 15
 # --tiny: the same ids shifted down by TINY_SHIFT (order and spacing kept) to the top of a 1,056-token vocabulary.
 # On a CPU the released 152,064-row embedding and head made bf16 matmuls most of the smoke run's time.
 TINY_SHIFT, TINY_VOCAB = AUDIO - 1000, 1056
+CONTENDERS = ("veomni", "hf", "hf_grouped_mm")
 
 
 def placeholders(config: Qwen3OmniMoeThinkerConfig) -> tuple[int, ...]:
@@ -131,9 +132,9 @@ def load_contender(name: str, path: str, device: torch.device) -> torch.nn.Modul
         return build_model(
             path, weights=path, ops=ops, dtype=torch.bfloat16, device=device, task="any_to_any"
         )
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
     extra = {"experts_implementation": "grouped_mm"} if name == "hf_grouped_mm" else {}
-    if name not in ("hf", "hf_grouped_mm"):
-        raise SystemExit(f"--contenders: expected veomni, hf or hf_grouped_mm, found {name!r}")
     return Upstream.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa", **extra).to(
         device
     )
@@ -171,7 +172,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized thinker (smoke test)")
-    p.add_argument("--contenders", default="veomni,hf")
+    p.add_argument("--contenders", default="veomni,hf", help=f"comma list, run in this order, of {CONTENDERS}")
     p.add_argument("--text-layers", type=int, default=8)
     p.add_argument("--vit-blocks", type=int, default=8)
     p.add_argument("--audio-layers", type=int, default=8)
@@ -183,6 +184,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    if unknown or not args.contenders:
+        p.error(f"--contenders: unknown {unknown} (choose from {CONTENDERS})" if unknown else "--contenders is empty")  # fmt: skip
     if args.tiny and args.seq_len == 4096:
         args.seq_len, args.audio_seconds, args.image_side = 256, 1.5, 8
     return args
@@ -199,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         Upstream(config).to(torch.bfloat16).save_pretrained(path)
         batch = mixed_batch(config, args, device)
         result["tokens_per_step"] = batch["input_ids"].numel()
-        for name in args.contenders.split(","):
+        for name in args.contenders:
             try:
                 result["rows"].append(run_contender(name, path, batch, args, device))
             except Exception as err:  # one contender failing must not lose the others' numbers
