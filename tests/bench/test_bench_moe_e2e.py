@@ -92,3 +92,15 @@ def test_smoke_two_gloo_ranks_veomni_and_hf_start_equal(tmp_path):
     assert result["ratios"]["veomni/hf"]["tokens_per_s_per_gpu"] == pytest.approx(
         ours["tokens_per_s_per_gpu"] / hf["tokens_per_s_per_gpu"]
     )
+
+
+def test_one_rank_bf16_veomni_trains_the_master_weights(tmp_path):
+    # One process in bf16 takes the trainer's master-weights path: the optimizer must step the fp32 masters (as
+    # build_run builds it); an optimizer over the bf16 module was refused by build_adamw.
+    bench = load_bench("bench_moe_e2e.py")
+    argv = ["--tiny", "--device", "cpu", "--tokens", "64", "--steps", "1", "--warmup", "1", "--contenders", "veomni"]
+    result = bench.main([*argv, "--out", str(tmp_path / "one.json")])
+    ours = result["contenders"]["veomni"]
+    assert "error" not in ours, ours.get("error")
+    assert len(ours["losses"]) == 2 and all(math.isfinite(n) and n > 0 for n in ours["grad_norms"])
+    assert "master weights" in ours["precision"]

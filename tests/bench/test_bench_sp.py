@@ -158,3 +158,15 @@ def test_hybrid_model_sp2_matches_sp1_and_counts_attention_layers_only(dist_pool
     attention = 6.0 * 1 * width * 256**2  # one full-attention layer, one 256-token document per SP group
     assert sp2["attention_layers"] == 1 and sp2["ops"]["gated_delta_rule"] == "eager"
     assert sp2["flops_per_step"] - attention == pytest.approx(256 * sp2["flops_per_token_matmul"])
+
+
+def test_one_rank_bf16_trains_the_master_weights(tmp_path):
+    # One process in bf16 takes the trainer's master-weights path (a bf16 module over fp32 masters): the optimizer
+    # must step the masters, as build_run builds it (an optimizer over the bf16 module was refused by build_adamw).
+    out = str(tmp_path / "one.json")
+    argv = ["--tiny", "--device", "cpu", "--steps", "2", "--warmup", "0", "--sp-lengths", "1:64", "--lr", "1e-2"]
+    result = bench.main([*argv, "--same-data", "--no-ac", "--out", out])
+    run = result["runs"]["sp1_seq64"]
+    assert "error" not in run, run.get("error")
+    assert (run["sp"], run["dp"], run["training_path"]) == (1, 1, "master_weights")
+    assert all(math.isfinite(n) and n > 0 for n in run["grad_norms"])

@@ -56,6 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from veomni.core.master_weights import master_weights_of
 from veomni.core.parallel_state import build_parallel_state
 from veomni.kernels import Hardware, detect_hardware
 from veomni.train import loop
@@ -132,16 +133,18 @@ class Veomni:
         task = TextTask.for_model(probe)
         aux_coef = task.aux_loss_coef
         loop.hand_aux_loss_to_loop(model)  # as build_run: the loop adds the aux term itself, per micro-batch
+        # One bf16 rank takes the master-weights path: AdamW steps the fp32 masters, as build_run builds it.
+        masters = master_weights_of(model)
         optimizer = build_adamw(
-            model, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), eps=recipe.optim.eps,
-            weight_decay=recipe.optim.weight_decay,
+            model if masters is None else masters.module, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
+            eps=recipe.optim.eps, weight_decay=recipe.optim.weight_decay,
         )  # fmt: skip
         n = args.warmup + args.steps
         scheduler = build_scheduler(optimizer, Schedule(kind="constant", warmup_steps=0, total_steps=n))
         self.run = loop.Run(
             recipe=recipe, state=state, device=device, tokenizer=None, model=model, optimizer=optimizer,
             scheduler=scheduler, train_data=None, eval_data=None, checkpoints=None, total_steps=n,
-            task=task, config=probe.config,
+            task=task, config=probe.config, masters=masters,
         )  # fmt: skip
         self.tokens_per_step = args.tokens * state.dims.dp
         self.info = {
@@ -151,7 +154,12 @@ class Veomni:
             "experts_implementation": f"{model.config._experts_implementation} (moe_experts={ops.moe_experts}, "
                                       f"{'grouped kernel behind EP dispatch/combine' if state.ep_enabled else 'routed kernel'})",
             "attn_implementation": model.config._attn_implementation,
-            "precision": f"FSDP2 (+EP) with {recipe.model.dtype} compute, fp32 masters, fp32 reduce",
+            "precision": (
+                f"FSDP2 (+EP) with {recipe.model.dtype} compute, fp32 masters, fp32 reduce"
+                if loop.one_rank_path(recipe, world) == "fsdp2"
+                else f"one rank, no FSDP2: {recipe.model.dtype} parameters"
+                + (" over fp32 master weights the optimizer steps" if masters is not None else "")
+            ),
             "optimizer": "veomni.train.optim.build_adamw (torch AdamW, fused), constant lr",
             "step": "veomni.train.loop.train_step (aux loss weighted router_aux_loss_coef / dp)",
             "router_aux_loss_coef": aux_coef,

@@ -55,6 +55,7 @@ import torch.distributed as dist
 import transformers
 
 from veomni.core.compile import compile_stats
+from veomni.core.master_weights import master_weights_of
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.kernels import Hardware, detect_hardware
 from veomni.train import loop
@@ -121,16 +122,20 @@ def build(recipe: rc.Recipe, device: torch.device) -> tuple[loop.Run, dict[str, 
     model = loop.build_recipe_model(recipe, config, probe, ops, state, device)  # build_run's own call
     model.train()
     o = recipe.optim
-    optimizer = build_adamw(model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    # One bf16 rank takes the master-weights path: AdamW steps the fp32 masters, as build_run builds it.
+    masters = master_weights_of(model)
+    trained = model if masters is None else masters.module
+    optimizer = build_adamw(trained, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = build_scheduler(optimizer, Schedule(kind="constant", warmup_steps=0, total_steps=1))
     # train_step uses model, optimizer, scheduler, state, device and recipe.optim; the data, tokenizer and
     # checkpoint slots of a Run are not needed for synthetic steps.
     run = loop.Run(
         recipe=recipe, state=state, device=device, tokenizer=None, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=None, eval_data=None, checkpoints=None, total_steps=0,
-        task=TextTask.for_model(probe), config=probe.config,
+        task=TextTask.for_model(probe), config=probe.config, masters=masters,
     )  # fmt: skip
     info = {
+        "training_path": loop.one_rank_path(recipe, dist.get_world_size()),  # fsdp2, plain or master_weights
         "ops": {name: getattr(ops, name) for name in ("attention", "cross_entropy", "rms_norm", "rope", "swiglu",
                                                        "gated_delta_rule", "causal_conv1d")},
         "attn_implementation": model.config._attn_implementation,
