@@ -143,15 +143,18 @@ def evaluate(run: Run) -> dict[str, float]:
     if run.eval_data is None:
         raise ValueError("evaluate: this run has no data.eval_files, so there is nothing to evaluate")
     run.model.eval()
-    totals = torch.zeros(2, device=run.device, dtype=torch.float64)
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    tokens = 0
     one = torch.ones((), device=run.device)
     for batch in run.eval_data:
         kwargs = run.task.model_kwargs(batch, run.device, one)
         kwargs.pop("output_router_logits", None)
         with use_parallel_state(run.state):
             outputs = run.model(**kwargs)
-        count = run.task.trained_tokens(batch).to(run.device)
-        totals += torch.stack([outputs.loss.double(), count.double()])
+        loss_sum += outputs.loss.double()
+        # Counted on the host, where the batch's labels are: a per-batch copy to the GPU would wait for it.
+        tokens += int(run.task.trained_tokens(batch))
+    totals = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64).to(run.device)])
     dist.all_reduce(totals, group=run.state.loss_group)
     run.model.train()
     if float(totals[1]) == 0:

@@ -226,11 +226,13 @@ def vision_tower(probe: nn.Module) -> nn.Module:
 
 def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
     """``6 * N`` matmul FLOPs per vision patch: every weight of the tower multiplies each patch, except the
-    patch mergers (names containing ``merger``), which run once per ``merge**2`` patches. The tower's own
-    attention score FLOPs are not counted."""
+    patch mergers (names containing ``merger``), which run once per ``merge**2`` patches, and embedding tables
+    (Qwen3-VL's learned ``pos_embed``: looked up, not multiplied). The tower's own attention score FLOPs are not
+    counted."""
+    lookups = {id(m.weight) for m in visual.modules() if isinstance(m, nn.Embedding)}
     total = 0.0
     for name, param in visual.named_parameters():
-        if param.dim() < 2:
+        if param.dim() < 2 or id(param) in lookups:
             continue
         total += param.numel() / (merge * merge if "merger" in name else 1)
     return 6.0 * total
