@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from veomni.core.compile import compile_blocks
-from veomni.core.fsdp import ATTENTION_OPS, FSDPPolicy, apply_activation_checkpointing
+from veomni.core.fsdp import FSDPPolicy, apply_activation_checkpointing, is_attention_op
 
 
 class Block(torch.nn.Module):
@@ -55,7 +55,7 @@ class CountAttention(TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in ATTENTION_OPS
+        self.calls += is_attention_op(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -107,3 +107,63 @@ def test_keep_attention_that_keeps_nothing_is_an_error_at_the_first_forward_with
     hybrid(x).sum().backward()
     hybrid(x).sum().backward()  # checked once, then the hook is gone
     assert not hybrid._forward_hooks
+
+
+class PackedBlock(torch.nn.Module):
+    """A block attending through veomni's SDPA backend over a packed row: on the CPU that is the per-segment
+    custom op (``veomni::sdpa_segments_fwd``), not an ATen SDPA op."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        from veomni.kernels.attention.functions import sdpa_attention
+
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).unbind(2)
+        attn = sdpa_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+        return x + self.out(attn.reshape(b, s, w))
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_keep_attention_saves_the_packed_cpu_attention_op(keep_attention: bool):
+    # The default CPU attention of a packed row is veomni's per-segment op; keep_attention must save its output
+    # like ATen's SDPA kernels' (before, the policy knew ATen's ops only and recomputed it: the setting did nothing).
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([PackedBlock(), PackedBlock()])})
+    reference = [p.detach().clone() for p in model.parameters()]
+    apply_activation_checkpointing(model, ("blocks.*",), keep_attention=keep_attention)
+    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    h = x
+    for block in model["blocks"]:
+        h = block(h, cu_seqlens=cu)
+    with RecordOps() as record:
+        h.square().mean().backward()
+    recomputed = record.names.count("veomni::sdpa_segments_fwd")
+    assert recomputed == (0 if keep_attention else 2)
+    assert record.names.count("veomni::sdpa_segments_bwd") == 2
+    # Same gradients as the uncheckpointed blocks.
+    plain = torch.nn.ModuleList([PackedBlock(), PackedBlock()])
+    with torch.no_grad():
+        for p, value in zip(plain.parameters(), reference, strict=True):
+            p.copy_(value)
+    h = x
+    for block in plain:
+        h = block(h, cu_seqlens=cu)
+    h.square().mean().backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

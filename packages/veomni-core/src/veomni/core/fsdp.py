@@ -15,7 +15,6 @@ Meta-device construction, materialisation and loading of full checkpoints are in
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -275,43 +274,46 @@ def _fully_shard_keep_metadata(module: nn.Module, **kwargs: object) -> None:
                 setattr(p, key, value)
 
 
-def _attention_ops() -> frozenset[object]:
-    # The attention kernels' forward ops as the checkpoint's dispatch mode sees them (those this torch has):
-    # SDPA's backends, the flash op under torch's varlen_attn and the custom op wrapping it.
-    names = (
-        ("aten", "_scaled_dot_product_flash_attention"),
-        ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
-        ("aten", "_scaled_dot_product_efficient_attention"),
-        ("aten", "_scaled_dot_product_cudnn_attention"),
-        ("aten", "_flash_attention_forward"),
-        ("aten", "_efficient_attention_forward"),
-        ("torch_attn", "_varlen_attn"),
-    )
-    with contextlib.suppress(ImportError):  # registers torch_attn::_varlen_attn (torch >= 2.10)
-        import torch.nn.attention.varlen  # noqa: F401
-    ops = set()
-    for namespace, name in names:
-        packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
-        if packet is not None:
-            ops.add(packet.default)
-    return frozenset(ops)
+# The attention kernels' forward ops, by qualified name, as the checkpoint's dispatch mode sees them: SDPA's ATen
+# backends, the flash op under torch's varlen_attn, veomni's per-segment SDPA of packed CPU rows (the default CPU
+# attention of a packed row) and FlashAttention 2/3's custom ops. Names, not op objects: ops outside ATen are
+# registered only when their package is imported (veomni.kernels, flash_attn), which may be after this module, and
+# core does not import them.
+ATTENTION_OP_NAMES = frozenset(
+    {
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+        "torch_attn::_varlen_attn",
+        "veomni::sdpa_segments_fwd",
+        "flash_attn::_flash_attn_forward",
+        "flash_attn::_flash_attn_varlen_forward",
+        "flash_attn_3::_flash_attn_forward",
+    }
+)
+"""Ops (default overloads) whose outputs ``keep_attention`` checkpointing saves instead of recomputing."""
 
 
-ATTENTION_OPS = _attention_ops()
-"""Ops whose outputs ``keep_attention`` checkpointing saves instead of recomputing (`_KeptAttention`)."""
+def is_attention_op(op: object) -> bool:
+    """Whether ``op`` (an op overload dispatched under checkpointing) is one of `ATTENTION_OP_NAMES`."""
+    name = getattr(op, "name", None)
+    return callable(name) and name() in ATTENTION_OP_NAMES
 
 
 class _KeptAttention:
     """What ``keep_attention`` checkpointing of one model's blocks saved: the first forward with gradients must
     keep at least one attention output, or the setting silently does nothing (an attention kernel torch does not
-    dispatch, e.g. FlashAttention's own launches, is invisible to the policy)."""
+    dispatch as one of `ATTENTION_OP_NAMES`, e.g. FlashAttention 4's own launches, is invisible to the policy)."""
 
     def __init__(self) -> None:
         self.kept = 0
         self.hook: Any = None
 
     def policy(self, ctx: Any, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-        if op in ATTENTION_OPS:
+        if is_attention_op(op):
             self.kept += not ctx.is_recompute
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -325,13 +327,13 @@ class _KeptAttention:
             return
         self.hook.remove()
         if self.kept == 0:
-            kinds = sorted({f"{op.namespace}::{op._opname}" for op in ATTENTION_OPS})
+            kinds = sorted(ATTENTION_OP_NAMES)
             raise ValueError(
                 f"activation checkpointing with keep_attention: {type(model).__name__}'s forward ran no attention "
                 f"op that checkpointing can save (it saves the outputs of {kinds}), so every block would be "
-                "recomputed whole as if keep_attention were off. The attention kernel in use is launched outside "
-                "torch's dispatcher (FlashAttention 2/3/4, flex) or is the eager formula: use attention 'sdpa' or "
-                "'varlen' (ops.attention), or turn parallel.ac_keep_attention off"
+                "recomputed whole as if keep_attention were off. The attention kernel in use is none of them "
+                "(FlashAttention 4's own launches, flex's compiled kernel) or is the eager formula: use attention "
+                "'sdpa' or 'varlen' (ops.attention), or turn parallel.ac_keep_attention off"
             )
 
 
@@ -387,11 +389,11 @@ def apply_activation_checkpointing(
     Args:
         model: the module; its FQNs and checkpoint keys are unchanged (the blocks' ``forward`` is wrapped).
         block_patterns: FQN patterns of the blocks, as in `FSDPPolicy.block_patterns`.
-        keep_attention: save the outputs of the attention kernels (`ATTENTION_OPS`: out ``[B, S, H, D]``-sized and
-            its log-sum-exp) and recompute everything else: backward then skips the attention forward, the
+        keep_attention: save the outputs of the attention kernels (`ATTENTION_OP_NAMES`: out ``[B, S, H, D]``-sized
+            and its log-sum-exp) and recompute everything else: backward then skips the attention forward, the
             costliest op at long sequences. Eager blocks only (a compiled block is refused). The model's first
-            forward with gradients raises ValueError if it kept nothing (an attention kernel torch does not
-            dispatch: FlashAttention, flex, eager).
+            forward with gradients raises ValueError if it kept nothing (an attention kernel that is none of them:
+            FlashAttention 4, flex, eager).
     Returns:
         the FQNs of the checkpointed blocks.
     Raises:
