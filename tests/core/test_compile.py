@@ -427,3 +427,54 @@ def test_encoder_blocks_do_not_recompile_on_new_item_counts_and_lengths():
             out = block(x, cu_seqlens=cu, max_seqlen=max(lengths), position_embeddings=emb)
             assert out.shape == (total, 8)
     assert stats.graphs == 1, f"recompiled: {stats.graphs} graphs for one encoder block type"
+
+
+class DropoutBlock(torch.nn.Module):
+    """A block drawing random numbers (dropout) in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.dropout(torch.relu(self.up(x)), p=0.5, training=self.training)
+        return x + self.down(hidden)
+
+
+def test_checkpointed_compiled_dropout_blocks_recompute_the_forwards_masks():
+    # Checkpointing restores the RNG state of its call for the recomputation; the first call's eager priming run
+    # must not draw from it, or the recomputed graph uses the priming's dropout masks instead of the forward's
+    # (step 0's gradients were wrong, by up to 14 in this model).
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(DropoutBlock(), DropoutBlock())
+    compiled = copy.deepcopy(base)
+    compile_blocks(compiled, ("*",), backend="aot_eager")
+    checkpointed = copy.deepcopy(base)
+    compile_blocks(checkpointed, ("*",), backend="aot_eager")
+    apply_activation_checkpointing(checkpointed, ("*",))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        grads = []
+        for model in (compiled, checkpointed):
+            torch.manual_seed(step)
+            model(x).square().sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad()
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b), f"step {step}"
+
+
+def test_priming_draws_no_random_numbers():
+    # Eager and compiled blocks then see the same random stream: equal dropout masks, equal gradients.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(DropoutBlock(), DropoutBlock())
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled, ("*",), backend="aot_eager")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for model in (eager, compiled):
+        torch.manual_seed(3)
+        outputs.append(model(x))
+        outputs.append(torch.rand(()))  # what the rest of the step draws next
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])

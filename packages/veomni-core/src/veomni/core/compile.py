@@ -19,8 +19,8 @@ Lazy initialisation: code inside a block may set itself up on its first call (HF
 their kernel then: a hardware probe building an attrs object, an ``importlib`` import), which dynamo cannot
 trace. So the first call of each block also runs it once eagerly under ``torch.no_grad()`` and throws the
 result away; outputs and gradients always come from the compiled graph (also when activation checkpointing
-recomputes it). That costs one extra no-grad forward per block, once, and consumes RNG only if a block uses
-dropout.
+recomputes it). That costs one extra no-grad forward per block, once. It runs on a forked RNG state, so a block
+with dropout draws the same masks as an eager one, and checkpointing's recomputation the forward's.
 
 Inductor's ``comprehensive_padding`` is off for the blocks (`SAFE_INDUCTOR_OPTIONS`; an explicit ``options`` entry
 wins). On torch 2.11 CUDA it made the first, static-shape graph of a dense fp32 block compute a wrong forward
@@ -231,7 +231,10 @@ def _priming_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal primed
         if not primed:
-            with torch.no_grad(), context(True):
+            # On a forked RNG state: activation checkpointing restores the state from before this call for its
+            # recomputation, which reruns only the compiled graph; a priming run drawing dropout masks from the
+            # run's stream would hand the recomputation its masks instead of the compiled forward's.
+            with torch.no_grad(), _forked_rng(args, kwargs), context(True):
                 inner(*args, **kwargs)
             primed = True
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -250,6 +253,24 @@ def _priming_forward(
             return compiled(*args, **kwargs)
 
     return forward
+
+
+def _forked_rng(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AbstractContextManager[Any]:
+    """``torch.random.fork_rng`` for the CPU and the accelerator devices of the tensor inputs (the devices whose
+    RNG state ``torch.utils.checkpoint`` saves)."""
+    devices: dict[str, set[int]] = {}
+    for value in (*args, *kwargs.values()):
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta"):
+                kind, index = tensor.device.type, tensor.device.index
+                if index is None:
+                    index = torch.get_device_module(kind).current_device()
+                devices.setdefault(kind, set()).add(index)
+    stack = contextlib.ExitStack()
+    # The CPU generator is forked by every fork_rng call, so once on its own when no accelerator is involved.
+    for kind, indices in devices.items() or [("cuda", set())]:
+        stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+    return stack
 
 
 def compile_stats(module: nn.Module) -> CompileStats | None:
