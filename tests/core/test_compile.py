@@ -384,6 +384,30 @@ def test_build_model_refuses_moe_compile_it_cannot_trace(caplog):
         build_model(config, ops=OpsConfig(moe_experts="torch", compile="on", hardware=cuda))
 
 
+@pytest.mark.parametrize("composite", [False, True], ids=["qwen3_5_text", "qwen3_5-vlm"])
+def test_build_model_refuses_compile_of_gated_deltanet_layers(composite, caplog):
+    # The hybrid's layer kinds live in the text config; a composite (vision-language) config holds them in its
+    # text_config, where the check must look too (before, it built, then failed in dynamo at the first forward).
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+
+    text = dict(
+        vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    if composite:
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+        config, task = Qwen3_5Config(text_config=text, vision_config=vision), "image_text_to_text"
+    else:
+        config, task = Qwen3_5TextConfig(**text), "causal_lm"
+    with pytest.raises(ValueError, match=r"Gated DeltaNet layers.*use 'off'"):
+        build_model(config, task=task, ops=OpsConfig(compile="on", hardware=CPU))
+    with caplog.at_level("INFO", logger="veomni.models.build"):
+        auto_cuda = OpsConfig(compile="auto", hardware=Hardware(device_type="cuda"))
+        model = build_model(config, task=task, ops=auto_cuda)
+    assert compile_stats(model) is None and "Gated DeltaNet" in caplog.text
+
+
 def test_inductor_mode_and_options_reach_inductor():
     _, model = pair({"rms_norm": "eager"}, layers=1)
     stats = compile_blocks(model, BLOCKS, mode="max-autotune-no-cudagraphs", options=None).stats

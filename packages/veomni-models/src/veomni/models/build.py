@@ -411,9 +411,10 @@ def _will_compile_blocks(
             problem = (
                 f"torch._grouped_mm is traced on CUDA in bfloat16 only, and this model computes in {compute}"
             )
-    if problem is None and "linear_attention" in (
-        getattr(getattr(model, "config", None), "layer_types", None) or ()
-    ):
+    config = getattr(model, "config", None)
+    # A composite (vision-language) config keeps the decoder's layer kinds in its text config.
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if problem is None and "linear_attention" in (getattr(text_config, "layer_types", None) or ()):
         # Gated DeltaNet hybrids (Qwen3-Next): fla's Triton autograd functions and the eager oracle's
         # per-document loop are not traced with fullgraph=True (not yet verified on GPU).
         problem = "Gated DeltaNet layers (linear_attention) are not traced with fullgraph=True yet"
