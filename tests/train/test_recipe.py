@@ -328,6 +328,13 @@ def test_every_problem_is_reported_at_once(tmp_path):
             lambda r: r.update(parallel={"ac_keep_attention": True}),
             "ac_keep_attention: true chooses what activation checkpointing keeps",
         ),
+        (
+            lambda r: r.update(
+                parallel={"activation_checkpointing": True, "ac_keep_attention": True},
+                ops={"attention": "eager"},
+            ),
+            "parallel.ac_keep_attention: true saves the attention kernel's output, but ops.attention 'eager'",
+        ),
         (lambda r: r["train"].update(seed=-1), "train.seed: expected >= 0"),
         # Fields the text and conversation pipelines never read are refused, not ignored.
         (

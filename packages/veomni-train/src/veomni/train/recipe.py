@@ -129,6 +129,14 @@ class Recipe:
                 f"data.max_seq_len={self.data.max_seq_len} exceeds train.tokens_per_micro_batch="
                 f"{self.train.tokens_per_micro_batch}: a sample must fit in one micro-batch"
             )
+        if self.parallel.ac_keep_attention and self.ops.attention == "eager" and self.model.backend != "hf":
+            # The eager oracle computes attention with matmuls and a softmax: no attention kernel whose output the
+            # checkpoint could keep, so every block would be recomputed whole while the recipe says otherwise.
+            raise RecipeError(
+                "parallel.ac_keep_attention: true saves the attention kernel's output, but ops.attention 'eager' "
+                "runs no attention kernel (matmuls and a softmax, all recomputed); pick a kernel backend (sdpa, "
+                "varlen, flash_attn_2, ...) or set ac_keep_attention: false"
+            )
         if self.train.eval_interval is not None and not self.data.eval_files:
             raise RecipeError(
                 "train.eval_interval is set but data.eval_files is empty: there is nothing to evaluate"
