@@ -167,3 +167,30 @@ def test_keep_attention_saves_the_packed_cpu_attention_op(keep_attention: bool):
     h.square().mean().backward()
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_kv_cache_in_training_is_refused_with_the_fix_named():
+    # transformers configs default to use_cache=True, and the model then hands every layer a cache that the layer
+    # appends its keys to: the recomputation in backward would append them again (before: a CheckpointError about
+    # tensor metadata, or a decoding error from the attention).
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    assert config.use_cache
+    torch.manual_seed(0)
+    plain = Qwen3ForCausalLM(config)
+    checkpointed = Qwen3ForCausalLM(config)
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(checkpointed, ("model.layers.*",))
+    ids = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="use_cache=False"):
+        checkpointed(input_ids=ids, labels=ids)
+    with torch.no_grad():  # no recomputation without gradients: generation-style calls keep their cache
+        assert checkpointed(input_ids=ids).past_key_values is not None
+    plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    checkpointed(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -364,6 +364,14 @@ def _checkpoint_forward(module: nn.Module, keep_attention: bool = False, tally: 
     # recomputation and nested expert units gather themselves again during it.
     @functools.wraps(inner)
     def forward(*args: object, **kwargs: object) -> object:
+        if kwargs.get("past_key_values") is not None and torch.is_grad_enabled():
+            # transformers' layers append their keys to the cache; the recomputation would append them again and
+            # fail much later with an unrelated error (tensor metadata, or attention reading it as decoding).
+            raise ValueError(
+                f"activation checkpointing: {type(module).__name__} got a KV cache (past_key_values) while "
+                "gradients are on; its recomputation in backward would add the block's keys to the cache a second "
+                "time. Call the model with use_cache=False for training"
+            )
         # The recomputation runs in backward, outside the caller's `use_parallel_state` block (and on autograd's
         # threads on CUDA): without the state captured here it would skip Ulysses and recompute other shapes.
         state = current_parallel_state_or_none()
