@@ -369,3 +369,29 @@ def test_fp8_checkpoint_is_refused_with_how_to_convert_and_the_conversion_loads(
     got = model.model.layers[0].mlp.gate_proj.weight
     want = upstream.model.layers[0].mlp.gate_proj.weight
     assert (got.float() - want).abs().max() <= want.abs().max() / 8
+
+
+def test_load_counters_skip_the_compiled_blocks_eager_priming_run():
+    # compile_blocks runs a block's first call once eagerly without gradients and throws the result away; the
+    # aux-free load counters must not count that run (before, the first micro-batch's loads counted twice).
+    from veomni.core.compile import compile_blocks
+    from veomni.models.deepseek_v3.aux_free_balance import LOAD, attach_load_counters
+    from veomni.models.hf_output_capture import capture_into_compiled_block
+
+    config = tiny_config(use_cache=False)
+    ops = OpsConfig(attention="sdpa", compile="off", **{**EAGER_OPS, "moe_experts": "torch"})
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)]).unsqueeze(0)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    loads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = build_model(config, ops=ops, init_device="cpu")
+        if compiled:
+            capture = capture_into_compiled_block
+            compile_blocks(model, ("model.layers.*",), backend="aot_eager", call_context=capture)
+        routers = attach_load_counters(model)
+        batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids, **packed_kwargs(position_ids)}
+        model(**batch).loss.backward()
+        loads.append(torch.stack([getattr(r, LOAD) for r in routers]))
+    assert loads[0].sum() == 24 * config.num_experts_per_tok
+    assert torch.equal(loads[1], loads[0])

@@ -14,7 +14,8 @@ micro-batch, every rank. transformers defines no update (its bias is a fixed buf
 Counting is a forward hook on each router (``DeepseekV3TopkRouter`` returns ``(logits, weights, indices)``), adding
 into a non-persistent fp32 buffer, so it also runs inside compiled blocks and CUDA graphs. Activation checkpointing
 runs the router twice per forward: every expert's count doubles, which the sign leaves unchanged. Only training
-forwards count (``module.training``); padding tokens are routed and counted as the model sees them.
+forwards with gradients on count (``module.training``, not compiled blocks' no-grad priming run); padding tokens are
+routed and counted as the model sees them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ LOAD = "veomni_expert_load"
 
 
 def _count(module: nn.Module, args: tuple, output: tuple) -> None:
-    if module.training:
+    # Gradients on: compiled blocks' eager priming run (`veomni.core.compile`) is a no-grad training-mode forward
+    # whose result is thrown away; counting it weighed the run's first micro-batch twice.
+    if module.training and torch.is_grad_enabled():
         indices = output[2].reshape(-1)
         load = getattr(module, LOAD)
         load.index_add_(0, indices, torch.ones_like(indices, dtype=load.dtype))
