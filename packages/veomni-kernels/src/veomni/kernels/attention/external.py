@@ -221,6 +221,7 @@ def _flash(
 ) -> torch.Tensor:
     check_qkv(q, k, v, cu_seqlens, causal=causal)
     check_features(name, q, causal, **features)
+    _require(name, q.device)
     trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if name == "flash_attn_4" and q.shape[-1] < FLASH_4_MIN_TRAINED_HEAD and trains:
         raise ValueError(
@@ -229,7 +230,6 @@ def _flash(
             "100%; 32, 64, 128 correct; tools/bench/diag_fa4_layouts.py), its forward is right. Train this model "
             "with attention 'sdpa', 'varlen' or 'flash_attn_2'"
         )
-    _require(name, q.device)
     mod = importlib.import_module(_FLASH_MODULES[name][0])
     head_v = v.shape[-1]
     v = _pad_value(q, v)
