@@ -483,3 +483,13 @@ def _sp_cross_case(ctx, attn: str, sq: int, sk: int) -> None:
 )
 def test_cross_attention_sp2_matches_single_process(dist_pools, attn, sq, sk):
     dist_pools.get(2).run(_sp_cross_case, attn, sq, sk)
+
+
+def test_output_attentions_through_veomni_attention_is_refused_not_a_tuple_of_nones():
+    ids, positions, _ = doc_batch([10, 6], seed=3)
+    model = build_model("qwen3", hf_attention_name("sdpa"))
+    with pytest.raises(ValueError, match="never materialises attention weights.*'eager'"):
+        model(input_ids=ids, output_attentions=True)
+    assert model(input_ids=ids).logits.shape[:2] == ids.shape  # the default path is untouched
+    eager = build_model("qwen3", "eager")
+    assert all(a is not None for a in eager(input_ids=ids, output_attentions=True).attentions)

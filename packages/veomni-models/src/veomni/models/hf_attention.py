@@ -77,6 +77,7 @@ from veomni.models.hf_attention_inputs import (
     run_kernel,
     sp_kernel_kwargs,
 )
+from veomni.models.hf_output_capture import attention_weights_requested
 
 PREFIX = "veomni_"
 OP, VARIANT = "attention", "default"
@@ -223,6 +224,12 @@ def veomni_attention_forward(
     if dropout:
         raise ValueError(
             f"{name} has no attention dropout (got dropout={dropout}); set the model's attention_dropout to 0"
+        )
+    if attention_weights_requested():
+        raise ValueError(
+            f"{name} never materialises attention weights, but the forward was called with "
+            "output_attentions=True (its outputs would hold None per layer); use attn_implementation 'eager' "
+            "(model.set_attn_implementation('eager')) to get them"
         )
     features = attention_features(kwargs)
     is_causal = kwargs.get("is_causal")

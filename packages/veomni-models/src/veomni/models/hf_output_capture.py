@@ -24,7 +24,19 @@ from collections.abc import Iterator
 
 from transformers.utils import output_capturing
 
-__all__ = ["capture_into_compiled_block"]
+__all__ = ["attention_weights_requested", "capture_into_compiled_block"]
+
+
+def attention_weights_requested() -> bool:
+    """Whether the running forward was asked to return attention weights (``output_attentions=True`` as a call
+    argument; the config attribute itself already refuses non-eager attention). False inside traced code, where
+    the eager priming call of the same block has already answered."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return False
+    collected = output_capturing._active_collector.get()
+    return bool(collected) and any(key in collected for key in ("attentions", "cross_attentions"))
 
 
 @contextlib.contextmanager
