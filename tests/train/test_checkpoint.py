@@ -58,6 +58,26 @@ def test_round_trip_restores_model_optimizer_rng_and_states(tmp_path):
         assert torch.equal(param, want_params[name]), name
 
 
+def test_a_resave_killed_between_its_renames_resumes_from_the_new_copy(tmp_path):
+    import shutil
+
+    model = toy.build(0)
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, model, optimizer, trainer_state={"step": step}, rank_state={})
+    # The re-save of step 2 wrote and marked step_2.new, renamed step_2 to step_2.old, and died there.
+    shutil.copytree(tmp_path / "step_00000002", tmp_path / "step_00000002.new")
+    (tmp_path / "step_00000002").rename(tmp_path / "step_00000002.old")
+    latest = latest_complete(tmp_path)
+    assert latest.name == "step_00000002.new"  # not step 1: the newest complete state is kept
+    fresh = toy.build(1)
+    trainer_state, _ = manager.load(latest, fresh, build_adamw(fresh, **ADAM))
+    assert trainer_state["step"] == 2
+    manager.save(3, model, optimizer, trainer_state={"step": 3}, rank_state={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
+
+
 def test_keep_last_prunes_old_and_incomplete(tmp_path):
     model = toy.build(0)
     optimizer = build_adamw(model, **ADAM)

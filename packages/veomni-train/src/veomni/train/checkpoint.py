@@ -15,7 +15,7 @@ on the world size, so resharding onto another number of ranks (or EP degree) sti
 
 `latest_complete` only ever returns directories with ``COMPLETE``: a process killed during a save leaves an
 incomplete directory that is ignored (and pruned by the next successful save), and the previous checkpoint
-stays loadable. Keep-last-K pruning runs only after the new checkpoint is complete.
+stays loadable; a re-save of a step killed between its two renames resumes from its complete new copy. Keep-last-K pruning runs only after the new checkpoint is complete.
 
 Expert parallelism: after `apply_expert_plan` and FSDP2, an expert tensor is a DTensor of *local* experts, the
 same FQN and global shape on every EP rank, which DCP would take for replicas and save once. Before saving and
@@ -51,7 +51,7 @@ from veomni.core.parallel_state import ParallelState
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-STAGED_DIR = re.compile(r"^step_\d{8}\.(new|old)$")  # a re-save's new copy and the one it replaces
+STAGED_DIR = re.compile(r"^step_(\d{8})\.(new|old)$")  # a re-save's new copy and the one it replaces
 MARKER = "COMPLETE"
 # Config entries that describe how a model runs or where it came from, not what it is.
 RUNTIME_CONFIG_KEYS = frozenset(
@@ -71,16 +71,23 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def latest_complete(root: str | os.PathLike) -> Path | None:
-    """The newest ``step_*`` directory under ``root`` that has a ``COMPLETE`` marker, or None."""
+    """The newest ``step_*`` directory under ``root`` that has a ``COMPLETE`` marker, or None.
+
+    A re-save of a complete step that died between its two renames left ``step_N`` missing and its new copy
+    complete under ``step_N.new`` (the marker is written before the swap): that copy stands for step N.
+    Directories are only read here (every rank calls this); the next save of the run prunes the copy.
+    """
     root = Path(root)
     if not root.is_dir():
         return None
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file()
-    ]
-    return max(found)[1] if found else None
+    found = {}
+    for p in root.iterdir():
+        if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file():
+            found[int(m.group(1))] = p
+    for p in root.iterdir():
+        if (m := STAGED_DIR.match(p.name)) and p.name.endswith(".new") and (p / MARKER).is_file():
+            found.setdefault(int(m.group(1)), p)
+    return found[max(found)] if found else None
 
 
 def _rank() -> int:
