@@ -112,6 +112,20 @@ def test_the_ops_pass_torch_custom_op_checks():
     torch.library.opcheck(sdpa_segments_bwd, args)
 
 
+def test_the_ops_pass_custom_op_checks_on_hf_layout_views():
+    """q/k/v as HF hands them over: ``[1, S, H, D]`` views of ``[1, H, S, D]`` buffers (``transpose(1, 2)``). The
+    fake kernels promise contiguous gradients, so the real ones must return contiguous ones too; otherwise a
+    compiled backward (inductor) asserts on the strides of dq."""
+    q, k, v = (
+        t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(4, 9, 2, 2, 8, torch.float32)
+    )
+    assert not q.is_contiguous()
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    torch.library.opcheck(sdpa_segments_fwd, (q, k, v, cu, True, None))
+    out, lse = sdpa_segments_fwd(q, k, v, cu, True, None)
+    torch.library.opcheck(sdpa_segments_bwd, (torch.randn_like(out), q, k, v, out, lse, cu, True, None))
+
+
 def test_compiled_caller_traces_one_graph_and_equals_eager_bitwise():
     """fullgraph: the host read of the offsets hides inside the op, so the number of documents can change freely."""
     from torch._dynamo.testing import CompileCounterWithBackend

@@ -102,8 +102,9 @@ def sdpa_segments_bwd(
     hkv, groups = k.shape[2], q.shape[2] // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), _heads_first(k, groups), _heads_first(v, groups)
     douth, outh = dout.transpose(1, 2), out.transpose(1, 2)
-    # Every row is written: the offsets tile [0, S] (checked), and empty segments own no rows.
-    dq = torch.empty_like(q)
+    # Every row is written: the offsets tile [0, S] (checked), and empty segments own no rows. Contiguous, as the
+    # fake kernel says: empty_like would copy the strides of an HF-layout view, which inductor then rejects.
+    dq = q.new_empty(q.shape)
     dk_rep, dv_rep = q.new_empty(q.shape), q.new_empty((*q.shape[:3], v.shape[-1]))  # per query head
     for a, b in _spans(cu_seqlens, q.shape[1]):
         seg_dq, seg_dk, seg_dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
