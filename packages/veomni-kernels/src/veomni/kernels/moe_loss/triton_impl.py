@@ -37,8 +37,9 @@ def _tile_shape(num_experts: int) -> tuple[int, int]:
 @triton.jit
 def _softmax_tile(logits_ptr, stride_n, rows, cols, row_ok, col_ok):
     """fp32 softmax of a [BLOCK_N, BLOCK_E] tile; padded rows read zeros (finite), padded columns get p=0."""
+    # int64 offsets: layers x tokens x experts passes 2**31 elements at scale (58 x 145k x 256).
     x = tl.load(
-        logits_ptr + rows[:, None] * stride_n + cols[None, :],
+        logits_ptr + rows[:, None].to(tl.int64) * stride_n + cols[None, :],
         mask=row_ok[:, None] & col_ok[None, :],
         other=0.0,
     ).to(tl.float32)
@@ -117,7 +118,7 @@ def _stats_bwd_kernel(
     if HAS_WEIGHTS:
         w = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
         grad = grad * w[:, None]
-    out = grad_logits_ptr + rows[:, None] * stride_gn + cols[None, :]
+    out = grad_logits_ptr + rows[:, None].to(tl.int64) * stride_gn + cols[None, :]
     tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
