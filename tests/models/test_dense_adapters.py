@@ -265,6 +265,26 @@ def _starts(lengths: list[int]) -> list[tuple[int, int]]:
     return [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
 
 
+def _sp_without_positions(ctx) -> str:
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    torch.manual_seed(0)
+    model = SeedOssForCausalLM(tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0))
+    apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))
+    apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))  # bound twice: still one guard
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(4))
+    model(input_ids=ids)  # outside SP: HF's default positions are right
+    with use_parallel_state(state), pytest.raises(ValueError, match="under Ulysses SP needs position_ids") as err:
+        model(input_ids=slice_sequence(ids, 1, state.sp_group))
+    assert len(model._forward_pre_hooks) == 1
+    return str(err.value)
+
+
+def test_a_text_model_under_sp_refuses_inputs_without_position_ids(dist_pools):
+    # HF would number each rank's shard from 0: wrong RoPE and each shard attending only to itself (logits off by
+    # 0.43 on 2 gloo ranks), silently.
+    assert all("slice_sequence" in message for message in dist_pools.get(2).run(_sp_without_positions))
+
+
 def test_seed_oss_ulysses_sp2_matches_single_process(dist_pools):
     for worst in dist_pools.get(2).run(_seed_oss_sp_case):
         assert worst["logits"] < 1e-5 and worst["grad"] <= 1.0, worst

@@ -75,11 +75,42 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         return kernels
     register_hf_attention([ops.attention])
     set_impl(hf_attention_name(ops.attention))
+    _guard_sp_positions(model)
     if experts:
         from veomni.models.hf_experts import register_hf_experts
 
         model.set_experts_implementation(register_hf_experts())
     return kernels
+
+
+_SP_POSITIONS_GUARD = "_veomni_sp_positions_guard"
+# Sub-configs of models that lay out their own positions (multimodal RoPE) and check their SP inputs themselves.
+_MULTIMODAL_CONFIGS = ("vision_config", "audio_config", "thinker_config")
+
+
+def _guard_sp_positions(model: nn.Module) -> None:
+    """Refuse, on a text model's call under Ulysses SP, inputs without ``position_ids``: HF then numbers each
+    rank's slice from 0, so RoPE gets the wrong positions on every rank but the first and veomni attention reads
+    the P restarts as P documents (each shard attending only to itself) -- silently wrong, with no way to tell
+    HF's default positions from real ones inside the attention. Installed once per model."""
+    config = getattr(model, "config", None)
+    if getattr(model, _SP_POSITIONS_GUARD, False) or any(
+        getattr(config, name, None) is not None for name in _MULTIMODAL_CONFIGS
+    ):
+        return
+
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        from veomni.models.hf_attention_inputs import current_sp_state
+
+        if kwargs.get("position_ids") is None and current_sp_state() is not None:
+            raise ValueError(
+                f"{type(module).__name__} under Ulysses SP needs position_ids: each rank's slice of the row's "
+                "positions (veomni.core.sp.slice_sequence of the full [B, S] positions); without them every rank "
+                "numbers its shard from 0 and the attention treats the shards as separate documents"
+            )
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+    object.__setattr__(model, _SP_POSITIONS_GUARD, True)
 
 
 def attention_capabilities_needed(model: nn.Module) -> frozenset[str]:
