@@ -144,6 +144,33 @@ def test_a_training_step_directory_points_at_its_dcp_subdirectory(ckpts, tmp_pat
     assert_same_hf_checkpoint(src, out)
 
 
+def test_an_old_checkpoint_exports_with_the_tokenizer_files_beside_its_config(ckpts, tmp_path, caplog):
+    # A step directory without hf_files/ (written before the trainer kept its model's files there): the config
+    # must be named, and the tokenizer / processor files beside it travel (nothing else there does).
+    import logging
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpts["dense_tied"], src)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (src / "notes.txt").write_text("not a model file")
+    model = build_model(str(src), weights=str(src), ops=eager_ops())
+    step = tmp_path / "ckpt" / "step_00000003"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(step / "dcp"), no_dist=True)
+    with pytest.raises(FileNotFoundError, match=r"hf_files holds no config.json .* pass config="):
+        export_dcp_to_hf(step / "dcp", tmp_path / "x", prefix="model.")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="veomni.models.export_files"):
+        export_dcp_to_hf(step / "dcp", out, config=src, prefix="model.")
+    assert f"config from {src}" in caplog.text and "an older checkpoint" in caplog.text
+    assert {p.name for p in out.iterdir()} == {
+        "config.json", "generation_config.json", "model.safetensors", "chat_template.jinja", "tokenizer_config.json",
+    }  # fmt: skip
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert_same_hf_checkpoint(str(src), str(out))
+
+
 def test_dcp_export_keeps_strict_fp32_tensors_and_the_generation_config(tmp_path):
     # As export_hf (and save_pretrained): DeepSeek-V3's router bias stays fp32 under dtype=bf16, and the
     # config directory's generation_config.json travels with the export.

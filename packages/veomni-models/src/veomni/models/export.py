@@ -10,7 +10,6 @@ does the same offline from a ``torch.distributed.checkpoint`` directory. The res
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -28,6 +27,13 @@ from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
 from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
+from veomni.models.export_files import (
+    copy_side_files,
+    export_sources,
+    save_config,
+    save_model_files,
+    warn_config_differs,
+)
 from veomni.models.key_transforms import unrename_key
 from veomni.models.loading.loader import DEFAULT_IGNORED_UNEXPECTED, CheckpointMismatchError, converters_for
 from veomni.models.loading.safetensors_io import SafetensorsStreamWriter
@@ -36,9 +42,6 @@ from veomni.models.loading.targets import Target, model_targets, tie_groups, unw
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-# Attributes veomni sets on a config for training that plain transformers must not read back.
-_RUNTIME_CONFIG_ATTRS = ("_attn_implementation", "_experts_implementation")
 
 
 @attrs.frozen
@@ -220,26 +223,6 @@ def _remove_stale(out: Path, written: set[str], stem: str = "model") -> None:
             path.unlink()
 
 
-def save_config(
-    config: PretrainedConfig, out_dir: str | os.PathLike, architecture: str, dtype: torch.dtype
-) -> None:
-    """Write ``config.json`` for plain transformers: ``architectures`` and ``dtype`` set (on every sub-config
-    too), veomni's runtime attention / experts implementation choices left out."""
-    config = copy.deepcopy(config)
-    for attr in _RUNTIME_CONFIG_ATTRS:
-        if hasattr(config, attr):
-            setattr(config, attr, None)
-    config.architectures = [architecture]
-    config.dtype = dtype
-    # As from_pretrained / _from_config do: a composite's sub-configs (text_config, vision_config, ...) carry the
-    # weights' dtype too, else an export cast to bf16 would still say float32 (the build dtype) in them.
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = getattr(config, key, None)
-        if isinstance(sub, PretrainedConfig):
-            sub.dtype = dtype
-    config.save_pretrained(str(out_dir))
-
-
 def _full_tensor(target: Target, state: ParallelState | None) -> torch.Tensor:
     t = target.tensor
     if isinstance(t, DTensor):
@@ -319,10 +302,7 @@ def export_hf(
     distributed = dist.is_available() and dist.is_initialized()
     if is_writer:
         first = next(iter(shapes.values()))[1] if shapes else torch.float32
-        save_config(config, out_dir, unwrapped_class(model).__name__, dtype or first)
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and model.can_generate():
-            generation.save_pretrained(str(out_dir))  # what from_pretrained's model.generate() will use
+        save_model_files(model, out_dir, dtype or first)
         logger.info(
             "export_hf: wrote %d files, %.1f MiB to %s",
             len(report.files),
@@ -420,7 +400,7 @@ def export_dcp_to_hf(
     dcp_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    config: PretrainedConfig | str | os.PathLike,
+    config: PretrainedConfig | str | os.PathLike | None = None,
     prefix: str = "",
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -433,10 +413,17 @@ def export_dcp_to_hf(
     ...) are ignored; under it, the keys must be exactly the model's ``state_dict()`` keys with full,
     global shapes (tied duplicates optional).
 
+    Config, generation config and tokenizer / processor files: a training checkpoint's own
+    (``step_N/hf_files/`` beside ``step_N/dcp/``, what the in-loop export writes beside its weights), so the
+    export is the in-loop one; else ``config`` and the tokenizer / processor files beside it
+    (`veomni.models.export_files.export_sources`, which logs where they came from).
+
     Args:
         dcp_dir: the ``torch.distributed.checkpoint`` directory.
         out_dir: the output directory.
-        config: the model's config (object, directory or ``config.json``); it decides keys, shapes, layout.
+        config: the model's config (object, directory or ``config.json``); it decides keys, shapes, layout. Needed
+            only where the checkpoint has no ``hf_files/`` (one written before it had); a given one that differs
+            from the checkpoint's is logged with the differences and not used.
         prefix: the prefix of the model's keys in the checkpoint, e.g. ``"model."``.
         dtype: cast to this dtype (default: as stored).
         max_shard_bytes: safetensors file size limit.
@@ -450,14 +437,18 @@ def export_dcp_to_hf(
     from veomni.models.registry import MODELS, config_for_class
 
     registry = MODELS if registry is None else registry
-    cfg = registry.load_config(config)  # type: ignore[attr-defined]
+    dcp_path = _dcp_directory(dcp_dir)
+    sources = export_sources(dcp_path, config)
+    cfg = registry.load_config(sources.config)  # type: ignore[attr-defined]
+    if sources.from_checkpoint and config is not None:
+        warn_config_differs(cfg, registry.load_config(config), sources.config, config)  # type: ignore[attr-defined]
     resolved = registry.model_class(cfg, task)  # type: ignore[attr-defined]
     cfg = config_for_class(cfg, resolved.cls)
     with torch.device("meta"), no_init_weights():
         model = resolved.cls._from_config(cfg)
     model.tie_weights()
     targets = model_targets(model)
-    stored = FileSystemReader(str(_dcp_directory(dcp_dir))).read_metadata().state_dict_metadata
+    stored = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
     chosen = _dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
     fp32 = _keep_fp32(model)
     shapes = {
@@ -472,7 +463,7 @@ def export_dcp_to_hf(
         tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_dir), no_dist=True)
+            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_path), no_dist=True)
         return tensor.to(shapes[key][1])
 
     report = write_checkpoint(
@@ -481,16 +472,16 @@ def export_dcp_to_hf(
     first = next(iter(shapes.values()))[1] if shapes else torch.float32
     save_config(cfg, out_dir, resolved.cls.__name__, dtype or first)
     if model.can_generate():
-        # The checkpoint's own generation_config.json where the config came from a directory (EOS ids, sampling
-        # defaults), as export_hf carries the live model's; else the one transformers derives from the config.
+        # The source's own generation_config.json where there is one (EOS ids, sampling defaults; a checkpoint's
+        # already holds the tokenizer's end token), as export_hf carries the live model's; else the one
+        # transformers derives from the config.
         generation = model.generation_config
-        if isinstance(config, (str, os.PathLike)):
-            folder = Path(config) if Path(config).is_dir() else Path(config).parent
-            if (folder / "generation_config.json").is_file():
-                from transformers import GenerationConfig
+        if sources.folder is not None and (sources.folder / "generation_config.json").is_file():
+            from transformers import GenerationConfig
 
-                generation = GenerationConfig.from_pretrained(str(folder))
+            generation = GenerationConfig.from_pretrained(str(sources.folder))
         generation.save_pretrained(str(out_dir))
+    copy_side_files(sources, out_dir)
     logger.info(
         "export_dcp_to_hf: wrote %d files, %.1f MiB to %s",
         len(report.files),

@@ -2,15 +2,18 @@
 
 Example::
 
-    veomni-export-hf ckpt/step_00001000/dcp hf_out --config Qwen/Qwen3-30B-A3B-local-dir --prefix model. --dtype bfloat16
+    veomni-export-hf ckpt/step_00001000/dcp hf_out --prefix model. --dtype bfloat16
 
-The output (sharded safetensors + index + config.json) loads with plain
-``transformers.AutoModelForCausalLM.from_pretrained`` and no veomni import.
+The output (sharded safetensors + index + config.json, with the generation config and the tokenizer / processor
+files) loads with plain ``transformers.AutoModelForCausalLM.from_pretrained`` and no veomni import. Config and
+files come from the training checkpoint (``step_N/hf_files/``); ``--config`` (the source model's directory) is
+needed only for a checkpoint written before the trainer kept them.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -41,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("dcp_dir", help="the DCP checkpoint directory")
     parser.add_argument("out_dir", help="where to write the HF checkpoint")
     parser.add_argument(
-        "--config", required=True, help="the model's HF config: a directory with config.json, or the file"
+        "--config",
+        help="the model's HF config, a directory with config.json or the file: only for a checkpoint without "
+        "step_N/hf_files/ (written before the trainer kept its model's config and tokenizer there), whose "
+        "tokenizer / processor files are then taken from the same directory",
     )
     parser.add_argument(
         "--prefix",
@@ -59,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 on success, 1 on an error, printed to stderr)."""
     args = build_parser().parse_args(argv)
+    # The export logs where its config and tokenizer files come from (the checkpoint's own, or --config's).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from veomni.models.export import export_dcp_to_hf
 
     try:

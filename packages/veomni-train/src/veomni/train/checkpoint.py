@@ -6,6 +6,10 @@ Layout of one checkpoint, ``<dir>/step_00000100/``:
     trainer.pt           rank 0: step counters, scheduler state, world/DP/SP/EP sizes, the resolved recipe and
                          the model config (compared with the resuming run's, see `config_diff`)
     rank_00003.pt        per rank: RNG states (python, numpy, torch CPU, accelerator) and data-loader state
+    hf_files/            rank 0: what the task's HF export writes beside the weights (the trained config.json,
+                         generation_config.json, tokenizer, processor files), so that the offline export
+                         (`veomni.models.export.export_dcp_to_hf` on ``dcp/``) equals the in-loop one; absent for
+                         the dit task and in checkpoints written before it existed
     COMPLETE             written last, atomically (write + rename), by rank 0 after every rank finished
 
 Loading is strict both ways: before any tensor is read, the checkpoint's tensor names and global shapes (DCP
@@ -32,7 +36,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from veomni.core.ep import expert_shards
 from veomni.core.parallel_state import ParallelState
+from veomni.models.export_files import CHECKPOINT_FILES_DIR
 
 log = logging.getLogger(__name__)
 
@@ -381,8 +386,11 @@ class CheckpointManager:
         *,
         trainer_state: Mapping[str, Any],
         rank_state: Mapping[str, Any],
+        model_files: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Write checkpoint ``step``. ``trainer_state`` (rank 0's) and ``rank_state`` (each rank's) are torch-saved.
+        """Write checkpoint ``step``. ``trainer_state`` (rank 0's) and ``rank_state`` (each rank's) are torch-saved;
+        rank 0 calls ``model_files(<step>/hf_files)`` to write the model's HF config and tokenizer files there
+        (the task's ``checkpoint_files``).
 
         A complete checkpoint of the same step is replaced only once the new one is complete: the new one is
         written beside it (``step_N.new``) and swapped in by two renames, so a save killed midway leaves it loadable.
@@ -400,6 +408,8 @@ class CheckpointManager:
         torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
         if _rank() == 0:
             torch.save(dict(trainer_state), staging / "trainer.pt")
+            if model_files is not None:
+                model_files(staging / CHECKPOINT_FILES_DIR)
         if self.async_save:
             future = dcp.async_save(payload, checkpoint_id=staging / "dcp", process_group=self._async_group)
             self._pending = (getattr(future, "upload_completion", future), staging, path)

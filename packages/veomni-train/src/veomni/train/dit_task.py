@@ -179,6 +179,10 @@ class DitTask:
 
         export_diffusers(model, out, parallel_state=parallel_state)
 
+    def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
+        """Nothing: the offline export (`veomni.models.export.export_dcp_to_hf`) builds transformers models only,
+        and the run's ``recipe.yaml`` names the diffusers config."""
+
     def step_flops(self, step: Step) -> float:
         return sum(self.flops.sample(s) for s in step.sample_tokens)
 

@@ -382,6 +382,7 @@ def _save(run: Run) -> None:
             "model_config": config_dict(run.config),
         },
         rank_state={},
+        model_files=lambda out: run.task.checkpoint_files(run.model, out, run.tokenizer),
     )  # fmt: skip
     run.saved_step = run.step
 

@@ -70,6 +70,12 @@ class Task(Protocol):
         """Write the trained model to ``out`` in its upstream format (every rank calls it)."""
         ...
 
+    def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
+        """Write into ``out`` what `export` writes beside the weights (config, generation config, tokenizer,
+        processor files), for a checkpoint's ``hf_files/`` (`veomni.models.export_files`); called on one rank,
+        so no collectives. Nothing where the offline export does not read them."""
+        ...
+
     def step_flops(self, step: Step) -> float:
         """Useful training FLOPs of a whole step over all ranks (the MFU numerator, `veomni.train.metrics`)."""
         ...
@@ -179,8 +185,21 @@ class TextTask:
 
         export_hf(model, out, parallel_state=parallel_state)
         if dist.get_rank() == 0:
-            save_tokenizer(out, tokenizer)
+            self.save_side_files(out, tokenizer)
         dist.barrier()
+
+    def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
+        """`export`'s files but the weights: the same two calls, so the offline export of the checkpoint
+        (`veomni.models.export.export_dcp_to_hf`) writes what `export` writes."""
+        from veomni.models.export_files import save_model_files
+
+        save_model_files(model, out)
+        self.save_side_files(out, tokenizer)
+
+    def save_side_files(self, out: Path, tokenizer: Any) -> None:
+        """The tokenizer / processor files beside an export's config (one rank, after ``generation_config.json``
+        is written: `save_tokenizer` completes it)."""
+        save_tokenizer(out, tokenizer)
 
     def step_flops(self, step: Step) -> float:
         # Both terms over the whole step, all DP ranks (the loop divides by the world size): the samples' lengths
@@ -325,24 +344,20 @@ class VlmTask(TextTask):
             }
         return kwargs
 
-    def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
-        """Weights, tokenizer (with its chat template) and the image processor (``preprocessor_config.json``),
-        plus the processor/video configs found beside the tokenizer, so that ``AutoModelForImageTextToText`` and
+    def save_side_files(self, out: Path, tokenizer: Any) -> None:
+        """Tokenizer (with its chat template) and the image processor (``preprocessor_config.json``), plus the
+        processor/video configs found beside the tokenizer, so that ``AutoModelForImageTextToText`` and
         ``AutoImageProcessor`` (``AutoProcessor`` where torchvision is installed) load the export."""
         import shutil
 
-        from veomni.models.export import export_hf
         from veomni.train.data.multimodal import load_image_processor
 
-        export_hf(model, out, parallel_state=parallel_state)
-        if dist.get_rank() == 0:
-            source = Path(tokenizer.name_or_path)
-            save_tokenizer(out, tokenizer)
-            load_image_processor(str(source)).save_pretrained(out)
-            for name in ("processor_config.json", "video_preprocessor_config.json", "chat_template.json"):
-                if (source / name).is_file() and not (out / name).exists():
-                    shutil.copyfile(source / name, out / name)
-        dist.barrier()
+        source = Path(tokenizer.name_or_path)
+        super().save_side_files(out, tokenizer)
+        load_image_processor(str(source)).save_pretrained(out)
+        for name in ("processor_config.json", "video_preprocessor_config.json", "chat_template.json"):
+            if (source / name).is_file() and not (out / name).exists():
+                shutil.copyfile(source / name, out / name)
 
     def step_flops(self, step: Step) -> float:
         return super().step_flops(step) + self.vision_flops_per_patch * step.patches
@@ -399,16 +414,15 @@ class OmniTask(VlmTask):
             }
         return kwargs
 
-    def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
-        """As `VlmTask.export`, then the source's ``preprocessor_config.json`` over the image processor's: the
-        thinker's holds the image processor and the audio feature extractor in one file."""
+    def save_side_files(self, out: Path, tokenizer: Any) -> None:
+        """As `VlmTask.save_side_files`, then the source's ``preprocessor_config.json`` over the image processor's:
+        the thinker's holds the image processor and the audio feature extractor in one file."""
         import shutil
 
-        super().export(model, out, tokenizer, parallel_state)
+        super().save_side_files(out, tokenizer)
         source = Path(tokenizer.name_or_path) / "preprocessor_config.json"
-        if dist.get_rank() == 0 and source.is_file():
+        if source.is_file():
             shutil.copyfile(source, out / "preprocessor_config.json")
-        dist.barrier()
 
 
 TASKS = {"text": TextTask, "vlm": VlmTask, "dit": DitTask, "omni": OmniTask}
