@@ -94,7 +94,10 @@ def _guard_sp_positions(model: nn.Module) -> None:
     the P restarts as P documents (each shard attending only to itself) -- silently wrong, with no way to tell
     HF's default positions from real ones inside the attention. Installed once per model."""
     config = getattr(model, "config", None)
-    if getattr(model, _SP_POSITIONS_GUARD, False) or any(
+    # Sequence classifiers refuse SP altogether in their forward (the pooled token lives on one rank): that error
+    # names the real problem, so it is not preempted by this one.
+    classifier = type(model).__name__.endswith("ForSequenceClassification")
+    if getattr(model, _SP_POSITIONS_GUARD, False) or classifier or any(
         getattr(config, name, None) is not None for name in _MULTIMODAL_CONFIGS
     ):
         return
