@@ -32,7 +32,7 @@ CHECKPOINT_FILES_DIR = "hf_files"
 _RUNTIME_CONFIG_ATTRS = ("_attn_implementation", "_experts_implementation")
 
 # Config entries that say how a model runs or where it came from, not what it is (left out of a comparison).
-_RUNTIME_CONFIG_KEYS = frozenset(
+RUNTIME_CONFIG_KEYS = frozenset(
     {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache",
      "output_attentions", "output_hidden_states", "return_dict", "output_router_logits", *_RUNTIME_CONFIG_ATTRS}
 )  # fmt: skip
@@ -85,10 +85,12 @@ def save_model_files(model: nn.Module, out_dir: str | os.PathLike, dtype: torch.
         generation.save_pretrained(str(out_dir))
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+def flatten_mapping(value: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Nested mappings as one ``{"a.b.c": leaf}`` dict (config dicts, checkpoint payloads)."""
+    out = {} if out is None else out
     if isinstance(value, Mapping):
         for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+            flatten_mapping(item, f"{prefix}.{key}" if prefix else str(key), out)
     else:
         out[prefix] = value
     return out
@@ -97,11 +99,11 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
 def config_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
     """``"key: A vs B"`` for every entry (sub-configs as dotted keys) that differs between two config dicts, leaving
     out entries that say how a model runs or where it came from (dtype, architectures, attention choice, ...)."""
-    a, b = _flatten(ours, "", {}), _flatten(theirs, "", {})
+    a, b = flatten_mapping(ours), flatten_mapping(theirs)
     absent = object()
     lines = []
     for key in sorted(set(a) | set(b)):
-        if key.rsplit(".", 1)[-1] in _RUNTIME_CONFIG_KEYS:
+        if key.rsplit(".", 1)[-1] in RUNTIME_CONFIG_KEYS:
             continue
         mine, other = a.get(key, absent), b.get(key, absent)
         if mine is absent or other is absent or mine != other:

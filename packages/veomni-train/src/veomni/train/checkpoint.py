@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from veomni.core.ep import expert_shards
 from veomni.core.parallel_state import ParallelState
-from veomni.models.export_files import CHECKPOINT_FILES_DIR
+from veomni.models.export_files import CHECKPOINT_FILES_DIR, RUNTIME_CONFIG_KEYS, flatten_mapping
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,6 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 STAGED_DIR = re.compile(r"^step_(\d{8})\.(new|old)$")  # a re-save's new copy and the one it replaces
 MARKER = "COMPLETE"
 # Config entries that describe how a model runs or where it came from, not what it is.
-RUNTIME_CONFIG_KEYS = frozenset(
-    {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache",
-     "output_attentions", "output_hidden_states", "return_dict", "output_router_logits",
-     "_attn_implementation", "_experts_implementation"}
-)  # fmt: skip
 SHOWN = 8  # names listed per kind of difference in an error
 
 
@@ -107,19 +102,10 @@ def _barrier() -> None:
 # ---------------------------------------------------------------- what a checkpoint holds
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
-    else:
-        out[prefix] = value
-    return out
-
-
 def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``"key: saved X, now Y"`` for every config entry (nested sub-configs as dotted keys) that differs, leaving
     out `RUNTIME_CONFIG_KEYS`; empty when the two configs describe the same model."""
-    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    a, b = flatten_mapping(saved), flatten_mapping(current)
     lines = []
     for key in sorted(set(a) | set(b)):
         if key.rsplit(".", 1)[-1] in RUNTIME_CONFIG_KEYS:
@@ -155,7 +141,7 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
     """
     metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
     saved = {key: tuple(md.size) for key, md in metadata.items() if hasattr(md, "size")}
-    wanted = {k: tuple(v.shape) for k, v in _flatten(payload, "", {}).items() if isinstance(v, torch.Tensor)}
+    wanted = {k: tuple(v.shape) for k, v in flatten_mapping(payload).items() if isinstance(v, torch.Tensor)}
     # A tied lm_head is in the state dict under both names but is one trained parameter: the model tensors of a
     # tied and an untied model match, and only the optimizer state shows it. That is a model difference.
     trained_now, trained_then = _trained_params(wanted), _trained_params(saved)
