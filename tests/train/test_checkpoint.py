@@ -219,6 +219,35 @@ def test_optimizer_groups_must_hold_the_same_parameters(tmp_path, then, now, pro
     manager.load(path, model, build_adamw(model, lr_multipliers=then, **{**ADAM, "weight_decay": 0.05}))
 
 
+def _groups(model, decayed_lr: float, flat_lr: float, split: bool) -> list[dict]:
+    # The grouping build_adamw makes with EP (split: the decayed matrices in two groups, as experts sit apart from
+    # the dense ones on their own mesh, the undecayed group last) and without (one decayed group).
+    decayed = [p for p in model.parameters() if p.dim() >= 2]
+    flat = [p for p in model.parameters() if p.dim() < 2]
+    parts = [decayed[:2], decayed[2:]] if split else [decayed]
+    return [{"params": part, "weight_decay": 0.1, "lr": decayed_lr} for part in parts] + [
+        {"params": flat, "weight_decay": 0.0, "lr": flat_lr}
+    ]
+
+
+def test_coarser_optimizer_groups_keep_the_hyperparameters_of_their_saved_groups(tmp_path):
+    # Saved with three groups (EP), loaded into two (EP off): each group takes the saved settings of the group its
+    # parameters were in, not of the saved group at its index (the undecayed group is saved third, loaded second).
+    model = toy.build(0)
+    optimizer = torch.optim.AdamW(_groups(model, 1e-2, 3e-2, split=True))
+    _train_step(model, optimizer, 1)
+    path = CheckpointManager(tmp_path).save(1, model, optimizer, trainer_state={"step": 1}, rank_state={})
+    fresh = toy.build(1)
+    fresh_opt = torch.optim.AdamW(_groups(fresh, 5e-3, 5e-3, split=False))
+    CheckpointManager(tmp_path).load(path, fresh, fresh_opt)
+    got = [(g["weight_decay"], g.get("lr"), len(g["params"])) for g in fresh_opt.param_groups]
+    assert got == [(0.1, 1e-2, 6), (0.0, 3e-2, 10)]
+    _train_step(fresh, fresh_opt, 2)
+    _train_step(model, optimizer, 2)
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- resharding across world sizes and EP
 
 

@@ -223,6 +223,21 @@ def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Map
         )
 
 
+def _saved_param_group_slots(dcp_dir: Path) -> list[dict[str, Any]] | None:
+    """One empty slot per saved optimizer param group, with the keys it was saved with (what `dcp.load` fills);
+    None when the checkpoint holds no param groups."""
+    prefix = "optim.param_groups."
+    metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
+    slots: dict[int, dict[str, Any]] = {}
+    for key in metadata:
+        if key.startswith(prefix):
+            index, name = key[len(prefix) :].split(".", 1)
+            slots.setdefault(int(index), {})[name] = None
+    if not slots:
+        return None
+    return [slots.get(i, {}) for i in range(max(slots) + 1)]
+
+
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     """Rank 0's ``trainer.pt`` of a complete checkpoint (step, schedule, data position, recipe, model config)."""
     path = Path(path)
@@ -467,6 +482,13 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         payload = _checkpoint_view(model, self.state, model_sd, optim_sd)
         check_payload_matches(path / "dcp", payload)
+        # DCP fills a list by index: this run's param_groups would take the first len(groups) saved groups, whatever
+        # parameters those held, and coarser groups (EP experts merged back) would miss the saved groups past
+        # them. Every saved group is loaded instead, and set_state_dict hands each of this run's groups the
+        # settings of the saved group its parameters (by name) were in.
+        saved_groups = _saved_param_group_slots(path / "dcp")
+        if saved_groups is not None:
+            payload["optim"]["param_groups"] = optim_sd["param_groups"] = saved_groups
         dcp.load(payload, checkpoint_id=path / "dcp")
         set_state_dict(
             model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
