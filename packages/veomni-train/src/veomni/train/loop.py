@@ -55,7 +55,7 @@ from veomni.train.model_setup import (
     model_config,
     one_rank_path,
 )
-from veomni.train.optim import Schedule, build_adamw, build_scheduler
+from veomni.train.optim import Schedule, build_adamw, build_scheduler, load_scheduler_state
 from veomni.train.preflight import (
     PreflightError,
     check_grad_accum,
@@ -351,7 +351,7 @@ def _maybe_resume(run: Run) -> None:
     if run.masters is not None:
         # The loaded fp32 masters, frozen ones too, into the compute model.
         run.masters.push(trainable_only=False)
-    run.scheduler.load_state_dict(trainer_state["scheduler"])
+    load_scheduler_state(run.scheduler, trainer_state["scheduler"])
     run.step = int(trainer_state["step"])
     run.skipped_steps = int(trainer_state.get("skipped_steps", 0))
     # The data position is global (epoch, cursor), so it resumes at any DP size; see docs/train.md.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -169,6 +170,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule) -> Lam
         return schedule.factor(step)
 
     return LambdaLR(optimizer, factor)
+
+
+def load_scheduler_state(scheduler: LambdaLR, state: Mapping[str, Any]) -> None:
+    """Restore a `build_scheduler` scheduler from its saved ``state_dict``, after the optimizer has been restored.
+
+    The saved state holds per-group lists (``base_lrs``, the last lrs) in the saving run's group order, and a run
+    may resume with other groups: an EP checkpoint resumed without EP has its expert groups merged into the dense
+    ones. Those lists are rebuilt from this optimizer's groups, whose ``initial_lr`` and ``lr`` were restored with
+    their parameters (by name); the step counter comes from ``state``.
+    """
+    scheduler.load_state_dict(dict(state))  # a copy: load_state_dict pops and puts back a key of its argument
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [group["initial_lr"] for group in groups]
+    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def clip_and_step(
