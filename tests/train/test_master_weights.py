@@ -25,9 +25,9 @@ def weights(tmp_path_factory) -> str:
 def mixed_recipe(tmp: Path, weights: str, *, force_fsdp2: bool, model: dict = DENSE) -> dict:
     """bf16 compute over fp32 parameters, 2 micro-batches per step, a halved lr on layer 0, layer 1's MLP frozen.
 
-    Steps of ~300 trained tokens: a count above 256 is mostly not a bf16 number, and FSDP2 casts the float
-    ``num_items_in_batch`` to bf16 with every other floating input, so the loss normaliser rounds too (the new path
-    must do the same to match, and this size shows whether it does)."""
+    Steps of ~300 trained tokens: a count above 256 is mostly not a bf16 number, and both paths cast every floating
+    forward input to bf16, so a float ``num_items_in_batch`` would round (the trainer passes it as an integer; this
+    size shows whether the two paths normalise alike)."""
     raw = tiny_recipe(
         str(tmp), model, weights=weights, steps=STEPS, tokens_per_step=1024, tokens_per_micro_batch=512
     )
@@ -197,3 +197,48 @@ def test_the_optimizer_must_step_the_masters():
     with masters.exposed():
         assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def _first_step(ctx, raw: dict) -> tuple[int, dict[str, float]]:
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    step = next(iter(run.train_data))
+    return step.valid_tokens, train_step(run, step)
+
+
+def test_fp16_compute_normalises_a_step_of_more_tokens_than_fp16_holds(dist_pools, tmp_path):
+    # Both paths cast every floating forward input to the compute dtype, and the loss normaliser (the step's
+    # trained-token count) is a forward input: as an fp16 number a count above 65504 was inf, so the loss and every
+    # gradient came out 0 and nothing trained, without a word. It reaches the model as an integer.
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards"]
+    data = tmp_path / "long.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choices(words, k=250))}) + "\n" for _ in range(300))
+    )
+    results = {}
+    for dtype, force_fsdp2 in (("float32", False), ("float16", False), ("float16", True)):
+        raw = tiny_recipe(str(tmp_path / f"{dtype}{force_fsdp2}"), DENSE, steps=1, tokens_per_step=66 * 1024,
+                          tokens_per_micro_batch=33 * 1024)  # fmt: skip
+        raw["data"].update({"train_files": [str(data)], "kind": "text"})
+        raw["model"]["dtype"] = dtype
+        # A smaller model: fp16 matmuls are slow on CPU.
+        raw["model"]["config"].update(
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+        raw["parallel"]["force_fsdp2"] = force_fsdp2
+        results[dtype, force_fsdp2] = dist_pools.get(1, "gloo").run(_first_step, raw)[0]
+    tokens, want = results["float32", False]
+    assert tokens > torch.finfo(torch.float16).max
+    for path in (False, True):
+        got = results["float16", path][1]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-2), f"force_fsdp2={path}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2), f"force_fsdp2={path}"

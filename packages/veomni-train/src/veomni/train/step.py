@@ -111,8 +111,10 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
         run.skipped_steps += 1
         return {"loss": math.nan, "grad_norm": math.nan, "lr": current_lr(run), "skipped": 1.0}
     grad_accum = len(step.micro_batches)
-    # A fill kernel, not torch.tensor: a copy from pageable host memory would make the host wait for the GPU.
-    num_items = torch.full((), float(step.valid_tokens), device=run.device, dtype=torch.float32)
+    # A fill kernel, not torch.tensor: a copy from pageable host memory would make the host wait for the GPU. An
+    # integer: FSDP2 mixed precision and the master-weights path cast every floating forward input to the compute
+    # dtype, which would round the count in bf16 and make it inf in fp16 above 65504 tokens (a zero loss).
+    num_items = torch.full((), step.valid_tokens, device=run.device, dtype=torch.int64)
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
     for i, batch in enumerate(step.micro_batches):
         if isinstance(run.model, FSDPModule):

@@ -47,7 +47,7 @@ class Task(Protocol):
     def model_kwargs(
         self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
     ) -> dict[str, Any]:
-        """The keyword arguments of ``model(**kwargs)`` for one micro-batch; ``num_items`` (0-d float32) is the
+        """The keyword arguments of ``model(**kwargs)`` for one micro-batch; ``num_items`` (0-d int64) is the
         loss normaliser: the model returns its token-loss sum over it."""
         ...
 
