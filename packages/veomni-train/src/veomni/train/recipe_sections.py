@@ -68,7 +68,7 @@ class ModelSection:
         "state, no gradient reduction; a name matching nothing is an error",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = _field(
-        "bfloat16", "compute dtype of the forward and backward"
+        "bfloat16", "compute dtype of the forward and backward (float16: no loss scaling, warned at build)"
     )
     param_dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "float32",
