@@ -98,10 +98,13 @@ def test_a_freeze_pattern_matching_nothing_names_it_and_the_modules():
     assert all(p.requires_grad for p in model.parameters())  # nothing frozen when a pattern is bad
 
 
-def test_freeze_by_module_glob_and_tied_weights():
+def test_freeze_by_module_glob_and_tied_weights(caplog):
     model = _meta_model({**DENSE, "tie_word_embeddings": True})
-    frozen = freeze_modules(model, ["lm_head", "model.layers.*.mlp"])
+    with caplog.at_level("WARNING", logger="veomni.core"):
+        frozen = freeze_modules(model, ["lm_head", "model.layers.*.mlp"])
     assert "model.embed_tokens.weight" in frozen  # tied to lm_head: one tensor, frozen under its name
+    # ... which the user did not name: said, not silent.
+    assert "['model.embed_tokens.weight'] frozen too: tied to a frozen parameter" in caplog.text
     assert {n for n in frozen if ".mlp." in n} == {
         f"model.layers.{i}.mlp.{m}_proj.weight" for i in range(2) for m in ("gate", "up", "down")
     }

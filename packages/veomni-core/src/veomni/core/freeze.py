@@ -6,11 +6,14 @@ a unit whose parameters are all frozen then reduce-scatters nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from torch import nn
 
 from veomni.core.fqn import fqn_matches
+
+log = logging.getLogger("veomni.core")
 
 
 def freeze_modules(model: nn.Module, patterns: Sequence[str], *, where: str = "freeze") -> list[str]:
@@ -28,14 +31,18 @@ def freeze_modules(model: nn.Module, patterns: Sequence[str], *, where: str = "f
     """
     unmatched = []
     frozen: dict[int, nn.Parameter] = {}  # by identity: a tied parameter has one entry under several names
+    named: set[str] = set()  # the parameter names the patterns reach
     for pattern in patterns:
-        found = {
-            id(p): p
-            for name, module in model.named_modules()
-            if name and fqn_matches(pattern, name)
-            for p in module.parameters()
-        }
-        found |= {id(p): p for name, p in model.named_parameters() if fqn_matches(pattern, name)}
+        found = {}
+        for name, module in model.named_modules():
+            if name and fqn_matches(pattern, name):
+                for local, p in module.named_parameters(remove_duplicate=False):
+                    found[id(p)] = p
+                    named.add(f"{name}.{local}")
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if fqn_matches(pattern, name):
+                found[id(p)] = p
+                named.add(name)
         if not found:
             unmatched.append(pattern)
         frozen |= found
@@ -47,4 +54,8 @@ def freeze_modules(model: nn.Module, patterns: Sequence[str], *, where: str = "f
         )
     for param in frozen.values():
         param.requires_grad_(False)
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in frozen and n not in named]
+    if tied:
+        # One tensor under two names (tied embeddings and LM head): freezing one freezes the other.
+        log.warning("%s: %s frozen too: tied to a frozen parameter (the same tensor)", where, tied)
     return [name for name, p in model.named_parameters() if id(p) in frozen]
