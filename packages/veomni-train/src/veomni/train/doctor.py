@@ -16,10 +16,13 @@ import torch
 from veomni.kernels import KERNELS, OpsConfig, detect_hardware, op_fields
 from veomni.kernels.config import npu_backends
 
+# Every distribution a kernel backend or a task imports (flash-attn-4 and quack need nvidia-cutlass-dsl; the fla
+# backend is flash-linear-attention's fla package on fla-core).
 PACKAGES = (
-    "torch", "transformers", "triton", "liger-kernel", "flash-attn", "flash-attn-3", "quack-kernels", "torch_npu",
-    "safetensors", "tokenizers", "diffusers", "tensorboard", "wandb", "veomni-core", "veomni-kernels",
-    "veomni-models", "veomni-train",
+    "torch", "transformers", "triton", "liger-kernel", "flash-attn", "flash-attn-3", "flash-attn-4",
+    "quack-kernels", "nvidia-cutlass-dsl", "flash-linear-attention", "fla-core", "torch_npu", "safetensors",
+    "tokenizers", "diffusers", "tensorboard", "wandb", "veomni-core", "veomni-kernels", "veomni-models",
+    "veomni-train",
 )  # fmt: skip
 
 
@@ -42,7 +45,7 @@ def report() -> str:
     else:
         lines.append("no CUDA device visible to torch; CPU only")
     lines.append("")
-    lines += [f"{name:<16} {_version(name)}" for name in PACKAGES]
+    lines += [f"{name:<22} {_version(name)}" for name in PACKAGES]
     hw = detect_hardware()
     # Built here so a default that cannot run shows up as its fallback (OpsConfig also logs why).
     defaults = OpsConfig(hardware=hw)
