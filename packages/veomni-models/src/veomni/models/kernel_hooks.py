@@ -48,7 +48,7 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         if adapted.attention != ops.attention:
             logger.info(
                 "apply_ops: %s needs attention %s, which the default %r lacks: using %r (set ops.attention to "
-                "choose; flex is the fast one on CUDA)", _describe(model), sorted(needed), ops.attention,
+                "choose; flash_attn_4, then flex, are the fast ones on CUDA)", _describe(model), sorted(needed), ops.attention,
                 adapted.attention,
             )  # fmt: skip
         ops = adapted
