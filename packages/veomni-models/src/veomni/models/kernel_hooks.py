@@ -48,8 +48,8 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         if adapted.attention != ops.attention:
             logger.info(
                 "apply_ops: %s needs attention %s, which the default %r lacks: using %r (set ops.attention to "
-                "choose; flash_attn_4, then flex, are the fast ones on CUDA)", _describe(model), sorted(needed), ops.attention,
-                adapted.attention,
+                "choose; flash_attn_4, then flex, are the fast ones on CUDA)", _describe(model), sorted(needed),
+                ops.attention, adapted.attention,
             )  # fmt: skip
         ops = adapted
     experts = _has_hf_experts(model)
