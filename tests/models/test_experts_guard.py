@@ -82,6 +82,25 @@ def test_experts_reached_without_apply_ops_are_checked_in_the_forward():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
+def test_accepted_experts_reached_without_apply_ops_are_inspected_once(monkeypatch):
+    from test_moe_adapter import tiny_config
+
+    import veomni.models.hf_experts as hf_experts
+
+    model = Qwen3MoeForCausalLM(tiny_config())
+    attach_kernels(model, resolve_kernels(OpsConfig(**EAGER, moe_experts="torch")))
+    model.set_experts_implementation(register_hf_experts())
+    calls = []
+    inspect = hf_experts.module_mismatches
+    monkeypatch.setattr(hf_experts, "module_mismatches", lambda m: calls.append(m) or inspect(m))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    model(input_ids=ids)
+    experts = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts"]
+    assert len(calls) == len(experts) > 0
+    model(input_ids=ids)
+    assert len(calls) == len(experts)  # accepted once per module, not again on every forward
+
+
 def test_qwen3_moe_experts_are_accepted():
     from test_moe_adapter import tiny_config
 

@@ -107,6 +107,7 @@ def _recheck(module: nn.Module, backend: str) -> None:
                 f"OpsConfig.moe_experts={backend!r} cannot run {type(module).__name__}: "
                 + "; ".join(problems)
             )
+        setattr(module, _CHECKED, backend)  # accepted: not inspected again on every forward
 
 
 def register_hf_experts() -> str:
