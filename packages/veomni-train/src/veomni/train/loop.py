@@ -484,7 +484,7 @@ def train(
             if rank0:
                 append_jsonl(metrics_file, {"step": run.step, **result})
             sinks.write(run.step, result)
-            if rank0:
+            if rank0 and recipe.log.console:
                 write_line(
                     progress,
                     f"eval step {run.step} | loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f}",

@@ -496,7 +496,9 @@ class CheckpointSection:
 
 @attrs.frozen(kw_only=True)
 class LogSection:
-    console: bool = _field(True, "print a metrics line every train.log_interval steps on rank 0")
+    console: bool = _field(
+        True, "print a metrics line every train.log_interval steps, and each evaluation's line, on rank 0"
+    )
     tensorboard_dir: str | None = _field(
         None, "write TensorBoard events here (needs veomni-train[tensorboard])", path=True
     )
