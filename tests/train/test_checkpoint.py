@@ -4,6 +4,7 @@ gloo ranks saved, loaded by one process without any parallelism)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,8 +60,6 @@ def test_round_trip_restores_model_optimizer_rng_and_states(tmp_path):
 
 
 def test_a_resave_killed_between_its_renames_resumes_from_the_new_copy(tmp_path):
-    import shutil
-
     model = toy.build(0)
     optimizer = build_adamw(model, **ADAM)
     manager = CheckpointManager(tmp_path)
@@ -75,7 +74,22 @@ def test_a_resave_killed_between_its_renames_resumes_from_the_new_copy(tmp_path)
     trainer_state, _ = manager.load(latest, fresh, build_adamw(fresh, **ADAM))
     assert trainer_state["step"] == 2
     manager.save(3, model, optimizer, trainer_state={"step": 3}, rank_state={})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
+    # The next save finishes the swap: step 2 is kept (keep_last 0 keeps every checkpoint), the copies are gone.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+    assert torch.load(tmp_path / "step_00000002" / "trainer.pt")["step"] == 2
+
+
+def test_a_complete_new_copy_beside_its_step_is_the_newer_state(tmp_path):
+    # Killed after the new copy's marker and before the first rename: both are complete, the copy is newer.
+    model = toy.build(0)
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(2, model, optimizer, trainer_state={"step": 2, "run": "old"}, rank_state={})
+    shutil.copytree(tmp_path / "step_00000002", tmp_path / "step_00000002.new")
+    torch.save({"step": 2, "run": "new"}, tmp_path / "step_00000002.new" / "trainer.pt")
+    assert latest_complete(tmp_path).name == "step_00000002.new"
+    manager.save(3, model, optimizer, trainer_state={"step": 3}, rank_state={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]  # keep_last 1, nothing staged left
 
 
 def test_keep_last_prunes_old_and_incomplete(tmp_path):

@@ -73,9 +73,9 @@ def step_dir(root: Path, step: int) -> Path:
 def latest_complete(root: str | os.PathLike) -> Path | None:
     """The newest ``step_*`` directory under ``root`` that has a ``COMPLETE`` marker, or None.
 
-    A re-save of a complete step that died between its two renames left ``step_N`` missing and its new copy
-    complete under ``step_N.new`` (the marker is written before the swap): that copy stands for step N.
-    Directories are only read here (every rank calls this); the next save of the run prunes the copy.
+    A re-save of a complete step that died during its swap left a complete new copy ``step_N.new`` (its marker is
+    written before the two renames), beside ``step_N`` or in its place: that copy is the newer state of step N and
+    stands for it. Directories are only read here (every rank calls this); the next save finishes the swap.
     """
     root = Path(root)
     if not root.is_dir():
@@ -85,8 +85,8 @@ def latest_complete(root: str | os.PathLike) -> Path | None:
         if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file():
             found[int(m.group(1))] = p
     for p in root.iterdir():
-        if (m := STAGED_DIR.match(p.name)) and p.name.endswith(".new") and (p / MARKER).is_file():
-            found.setdefault(int(m.group(1)), p)
+        if (m := STAGED_DIR.match(p.name)) and m.group(2) == "new" and (p / MARKER).is_file():
+            found[int(m.group(1))] = p
     return found[max(found)] if found else None
 
 
@@ -445,12 +445,26 @@ class CheckpointManager:
         _barrier()
         log.info("checkpoint %s complete", path)
 
+    def _settle_interrupted_swaps(self) -> None:
+        # A re-save killed during its swap: a complete step_N.new is the newer state of step N and replaces
+        # step_N (what `latest_complete` resumed from); the rest of the staged copies is dropped.
+        for p in sorted(self.root.iterdir()):
+            m = STAGED_DIR.match(p.name)
+            if m is None or m.group(2) != "new" or not (p / MARKER).is_file():
+                continue
+            target = p.with_name(f"step_{m.group(1)}")
+            if target.exists():
+                shutil.rmtree(target)
+            p.rename(target)
+            log.info("checkpoint %s: finished the swap of an interrupted re-save (%s)", target, p.name)
+
     def _prune(self, keep: Path) -> None:
+        self._settle_interrupted_swaps()
         current = int(STEP_DIR.match(keep.name).group(1))
         complete, stale = [], []
         for p in self.root.iterdir():
             if STAGED_DIR.match(p.name):
-                stale.append(p)  # the staging or replaced copy of an interrupted re-save
+                stale.append(p)  # an incomplete staging copy, or the replaced copy of a finished swap
                 continue
             m = STEP_DIR.match(p.name)
             if not m:
