@@ -174,7 +174,7 @@ def _profile(
 
     def run() -> None:
         for micro_batches in steps:
-            num_items = torch.full((), float(sum(b["num_valid"] for b in micro_batches)), device=s.device)
+            num_items = torch.full((), sum(b["num_valid"] for b in micro_batches), device=s.device, dtype=torch.int64)
             contender.step(micro_batches, num_items)
 
     out = os.path.join(s.profile_dir, f"{name}.txt")
@@ -201,7 +201,7 @@ def run_contender(
     for i, micro_batches in enumerate(steps):
         if i == warmup and contender.compile_stats is not None:
             graphs_after_warmup = contender.compile_stats.graphs
-        num_items = torch.tensor(float(sum(b["num_valid"] for b in micro_batches)), device=device)
+        num_items = torch.tensor(sum(b["num_valid"] for b in micro_batches), device=device, dtype=torch.int64)
         _sync(device)
         t0 = time.perf_counter()
         loss, norm = contender.step(micro_batches, num_items)

@@ -13,7 +13,8 @@ the same arithmetic with one cast per optimizer step:
   (``register_post_accumulate_grad_hook``) and then dropped, so bf16 gradients are transient and micro-batches
   accumulate in fp32 -- what FSDP2's fp32 ``reduce_dtype`` does on one rank;
 - floating forward inputs of the root and of each block are cast to ``compute_dtype``, as each FSDP2 unit does
-  (``cast_forward_inputs``), so even a float ``num_items_in_batch`` rounds alike on both paths;
+  (``cast_forward_inputs``), so floating inputs round alike on both paths (the trainer passes
+  ``num_items_in_batch`` as an int64 count, which neither casts);
 - after the optimizer step `MasterWeights.push` copies the masters into the bf16 parameters (one foreach copy).
 
 Losses, gradient norms, weights and AdamW state then equal FSDP2 mixed precision's bit for bit on CPU

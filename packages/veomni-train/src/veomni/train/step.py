@@ -147,7 +147,7 @@ def evaluate(run: Run) -> dict[str, float]:
     run.model.eval()
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
     tokens = 0
-    one = torch.ones((), device=run.device)
+    one = torch.ones((), device=run.device, dtype=torch.int64)  # each batch's loss stays a sum (Task protocol)
     for batch in run.eval_data:
         kwargs = run.task.model_kwargs(batch, run.device, one)
         kwargs.pop("output_router_logits", None)
