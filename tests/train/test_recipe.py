@@ -335,6 +335,14 @@ def test_every_problem_is_reported_at_once(tmp_path):
             ),
             "parallel.ac_keep_attention: true saves the attention kernel's output, but ops.attention 'eager'",
         ),
+        (
+            lambda r: r.update(
+                parallel={"activation_checkpointing": True, "ac_keep_attention": True},
+                ops={"attention": "flash_attn_4"},
+            ),
+            "ops.attention 'flash_attn_4' runs no kernel that checkpointing can keep; pick one of "
+            r"\['flash_attn_2', 'flash_attn_3', 'sdpa', 'varlen'\]",
+        ),
         (lambda r: r["train"].update(seed=-1), "train.seed: expected >= 0"),
         # Fields the text and conversation pipelines never read are refused, not ignored.
         (

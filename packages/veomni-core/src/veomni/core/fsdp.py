@@ -332,8 +332,9 @@ class _KeptAttention:
                 f"activation checkpointing with keep_attention: {type(model).__name__}'s forward ran no attention "
                 f"op that checkpointing can save (it saves the outputs of {kinds}), so every block would be "
                 "recomputed whole as if keep_attention were off. The attention kernel in use is none of them "
-                "(FlashAttention 4's own launches, flex's compiled kernel) or is the eager formula: use attention "
-                "'sdpa' or 'varlen' (ops.attention), or turn parallel.ac_keep_attention off"
+                "(FlashAttention 4's own launches, flex's compiled kernel) or is the eager formula: use an "
+                "attention backend whose kernel is (ops.attention sdpa, varlen, flash_attn_2 or flash_attn_3: "
+                "veomni.kernels.attention.features.CHECKPOINT_KEEPABLE), or turn parallel.ac_keep_attention off"
             )
 
 

@@ -32,6 +32,8 @@ import attrs
 import yaml
 
 from veomni.core import ParallelDims
+from veomni.kernels import KERNELS
+from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
 from veomni.train import recipe_parse
 from veomni.train.recipe_parse import RecipeError
 from veomni.train.recipe_sections import (
@@ -129,13 +131,17 @@ class Recipe:
                 f"data.max_seq_len={self.data.max_seq_len} exceeds train.tokens_per_micro_batch="
                 f"{self.train.tokens_per_micro_batch}: a sample must fit in one micro-batch"
             )
-        if self.parallel.ac_keep_attention and self.ops.attention == "eager" and self.model.backend != "hf":
-            # The eager oracle computes attention with matmuls and a softmax: no attention kernel whose output the
-            # checkpoint could keep, so every block would be recomputed whole while the recipe says otherwise.
+        keepable = sorted(CHECKPOINT_KEEPABLE)
+        attention = self.ops.attention
+        # Registered backends only: an unknown name is OpsConfig's error (it lists the backends).
+        unkept = attention in KERNELS.backends("attention") and attention not in keepable
+        if self.parallel.ac_keep_attention and unkept and self.model.backend != "hf":
+            # No kernel output the checkpoint could keep (eager: matmuls and a softmax; flex, flash_attn_4: kernels
+            # torch does not dispatch as one op): every block would be recomputed whole while the recipe says not.
             raise RecipeError(
-                "parallel.ac_keep_attention: true saves the attention kernel's output, but ops.attention 'eager' "
-                "runs no attention kernel (matmuls and a softmax, all recomputed); pick a kernel backend (sdpa, "
-                "varlen, flash_attn_2, ...) or set ac_keep_attention: false"
+                f"parallel.ac_keep_attention: true saves the attention kernel's output, but ops.attention "
+                f"{attention!r} runs no kernel that checkpointing can keep; pick one of {keepable} or set "
+                "ac_keep_attention: false"
             )
         if self.train.eval_interval is not None and not self.data.eval_files:
             raise RecipeError(

@@ -265,8 +265,8 @@ class ParallelSection:
         False,
         "with activation_checkpointing: save each layer's attention output instead of recomputing it in backward "
         "(skips the costliest recompute at long sequences for [tokens, heads x head_dim] per layer; eager layers "
-        "only: needs ops.compile off; attention sdpa or varlen, or FlashAttention 2/3: an attention kernel it "
-        "cannot keep, such as flash_attn_4 or flex, is an error at the first training forward)",
+        "only: needs ops.compile off; ops.attention sdpa, varlen, flash_attn_2 or flash_attn_3 -- another explicit "
+        "one is refused here, and a model whose first training forward kept nothing is an error then)",
     )
     reshard_after_forward: bool = _field(
         True, "free gathered layer parameters after forward and gather again in backward (less memory)"
