@@ -275,6 +275,11 @@ def _sp_without_positions(ctx) -> str:
     model(input_ids=ids)  # outside SP: HF's default positions are right
     with use_parallel_state(state), pytest.raises(ValueError, match="under Ulysses SP needs position_ids") as err:
         model(input_ids=slice_sequence(ids, 1, state.sp_group))
+    with use_parallel_state(state):  # positions given by keyword or by position: both accepted
+        local_ids = slice_sequence(ids, 1, state.sp_group)
+        positions = slice_sequence(torch.arange(8).expand(2, 8), 1, state.sp_group)
+        model(input_ids=local_ids, position_ids=positions)
+        model(local_ids, None, positions)
     assert len(model._forward_pre_hooks) == 1
     return str(err.value)
 

@@ -7,6 +7,7 @@ process use different kernels.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -102,10 +103,15 @@ def _guard_sp_positions(model: nn.Module) -> None:
     ):
         return
 
+    signature = inspect.signature(model.forward)
+
     def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
         from veomni.models.hf_attention_inputs import current_sp_state
 
-        if kwargs.get("position_ids") is None and current_sp_state() is not None:
+        if current_sp_state() is None:
+            return
+        # HF's forwards take position_ids as their third parameter: a positional call passes it too.
+        if signature.bind_partial(*args, **kwargs).arguments.get("position_ids") is None:
             raise ValueError(
                 f"{type(module).__name__} under Ulysses SP needs position_ids: each rank's slice of the row's "
                 "positions (veomni.core.sp.slice_sequence of the full [B, S] positions); without them every rank "
