@@ -177,7 +177,7 @@ def test_capability_check_refuses_backends_without_sinks_or_windows():
         ValueError, match=r"gpt_oss .*needs \['sinks', 'sliding_window'\].*'plain_cpu'.*lacks"
     ) as err:
         apply_ops(ours, ops)
-    assert "Backends with all of them: ['eager', 'flex', 'sdpa']" in str(err.value)
+    assert "Backends with all of them: ['eager', 'flash_attn_4', 'flex', 'sdpa']" in str(err.value)
 
 
 # ----- experts -----

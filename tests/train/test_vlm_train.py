@@ -196,6 +196,8 @@ def test_task_and_kind_must_match(assets, tmp_path):
     check_task_and_kind(recipe_from_dict(raw))
     bad = copy.deepcopy(raw)
     bad["data"]["kind"] = "conversation"
+    for media_field in ("media_root", "patches_per_micro_batch"):  # refused by the recipe for conversation data
+        bad["data"].pop(media_field, None)
     with pytest.raises(DataError, match="vlm task trains on multimodal data"):
         check_task_and_kind(recipe_from_dict(bad))
 

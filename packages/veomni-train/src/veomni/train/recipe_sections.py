@@ -234,6 +234,11 @@ class DataSection:
             raise RecipeError(
                 f"data.video_frame_pixels: expected [min, max] with 0 < min <= max, found {list(pixels)}"
             )
+        if self.use_audio_in_video and self.kind != "multimodal":
+            raise RecipeError(
+                f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
+                f"data.kind is {self.kind!r}"
+            )
         # The token pipelines of kind text and conversation read none of the media fields: set, they would be ignored.
         readers = {"media_root": ("multimodal", "dit"), "patches_per_micro_batch": ("multimodal",),
                    "video_fps": ("multimodal",), "video_max_frames": ("multimodal",),
@@ -244,11 +249,6 @@ class DataSection:
                     f"data.{name}: read for data.kind {', '.join(kinds)} only, but data.kind is {self.kind!r}; "
                     f"found {getattr(self, name)!r} (remove it)"
                 )
-        if self.use_audio_in_video and self.kind != "multimodal":
-            raise RecipeError(
-                f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
-                f"data.kind is {self.kind!r}"
-            )
 
 
 @attrs.frozen(kw_only=True)
