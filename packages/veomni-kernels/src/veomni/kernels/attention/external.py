@@ -34,6 +34,11 @@ _FLASH_PROBES = {
 }
 
 
+FLASH_4_MIN_TRAINED_HEAD = 32
+"""The smallest head size whose FlashAttention 4 gradients were measured right (flash-attn-4 4.0.0b36 on SM90: 16
+wrong, 32, 64, 128 right); applied to every release and GPU generation until one is measured otherwise."""
+
+
 def _module_present(module: str) -> bool:
     """Whether ``module`` could be imported, without importing it (for dotted names, nor its parents)."""
     top, _, rest = module.partition(".")
@@ -262,10 +267,6 @@ def _flash(
         kwargs.update(max_seqlen_q=max_len, max_seqlen_k=max_len)
     out = fn(q[0], k[0], v[0], **kwargs)
     return _first(out)[..., :head_v].unsqueeze(0)
-
-
-FLASH_4_MIN_TRAINED_HEAD = 32
-"""The smallest head size whose FlashAttention 4 gradients were measured right (16 was wrong; 32, 64, 128 right)."""
 
 
 def _check_accepts(name: str, fn: Any, extra: dict[str, Any]) -> None:
