@@ -432,6 +432,9 @@ def test_bare_on_and_off_in_yaml_are_the_choices_of_that_name(tmp_path):
         path.write_text(yaml.safe_dump(raw) + f"ops:\n  compile: {word}\n")
         assert load_recipe(path).ops.compile == want
         assert load_recipe(base, [f"--ops.compile={word}"]).ops.compile == want
+    # A choice without on/off words quotes what was typed, not a converted bool.
+    with pytest.raises(RecipeError, match=r"model.backend: expected one of \['veomni', 'hf'\], found 'off'"):
+        load_recipe(base, ["--model.backend=off"])
     text = yaml.safe_dump(raw).replace("data:\n", "data:\n  shuffle: off\n")  # a bool field keeps YAML's bool
     path.write_text(text)
     assert load_recipe(path).data.shuffle is False

@@ -270,8 +270,10 @@ def parse_cli_value(text: str, tp: Any, key: str) -> Any:
             raise RecipeError(f"{key}: expected a float, found {text!r}") from None
     if tp is dict:
         return parse_flow(text, key)
-    if origin is Literal and stripped not in typing.get_args(tp) and stripped.lower() in _YAML_BOOLS:
-        # What YAML reads as a bool in a file (`compile: false`), `convert` maps to the choice of that meaning.
+    bool_words = {w for w in _YAML_BOOLS if w in typing.get_args(tp)} if origin is Literal else set()
+    if bool_words and stripped not in typing.get_args(tp) and stripped.lower() in _YAML_BOOLS:
+        # What YAML reads as a bool in a file (`compile: false`), `convert` maps to the choice of that meaning;
+        # for choices with no such word the typed text stays, so an error quotes what was typed.
         return _YAML_BOOLS[stripped.lower()]
     return text  # str and Literal (checked by convert)
 
