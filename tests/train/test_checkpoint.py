@@ -274,6 +274,28 @@ def _full(param: torch.Tensor, ep_group) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _save_with_failing_side_files(ctx, root: str) -> str:
+    model = toy.build(0, ctx.device)
+    optimizer = build_adamw(model, **ADAM)
+
+    def side_files(out) -> None:
+        raise OSError("no space left for the tokenizer")
+
+    try:
+        CheckpointManager(root).save(1, model, optimizer, trainer_state={}, rank_state={}, model_files=side_files)
+    except (OSError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "saved"
+
+
+def test_a_rank0_side_file_failure_is_raised_on_every_rank_not_a_hang(dist_pools, tmp_path):
+    # Rank 0 alone writes hf_files/ while the others already wait in the collective DCP save.
+    first, second = dist_pools.get(2).run(_save_with_failing_side_files, str(tmp_path))
+    assert first == "OSError: no space left for the tokenizer"
+    assert second.startswith("RuntimeError: checkpoint") and "hf_files/ on rank 0 failed" in second
+    assert "no space left for the tokenizer" in second
+
+
 def _save_sharded(ctx, root: str, ep: int) -> dict:
     state = build_parallel_state(ParallelDims.for_world(ctx.world_size, ep=ep), ctx.device_type)
     model = toy.build(0, ctx.device, moe=True, num_experts=4)

@@ -94,6 +94,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _raise_on_every_rank(failure: BaseException | None, what: str) -> None:
+    """Re-raise rank 0's ``failure`` on every rank (rank 0's own exception there, a RuntimeError naming it on the
+    others): a rank-0-only step inside a collective save must not leave the other ranks waiting in DCP."""
+    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if failure is not None:
+        raise failure
+    if message[0] is not None:
+        raise RuntimeError(f"{what}: {message[0]}")
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -407,10 +419,15 @@ class CheckpointManager:
         _barrier()
         payload = _checkpoint_view(model, self.state, *get_state_dict(model, optimizer))
         torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
+        failure = None
         if _rank() == 0:
             torch.save(dict(trainer_state), staging / "trainer.pt")
-            if model_files is not None:
-                model_files(staging / CHECKPOINT_FILES_DIR)
+            try:
+                if model_files is not None:
+                    model_files(staging / CHECKPOINT_FILES_DIR)
+            except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+                failure = err
+        _raise_on_every_rank(failure, f"checkpoint {path}: writing {CHECKPOINT_FILES_DIR}/ on rank 0 failed")
         if self.async_save:
             future = dcp.async_save(payload, checkpoint_id=staging / "dcp", process_group=self._async_group)
             self._pending = (getattr(future, "upload_completion", future), staging, path)
