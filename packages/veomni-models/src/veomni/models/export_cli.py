@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         help="the model's HF config, a directory with config.json or the file: only for a checkpoint without "
         "step_N/hf_files/ (written before the trainer kept its model's config and tokenizer there), whose "
-        "tokenizer / processor files are then taken from the same directory",
+        "tokenizer / processor files are then taken from the same directory. With hf_files/ the checkpoint's "
+        "trained config wins: a given one that differs is set aside with a warning listing the differences",
     )
     parser.add_argument(
         "--prefix",

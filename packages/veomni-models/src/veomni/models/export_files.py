@@ -96,10 +96,13 @@ def flatten_mapping(value: Any, prefix: str = "", out: dict[str, Any] | None = N
     return out
 
 
-def config_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
-    """``"key: A vs B"`` for every entry (sub-configs as dotted keys) that differs between two config dicts, leaving
-    out entries that say how a model runs or where it came from (dtype, architectures, attention choice, ...)."""
-    a, b = flatten_mapping(ours), flatten_mapping(theirs)
+def config_differences(
+    first: Mapping[str, Any], second: Mapping[str, Any], labels: tuple[str, str] = ("saved", "now")
+) -> list[str]:
+    """``"key: <first label> A, <second label> B"`` for every entry (sub-configs as dotted keys) that differs between
+    two config dicts, an absent side shown as ``<absent>``; entries that say how a model runs or where it came from
+    (`RUNTIME_CONFIG_KEYS`: dtype, architectures, attention choice, ...) are left out. Empty: the same model."""
+    a, b = flatten_mapping(first), flatten_mapping(second)
     absent = object()
     lines = []
     for key in sorted(set(a) | set(b)):
@@ -107,8 +110,8 @@ def config_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> li
             continue
         mine, other = a.get(key, absent), b.get(key, absent)
         if mine is absent or other is absent or mine != other:
-            show = [("<absent>" if v is absent else repr(v)) for v in (mine, other)]
-            lines.append(f"{key}: {show[0]} vs {show[1]}")
+            shown = ["<absent>" if v is absent else repr(v) for v in (mine, other)]
+            lines.append(f"{key}: {labels[0]} {shown[0]}, {labels[1]} {shown[1]}")
     return lines
 
 
@@ -116,10 +119,9 @@ def warn_config_differs(
     used: PretrainedConfig, given: PretrainedConfig, used_from: object, given_from: object
 ) -> None:
     """Warn, listing the differences, when the checkpoint's own config (``used``) is not what the caller passed."""
-    if diff := config_differences(used.to_dict(), given.to_dict()):
+    if diff := config_differences(used.to_dict(), given.to_dict(), ("checkpoint", "given")):
         logger.warning(
-            "export: the checkpoint's trained config (%s) is used, not the given one (%s), which differs "
-            "(checkpoint vs given): %s",
+            "export: the checkpoint's trained config (%s) is used, not the given one (%s), which differs: %s",
             used_from, given_from, "; ".join(diff),
         )  # fmt: skip
 

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from veomni.core.ep import expert_shards
 from veomni.core.parallel_state import ParallelState
-from veomni.models.export_files import CHECKPOINT_FILES_DIR, RUNTIME_CONFIG_KEYS, flatten_mapping
+from veomni.models.export_files import CHECKPOINT_FILES_DIR, config_differences, flatten_mapping
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +116,8 @@ def _barrier() -> None:
 
 def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``"key: saved X, now Y"`` for every config entry (nested sub-configs as dotted keys) that differs, leaving
-    out `RUNTIME_CONFIG_KEYS`; empty when the two configs describe the same model."""
-    a, b = flatten_mapping(saved), flatten_mapping(current)
-    lines = []
-    for key in sorted(set(a) | set(b)):
-        if key.rsplit(".", 1)[-1] in RUNTIME_CONFIG_KEYS:
-            continue
-        if key not in a:
-            lines.append(f"{key}: not in the checkpoint's config, now {b[key]!r}")
-        elif key not in b:
-            lines.append(f"{key}: saved {a[key]!r}, not in the current config")
-        elif a[key] != b[key]:
-            lines.append(f"{key}: saved {a[key]!r}, now {b[key]!r}")
-    return lines
+    out `RUNTIME_CONFIG_KEYS`; empty when the two configs describe the same model (`config_differences`)."""
+    return config_differences(saved, current, ("saved", "now"))
 
 
 def _listing(names: list[str]) -> str:
