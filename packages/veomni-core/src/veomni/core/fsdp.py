@@ -30,6 +30,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.hooks import RemovableHandle
 
 from veomni.core.ep.plan import ExpertPlan, apply_expert_plan, expert_module_fqns, expert_shard_of
 from veomni.core.fqn import fqn_matches
@@ -310,9 +311,10 @@ class _KeptAttention:
 
     def __init__(self) -> None:
         self.kept = 0
-        self.hook: Any = None
+        self.hook: RemovableHandle | None = None
 
     def policy(self, ctx: Any, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        """Selective checkpointing's policy: save attention ops' outputs (counted in forward), recompute the rest."""
         if is_attention_op(op):
             self.kept += not ctx.is_recompute
             return CheckpointPolicy.MUST_SAVE
@@ -325,7 +327,8 @@ class _KeptAttention:
     def _check(self, model: nn.Module, args: object, output: object) -> None:
         if not torch.is_grad_enabled():
             return
-        self.hook.remove()
+        if self.hook is not None:
+            self.hook.remove()
         if self.kept == 0:
             kinds = sorted(ATTENTION_OP_NAMES)
             raise ValueError(

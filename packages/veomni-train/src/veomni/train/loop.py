@@ -489,7 +489,7 @@ def train(
                     progress,
                     f"eval step {run.step} | loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f}",
                 )
-        if recipe.checkpoint.interval and run.step % recipe.checkpoint.interval == 0:
+        if saving:
             _save(run)
         if recipe.checkpoint.hf_export_interval and run.step % recipe.checkpoint.hf_export_interval == 0:
             history["exports"].append(str(_export(run, f"hf_step_{run.step:08d}")))
