@@ -17,8 +17,8 @@ import torch
 from transformers import Qwen3Config
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from veomni.core.checkpointing import apply_activation_checkpointing
 from veomni.core.compile import compile_blocks, compile_stats
-from veomni.core.fsdp import apply_activation_checkpointing
 from veomni.kernels import OpsConfig
 from veomni.kernels.attention.functions import segment_ids
 from veomni.kernels.hardware import Hardware

@@ -19,11 +19,11 @@ from dist_harness import backend_params
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from veomni.core.checkpointing import apply_activation_checkpointing
 from veomni.core.ep import expert_shard_of
 from veomni.core.fsdp import (
     FSDPPolicy,
     StateDictMismatchError,
-    apply_activation_checkpointing,
     apply_fsdp2,
     forward_through,
     load_full_state_dict,

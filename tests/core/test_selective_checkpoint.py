@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from veomni.core.checkpointing import apply_activation_checkpointing, is_attention_op
 from veomni.core.compile import compile_blocks
-from veomni.core.fsdp import FSDPPolicy, apply_activation_checkpointing, is_attention_op
+from veomni.core.fsdp import FSDPPolicy
 
 
 class Block(torch.nn.Module):

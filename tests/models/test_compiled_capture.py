@@ -97,7 +97,7 @@ def test_router_logits_recorded_once_per_layer_and_equal_to_eager(untraceable_co
 def test_recomputation_under_checkpointing_never_reads_the_context_var(untraceable_collector):
     # Activation checkpointing reruns the compiled block in backward, after the model's forward has reset the
     # collector: the hooks must still take the traceable path (nothing to record), not the ContextVar.
-    from veomni.core.fsdp import apply_activation_checkpointing
+    from veomni.core.checkpointing import apply_activation_checkpointing
 
     eager, compiled = _pair()
     stats = compile_blocks(

@@ -18,8 +18,9 @@ from dist_harness import backend_params
 from loading_fixtures import gather_state_dict
 from torch.distributed.tensor import DTensor
 
+from veomni.core.checkpointing import COMPILED_MARK, apply_activation_checkpointing
 from veomni.core.compile import compile_blocks, compile_stats
-from veomni.core.fsdp import COMPILED_MARK, FSDPPolicy, apply_activation_checkpointing, apply_fsdp2
+from veomni.core.fsdp import FSDPPolicy, apply_fsdp2
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state
 from veomni.kernels import KERNELS, OpsConfig, resolve_kernels

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.core.checkpointing import apply_activation_checkpointing
 from veomni.core.clip import clip_grad_norm
 from veomni.core.compile import CompileStats, compile_blocks, compile_stats
-from veomni.core.fsdp import apply_activation_checkpointing
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from veomni.core.checkpointing import apply_activation_checkpointing
 from veomni.core.compile import CompileStats, compile_stats
-from veomni.core.fsdp import apply_activation_checkpointing, set_grad_sync
+from veomni.core.fsdp import set_grad_sync
 from veomni.core.master_weights import apply_master_weights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state

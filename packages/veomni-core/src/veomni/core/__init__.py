@@ -5,12 +5,12 @@ Depends on torch and attrs only. The submodules hold the details (`veomni.core.s
 See docs/core.md for the conventions.
 """
 
+from veomni.core.checkpointing import apply_activation_checkpointing
 from veomni.core.clip import clip_grad_norm
 from veomni.core.ep import ExpertPlan, ExpertShard, apply_expert_plan, combine_tokens, dispatch_tokens
 from veomni.core.fsdp import (
     FSDPPolicy,
     StateDictMismatchError,
-    apply_activation_checkpointing,
     apply_fsdp2,
     forward_through,
     load_full_state_dict,

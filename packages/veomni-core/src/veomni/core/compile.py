@@ -43,7 +43,8 @@ import attrs
 import torch
 from torch import nn
 
-from veomni.core.fsdp import _AC_MARK, COMPILED_MARK, _match_blocks, _to_pattern_tuple
+from veomni.core.checkpointing import _AC_MARK, COMPILED_MARK
+from veomni.core.fqn import match_blocks, pattern_tuple
 from veomni.core.parallel_state import hand_state_to_compiled_region
 
 __all__ = [
@@ -166,7 +167,7 @@ def compile_blocks(
         ValueError: a pattern matching nothing, nested blocks, a block already compiled, or a block whose
             forward activation checkpointing already replaced (compile first, then checkpoint).
     """
-    blocks = _match_blocks(model, _to_pattern_tuple(block_patterns), [], "compile_blocks")
+    blocks = match_blocks(model, pattern_tuple(block_patterns), [], "compile_blocks")
     for fqn in blocks:
         block = model.get_submodule(fqn)
         if getattr(block, _MARK, False):

@@ -15,7 +15,7 @@ from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from veomni.core.fsdp import apply_activation_checkpointing
+from veomni.core.checkpointing import apply_activation_checkpointing
 from veomni.core.master_weights import apply_master_weights
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware

@@ -41,7 +41,7 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
 
 
 # Backends whose forward kernel torch dispatches as an op that ``keep_attention`` checkpointing can save
-# (`veomni.core.fsdp.ATTENTION_OP_NAMES`: SDPA's ATen kernels and veomni's packed CPU op, torch's varlen op,
+# (`veomni.core.checkpointing.ATTENTION_OP_NAMES`: SDPA's ATen kernels and veomni's packed CPU op, torch's varlen op,
 # FlashAttention 2/3's registered ops). eager is matmuls and a softmax; flex a compiled kernel; FlashAttention 4
 # launches through cute-DSL: none of them can be kept.
 CHECKPOINT_KEEPABLE = frozenset({"sdpa", "varlen", "flash_attn_2", "flash_attn_3"})
