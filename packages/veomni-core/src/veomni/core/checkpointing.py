@@ -50,8 +50,10 @@ ATTENTION_OP_NAMES = frozenset(
 """Ops (default overloads) whose outputs ``keep_attention`` checkpointing saves instead of recomputing."""
 
 
+@functools.cache
 def is_attention_op(op: object) -> bool:
-    """Whether ``op`` (an op overload dispatched under checkpointing) is one of `ATTENTION_OP_NAMES`."""
+    """Whether ``op`` (an op overload dispatched under checkpointing) is one of `ATTENTION_OP_NAMES`. Cached per op:
+    the checkpoint policy asks for every op of every block, in forward and in the recomputation."""
     name = getattr(op, "name", None)
     return callable(name) and name() in ATTENTION_OP_NAMES
 
