@@ -294,15 +294,13 @@ def test_step_flops_count_the_attention_of_every_dp_rank(dist_pools, tmp_path):
 
 
 def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_saved_values(tmp_path, caplog):
-    from types import SimpleNamespace
-
-    from veomni.train.loop import _check_resumable
+    from veomni.train.checkpoint_match import check_resumable
 
     saved = recipe_to_dict(recipe_from_dict(tiny_recipe(str(tmp_path), DENSE)))
     raw = tiny_recipe(str(tmp_path), DENSE)
     raw["optim"].update({"lr": saved["optim"]["lr"] * 2, "warmup_steps": 3})
     with caplog.at_level("WARNING", logger="veomni.train"):
-        _check_resumable(SimpleNamespace(recipe=recipe_from_dict(raw)), tmp_path, {"recipe": saved})
+        check_resumable(tmp_path, {"recipe": saved}, model_config={}, recipe=recipe_to_dict(recipe_from_dict(raw)))
     (message,) = [r.getMessage() for r in caplog.records if "optimizer and schedule state" in r.getMessage()]
     assert f"optim.lr: saved {saved['optim']['lr']!r}, recipe {raw['optim']['lr']!r}" in message
     assert (

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Heavy imports only when training.
     from veomni.models.loading import CheckpointFileError
-    from veomni.train.checkpoint import CheckpointMismatchError
+    from veomni.train.checkpoint_match import CheckpointMismatchError
     from veomni.train.data.sources import DataError
     from veomni.train.loop import train
     from veomni.train.preflight import PreflightError

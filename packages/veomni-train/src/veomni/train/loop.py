@@ -27,14 +27,8 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
 from veomni.models.registry import MODELS
-from veomni.train.checkpoint import (
-    CheckpointManager,
-    CheckpointMismatchError,
-    config_diff,
-    latest_complete,
-    read_trainer_state,
-    step_dir,
-)
+from veomni.train.checkpoint import CheckpointManager, latest_complete, read_trainer_state, step_dir
+from veomni.train.checkpoint_match import check_resumable
 from veomni.train.cuda_graphs import MicroBatchGraphs
 from veomni.train.data import (
     DataTopology,
@@ -302,42 +296,6 @@ def build_run(recipe: Recipe) -> Run:
     return run
 
 
-def _check_resumable(run: Run, path: Path, trainer_state: dict[str, Any]) -> None:
-    # The saved model config must describe this run's model; the tensors themselves are compared by the
-    # checkpoint manager before anything is read.
-    saved_config = trainer_state.get("model_config")
-    if saved_config is None:
-        log.warning("%s records no model config (an older checkpoint): only its tensors are compared", path)
-    elif diff := config_diff(saved_config, config_dict(run.config)):
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was saved by another model; its config differs from this run's:\n  - "
-            + "\n  - ".join(diff)
-            + "\nResume it with the recipe it was saved with, or start fresh (another checkpoint.dir, or "
-            "checkpoint.resume=never)."
-        )
-    saved_model = (trainer_state.get("recipe") or {}).get("model")
-    if saved_model is not None:
-        now = recipe_to_dict(run.recipe)["model"]
-        changed = [f"model.{k}: saved {saved_model.get(k)!r}, now {now[k]!r}" for k in now
-                   if k != "config" and saved_model.get(k) != now[k]]  # fmt: skip
-        if changed:
-            log.warning(
-                "resuming %s with a changed model section (same model, so allowed): %s", path, changed
-            )
-    saved_optim = (trainer_state.get("recipe") or {}).get("optim")
-    if saved_optim is not None:
-        now = recipe_to_dict(run.recipe)["optim"]
-        # The optimizer's param_groups and the scheduler's base lrs are state: they resume as saved.
-        restored = [f"optim.{k}: saved {saved_optim.get(k)!r}, recipe {now[k]!r}" for k in ("lr", "betas", "eps",
-                    "weight_decay") if saved_optim.get(k) != now[k]]  # fmt: skip
-        if restored:
-            log.warning(
-                "resuming %s: the checkpoint's optimizer and schedule state keep the saved values of %s (the "
-                "schedule's shape, warmup and max_grad_norm follow the recipe); start fresh to change them",
-                path, restored,
-            )  # fmt: skip
-
-
 def _maybe_resume(run: Run) -> None:
     resume = run.recipe.checkpoint.resume
     if resume == "never":
@@ -346,7 +304,9 @@ def _maybe_resume(run: Run) -> None:
     if path is None:
         log.info("resume=auto: no complete checkpoint under %s; starting fresh", run.recipe.checkpoint.dir)
         return
-    _check_resumable(run, path, read_trainer_state(path))
+    check_resumable(
+        path, read_trainer_state(path), model_config=config_dict(run.config), recipe=recipe_to_dict(run.recipe)
+    )
     trainer_state, rank_state = run.checkpoints.load(path, run.trained, run.optimizer)
     if run.masters is not None:
         # The loaded fp32 masters, frozen ones too, into the compute model.
