@@ -28,7 +28,7 @@ def _two_ways(device: str, dtype: torch.dtype, max_norm: float):
             x = torch.randn(16, 32, generator=gen).to(device, dtype)
             model(x).float().pow(2).sum().backward()
             if folded:
-                norm = clip_and_step(optimizer, model, max_norm, state)
+                norm, _ = clip_and_step(optimizer, model, max_norm, state)
             else:
                 norm = clip_grad_norm(model, max_norm, state)
                 optimizer.step()

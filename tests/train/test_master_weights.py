@@ -242,13 +242,3 @@ def test_fp16_compute_normalises_a_step_of_more_tokens_than_fp16_holds(dist_pool
         got = results["float16", path][1]
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-2), f"force_fsdp2={path}"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2), f"force_fsdp2={path}"
-
-
-def test_fp16_compute_is_warned_to_run_without_loss_scaling(tmp_path):
-    from veomni.train.model_setup import precision_warnings
-
-    raw = tiny_recipe(str(tmp_path), DENSE, steps=1)
-    assert precision_warnings(recipe_from_dict(raw)) == []
-    raw["model"]["dtype"] = "float16"
-    (note,) = precision_warnings(recipe_from_dict(raw))
-    assert "without loss scaling" in note and "bfloat16" in note

@@ -213,7 +213,7 @@ class Veomni(Contender):
                 loss_sum += self.graphs(static_packing(kwargs), world).float()
             else:
                 loss_sum += self._forward_backward(kwargs, world).float()
-        norm = clip_and_step(self.optimizer, self.trained, self.s.max_grad_norm, self.state)
+        norm, _ = clip_and_step(self.optimizer, self.trained, self.s.max_grad_norm, self.state)
         if self.masters is not None:
             self.masters.push()
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
@@ -403,7 +403,7 @@ class VeomniPlain(Contender):
                 loss_sum += self.graphs(static_packing(kwargs)).float()
             else:
                 loss_sum += self._forward_backward(kwargs).float()
-        norm = clip_and_step(self.optimizer, self.model, self.s.max_grad_norm, self.state)
+        norm, _ = clip_and_step(self.optimizer, self.model, self.s.max_grad_norm, self.state)
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return loss_sum, norm
 

@@ -174,17 +174,26 @@ def clip_grad_norm(
 
     if not scale_gradients:
         return total
-    coef = clip_coefficient(total, max_norm)
+    _multiply(sum(buckets.values(), []), clip_coefficient(total, max_norm))
+    return total
+
+
+def scale_gradients_(parameters_or_model: nn.Module | Tensor | Iterable[Tensor], coefficient: Tensor) -> None:
+    """Multiply every gradient of ``parameters_or_model`` in place by ``coefficient`` (a 0-d tensor, e.g.
+    `clip_coefficient` over a loss scale): each rank its local shards, no collective."""
+    grads = [p.grad for _, p in _named(parameters_or_model) if p.grad is not None]
+    _multiply([g.to_local() if isinstance(g, DTensor) else g for g in grads], coefficient)
+
+
+def _multiply(tensors: list[Tensor], coefficient: Tensor) -> None:
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensors in buckets.values():
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    for (dev, dtype), tensors in groups.items():
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (dev, dtype), group in groups.items():
         # The coefficient in the gradients' own dtype keeps `_foreach_mul_` on its multi-tensor kernel (a
         # mismatched fp32 scalar fell back to one kernel per tensor on CUDA); for bf16 gradients it is rounded
         # as each product is anyway.
-        torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
-    return total
+        torch._foreach_mul_(group, coefficient.to(device=dev, dtype=dtype))
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from veomni.train.model_setup import (
     model_config,
     one_rank_path,
 )
+from veomni.train.numerics import DynamicLossScale, check_finite
 from veomni.train.optim import Schedule, build_adamw, build_scheduler, load_scheduler_state
 from veomni.train.preflight import (
     PreflightError,
@@ -151,7 +153,9 @@ class Run:
     task: Task
     config: PretrainedConfig | None = None
     step: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # steps that changed nothing: no trained token, or an fp16 overflow
+    overflow_steps: int = 0  # of those, fp16 overflows
+    loss_scale: DynamicLossScale | None = None  # fp16 compute (veomni.train.numerics)
     resumed_from: Path | None = None
     saved_step: int | None = None  # the step whose checkpoint in checkpoint.dir holds the current state
     masters: MasterWeights | None = None
@@ -289,6 +293,7 @@ def build_run(recipe: Recipe) -> Run:
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
         total_steps=steps, task=task, config=config, masters=masters, balanced_routers=routers,
+        loss_scale=DynamicLossScale(device) if recipe.model.dtype == "float16" else None,
     )  # fmt: skip
     if recipe.train.cuda_graphs:
         run.graphs = make_graphs(run)
@@ -314,6 +319,12 @@ def _maybe_resume(run: Run) -> None:
     load_scheduler_state(run.scheduler, trainer_state["scheduler"])
     run.step = int(trainer_state["step"])
     run.skipped_steps = int(trainer_state.get("skipped_steps", 0))
+    run.overflow_steps = int(trainer_state.get("overflow_steps", 0))
+    if run.loss_scale is not None:
+        if (saved_scale := trainer_state.get("loss_scale")) is not None:
+            run.loss_scale.load_state_dict(saved_scale)
+        else:  # saved by a run without fp16 compute (a changed model.dtype is allowed on resume)
+            log.warning("%s holds no fp16 loss scale: starting at %g", path, run.loss_scale.value)
     # The data position is global (epoch, cursor), so it resumes at any DP size; see docs/train.md.
     run.train_data.load_state_dict(trainer_state["data"])
     if trainer_state["world_size"] != dist.get_world_size():
@@ -338,7 +349,9 @@ def _save(run: Run) -> None:
         trainer_state={
             "step": run.step, "scheduler": run.scheduler.state_dict(), "data": run.train_data.state_dict(),
             "world_size": dist.get_world_size(), "dims": attrs.asdict(run.state.dims),
-            "skipped_steps": run.skipped_steps, "recipe": recipe_to_dict(run.recipe),
+            "skipped_steps": run.skipped_steps, "overflow_steps": run.overflow_steps,
+            "loss_scale": None if run.loss_scale is None else run.loss_scale.state_dict(),
+            "recipe": recipe_to_dict(run.recipe),
             "model_config": config_dict(run.config),
         },
         rank_state={},
@@ -398,15 +411,20 @@ def train(
         per_step = (time.perf_counter() - read_start) / len(pending)
         for (number, _, t_data, tokens, flops), stats in zip(pending, stats_list, strict=True):
             skipped = bool(stats.pop("skipped"))
+            reason = stats.pop("skip_reason", None)
+            if not skipped and not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                if rank0:
+                    append_jsonl(metrics_file, {"step": number, **stats, "diverged": True})
+                run.checkpoints.wait()  # a save in flight holds a state from before this step: let it finish
+                newest = latest_complete(recipe.checkpoint.dir)
+                check_finite(number, stats, None if newest is None else str(newest))
             window.append((stats, per_step, t_data, tokens, flops))
             if skipped:
                 history["skipped"].append(number)
             else:
                 history["loss"].append(stats["loss"])
             if rank0:
-                record = (
-                    {"step": number, "skipped": "no trained token"} if skipped else {"step": number, **stats}
-                )
+                record = {"step": number, "skipped": reason} if skipped else {"step": number, **stats}
                 append_jsonl(metrics_file, {**record, "tokens": tokens, "seconds": per_step})
             if on_step is not None and not skipped:
                 on_step(number, stats)
@@ -457,8 +475,9 @@ def train(
         progress.close()
     if run.skipped_steps and rank0:
         log.warning(
-            "%d of %d steps held no trained token and were skipped (no optimizer or schedule step)",
-            run.skipped_steps, run.total_steps,
+            "%d of %d steps were skipped (no optimizer or schedule step): %d held no trained token, %d overflowed "
+            "in fp16",
+            run.skipped_steps, run.total_steps, run.skipped_steps - run.overflow_steps, run.overflow_steps,
         )  # fmt: skip
     if recipe.data.on_bad_row == "skip":
         report_replaced(run, metrics_file if rank0 else None)

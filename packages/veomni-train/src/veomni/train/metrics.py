@@ -105,7 +105,7 @@ def console_line(m: StepMetrics) -> str:
         f"data {m.data_wait_fraction * 100:.1f}%",
     ]
     if m.skipped:
-        parts.append(f"skipped {m.skipped} (no trained token)")
+        parts.append(f"skipped {m.skipped} (no trained token or fp16 overflow)")
     return " | ".join(parts)
 
 

@@ -91,8 +91,6 @@ def build_recipe_model(
     (`veomni.core.master_weights.master_weights_of` finds them; optimizer and checkpoints take their module).
     ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
-    for note in precision_warnings(recipe):
-        log.warning(note)
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
     path = one_rank_path(recipe, state.dims.world_size)
     ops = ops_for_eager_only_features(recipe, ops)
@@ -123,18 +121,6 @@ def build_recipe_model(
     if policy.activation_checkpointing:
         apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)
     return model
-
-
-def precision_warnings(recipe: Recipe) -> list[str]:
-    """What the recipe's precision leaves to the user's judgement, said once at build time: fp16 compute runs
-    without loss scaling here, so gradients below fp16's smallest subnormal (6e-8) flush to zero."""
-    if recipe.model.dtype != "float16":
-        return []
-    return [
-        "model.dtype: float16 trains without loss scaling (veomni has no gradient scaler): gradients smaller than "
-        "6e-8 become 0 in the fp16 backward, which long sequences and large token counts make likely; prefer "
-        "bfloat16 where the hardware has it"
-    ]
 
 
 def ops_for_eager_only_features(recipe: Recipe, ops: Any) -> Any:

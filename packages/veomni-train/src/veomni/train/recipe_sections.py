@@ -68,7 +68,7 @@ class ModelSection:
         "state, no gradient reduction; a name matching nothing is an error",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = _field(
-        "bfloat16", "compute dtype of the forward and backward (float16: no loss scaling, warned at build)"
+        "bfloat16", "compute dtype of the forward and backward (float16: with dynamic loss scaling, over float32 parameters)"
     )
     param_dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "float32",
@@ -102,6 +102,13 @@ class ModelSection:
             raise RecipeError(
                 f"model.param_dtype: expected float32 or model.dtype ({self.dtype}), found {self.param_dtype} "
                 "(parameters cannot be stored in a lower precision than the compute dtype)"
+            )
+        if self.dtype == "float16" and self.param_dtype != "float32":
+            # Loss scaling divides the gradients by the scale (2^16 and up), and AdamW's eps (1e-8) and its second
+            # moments underflow in fp16: fp16 parameters cannot be trained soundly.
+            raise RecipeError(
+                "model.param_dtype: model.dtype float16 trains over float32 parameters (fp16 gradients cannot be "
+                f"unscaled and fp16 AdamW state underflows); found {self.param_dtype}: set model.param_dtype: float32"
             )
         if self.task == "dit" and self.tokenizer is not None:
             raise RecipeError(

@@ -72,13 +72,15 @@ def write_line(progress, line: str) -> None:
 def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progress) -> None:
     """Report the steps since the last report: mean loss, throughput, MFU (with the device's ``peak`` FLOP/s),
     data-wait share and memory, to the console (rank 0) and the metric sinks. ``window`` holds one
-    ``(stats, seconds, data_wait_seconds, tokens, flops)`` per step; steps without a trained token count as
-    skipped."""
+    ``(stats, seconds, data_wait_seconds, tokens, flops)`` per step; skipped steps (no trained token, an fp16
+    overflow) carry a nan loss."""
     trained = [w for w in window if not math.isnan(w[0]["loss"])]
     skipped = len(window) - len(trained)
     if not trained:
         if skipped and dist.get_rank() == 0 and run.recipe.log.console:
-            write_line(progress, f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token)")
+            write_line(
+                progress, f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token or fp16 overflow)"
+            )
         return
     world = run.state.dims.world_size
     seconds = sum(w[1] for w in window)

@@ -12,7 +12,9 @@ real length is stated for the forward (`veomni.core.sp.real_tokens`), so the rou
 
 A step whose data holds no trained token (every label masked, possible in mixed data) has no loss to normalise:
 it runs no forward, leaves the optimizer and the learning-rate schedule where they are, and is reported as
-skipped. ``N`` is global, so every rank skips the same steps and no collective is left waiting.
+skipped. ``N`` is global, so every rank skips the same steps and no collective is left waiting. With fp16 compute
+the backward runs on the loss times a dynamic scale, and a step whose gradients overflow is skipped the same way
+(`veomni.train.numerics`; the gradient norm is global, so every rank decides alike).
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ def _sp_padded_row_length(batch: dict[str, Any]) -> int | None:
 def _backward(run: Run, outputs: Any, aux_scale: float) -> torch.Tensor:
     loss, objective = run.task.loss(outputs, aux_scale)
     # FSDP averages gradients over the world; the objective is a sum over ranks (veomni.core.loss).
-    (objective * run.state.dims.world_size).backward()
+    objective = objective * run.state.dims.world_size
+    if run.loss_scale is not None:
+        objective = objective * run.loss_scale.scale  # fp16 (veomni.train.numerics); a tensor CUDA graphs replay
+    objective.backward()
     return loss.detach()
 
 
@@ -109,7 +114,8 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     run.step = step.step + 1
     if step.valid_tokens == 0:
         run.skipped_steps += 1
-        return {"loss": math.nan, "grad_norm": math.nan, "lr": current_lr(run), "skipped": 1.0}
+        return {"loss": math.nan, "grad_norm": math.nan, "lr": current_lr(run), "skipped": 1.0,
+                "skip_reason": "no trained token"}  # fmt: skip
     grad_accum = len(step.micro_batches)
     # A fill kernel, not torch.tensor: a copy from pageable host memory would make the host wait for the GPU. An
     # integer: FSDP2 mixed precision and the master-weights path cast every floating forward input to the compute
@@ -127,7 +133,15 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
             loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
     lr = current_lr(run)
     # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
-    grad_norm = clip_and_step(run.optimizer, run.trained, run.recipe.optim.max_grad_norm, run.state)
+    grad_norm, stepped = clip_and_step(
+        run.optimizer, run.trained, run.recipe.optim.max_grad_norm, run.state, run.loss_scale
+    )
+    if not stepped:  # an fp16 overflow: nothing of this step is applied, the next one runs at half the scale
+        run.optimizer.zero_grad(set_to_none=run.graphs is None)
+        run.skipped_steps += 1
+        run.overflow_steps += 1
+        return {"loss": math.nan, "grad_norm": math.nan, "lr": lr, "skipped": 1.0,
+                "skip_reason": f"fp16 overflow, loss scale now {run.loss_scale.value:g}"}  # fmt: skip
     if run.masters is not None:
         run.masters.push()  # the stepped fp32 masters, rounded into the compute parameters
     if run.balanced_routers:
