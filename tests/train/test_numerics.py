@@ -173,3 +173,34 @@ def test_a_diverged_step_stops_the_run_before_anything_is_saved(dist_pools, tmp_
     assert sorted(p.name for p in (tmp_path / "job").glob("step_*")) == ["step_00000001"]
     records = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 2 and records[-1]["diverged"] is True
+
+
+def _gpu_fp16_steps(tmp_path, name: str, graphs: bool, ops: dict) -> tuple[list[dict], float]:
+    from veomni.train.loop import build_run, train_step
+
+    raw = tiny_recipe(str(tmp_path / name), DENSE, steps=8, cuda_graphs=graphs)
+    raw["ops"] = ops
+    raw["train"]["device"] = "cuda"
+    raw["model"]["dtype"] = "float16"
+    run = build_run(recipe_from_dict(raw))
+    run.loss_scale.load_state_dict({"scale": 2.0**22, "finite_steps": 0})
+    it = iter(run.train_data)
+    return [train_step(run, next(it)) for _ in range(run.total_steps)], run.loss_scale.value
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ops", [{"attention": "sdpa", "compile": "off"}, {}], ids=["eager-blocks", "defaults"])
+def test_gpu_fp16_loss_scaling_with_and_without_cuda_graphs(tmp_path, ops):
+    # The captured graphs multiply by the scale tensor they were captured with: its in-place updates must reach
+    # the replays, so graphed steps skip and train exactly as eager ones.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    eager, eager_scale = _gpu_fp16_steps(tmp_path, "eager", False, ops)
+    graphed, graphed_scale = _gpu_fp16_steps(tmp_path, "graphs", True, ops)
+    skipped = [s["skipped"] for s in eager]
+    assert skipped[0] == 1.0 and skipped[-1] == 0.0, skipped
+    assert [s["skipped"] for s in graphed] == skipped and graphed_scale == eager_scale
+    for a, b in zip(graphed, eager, strict=True):
+        if not a["skipped"]:
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
