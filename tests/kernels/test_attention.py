@@ -343,3 +343,44 @@ def test_gqa_traces_with_symbolic_head_counts():
         with torch.no_grad():
             torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-6, atol=1e-6)
 
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "dtype, packed", [(torch.bfloat16, True), (torch.float32, False), (torch.float32, True)],
+    ids=["bf16-packed", "fp32-batched", "fp32-packed"],
+)  # fmt: skip
+def test_gpu_sdpa_gqa_runs_a_fused_kernel_where_sdpa_cannot_take_enable_gqa(dtype, packed):
+    # A masked or fp32 call with enable_gqa rules out every fused CUDA kernel (flash/cuDNN: no mask, no fp32;
+    # memory-efficient: no GQA), so SDPA ran its math backend: an [S, S] matrix per head, and nothing that
+    # keep-attention checkpointing could keep. The KV heads are repeated there instead.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv(0, 1, 256, 2, 4, 64, dtype=dtype, device="cuda")
+    kwargs = {"causal": True}
+    if packed:
+        kwargs["cu_seqlens"] = torch.tensor([0, 100, 101, 230, 256], dtype=torch.int32, device="cuda")
+        kwargs["max_seqlen"] = 129
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    with Ops() as seen:
+        out, grads = _run(ATTENTION_FUNCTIONS["sdpa"], q, k, v, grad_out, **kwargs)
+    assert "aten::_scaled_dot_product_efficient_attention" in seen.names, sorted(seen.names)
+    assert not any("math" in name for name in seen.names), sorted(seen.names)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, ref_grads = _run(eager, q32, k32, v32, grad_out.float(), **kwargs)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.float(), r, rtol=tol, atol=5 * tol)
