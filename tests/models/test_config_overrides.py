@@ -128,3 +128,26 @@ def test_dtype_override_is_not_confused_with_the_build_dtype():
         tiny_qwen3(), ops=OpsConfig(), dtype=torch.float32, config_overrides={"use_cache": False}
     )
     assert model.config.use_cache is False
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_a_rope_override_keeps_the_checkpoints_rope_theta(key):
+    # The usual context-extension override names the scaling, not the base: it must not drop the model's
+    # rope_theta (transformers' setter replaces the whole dict, leaving rope_theta None and the rotary init
+    # crashing), nor be mutated in the caller's recipe.
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    base = Qwen3Config(
+        **{**tiny_qwen3().to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    )
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    model = build_model(base, ops=OpsConfig(), config_overrides={key: scaling})
+    assert scaling == {"rope_type": "linear", "factor": 2.0}
+    assert model.config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    want = Qwen3Config(**{**tiny_qwen3().to_dict(), "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    assert torch.equal(model.model.rotary_emb.inv_freq, Qwen3RotaryEmbedding(want).inv_freq)
+
+
+def test_a_rope_override_missing_a_required_key_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"config overrides: rope_parameters .*'factor'"):
+        MODELS.load_config(tiny_qwen3(), rope_parameters={"rope_type": "linear"})

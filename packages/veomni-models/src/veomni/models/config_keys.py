@@ -25,6 +25,7 @@ error that names the dotted form: transformers would store it on the outer confi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -235,11 +236,44 @@ def check_config_keys(
         )
 
 
+# Both set the RoPE parameters on a built config (``rope_scaling`` is transformers' deprecated alias).
+_ROPE_OVERRIDES = frozenset({"rope_parameters", "rope_scaling"})
+
+
+def _apply_rope_override(config: PretrainedConfig, key: str, value: object) -> None:
+    """Set ``config.rope_parameters`` from an override as transformers does when it builds a config: a value
+    that names no ``rope_theta`` keeps the config's, then the parameters are standardised and validated.
+
+    transformers' attribute setter replaces the whole dict instead, so ``{"rope_type": "yarn", "factor": 4}``
+    (the usual context-extension override) would leave ``rope_theta`` None and fail deep in the rotary init.
+    """
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config overrides: {key} must be a mapping of RoPE parameters, found {value!r}")
+    value = copy.deepcopy(dict(value))
+    current = getattr(config, "rope_parameters", None) or {}
+    nested = config.nested_rope_parameter_keys(value)
+    # Flat parameters take the flat theta; per-layer-type ones (Gemma-style) each take their own layer type's.
+    pairs = [(value[k], current.get(k)) for k in nested] if nested else [(value, current)]
+    for params, before in pairs:
+        if isinstance(params, dict) and isinstance(before, Mapping) and "rope_theta" in before:
+            params.setdefault("rope_theta", before["rope_theta"])
+    config.rope_parameters = value
+    try:
+        config.standardize_rope_params()
+        config.validate_rope()
+    except (KeyError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"config overrides: {key} {value!r} is not valid for {type(config).__name__}: {err}"
+        ) from None
+
+
 def apply_config_overrides(config: PretrainedConfig, overrides: Mapping[str, object]) -> None:
     """Set checked ``overrides`` on ``config`` in place, as attributes (what ``from_pretrained(**kwargs)`` does
     with keys the config has); a mapping or a dotted key under a sub-config key sets that sub-config's attributes.
 
-    Derived fields are not recomputed (e.g. ``layer_types`` after ``num_hidden_layers``), as in transformers.
+    Values are copied (the caller's mapping is never changed). ``rope_parameters`` / ``rope_scaling`` keep the
+    config's ``rope_theta`` unless they name one and are validated (`_apply_rope_override`). Other derived fields
+    are not recomputed (e.g. ``layer_types`` after ``num_hidden_layers``), as in transformers.
     """
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
@@ -248,5 +282,7 @@ def apply_config_overrides(config: PretrainedConfig, overrides: Mapping[str, obj
             apply_config_overrides(target, {rest: value})
         elif isinstance(value, Mapping) and isinstance(target, PretrainedConfig):
             apply_config_overrides(target, {k: v for k, v in value.items() if k != "model_type"})
+        elif key in _ROPE_OVERRIDES and value is not None and hasattr(config, "standardize_rope_params"):
+            _apply_rope_override(config, key, value)
         else:
-            setattr(config, key, value)
+            setattr(config, key, copy.deepcopy(value))
