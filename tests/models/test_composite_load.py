@@ -181,3 +181,33 @@ def test_an_export_cast_to_bf16_says_so_in_every_sub_config(composite, tmp_path)
     assert want["text_config"]["dtype"] == want["vision_config"]["dtype"] == "bfloat16"
     for out in ("live", "offline"):
         assert json.loads((tmp_path / out / "config.json").read_text()) == want, out
+
+
+def test_the_offline_export_infers_the_task_from_the_checkpoint(composite, tmp_path):
+    # No task given: a VLM's training checkpoint records its trained class in hf_files/config.json; a checkpoint
+    # without hf_files/ gets the source's config, whose architectures may name another class of the model type
+    # (the VLM, for its text model trained alone): the task whose keys are the checkpoint's is taken.
+    import torch.distributed.checkpoint as dcp
+
+    from veomni.models.export import export_dcp_to_hf
+    from veomni.models.export_cli import main as export_cli
+    from veomni.models.export_files import CHECKPOINT_FILES_DIR, save_model_files
+
+    path = composite["qwen2_vl"]
+    vlm = build_model(path, weights=path, ops=eager_ops(), task=TASK)
+    step = tmp_path / "step_00000001"
+    save_model_files(vlm, step / CHECKPOINT_FILES_DIR)
+    dcp.save({"model": vlm.state_dict()}, checkpoint_id=str(step / "dcp"), no_dist=True)
+    assert export_cli([str(step / "dcp"), str(tmp_path / "vlm"), "--prefix", "model."]) == 0
+    saved = checkpoint_tensors(path)
+    exported = checkpoint_tensors(str(tmp_path / "vlm"))
+    assert sorted(exported) == sorted(saved) and all(torch.equal(exported[k], saved[k]) for k in saved)
+
+    path = composite["qwen3_5_moe"]
+    text = build_model(path, weights=path, ops=eager_ops())  # causal_lm: the text model of the VLM checkpoint
+    dcp.save({"model": text.state_dict()}, checkpoint_id=str(tmp_path / "text_dcp"), no_dist=True)
+    export_dcp_to_hf(tmp_path / "text_dcp", tmp_path / "text", config=path, prefix="model.")
+    export_hf(text, tmp_path / "live")
+    offline, live = checkpoint_tensors(str(tmp_path / "text")), checkpoint_tensors(str(tmp_path / "live"))
+    assert sorted(offline) == sorted(live) and all(torch.equal(offline[k], live[k]) for k in live)
+    assert (tmp_path / "text" / "config.json").read_text() == (tmp_path / "live" / "config.json").read_text()

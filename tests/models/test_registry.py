@@ -211,3 +211,13 @@ def test_the_auto_fallback_grants_sp_to_text_decoders_only():
 
     assert "sp" in MODELS.model_class(MistralConfig(), "causal_lm").fast_paths
     assert "sp" not in MODELS.model_class(LlavaConfig(), "image_text_to_text").fast_paths
+
+
+def test_architecture_task_reads_the_class_a_config_names():
+    assert MODELS.architecture_task(Qwen3Config(architectures=["Qwen3ForSequenceClassification"])) == (
+        "sequence_classification"
+    )
+    assert MODELS.architecture_task(Qwen3Config()) is None  # names no class
+    assert MODELS.architecture_task(Qwen3Config(architectures=["LlamaForCausalLM"])) is None
+    # An unregistered model type: transformers' Auto mappings.
+    assert MODELS.architecture_task(GPT2Config(architectures=["GPT2LMHeadModel"])) == "causal_lm"

@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
 from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
+from veomni.models.export_dcp import dcp_directory, dcp_model
 from veomni.models.export_files import (
     copy_side_files,
     export_sources,
@@ -35,7 +36,7 @@ from veomni.models.export_files import (
     warn_config_differs,
 )
 from veomni.models.key_transforms import unrename_key
-from veomni.models.loading.loader import DEFAULT_IGNORED_UNEXPECTED, CheckpointMismatchError, converters_for
+from veomni.models.loading.loader import converters_for
 from veomni.models.loading.safetensors_io import SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
 
@@ -341,61 +342,6 @@ def write_gathered(
     return report, is_writer
 
 
-def _dcp_accounting(
-    model: nn.Module, targets: dict[str, Target], stored: dict[str, object], prefix: str, where: str
-) -> dict[str, str]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    ours = {k[len(prefix) :]: k for k in stored if k.startswith(prefix)}
-    ignore = [re.compile(p) for p in DEFAULT_IGNORED_UNEXPECTED]
-    chosen, missing, mismatched = {}, [], []
-    for keys in tie_groups(model, targets):
-        present = [k for k in keys if k in ours]
-        if not present:
-            missing.append(keys[0])
-            continue
-        meta = stored[ours[present[0]]]
-        want = targets[keys[0]].full_shape
-        got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else ("not a tensor",)
-        if got != want:
-            mismatched.append((ours[present[0]], want, got))
-        chosen[keys[0]] = ours[present[0]]
-    unexpected = sorted(ours[k] for k in ours if k not in targets and not any(p.search(k) for p in ignore))
-    if missing or unexpected or mismatched:
-        lines = [
-            f"the DCP checkpoint in {where} (keys under prefix {prefix!r}) does not match {unwrapped_class(model).__name__}:"
-        ]
-        if missing:
-            lines.append(f"  missing keys ({len(missing)}): {missing}")
-        if unexpected:
-            lines.append(f"  unexpected keys ({len(unexpected)}): {unexpected}")
-        for key, want, got in mismatched:
-            hint = ""
-            if len(want) == len(got) and want[1:] == got[1:] and got[0] and want[0] % got[0] == 0:
-                hint = " (an EP rank's local experts: save the global [E, ...] tensors)"
-            lines.append(
-                f"  {key}: the model expects shape {list(want)}, the checkpoint has {list(got)}{hint}"
-            )
-        if not ours:
-            sample = sorted(stored)[:5]
-            lines.append(f"  no key starts with {prefix!r}; the checkpoint's keys look like {sample}")
-        raise CheckpointMismatchError("\n".join(lines), missing, unexpected, mismatched)
-    return chosen
-
-
-def _dcp_directory(dcp_dir: str | os.PathLike) -> Path:
-    # A training run keeps its DCP files in step_N/dcp/ beside the trainer state: name that directory when the
-    # step directory itself is given, instead of torch's bare "No such file ... .metadata".
-    path = Path(dcp_dir)
-    if (path / ".metadata").is_file():
-        return path
-    nested = sorted(p.parent for p in path.glob("*/.metadata")) if path.is_dir() else []
-    hint = f"; {nested[0]} holds one: pass that directory" if len(nested) == 1 else ""
-    raise FileNotFoundError(
-        f"{path} is not a torch.distributed.checkpoint directory (it has no .metadata file){hint}"
-    )
-
-
 def export_dcp_to_hf(
     dcp_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -404,7 +350,7 @@ def export_dcp_to_hf(
     prefix: str = "",
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    task: str = "causal_lm",
+    task: str | None = None,
     registry: object | None = None,
 ) -> ExportReport:
     """Convert a DCP checkpoint of a model's state (FQN keys, optionally under ``prefix``) to an HF checkpoint.
@@ -427,29 +373,26 @@ def export_dcp_to_hf(
         prefix: the prefix of the model's keys in the checkpoint, e.g. ``"model."``.
         dtype: cast to this dtype (default: as stored).
         max_shard_bytes: safetensors file size limit.
-        task: the model class's task (see `veomni.models.registry.TASKS`).
+        task: the model class's task (see `veomni.models.registry.TASKS`). None infers it: the task whose class
+            the config's ``architectures`` names (the trained class, in a checkpoint's ``hf_files/``), else the first
+            of ``causal_lm``, ``image_text_to_text``, ``any_to_any`` the model supports; a candidate is taken only
+            when its keys and shapes are exactly the checkpoint's.
         registry: a `ModelRegistry` (default `veomni.models.registry.MODELS`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers.initialization import no_init_weights
 
-    from veomni.models.registry import MODELS, config_for_class
+    from veomni.models.registry import MODELS
 
     registry = MODELS if registry is None else registry
-    dcp_path = _dcp_directory(dcp_dir)
+    dcp_path = dcp_directory(dcp_dir)
     sources = export_sources(dcp_path, config)
     cfg = registry.load_config(sources.config)  # type: ignore[attr-defined]
     if sources.from_checkpoint and config is not None:
         warn_config_differs(cfg, registry.load_config(config), sources.config, config)  # type: ignore[attr-defined]
-    resolved = registry.model_class(cfg, task)  # type: ignore[attr-defined]
-    cfg = config_for_class(cfg, resolved.cls)
-    with torch.device("meta"), no_init_weights():
-        model = resolved.cls._from_config(cfg)
-    model.tie_weights()
-    targets = model_targets(model)
     stored = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
-    chosen = _dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
+    model, cfg, chosen = dcp_model(cfg, registry, stored, prefix, str(dcp_dir), task)
+    targets = model_targets(model)
     fp32 = _keep_fp32(model)
     shapes = {
         k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, None if fp32(k) else dtype))
@@ -470,7 +413,7 @@ def export_dcp_to_hf(
         out_dir, items, fetch, converters, is_writer=True, max_shard_bytes=max_shard_bytes
     )
     first = next(iter(shapes.values()))[1] if shapes else torch.float32
-    save_config(cfg, out_dir, resolved.cls.__name__, dtype or first)
+    save_config(cfg, out_dir, unwrapped_class(model).__name__, dtype or first)
     if model.can_generate():
         # The source's own generation_config.json where there is one (EOS ids, sampling defaults; a checkpoint's
         # already holds the tokenizer's end token), as export_hf carries the live model's; else the one

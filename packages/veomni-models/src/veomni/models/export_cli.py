@@ -59,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", help="safetensors file size limit"
     )
-    parser.add_argument("--task", default="causal_lm", help="model class task (causal_lm, base, ...)")
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="model class task (causal_lm, image_text_to_text, any_to_any, base, ...); default: inferred, the task "
+        "whose class the config's architectures names (the trained one in hf_files/), else the first of causal_lm, "
+        "image_text_to_text, any_to_any whose keys match the checkpoint",
+    )
     return parser
 
 

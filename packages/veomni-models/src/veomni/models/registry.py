@@ -263,6 +263,27 @@ class ModelRegistry:
             task for task, name in TASKS.items() if name and type(config) in getattr(modeling_auto, name)
         )
 
+    def architecture_task(self, config: PretrainedConfig | DiffusersConfig) -> str | None:
+        """The task whose class for ``config`` is one its ``architectures`` names (what ``save_pretrained``, veomni's
+        exports and a training checkpoint's ``hf_files/config.json`` record), or None when it names none of them."""
+        if isinstance(config, DiffusersConfig):
+            return DIFFUSERS_TASK
+        names = set(getattr(config, "architectures", None) or ())
+        entry = self._models.get(config.model_type)
+        for task in self.supported_tasks(config):
+            if entry is not None:
+                class_name = entry.classes[task].rpartition(":")[2]
+            else:
+                from transformers.models.auto import modeling_auto
+
+                try:
+                    class_name = getattr(modeling_auto, TASKS[task])[type(config)].__name__  # type: ignore[arg-type]
+                except (KeyError, ValueError):
+                    continue
+            if class_name in names:
+                return task
+        return None
+
     def model_class(
         self, config: PretrainedConfig | DiffusersConfig, task: str = "causal_lm", *, backend: str = "veomni"
     ) -> ResolvedModel:
