@@ -11,10 +11,10 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from veomni.models.loading import CheckpointFiles, load_weights
+from veomni.models.loading import CheckpointFiles, CheckpointMismatchError, load_weights
 from veomni.models.loading.safetensors_io import CheckpointFileError
 
 
@@ -165,3 +165,13 @@ def test_rank0_broadcast_reports_a_damaged_file_on_every_rank(dist_pools, tmp_pa
     _cut(file, file.stat().st_size - 5)
     messages = dist_pools.get(2).run(_broadcast_truncated, str(tmp_path))
     assert all(str(file) in m and "truncated" in m for m in messages)
+
+
+def test_a_shard_key_the_index_does_not_list_is_still_accounted_for(tmp_path):
+    # transformers reads every tensor of every shard the index names, listed or not; a tensor left out of the
+    # index must not vanish unreported (here: an unexpected key, so the load fails naming it).
+    _write_sharded(tmp_path / "ckpt", "model", _tensors())
+    shard = tmp_path / "ckpt" / "model-00001-of-00002.safetensors"
+    save_file({**load_file(str(shard)), "0.stale": torch.zeros(2)}, str(shard))
+    with pytest.raises(CheckpointMismatchError, match=r"unexpected keys \(1\): \['0.stale'\]"):
+        _load_into_linear(tmp_path / "ckpt")

@@ -180,7 +180,8 @@ class CheckpointFiles(contextlib.AbstractContextManager):
                         raise CheckpointFileError(
                             f"the checkpoint index lists {absent[:8]} in {file}, which does not hold them"
                         )
-                    keys = [k for k in keys if k in listed]
+                    # Keys the index leaves out are kept, as transformers reads every tensor of a shard: the
+                    # accounting then loads or names them instead of dropping them unreported.
                 for key in keys:
                     if key in self.tensors:
                         raise ValueError(f"checkpoint key {key!r} appears in more than one file")
