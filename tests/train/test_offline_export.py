@@ -124,7 +124,7 @@ def test_offline_vlm_export_equals_the_in_loop_export_and_loads_its_processor(vl
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     out = tmp_path / "out"
-    export_dcp_to_hf(vlm_run["step"] / "dcp", out, prefix="model.", task="image_text_to_text")
+    export_dcp_to_hf(vlm_run["step"] / "dcp", out, prefix="model.")  # the task comes from hf_files/
     assert_same_export(out, vlm_run["export"])
     for name in ("tokenizer.json", "chat_template.jinja", "preprocessor_config.json",
                  "video_preprocessor_config.json", "generation_config.json"):  # fmt: skip
