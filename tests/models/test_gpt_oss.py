@@ -330,3 +330,25 @@ def test_registry_resolves_the_adapter_and_refuses_mxfp4(tmp_path):
     ) as err:
         build_model(str(tmp_path), ops=OpsConfig(**EAGER))
     assert "save_pretrained(DST)" in str(err.value)
+
+
+def test_mxfp4_tensors_without_their_config_are_refused_as_quantized(tmp_path):
+    # The published layout (experts as uint8 *_blocks / *_scales) beside no config.json: the tensors alone must say
+    # "quantized, dequantise with Mxfp4Config", not a list of missing and unexpected keys.
+    from safetensors.torch import load_file, save_file
+
+    from veomni.models.loading.quantized import QuantizedCheckpointError
+
+    upstream = build_pair()[0]
+    upstream.save_pretrained(tmp_path / "bf16")
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows = tensors.pop(key).shape[:2]
+        tensors[key + "_blocks"] = torch.zeros(experts, rows, 2, 16, dtype=torch.uint8)
+        tensors[key + "_scales"] = torch.zeros(experts, rows, 2, dtype=torch.uint8)
+    (tmp_path / "bare").mkdir()
+    save_file(tensors, str(tmp_path / "bare" / "model.safetensors"))
+    with pytest.raises(
+        QuantizedCheckpointError, match=r"(?s)8 MXFP4 tensors .*Mxfp4Config\(dequantize=True\)"
+    ):
+        build_model(tmp_path / "bf16", weights=tmp_path / "bare", ops=OpsConfig(**EAGER))

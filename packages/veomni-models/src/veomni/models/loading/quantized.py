@@ -4,7 +4,8 @@ veomni trains full-precision weights. A checkpoint published quantized (DeepSeek
 weights: ``float8_e4m3fn`` tensors plus one ``weight_scale_inv`` per 128 x 128 block; GPT-OSS's MXFP4 experts)
 would otherwise be read as plain numbers: FP8 values cast to fp32 without their scales, scale tensors reported
 as unexpected keys. Both the config (``quantization_config``) and the tensors (FP8 dtypes, ``*_scale_inv``
-keys) are looked at, so a quantized checkpoint is caught whether or not its config travels with it.
+keys, uint8 ``*_blocks`` / ``*_scales``) are looked at, so a quantized checkpoint is caught whether or not its
+config travels with it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+# gpt-oss's published experts: ``gate_up_proj_blocks`` (packed FP4 values) and ``gate_up_proj_scales``, both uint8.
+_MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 _FP8_HOW = (
     "Dequantise it once to bf16 with transformers and train from that copy:\n"
@@ -70,25 +73,28 @@ def quantization_problem(
         quant = config.get("quantization_config")
     elif config is not None:
         quant = getattr(config, "quantization_config", None)
-    fp8 = []
-    scales = []
+    fp8, scales, mxfp4 = [], [], []
     for key, dtype in tensors:
         if dtype in _FP8:
             fp8.append(key)
         elif key.endswith(_SCALE_SUFFIXES):
             scales.append(key)
-    if quant is None and not fp8 and not scales:
+        elif dtype == torch.uint8 and key.endswith(_MXFP4_SUFFIXES):
+            mxfp4.append(key)
+    if quant is None and not fp8 and not scales and not mxfp4:
         return None
     if quant is not None:
         method, values = _describe(quant)
         found = f"quantization_config {values or quant!r}"
     else:
-        method = "fp8" if fp8 else "unknown"
+        method = "fp8" if fp8 else "mxfp4" if mxfp4 else "unknown"
         found = "no quantization_config, but"
     if fp8 or scales:
         found += (
             f" {len(fp8)} FP8 tensors (e.g. {fp8[:2]}) and {len(scales)} scale tensors (e.g. {scales[:2]})"
         )
+    if mxfp4:
+        found += f" {len(mxfp4)} MXFP4 tensors (uint8 blocks and scales, e.g. {mxfp4[:2]})"
     how = _HOW.get(
         method,
         "Dequantise it to bf16 first (load it with transformers' quantizer set to dequantize, then "
