@@ -412,3 +412,35 @@ def test_image_the_processor_rejects_names_file_and_row(processor_dir):
         DataError, match=r"line 1: image 0 \(inline bytes .*\): the image processor rejects it: .*200"
     ):
         _cached_encoder(processor_dir).measure(image_row(png(2, 420)), REF)
+
+
+def _rotated_jpeg(height: int, width: int, orientation: int) -> bytes:
+    """A JPEG whose stored pixels are ``height x width`` with an EXIF orientation tag, as phone cameras write them
+    (6: the viewer turns the stored pixels 90 degrees clockwise)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(
+        buffer, format="JPEG", exif=exif, quality=95
+    )
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("orientation", [6, 8, 3])
+def test_exif_orientation_is_applied_like_transformers(processor_dir, tmp_path, orientation):
+    # transformers' load_image (which the processors use for paths, URLs and bytes) turns the pixels upright by the
+    # EXIF orientation tag; the data pipeline must hand the tower the same pixels, and the index the same size.
+    from transformers.image_utils import load_image as hf_load_image
+
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(_rotated_jpeg(16, 40, orientation))
+    enc = _cached_encoder(processor_dir)
+    row = image_row(str(path))
+    ids, mask, media = enc(row, REF)
+    expected = enc.image_processor(images=[hf_load_image(str(path))], return_tensors="np")
+    assert media.image_grid_thw.tolist() == np.asarray(expected["image_grid_thw"]).tolist()
+    np.testing.assert_array_equal(media.pixel_values, np.asarray(expected["pixel_values"], dtype=np.float32))
+    assert enc.measure(row, REF) == (len(ids), int(mask.sum()), media.num_patches)

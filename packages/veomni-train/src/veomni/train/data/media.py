@@ -72,21 +72,41 @@ def _open(ref: ImageRef) -> Any:
         raise DataError(f"{ref}: not a readable image ({err})") from None
 
 
+# EXIF orientations whose upright image is the stored one turned by 90 degrees (height and width swap).
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+
+
 def image_size(ref: ImageRef) -> tuple[int, int]:
-    """``(height, width)`` from the image header; the pixels are not decoded."""
+    """``(height, width)`` of the upright image (`load_image`) from the image header; the pixels are not decoded."""
+    from PIL import Image
+
     with _open(ref) as image:
         width, height = image.size
+        try:
+            # The base class reads only what the header gave (PNG's override would decode the pixels to look for
+            # an EXIF chunk behind them).
+            orientation = Image.Image.getexif(image).get(0x0112, 1)
+        except (OSError, ValueError, SyntaxError) as err:
+            raise DataError(f"{ref}: not a readable image (its EXIF data: {err})") from None
+    if orientation in _QUARTER_TURNS:
+        width, height = height, width
     if height < 1 or width < 1:
         raise DataError(f"{ref}: the image is empty ({width}x{height})")
     return height, width
 
 
 def load_image(ref: ImageRef) -> Any:
-    """The decoded image as an RGB ``PIL.Image`` (a truncated or corrupt body is a `DataError`)."""
+    """The decoded image as an upright RGB ``PIL.Image`` (a truncated or corrupt body is a `DataError`).
+
+    Upright as transformers' ``load_image`` gives it to the processors: turned by the EXIF orientation tag, which
+    cameras set instead of turning the stored pixels.
+    """
+    from PIL import ImageOps
+
     image = _open(ref)
     try:
         image.load()
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")
     except (OSError, ValueError, SyntaxError) as err:
         raise DataError(f"{ref}: the image data is corrupt or truncated ({err})") from None
     finally:
