@@ -444,3 +444,19 @@ def test_exif_orientation_is_applied_like_transformers(processor_dir, tmp_path, 
     assert media.image_grid_thw.tolist() == np.asarray(expected["image_grid_thw"]).tolist()
     np.testing.assert_array_equal(media.pixel_values, np.asarray(expected["pixel_values"], dtype=np.float32))
     assert enc.measure(row, REF) == (len(ids), int(mask.sum()), media.num_patches)
+
+
+def test_image_over_pils_decompression_bomb_limit_names_file_and_row(processor_dir, tmp_path, monkeypatch):
+    # PIL refuses images above twice Image.MAX_IMAGE_PIXELS (about 179 MP: large scans, panoramas) with an error
+    # that is no OSError; it must still be a bad row naming the file, not a crash of one rank while its peers
+    # wait in the index's gather.
+    from PIL import Image
+
+    from veomni.train.data.sources import bad_row_kind
+
+    path = tmp_path / "huge.png"
+    path.write_bytes(png(20, 20))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(DataError, match=rf"line 1: image 0 \({path}\): not a readable image") as err:
+        _cached_encoder(processor_dir).measure(image_row(str(path)), REF)
+    assert bad_row_kind(str(err.value)) == "unreadable image"

@@ -70,6 +70,10 @@ def _open(ref: ImageRef) -> Any:
         return Image.open(ref.path if ref.path is not None else io.BytesIO(ref.data or b""))
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise DataError(f"{ref}: not a readable image ({err})") from None
+    except Image.DecompressionBombError as err:  # no OSError: it would escape as a crash naming no row
+        raise DataError(
+            f"{ref}: not a readable image ({err}; PIL refuses images above 2 x PIL.Image.MAX_IMAGE_PIXELS)"
+        ) from None
 
 
 # EXIF orientations whose upright image is the stored one turned by 90 degrees (height and width swap).
