@@ -264,3 +264,23 @@ def test_index_split_over_a_process_group(tmp_path, dist_pools):
     )
     per_rank = dist_pools.get(2).run(_index_on_rank, str(path))
     assert per_rank[0] == per_rank[1] == alone.lengths.tolist()
+
+
+@pytest.mark.parametrize("overlong, what", [("drop", "left out"), ("truncate", "truncated")])
+def test_over_long_rows_of_every_file_list_are_counted_in_a_warning(tmp_path, caplog, overlong, what):
+    # The training data's counts are in the run's start-up summary; the evaluation data has none, so its rows
+    # left out or cut by data.overlong would change the eval loss without a word. index_files reports both lists.
+    import logging
+
+    from veomni.train.data.build import encoder_for, index_files
+    from veomni.train.recipe import DataSection
+
+    rows = [{"text": "alpha " * 30}, {"text": "beta"}, {"text": "gamma " * 20}]
+    files = [str(write_jsonl(tmp_path / "eval.jsonl", rows))]
+    section = DataSection(train_files=files, kind="text", max_seq_len=10, overlong=overlong, num_workers=0)
+    with caplog.at_level(logging.WARNING, logger="veomni.train.data.build"):
+        index_files(section, files, encoder_for(section, tokenizer()), what="data.eval_files")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"data.eval_files: 2 of 3 rows are longer than data.max_seq_len=10 and were {what} (data.overlong={overlong})"
+    ]

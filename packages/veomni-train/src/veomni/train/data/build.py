@@ -106,7 +106,8 @@ def index_files(
     what: str = "data",
 ) -> tuple[RowSource, DatasetIndex]:
     """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
-    ``data.on_bad_row`` and, when skipped, are logged per kind (``what`` names the file list)."""
+    ``data.on_bad_row`` and, when skipped, are logged per kind, and rows that ``data.overlong`` left out or cut are
+    counted in a warning (``what`` names the file list)."""
     source = RowSource(files, data.format, encoder.columns)
     index = index_dataset(
         source,
@@ -118,7 +119,16 @@ def index_files(
         on_bad_row=data.on_bad_row,
         max_bad_fraction=data.max_bad_fraction,
     )
-    if len(index.bad) and (group is None or dist.get_rank(group) == 0):
+    rank0 = group is None or dist.get_rank(group) == 0
+    # The training data's counts are also in the run's start-up summary; the evaluation data's only here.
+    over = index.dropped or index.truncated
+    if over and rank0:
+        log.warning(
+            "%s: %d of %d rows are longer than data.max_seq_len=%d and were %s (data.overlong=%s)",
+            what, over, index.num_rows, data.max_seq_len, "left out" if index.dropped else "truncated",
+            data.overlong,
+        )  # fmt: skip
+    if len(index.bad) and rank0:
         log.warning(
             "%s: left out %d bad row(s) of %d (data.on_bad_row=skip, at most %s allowed):",
             what, len(index.bad), index.num_rows, data.max_bad_fraction,
