@@ -242,3 +242,29 @@ def test_biases_are_not_decayed_nor_counted_as_matmuls_fused_expert_ones_include
         p.numel() for n, p in probe.named_parameters() if p.dim() >= 2
     ) - probe.get_input_embeddings().weight.numel() * (0 if probe.config.tie_word_embeddings else 1)
     assert active_matmul_params(probe) == with_biases - biases
+
+
+def test_step_flops_count_a_sliding_window_layer_over_its_window_only():
+    """gpt-oss alternates sliding-window (128) and full layers: a query of a sliding layer attends to at most the
+    window, so its attention FLOPs grow linearly beyond it; counting them as full causal attention overstates MFU
+    (about 40 % for 32k-token samples of gpt-oss-20b)."""
+    from transformers import AutoConfig
+
+    from veomni.train.data import Step
+    from veomni.train.loop import meta_instance
+
+    config = AutoConfig.for_model(
+        "gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8,
+    )  # fmt: skip
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    task = build_task("text", meta_instance(config, "causal_lm"))
+    lengths = (5, 8, 100)
+    step = Step(step=0, epoch=0, micro_batches=[], tokens=sum(lengths), valid_tokens=1, sample_tokens=lengths)
+    width = 4 * 16
+    # Per sample, 6 * width * (s**2 on a full layer; on a sliding one s**2 up to the window, w * (2 s - w) beyond).
+    full = sum(s * s for s in lengths)
+    sliding = 5 * 5 + 8 * 8 + 8 * (2 * 100 - 8)
+    expected = task.flops_per_token * step.tokens + 6.0 * width * (2 * full + 2 * sliding)
+    assert task.step_flops(step) == pytest.approx(expected)

@@ -244,8 +244,11 @@ def measure(
     seconds = max_over_ranks(seconds, device)  # a step ends when its slowest rank does
     timed = seconds[args.warmup :]
     tokens = steps[0].tokens
-    flops = run.task.flops_per_token * tokens + attention_flops(
-        [seq_len] * state.dims.dp, info["attention_layers"], info["query_width"]
+    lengths = [seq_len] * state.dims.dp
+    flops = (
+        run.task.flops_per_token * tokens
+        + attention_flops(lengths, info["attention_layers"], info["query_width"])
+        + attention_flops(lengths, run.task.window_layers, info["query_width"], window=run.task.window)
     )
     world, peak = state.dims.world_size, peak_flops(device)
     record: dict[str, Any] = {

@@ -2,7 +2,7 @@
 
 MFU convention (the causal one; it counts only useful work):
 
-    step_flops = 6 * N_active * tokens + 6 * L * (H_q * D) * sum_i s_i**2
+    step_flops = 6 * N_active * tokens + 6 * L * (H_q * D) * sum_i s_i**2     (sliding layers: `attention_flops`)
     MFU        = step_flops / (step_seconds * world_size * peak_flops_per_device)
 
 ``N_active`` counts the weights that multiply activations (every Linear / fused expert / LM-head weight; the
@@ -71,9 +71,16 @@ def active_matmul_params(
     return int(total)
 
 
-def attention_flops(sample_lengths: Iterable[int], num_layers: int, query_width: float) -> float:
-    """Causal attention training FLOPs of packed samples: ``6 * L * (H_q * D) * sum(s_i ** 2)``."""
-    return 6.0 * num_layers * query_width * float(sum(s * s for s in sample_lengths))
+def attention_flops(
+    sample_lengths: Iterable[int], num_layers: int, query_width: float, window: int | None = None
+) -> float:
+    """Causal attention training FLOPs of packed samples: ``6 * L * (H_q * D) * sum(s_i ** 2)``.
+
+    With a sliding ``window`` w (each query sees at most w keys) a sample longer than w costs ``w * (2 s - w)``
+    instead of ``s ** 2``: the causal triangle up to w, then w keys for each later query.
+    """
+    pairs = sum(s * s if window is None or s <= window else window * (2 * s - window) for s in sample_lengths)
+    return 6.0 * num_layers * query_width * float(pairs)
 
 
 @attrs.frozen(kw_only=True)

@@ -102,12 +102,26 @@ def query_width(config: PretrainedConfig) -> float:
 
 
 def attention_layers(config: PretrainedConfig) -> int:
-    """Layers of the language model with softmax attention (the quadratic FLOPs term): all of them, except the
-    linear-attention layers of a hybrid (Gated DeltaNet's ``layer_types`` entries ``linear_attention``), whose cost
-    is linear in the length and already counted by their projections."""
+    """Layers of the language model with full causal softmax attention (the quadratic FLOPs term): all of them,
+    except the linear-attention layers of a hybrid (Gated DeltaNet's ``layer_types`` entries ``linear_attention``),
+    whose cost is linear in the length and already counted by their projections, and the sliding-window layers
+    (`sliding_window_layers`)."""
     text = text_config(config)
     kinds = getattr(text, "layer_types", None) or ()
-    return int(text.num_hidden_layers) - sum(kind == "linear_attention" for kind in kinds)
+    return (
+        int(text.num_hidden_layers)
+        - sum(kind == "linear_attention" for kind in kinds)
+        - sliding_window_layers(config)[0]
+    )
+
+
+def sliding_window_layers(config: PretrainedConfig) -> tuple[int, int | None]:
+    """``(layers, window)``: the language model's sliding-window attention layers (``layer_types`` entries
+    ``sliding_attention``, gpt-oss's every other layer) and the window they attend over; ``(0, None)`` without."""
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    layers = sum(kind == "sliding_attention" for kind in getattr(text, "layer_types", None) or ())
+    return (layers, int(window)) if layers and window else (0, None)
 
 
 def flops_per_token(probe: nn.Module) -> float:
@@ -129,12 +143,16 @@ class TextTask:
         num_layers: `attention_layers` of the model (attention FLOPs term).
         query_width: `query_width` of the model.
         aux_loss_coef: the model's ``router_aux_loss_coef`` (0 without one); the loop adds the aux term.
+        window_layers, window: `sliding_window_layers` of the model (their attention FLOPs stop growing
+            quadratically at the window).
     """
 
     flops_per_token: float
     num_layers: int
     query_width: float
     aux_loss_coef: float = 0.0
+    window_layers: int = 0
+    window: int | None = None
     name: ClassVar[str] = "text"
     model_task: ClassVar[str] = "causal_lm"
 
@@ -142,11 +160,14 @@ class TextTask:
     def for_model(cls, probe: nn.Module) -> TextTask:
         """The task for ``probe`` (a meta instance of the model class that will be trained)."""
         text = text_config(probe.config)
+        window_layers, window = sliding_window_layers(probe.config)
         return cls(
             flops_per_token=flops_per_token(probe),
             num_layers=attention_layers(probe.config),
             query_width=query_width(probe.config),
             aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
+            window_layers=window_layers,
+            window=window,
         )
 
     def model_kwargs(
@@ -204,8 +225,10 @@ class TextTask:
     def step_flops(self, step: Step) -> float:
         # Both terms over the whole step, all DP ranks (the loop divides by the world size): the samples' lengths
         # come from the plan, not from this rank's cu_seqlens.
-        return self.flops_per_token * step.tokens + attention_flops(
-            step.sample_tokens, self.num_layers, self.query_width
+        return (
+            self.flops_per_token * step.tokens
+            + attention_flops(step.sample_tokens, self.num_layers, self.query_width)
+            + attention_flops(step.sample_tokens, self.window_layers, self.query_width, window=self.window)
         )
 
 
@@ -310,11 +333,14 @@ class VlmTask(TextTask):
         vision = vision_flops_per_patch(visual, merge)
         # The tower's weights are counted per patch, not per text token.
         tower = sum(p.numel() for p in visual.parameters() if p.dim() >= 2)
+        window_layers, window = sliding_window_layers(probe.config)
         return cls(
             flops_per_token=flops_per_token(probe) - 6.0 * tower,
             num_layers=attention_layers(probe.config),
             query_width=query_width(probe.config),
             aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
+            window_layers=window_layers,
+            window=window,
             vision_flops_per_patch=vision,
             collate_metadata=probe.vision_collate_metadata()
             if hasattr(probe, "vision_collate_metadata")
@@ -397,7 +423,10 @@ class OmniTask(VlmTask):
         tower = sum(p.numel() for p in audio.parameters() if p.dim() >= 2)
         # The omni data pipeline writes the thinker's own video layout (`veomni.train.data.omni`).
         return attrs.evolve(
-            base, flops_per_token=base.flops_per_token - 6.0 * tower, thinker_config=probe.config, no_video=None
+            base,
+            flops_per_token=base.flops_per_token - 6.0 * tower,
+            thinker_config=probe.config,
+            no_video=None,
         )
 
     def model_kwargs(
@@ -410,7 +439,8 @@ class OmniTask(VlmTask):
         tables = batch.get("audio_metadata")
         if tables is not None:  # only thinkers with a host-side audio layout get one (`AUDIO_LAYOUTS`)
             kwargs["audio_metadata"] = {
-                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in tables.items()
+                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in tables.items()
             }
         return kwargs
 
