@@ -136,6 +136,28 @@ def test_total_steps_match_the_iteration(data):
     assert epochs[-1] == 2 and next(iter(td)).epoch == 3  # the iterator itself goes on into epoch 3
 
 
+def test_an_epoch_packed_into_less_than_one_step_is_skipped_as_total_steps_counts_it(tmp_path):
+    # First-fit packing depends on the order: these four rows make 3 micro-batches of <= 14 tokens in epochs 0 and
+    # 5 but 2 in epochs 1-4, fewer than one step of grad_accum 3. total_steps counts those epochs as 0 steps, so the
+    # iterator must go on to epoch 5 rather than stop the run at step 1.
+    from data_helpers import tokenizer
+
+    from veomni.train.data import RowSource, build_encoder, index_dataset
+
+    rows = [{"text": "alpha"}, {"text": "alpha"}, {"text": "alpha alpha"}, {"text": "alpha alpha"}]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    encoder = build_encoder(tokenizer(), "text")
+    source = RowSource([str(path)], "auto", encoder.columns)
+    index = index_dataset(source, encoder, max_seq_len=14, overlong="error")
+    assert index.lengths.tolist() == [5, 5, 9, 9]
+    td = train_data(source, encoder, index, tokens_per_micro_batch=14, grad_accum=3, seed=1, max_seq_len=14)
+    assert [len(td.plan(e)) for e in range(6)] == [3, 2, 2, 2, 2, 3]
+    assert td.total_steps(6) == 2
+    steps = take(td, td.total_steps(6))
+    assert [s.epoch for s in steps] == [0, 5]
+    assert all(len(s.micro_batches) == 3 for s in steps)
+
+
 def test_reiterating_makes_older_iterators_stale(data):
     td = train_data(*data)
     old = iter(td)

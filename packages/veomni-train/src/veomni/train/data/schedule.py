@@ -9,6 +9,7 @@ one; this class owns the position ``(epoch, cursor, step)``, the order in which 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from veomni.train.data.plan import MicroBatches, rank_schedule, steps_in_epoch
 from veomni.train.data.sources import DataError
+
+log = logging.getLogger(__name__)
+
+EMPTY_EPOCHS_LIMIT = 100
+"""Consecutive epochs packed into fewer micro-batches than one step after which iterating stops with an error
+(skipping them is for the odd epoch whose packing came out short, not for data that no longer makes a step)."""
 
 
 class KeySampler(Sampler):
@@ -83,8 +90,24 @@ class PlannedSteps:
         """Steps in ``epochs`` whole epochs (what ``train.epochs`` means)."""
         return sum(self.steps_in_epoch(e) for e in range(epochs))
 
+    def _empty_epochs(self, epoch: int, cursor: int, streak: int) -> int:
+        """The count of consecutive epochs without a whole step up to ``epoch`` (entered at ``cursor``), given the
+        count before it. An epoch packed into fewer micro-batches than one step is skipped, as `total_steps` counts
+        it (first-fit packing depends on the shuffled order, so an epoch may come out a micro-batch short of one
+        step while the others make steps); `EMPTY_EPOCHS_LIMIT` of them in a row is a `DataError`."""
+        if cursor or steps_in_epoch(len(self.plan(epoch)), 0, self.per_step):
+            return 0
+        if streak + 1 >= EMPTY_EPOCHS_LIMIT:
+            raise DataError(
+                f"epochs {epoch - streak}..{epoch} of the training data each pack into fewer micro-batches than one "
+                f"step (grad_accum {self.grad_accum} x dp {self.topology.dp_size}); lower train.tokens_per_step"
+            )
+        return streak + 1
+
     def _keys(self, epoch: int, cursor: int) -> Iterator[tuple[int, int]]:
+        empty = 0
         while True:
+            empty = self._empty_epochs(epoch, cursor, empty)
             plan = self.plan(epoch)
             for _, _, j in rank_schedule(
                 len(plan), cursor, self.grad_accum, self.topology.dp_size, self.topology.dp_rank
@@ -110,13 +133,17 @@ class PlannedSteps:
             generator=loader_generator(),
         )
         batches = iter(loader)
+        empty = 0
         while True:
+            empty = self._empty_epochs(self._epoch, self._cursor, empty)
             plan = self.plan(self._epoch)
             n_steps = steps_in_epoch(len(plan), self._cursor, self.per_step)
-            if n_steps == 0 and self._cursor == 0:
-                raise DataError(
-                    f"epoch {self._epoch} of the training data has fewer micro-batches than one step"
-                )
+            if empty:
+                log.warning(
+                    "data: epoch %d packs into %d micro-batches, fewer than one step (%d); it is skipped, as the "
+                    "run's step count (total_steps) counts it",
+                    self._epoch, len(plan), self.per_step,
+                )  # fmt: skip
             for _ in range(n_steps):
                 micro = [next(batches) for _ in range(self.grad_accum)]
                 if generation != self._generation:
