@@ -49,6 +49,10 @@ def test_errors_exit_with_status_2(capsys):
     assert main(["quickstart", "--n", "many"]) == 2
     assert "--n: expected int, found 'many'" in capsys.readouterr().err
     assert main([]) == 2
+    assert main(["quickstart", "--dp-size", "2", "--dp-rank", "2"]) == 2
+    assert "--dp-rank 2 is out of range for --dp-size 2" in capsys.readouterr().err
+    assert main(["quickstart", "--samples=-1"]) == 2
+    assert "--samples: expected >= 0, found -1" in capsys.readouterr().err
     assert main(["quickstart", "--help"]) == 0
     assert "--data.max_seq_len" in capsys.readouterr().out
 

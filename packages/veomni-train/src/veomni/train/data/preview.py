@@ -68,6 +68,15 @@ def parse_args(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]]:
         raise RecipeError(f"expected exactly one RECIPE argument, found {positional}\n{USAGE}")
     if options["--color"] not in ("auto", "always", "never"):
         raise RecipeError(f"--color: expected auto, always or never, found {options['--color']!r}")
+    # Checked here so that a bad value is a usage error (status 2), not a traceback from deep in the pipeline.
+    for name in ("--n", "--samples", "--dp-rank"):
+        if options[name] < 0:
+            raise RecipeError(f"{name}: expected >= 0, found {options[name]}")
+    if not 0 <= options["--dp-rank"] < options["--dp-size"]:
+        raise RecipeError(
+            f"--dp-rank {options['--dp-rank']} is out of range for --dp-size {options['--dp-size']} "
+            "(0 <= rank < size)"
+        )
     return positional[0], overrides, options
 
 
