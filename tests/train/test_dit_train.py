@@ -237,6 +237,55 @@ def test_pure_bf16_trains_through_fsdp2(dist_pools, reference, tmp_path):
     assert stats[0]["loss"] == pytest.approx(reference[0]["loss"], rel=3e-2)  # the fp32 run's first loss
 
 
+def _seen_timestep_and_rotary(ctx, raw: dict) -> dict:
+    from veomni.core.parallel_state import use_parallel_state
+    from veomni.train.loop import build_run
+
+    run = build_run(recipe_from_dict(raw))
+    modules = dict(run.model.named_modules())
+    seen: dict[str, torch.Tensor] = {}
+
+    def timestep(module, args) -> None:
+        seen.setdefault("timestep", args[0].detach().clone())
+
+    def rope(module, args, out) -> None:
+        seen.setdefault("rope", out[0].detach().clone())
+
+    def attn_rotary(module, args, kwargs) -> None:
+        # blocks.0.attn1 is no FSDP unit: its inputs are what block 0 received, after any cast of the block's.
+        rotary = args[3] if len(args) > 3 else kwargs["rotary_emb"]
+        seen.setdefault("attn_rotary", rotary[0].detach().clone())
+
+    modules["condition_embedder.timesteps_proj"].register_forward_pre_hook(timestep)
+    modules["rope"].register_forward_hook(rope)
+    modules["blocks.0.attn1"].register_forward_pre_hook(attn_rotary, with_kwargs=True)
+    batch = next(iter(run.train_data)).micro_batches[0]
+    kwargs = run.task.model_kwargs(batch, run.device, torch.tensor(1))
+    with use_parallel_state(run.state):
+        run.model(**kwargs)
+    # Plain values back to the driver (tensors would travel through shared memory).
+    return {
+        name: (str(t.dtype), t.double().tolist())
+        for name, t in [("passed", kwargs["timestep"]), *seen.items()]
+    }
+
+
+@pytest.mark.parametrize("force_fsdp2", [True, False], ids=["fsdp2", "master_weights"])
+def test_mixed_precision_keeps_the_timestep_and_rotary_tables_exact(dist_pools, tmp_path, force_fsdp2):
+    # diffusers' pipelines hand the transformer float32 timesteps (its sinusoidal embedding is computed in float32)
+    # and rotate in the rotary tables' own dtype. A bf16 cast of the inputs would train on timesteps rounded to bf16
+    # (910.38 -> 912: a phase error of ~2 rad in the highest-frequency channels) and on bf16 rotary tables, which
+    # inference never sees.
+    raw = dit_recipe(str(tmp_path), steps=2)
+    raw["model"].update({"dtype": "bfloat16", "param_dtype": "float32"})
+    raw["parallel"]["force_fsdp2"] = force_fsdp2
+    seen = dist_pools.get(1, "gloo").run(_seen_timestep_and_rotary, raw)[0]
+    assert seen["passed"][0] == "torch.float32"
+    assert seen["timestep"] == seen["passed"]
+    assert seen["rope"][0] != "torch.bfloat16"
+    assert seen["attn_rotary"] == seen["rope"]
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -89,6 +89,10 @@ class FSDPPolicy:
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
         pin_memory: pin the offloaded shards (faster copies; pinned memory counts against a container's memory
             limit). Used only with ``cpu_offload``.
+        cast_forward_inputs: with ``param_dtype``, every unit casts the floating tensors of its forward inputs to
+            it (FSDP2's default). False for models that take inputs of other dtypes on purpose, such as diffusers'
+            DiTs: a float32 timestep (rounded to bf16, 910.4 becomes 912) and float32 rotary tables; their callers
+            pass the other inputs in ``param_dtype`` themselves.
     """
 
     block_patterns: tuple[str, ...] = attrs.field(
@@ -105,6 +109,7 @@ class FSDPPolicy:
     head: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
+    cast_forward_inputs: bool = attrs.field(default=True, validator=_BOOL)
 
     def __attrs_post_init__(self) -> None:
         if self.ac_keep_attention and not self.activation_checkpointing:
@@ -116,10 +121,12 @@ class FSDPPolicy:
             raise ValueError(f"FSDPPolicy.head must be a module FQN such as 'lm_head', got {self.head!r}")
 
     def mp_policy(self) -> MixedPrecisionPolicy:
-        """The ``fully_shard`` mixed-precision policy (floating inputs are cast to ``param_dtype``)."""
+        """The ``fully_shard`` mixed-precision policy (floating inputs cast to ``param_dtype`` unless
+        ``cast_forward_inputs`` is False)."""
         return MixedPrecisionPolicy(
-            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=self.output_dtype
-        )
+            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=self.output_dtype,
+            cast_forward_inputs=self.cast_forward_inputs,
+        )  # fmt: skip
 
     def offload_policy(self) -> OffloadPolicy:
         """``CPUOffloadPolicy`` when ``cpu_offload``, else the no-offload policy."""

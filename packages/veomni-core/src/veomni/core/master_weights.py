@@ -136,7 +136,11 @@ def _mirror(module: nn.Module, masters: dict[int, nn.Parameter], memo: dict[int,
 
 
 def apply_master_weights(
-    model: nn.Module, compute_dtype: torch.dtype, block_patterns: Sequence[str] = ()
+    model: nn.Module,
+    compute_dtype: torch.dtype,
+    block_patterns: Sequence[str] = (),
+    *,
+    cast_inputs: bool = True,
 ) -> MasterWeights:
     """Turn ``model`` (fp32, not FSDP-wrapped) into a ``compute_dtype`` module trained over fp32 masters, in place.
 
@@ -145,6 +149,8 @@ def apply_master_weights(
         compute_dtype: a floating dtype below fp32 (bf16, fp16): the parameters' dtype from now on.
         block_patterns: FQN globs of the blocks whose floating forward inputs are cast, as FSDP2's units (the
             root always is); `veomni.core.FSDPPolicy.block_patterns`.
+        cast_inputs: False casts no forward input, as FSDP2 with ``FSDPPolicy.cast_forward_inputs=False`` (models
+            taking float32 inputs on purpose, such as diffusers' DiTs' timesteps).
     Returns:
         the `MasterWeights`; step an optimizer over its ``module`` and call its ``push`` after each step.
     Raises:
@@ -202,7 +208,7 @@ def apply_master_weights(
         )
     hooks = [
         module.register_forward_pre_hook(functools.partial(_cast_inputs, compute_dtype), with_kwargs=True)
-        for module in [model, *(model.get_submodule(b) for b in blocks)]
+        for module in ([model, *(model.get_submodule(b) for b in blocks)] if cast_inputs else [])
     ]
     handle = MasterWeights(mirror, compute_dtype, params, masters, trainable, hooks)
     object.__setattr__(model, _ATTR, handle)

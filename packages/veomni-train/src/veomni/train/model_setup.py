@@ -20,6 +20,7 @@ from veomni.core.master_weights import apply_master_weights
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
+from veomni.models.diffusers_build import is_diffusers_model
 from veomni.models.hf_async_sp import enable_async_ulysses
 from veomni.models.registry import MODELS
 from veomni.train.preflight import PreflightError
@@ -60,7 +61,9 @@ def meta_instance(config: PretrainedConfig | str, task: str = "causal_lm") -> nn
 
 def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dtype: torch.dtype) -> Any:
     # Mixed precision only when parameters are stored above the compute dtype; gradients are reduced in fp32
-    # either way (for pure bf16 too: FSDP casts them back to the parameter dtype after the reduction).
+    # either way (for pure bf16 too: FSDP casts them back to the parameter dtype after the reduction). A diffusers
+    # DiT takes float32 timesteps and rotary tables as diffusers' pipelines pass them (the dit task casts the latents
+    # and contexts itself): casting its inputs would train on bf16-rounded timesteps that inference never uses.
     return attrs.evolve(
         default_fsdp_policy(probe, head_unit=recipe.parallel.lm_head_unit),
         activation_checkpointing=recipe.parallel.activation_checkpointing,
@@ -68,6 +71,7 @@ def _fsdp_policy(recipe: Recipe, probe: nn.Module, dtype: torch.dtype, param_dty
         reshard_after_forward=recipe.parallel.reshard_after_forward,
         param_dtype=dtype if dtype != param_dtype else None,
         reduce_dtype=torch.float32,
+        cast_forward_inputs=not is_diffusers_model(probe),
     )
 
 
@@ -117,7 +121,7 @@ def build_recipe_model(
         model = build_model(
             config, dtype=param_dtype, device=device, compute_dtype=dtype, **_build_args(recipe, ops)
         )
-        apply_master_weights(model, dtype, policy.block_patterns)
+        apply_master_weights(model, dtype, policy.block_patterns, cast_inputs=policy.cast_forward_inputs)
     if policy.activation_checkpointing:
         apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)
     return model
