@@ -299,6 +299,18 @@ def _build_error(ctx, raw: dict) -> tuple[str, str]:
     return "no error", ""
 
 
+def test_ops_under_the_hf_backend_are_refused_not_ignored(dist_pools, tmp_path):
+    # model.backend=hf keeps diffusers' own attention code: kernels the recipe names would silently not run.
+    raw = dit_recipe(str(tmp_path))
+    raw["model"]["backend"] = "hf"
+    raw["ops"] = {"attention": "eager", "rms_norm": "eager"}
+    kind, message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
+    assert kind == "PreflightError", message
+    assert "model.backend=hf" in message and "'attention': 'eager'" in message and "'rms_norm': 'eager'" in message
+    del raw["ops"]
+    assert dist_pools.get(1, "gloo").run(_build_error, raw)[0] == ("no error", "")
+
+
 def test_transformers_checkpoint_as_dit_is_refused(dist_pools, tmp_path):
     from transformers import AutoConfig
 

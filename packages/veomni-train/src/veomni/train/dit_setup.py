@@ -25,7 +25,7 @@ from veomni.train.data import DataTopology
 from veomni.train.data.sources import RowSource
 from veomni.train.dit_task import DitFlops, DitTask
 from veomni.train.model_setup import _hardware
-from veomni.train.preflight import PreflightError, check_parallel_fit, check_trainable
+from veomni.train.preflight import PreflightError, check_ops_backend, check_parallel_fit, check_trainable
 from veomni.train.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,9 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     from veomni.train.loop import TaskSetup
 
     # veomni's RMSNorm / rotary / attention kernels bound to diffusers' Wan attention (veomni.models.wan_kernels),
-    # blocks compiled per ops.compile; validated for the training device like the text tasks' ops.
+    # blocks compiled per ops.compile; validated for the training device like the text tasks' ops. backend=hf
+    # binds none (diffusers' own processors), so ops must then stay unset.
+    check_ops_backend(recipe)
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     config = transformer_config(recipe)
     probe = _probe(recipe, config, state.dims.sp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+import attrs
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -138,3 +139,16 @@ def check_trainable(probe: nn.Module, freeze: Sequence[str], lr_multipliers: Map
         param_groups(probe, 0.0, 1.0, lr_multipliers)
     except ValueError as err:
         raise PreflightError(str(err)) from None
+
+
+def check_ops_backend(recipe: Recipe) -> None:
+    """``model.backend=hf`` trains the upstream model's own code, which binds no veomni kernel: an ``ops`` choice
+    would be silently ignored, so one set there is an error (``compile: auto``, the default, is not a choice)."""
+    chosen = {
+        k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None and (k, v) != ("compile", "auto")
+    }
+    if recipe.model.backend == "hf" and chosen:
+        raise PreflightError(
+            f"model.backend=hf trains the upstream model's own code without veomni kernels, but ops sets {chosen}; "
+            "remove them or use model.backend=veomni"
+        )
