@@ -160,6 +160,39 @@ def test_export_loads_in_diffusers_with_the_same_state_dict(dist_pools, tmp_path
     ]
 
 
+def _train_save_export(ctx, raw: dict, export: str) -> str:
+    from veomni.train.loop import _export, _save, build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    train_step(run, next(iter(run.train_data)))
+    _save(run)
+    shutil.move(str(_export(run, "hf")), export)
+    return str(Path(raw["checkpoint"]["dir"]) / f"step_{run.step:08d}")
+
+
+def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, tmp_path):
+    # veomni-export-hf on step_N/dcp: the diffusers files the in-loop export writes, the trained config (overrides
+    # included) taken from the checkpoint itself.
+    from safetensors.torch import load_file
+
+    from veomni.models.export_cli import main as export_cli
+
+    raw = dit_recipe(str(tmp_path / "run"))
+    raw["model"]["config_overrides"] = {"rope_max_seq_len": 64}
+    step = Path(dist_pools.get(1, "gloo").run(_train_save_export, raw, str(tmp_path / "in_loop"))[0])
+    assert export_cli([str(step / "dcp"), str(tmp_path / "offline"), "--prefix", "model."]) == 0
+    in_loop, offline = tmp_path / "in_loop", tmp_path / "offline"
+    assert sorted(p.name for p in offline.iterdir()) == sorted(p.name for p in in_loop.iterdir())
+    config = json.loads((offline / "config.json").read_text())
+    assert config == json.loads((in_loop / "config.json").read_text()) and config["rope_max_seq_len"] == 64
+    want, got = load_file(in_loop / "diffusion_pytorch_model.safetensors"), load_file(
+        offline / "diffusion_pytorch_model.safetensors"
+    )
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    loaded = WanTransformer3DModel.from_pretrained(offline)
+    assert loaded.config.rope_max_seq_len == 64
+
+
 def test_flops_match_torch_flop_counter():
     """`DitFlops.sample` = 3 x the forward FLOPs torch's FlopCounterMode counts on one sample (matmuls, the
     patch convolution, attention), up to the biases and norms neither counts the same way."""

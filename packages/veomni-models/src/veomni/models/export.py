@@ -362,7 +362,8 @@ def export_dcp_to_hf(
     Config, generation config and tokenizer / processor files: a training checkpoint's own
     (``step_N/hf_files/`` beside ``step_N/dcp/``, what the in-loop export writes beside its weights), so the
     export is the in-loop one; else ``config`` and the tokenizer / processor files beside it
-    (`veomni.models.export_files.export_sources`, which logs where they came from).
+    (`veomni.models.export_files.export_sources`, which logs where they came from). A diffusers config (a DiT's
+    checkpoint) is exported in diffusers' format instead (`veomni.models.export_diffusers.export_dcp_to_diffusers`).
 
     Args:
         dcp_dir: the ``torch.distributed.checkpoint`` directory.
@@ -382,12 +383,19 @@ def export_dcp_to_hf(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from veomni.models.registry import MODELS
+    from veomni.models.registry import MODELS, DiffusersConfig
 
     registry = MODELS if registry is None else registry
     dcp_path = dcp_directory(dcp_dir)
     sources = export_sources(dcp_path, config)
     cfg = registry.load_config(sources.config)  # type: ignore[attr-defined]
+    if isinstance(cfg, DiffusersConfig):  # a DiT's checkpoint: written as diffusers' save_pretrained writes it
+        from veomni.models.export_diffusers import export_dcp_to_diffusers
+
+        return export_dcp_to_diffusers(
+            dcp_path, out_dir, cfg, sources, given=config, prefix=prefix, dtype=dtype,
+            max_shard_bytes=max_shard_bytes, registry=registry,
+        )  # fmt: skip
     if sources.from_checkpoint and config is not None:
         warn_config_differs(cfg, registry.load_config(config), sources.config, config)  # type: ignore[attr-defined]
     stored = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,7 +29,9 @@ from veomni.models.export import (
     _out_dtype,
     write_gathered,
 )
+from veomni.models.export_files import ExportSources
 from veomni.models.loading.targets import model_targets, unwrapped_class
+from veomni.models.registry import DiffusersConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,4 +103,76 @@ def export_diffusers(
         )
     if distributed:
         dist.barrier()
+    return report
+
+
+def export_dcp_to_diffusers(
+    dcp_dir: Path,
+    out_dir: str | os.PathLike,
+    config: DiffusersConfig,
+    sources: ExportSources,
+    *,
+    given: object = None,
+    prefix: str = "",
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    registry: object | None = None,
+) -> ExportReport:
+    """`veomni.models.export.export_dcp_to_hf` for a diffusers model (it dispatches here): the DCP checkpoint's
+    ``prefix``-ed keys written as `export_diffusers` writes the live model, one tensor at a time in one process.
+
+    Args:
+        dcp_dir: the DCP directory (with ``.metadata``).
+        out_dir: the output directory.
+        config: the diffusers config to build the model with (the checkpoint's ``hf_files/config.json``, which the
+            trainer writes with the run's config overrides, else the caller's).
+        sources: where ``config`` came from (`veomni.models.export_files.export_sources`).
+        given: the config the caller passed, compared with the checkpoint's own when both exist (differences are
+            logged, the checkpoint's is used).
+        prefix, dtype, max_shard_bytes, registry: as `veomni.models.export.export_dcp_to_hf`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from veomni.models.export import plan_layout, write_checkpoint
+    from veomni.models.export_dcp import dcp_accounting
+    from veomni.models.export_files import config_differences
+    from veomni.models.registry import MODELS
+
+    registry = MODELS if registry is None else registry
+    if sources.from_checkpoint and given is not None:
+        other = registry.load_config(given)  # type: ignore[attr-defined]
+        diff = config_differences(dict(config.values), dict(getattr(other, "values", {})), ("checkpoint", "given"))
+        if diff:
+            logger.warning(
+                "export: the checkpoint's trained config (%s) is used, not the given one (%s), which differs: %s",
+                sources.config, given, "; ".join(diff),
+            )  # fmt: skip
+    cls = registry.model_class(config, "diffusion_transformer").cls  # type: ignore[attr-defined]
+    with torch.device("meta"):
+        model = cls.from_config(dict(config.values))
+    targets = model_targets(model)
+    stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    chosen = dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
+    shapes = {k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen}
+
+    def fetch(key: str) -> torch.Tensor:
+        meta = stored[chosen[key]]
+        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_dir), no_dist=True)
+        return tensor.to(shapes[key][1])
+
+    report = write_checkpoint(
+        out_dir, plan_layout(shapes, []), fetch, [], is_writer=True, max_shard_bytes=max_shard_bytes,
+        stem=DIFFUSERS_WEIGHTS_STEM,
+    )  # fmt: skip
+    save_diffusers_config(model, out_dir)
+    logger.info(
+        "export_dcp_to_diffusers: wrote %d files, %.1f MiB to %s",
+        len(report.files),
+        report.total_bytes / 2**20,
+        out_dir,
+    )
     return report

@@ -180,8 +180,11 @@ class DitTask:
         export_diffusers(model, out, parallel_state=parallel_state)
 
     def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
-        """Nothing: the offline export (`veomni.models.export.export_dcp_to_hf`) builds transformers models only,
-        and the run's ``recipe.yaml`` names the diffusers config."""
+        """The trained diffusers ``config.json`` (``model.config_overrides`` included), which the offline export
+        (``veomni-export-hf step_N/dcp``, `veomni.models.export_diffusers.export_dcp_to_diffusers`) builds from."""
+        from veomni.models.export_diffusers import save_diffusers_config
+
+        save_diffusers_config(model, out)
 
     def step_flops(self, step: Step) -> float:
         return sum(self.flops.sample(s) for s in step.sample_tokens)
