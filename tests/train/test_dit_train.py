@@ -463,6 +463,24 @@ def test_empty_video_path_is_refused_not_read_as_the_data_directory(tmp_path):
         index_dit(source, None, ShapeRule(temporal=4, spatial=8, patch=(1, 2, 2)))
 
 
+def test_frames_numbered_without_padding_keep_their_order(tmp_path):
+    # ffmpeg's `%d.png` writes 1.png .. 13.png: name order must compare the numbers, not the characters
+    # ("10.png" < "2.png"), or the clip is silently shuffled in time.
+    from PIL import Image
+
+    from veomni.train.data.dit import load_clip, sample_frames
+    from veomni.train.data.sources import RowRef
+
+    (tmp_path / "clip").mkdir()
+    for i in range(1, 14):
+        Image.new("RGB", (16, 16), (i * 10, 0, 0)).save(tmp_path / "clip" / f"{i}.png")
+    ref = RowRef(str(tmp_path / "d.jsonl"), 0, 1)
+    frames, _ = sample_frames({"video": "clip", "caption": "x"}, ref, str(tmp_path))
+    clip = load_clip(frames, (13, 16, 16), ref)
+    red = ((clip[0, :, 0, 0] + 1.0) * 127.5).round().tolist()
+    assert red == [i * 10.0 for i in range(1, 14)]
+
+
 def test_parquet_files_of_clips_and_of_stills_read_together(tmp_path):
     # Each row gives a video or an image: a file of clips has no image column, one of stills no video column.
     import pyarrow as pa

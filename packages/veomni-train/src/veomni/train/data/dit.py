@@ -3,8 +3,9 @@ micro-batch.
 
 A row is ``{"video": <directory of frame images, or a list of frame files>, "caption": str}`` or
 ``{"image": <file>, "caption": str}`` (jsonl or parquet). Relative paths are read from ``data.media_root``, else
-from the directory of the data file holding the row. A directory's frames are its image files in name order (so
-name them with zero-padded numbers). A clip is ``[3, F, H, W]`` float32 in [-1, 1]; an image is ``F = 1``.
+from the directory of the data file holding the row. A directory's frames are its image files in name order, the
+numbers in names compared by value (`frame_order`: ``2.png`` before ``10.png``). A clip is ``[3, F, H, W]``
+float32 in [-1, 1]; an image is ``F = 1``.
 
 Indexing reads every frame's header once (no pixels): a sample whose frames differ in size, or whose frame count
 or resolution the VAE and the transformer's patches cannot tile (`ShapeRule`), is a `DataError` naming the file
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -74,12 +76,21 @@ class ShapeRule:
         return (lat_f // pt) * (lat_h // ph) * (lat_w // pw)
 
 
+def frame_order(name: str) -> tuple[list[str | int], str]:
+    """Sort key of a frame file name: digit runs compare by value (``2.png`` before ``10.png``, as ffmpeg's
+    ``%d.png`` numbers them), the rest by character; zero-padded names keep their plain name order."""
+    # re.split with a group alternates text (even places) and digit runs (odd places), so like compares with like;
+    # the name itself breaks ties ("01.png" / "1.png") so that the order never depends on the directory listing.
+    parts = re.split(r"(\d+)", name)
+    return [int(p) if i % 2 else p for i, p in enumerate(parts)], name
+
+
 def _frame_list(value: Any, root: str, ref: RowRef) -> list[str]:
     if isinstance(value, str) and value.strip():
         path = value if os.path.isabs(value) else os.path.join(root, value)
         if not os.path.isdir(path):
             raise DataError(f"{ref}: video {value!r} is not a directory of frames ({path} does not exist)")
-        names = sorted(n for n in os.listdir(path) if n.lower().endswith(FRAME_SUFFIXES))
+        names = sorted((n for n in os.listdir(path) if n.lower().endswith(FRAME_SUFFIXES)), key=frame_order)
         if not names:
             raise DataError(
                 f"{ref}: video directory {path} holds no frame image ({', '.join(FRAME_SUFFIXES)})"
