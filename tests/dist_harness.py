@@ -5,6 +5,11 @@ draw hundreds of examples, so the pool is started once per (world size, backend)
 all ranks as a task: ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank and returns the per-rank
 results. ``fn`` must be a module-level function (it is pickled by reference); ``ctx`` is a `RankContext`.
 
+Tasks and results travel by value (plain pickle): a multiprocessing connection's own pickler would move every
+tensor into shared memory and hand the other side an alias of it, so a result could change after it was returned
+when the rank later updated the tensor in place (a parameter, an optimizer state), and a comparison could then
+look at the same memory twice.
+
 A task that raises on any rank fails the call with every rank's traceback; the pool stays up when every rank
 answered. A rank that does not answer within the timeout (for example, stuck in a collective its failed peer never
 joined) gets the whole pool killed, so the next task starts a fresh one instead of hanging.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import sys
 import tempfile
 import traceback
@@ -54,6 +60,14 @@ def backend_params(*world_sizes: int) -> list:
     return params
 
 
+def _send(conn, obj: Any) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 @dataclass(frozen=True)
 class RankContext:
     rank: int
@@ -88,9 +102,9 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, conn) -> N
         **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
     )
     ctx = RankContext(rank=rank, world_size=world_size, backend=backend)
-    conn.send(("ready", None))
+    _send(conn, ("ready", None))
     while True:
-        msg = conn.recv()
+        msg = _recv(conn)
         if msg is None:
             break
         path_entries, fn, args, kwargs = msg
@@ -98,9 +112,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, conn) -> N
             if entry not in sys.path:
                 sys.path.append(entry)
         try:
-            conn.send(("ok", fn(ctx, *args, **kwargs)))
+            result = fn(ctx, *args, **kwargs)
+            _send(conn, ("ok", result))
         except BaseException:  # noqa: BLE001 - every failure goes back to the driver
-            conn.send(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
@@ -127,7 +142,7 @@ class DistPool:
             if not conn.poll(TASK_TIMEOUT_S):
                 self.close()
                 raise RuntimeError(f"rank {rank} of a {world_size}-rank {backend} pool did not start")
-            conn.recv()
+            _recv(conn)
         self.broken = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -136,7 +151,7 @@ class DistPool:
             raise RuntimeError("this DistPool was killed after a failed task; get a fresh one")
         msg = (list(sys.path), fn, args, kwargs)
         for conn in self._conns:
-            conn.send(msg)
+            _send(conn, msg)
         results: list[Any] = [None] * self.world_size
         errors: list[str] = []
         for rank, conn in enumerate(self._conns):
@@ -144,7 +159,7 @@ class DistPool:
                 errors.append(f"rank {rank}: no answer (hung in a collective?)")
                 self.close()
                 break
-            status, value = conn.recv()
+            status, value = _recv(conn)
             if status == "ok":
                 results[rank] = value
             else:
@@ -161,7 +176,7 @@ class DistPool:
         self.broken = True
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(None)
+                _send(conn, None)
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():
