@@ -330,3 +330,53 @@ def test_sharded_ep_checkpoint_loads_in_one_process(dist_pools, tmp_path, world_
         for name, param in model.named_parameters():
             assert torch.equal(param.detach(), saved["params"][name]), name
             assert torch.equal(optimizer.state[param]["exp_avg"], saved["moments"][name]), name
+
+
+def test_an_async_save_is_complete_once_written_without_waiting_for_the_next_save(tmp_path):
+    """The marker follows the background write, not the next save: a run that dies mid-interval (after the write
+    finished, before the next save or the end) must resume from that checkpoint, not from the one before it."""
+    model = toy.build(0)
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(tmp_path, async_save=True)
+    path = manager.save(5, model, optimizer, trainer_state={"step": 5}, rank_state={})
+    future = manager._pending[0]
+    future.result()  # the write is done; the training thread never called wait() (it is still training)
+    deadline = time.monotonic() + 10
+    while not (path / MARKER).is_file() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert latest_complete(tmp_path) == path
+    manager.wait()  # still fine afterwards: the pending save is settled once
+    assert latest_complete(tmp_path) == path
+
+
+def _async_saves_marked_by_rank0(ctx, root: str) -> tuple[bool, list[str], list[str]]:
+    state = build_parallel_state(ParallelDims.for_world(ctx.world_size), ctx.device_type)
+    model = toy.build(0, ctx.device)
+    apply_fsdp2(model, state, FSDPPolicy(block_patterns=("layers.*",)))
+    optimizer = build_adamw(model, **ADAM)
+    manager = CheckpointManager(root, keep_last=1, async_save=True, parallel_state=state)
+    for step in (1, 2):
+        _train_step(model, optimizer, step + ctx.rank)
+        path = manager.save(
+            step, model, optimizer, trainer_state={"step": step}, rank_state={"rank": ctx.rank}
+        )
+    manager._pending[0].result()  # written on every rank (DCP's collective finish), nobody waited yet
+    deadline = time.monotonic() + 5
+    while ctx.rank == 0 and not (path / MARKER).is_file() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    marked_early = (path / MARKER).is_file()
+    manager.wait()
+    dist.barrier()
+    return marked_early, sorted(p.name for p in path.parent.iterdir()), sorted(p.name for p in path.iterdir())
+
+
+def test_async_saves_on_two_ranks_are_marked_and_pruned_by_rank0_after_the_write(dist_pools, tmp_path):
+    first, second = dist_pools.get(2).run(_async_saves_marked_by_rank0, str(tmp_path))
+    assert first[0]  # rank 0 marked step 2 complete as soon as the write ended
+    assert first[1:] == second[1:]
+    assert first[1] == ["step_00000002"]  # keep_last=1 pruned step 1 after step 2 completed
+    assert first[2] == [MARKER, "dcp", "rank_00000.pt", "rank_00001.pt", "trainer.pt"]
+    model = toy.build(7)
+    optimizer = build_adamw(model, **ADAM)
+    trainer_state, rank_state = CheckpointManager(tmp_path).load(latest_complete(tmp_path), model, optimizer)
+    assert trainer_state == {"step": 2} and rank_state == {"rank": 0}

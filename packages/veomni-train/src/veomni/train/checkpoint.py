@@ -221,8 +221,9 @@ class CheckpointManager:
     Args:
         root: the checkpoint directory (shared by all ranks).
         keep_last: complete checkpoints to keep (older ones are deleted after a new one completes); 0 keeps all.
-        async_save: stage the model/optimizer state to CPU and write it in a background thread; the step's
-            ``COMPLETE`` marker is written when the write finishes (at the next save, or `wait`).
+        async_save: stage the model/optimizer state to CPU and write it in a background thread; rank 0 writes the
+            step's ``COMPLETE`` marker (and prunes) in that thread as soon as the write finishes, so a run that dies
+            before its next save still resumes from it. The next save and `wait` wait for both.
         parallel_state: the training topology (needed for expert-parallel models).
     """
 
@@ -240,7 +241,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.async_save = async_save
         self.state = parallel_state
-        self._pending: tuple[Future, Path, Path] | None = None  # (future, staging dir, step dir)
+        # (the DCP write, rank 0's marking of the step as complete after it, step dir)
+        self._pending: tuple[Future, Future, Path] | None = None
         self._async_group = None
         if async_save and dist.is_initialized():
             # Async DCP coordinates through a CPU-capable group; with NCCL training that must be a gloo group.
@@ -285,37 +287,64 @@ class CheckpointManager:
         _raise_on_every_rank(failure, f"checkpoint {path}: writing {CHECKPOINT_FILES_DIR}/ on rank 0 failed")
         if self.async_save:
             future = dcp.async_save(payload, checkpoint_id=staging / "dcp", process_group=self._async_group)
-            self._pending = (getattr(future, "upload_completion", future), staging, path)
+            written = getattr(future, "upload_completion", future)
+            marked: Future = Future()
+            if _rank() == 0:
+                # DCP's coordinator (rank 0) finishes only after every rank's write (and every rank wrote its own
+                # files before entering the collective save), so rank 0 alone can mark the step complete.
+                written.add_done_callback(lambda done: self._mark_when_written(done, staging, path, marked))
+            else:
+                marked.set_result(None)
+            self._pending = (written, marked, path)
         else:
             dcp.save(payload, checkpoint_id=staging / "dcp")
             self._finish(staging, path)
         return path
 
     def wait(self) -> None:
-        """Block until a pending async save is written, then mark it complete."""
+        """Block until a pending async save is written and marked complete (every rank must call it)."""
         if self._pending is None:
             return
-        future, staging, path = self._pending
+        written, marked, path = self._pending
         self._pending = None
-        future.result()
-        self._finish(staging, path)
+        written.result()  # a failed write raises on every rank (DCP reports it to all)
+        # Rank 0 marked the step in the writer's thread; a failure there is raised on every rank.
+        failure = marked.exception()
+        _raise_on_every_rank(failure, f"checkpoint {path}: marking it complete on rank 0 failed")
+        _barrier()  # every rank sees the marker and the pruned directory before its next save looks at them
+        log.info("checkpoint %s complete", path)
+
+    def _mark_when_written(self, written: Future, staging: Path, path: Path, marked: Future) -> None:
+        # Runs in the DCP writer's thread on rank 0 (or here, if the write is already done); never raises, so the
+        # outcome reaches `wait` through ``marked``.
+        try:
+            if written.exception() is None:
+                self._mark_complete(staging, path)
+        except BaseException as err:  # noqa: BLE001 - handed to wait(), which raises it on every rank
+            marked.set_exception(err)
+        else:
+            marked.set_result(None)
 
     def _finish(self, staging: Path, path: Path) -> None:
         _barrier()  # every rank's files are written
         if _rank() == 0:
-            tmp = staging / (MARKER + ".tmp")
-            tmp.write_text(json.dumps({"step_dir": path.name}))
-            os.replace(tmp, staging / MARKER)
-            if staging != path:
-                old = path.with_name(path.name + ".old")
-                if old.exists():
-                    shutil.rmtree(old)
-                path.rename(old)
-                staging.rename(path)
-                shutil.rmtree(old, ignore_errors=True)
-            self._prune(keep=path)
+            self._mark_complete(staging, path)
         _barrier()
         log.info("checkpoint %s complete", path)
+
+    def _mark_complete(self, staging: Path, path: Path) -> None:
+        """Rank 0, once every rank's files are written: the marker, the swap of a re-save, then pruning."""
+        tmp = staging / (MARKER + ".tmp")
+        tmp.write_text(json.dumps({"step_dir": path.name}))
+        os.replace(tmp, staging / MARKER)
+        if staging != path:
+            old = path.with_name(path.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            path.rename(old)
+            staging.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune(keep=path)
 
     def _settle_interrupted_swaps(self) -> None:
         # A re-save killed during its swap: a complete step_N.new is the newer state of step N and replaces
