@@ -43,3 +43,28 @@ def test_a_scheduler_saved_with_more_groups_resumes_on_fewer(tmp_path):
         scheduler.step()
     for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_resume_with_a_longer_schedule_follows_it_from_the_first_resumed_step(tmp_path):
+    # Extending a run (train.steps raised, then resumed): the schedule's shape follows the recipe (docs/train.md),
+    # so the first resumed step already takes the new schedule's lr, not the one the old schedule had set.
+    model = toy.build(0)
+    optimizer = torch.optim.AdamW(_groups(model, 1e-2, 3e-2, split=False))
+    scheduler = build_scheduler(optimizer, SCHEDULE)
+    for step in range(5):  # past warmup, decaying toward total_steps=8
+        _train_step(model, optimizer, step)
+        scheduler.step()
+    path = CheckpointManager(tmp_path).save(
+        5, model, optimizer, trainer_state={"scheduler": scheduler.state_dict()}, rank_state={}
+    )
+    longer = Schedule(kind="cosine", warmup_steps=3, total_steps=16, min_lr_ratio=0.1)
+    fresh = toy.build(1)
+    fresh_opt = torch.optim.AdamW(_groups(fresh, 1e-2, 3e-2, split=False))
+    fresh_sched = build_scheduler(fresh_opt, longer)
+    trainer_state, _ = CheckpointManager(tmp_path).load(path, fresh, fresh_opt)
+    load_scheduler_state(fresh_sched, trainer_state["scheduler"])
+    for step in range(5, 8):
+        assert _lrs(fresh_opt) == [(0.1, 1e-2 * longer.factor(step)), (0.0, 3e-2 * longer.factor(step))]
+        assert fresh_sched.get_last_lr() == [lr for _, lr in _lrs(fresh_opt)]
+        _train_step(fresh, fresh_opt, step)
+        fresh_sched.step()

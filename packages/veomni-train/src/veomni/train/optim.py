@@ -178,12 +178,17 @@ def load_scheduler_state(scheduler: LambdaLR, state: Mapping[str, Any]) -> None:
 
     The saved state holds per-group lists (``base_lrs``, the last lrs) in the saving run's group order, and a run
     may resume with other groups: an EP checkpoint resumed without EP has its expert groups merged into the dense
-    ones. Those lists are rebuilt from this optimizer's groups, whose ``initial_lr`` and ``lr`` were restored with
-    their parameters (by name); the step counter comes from ``state``.
+    ones. Those lists are rebuilt from this optimizer's groups, whose ``initial_lr`` was restored with their
+    parameters (by name); the step counter comes from ``state``. The groups' current ``lr`` is then this scheduler's
+    schedule at that step: the schedule's shape follows the resuming recipe (a run extended to more steps, another
+    warmup), while the restored ``lr`` is what the saving run's schedule had set.
     """
     scheduler.load_state_dict(dict(state))  # a copy: load_state_dict pops and puts back a key of its argument
     groups = scheduler.optimizer.param_groups
     scheduler.base_lrs = [group["initial_lr"] for group in groups]
+    # LambdaLR's own expression, so an unchanged schedule gives the restored value bit for bit.
+    for group, base_lr, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in groups]
 
 
