@@ -341,3 +341,44 @@ def test_metrics_mark_where_a_resumed_run_continues(dist_pools, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 2, 3]
     assert records[3] == {"resumed_from": str(tmp_path / "step_00000002"), "step": 2}
+
+
+def _report_window(ctx, window: list) -> tuple[list[str], list[dict]]:
+    from types import SimpleNamespace
+
+    from veomni.train.metrics import Sinks
+    from veomni.train.run_log import log_window
+
+    class Recorded(Sinks):  # the real (unconfigured) sinks, recording what they are handed
+        def __init__(self):
+            super().__init__(tensorboard_dir=None, wandb_project=None, run_name="t", config={})
+            self.written: list[dict] = []
+
+        def write(self, step: int, values: dict[str, float]) -> None:
+            self.written.append({"step": step, **values})
+
+    class Lines(list):  # a progress bar's write(), as tqdm's
+        write = list.append
+
+    run = SimpleNamespace(
+        step=2, total_steps=4, device=torch.device("cpu"), recipe=SimpleNamespace(log=SimpleNamespace(console=True)),
+        state=SimpleNamespace(dims=SimpleNamespace(world_size=1)),
+    )  # fmt: skip
+    sinks, lines = Recorded(), Lines()
+    log_window(run, window, None, sinks, lines)
+    return list(lines), sinks.written
+
+
+def test_a_diverged_step_is_reported_as_nan_not_as_a_skipped_one(dist_pools):
+    # Step 2 trained and its loss came back NaN (diverged): the window's line and the sinks must show it. Before,
+    # the window told skipped steps by a NaN loss, so this step read "skipped 1 (no trained token)" and the
+    # dashboards got nothing for it.
+    ok = ({"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3}, 0.5, 0.0, 100, 0.0, False)
+    diverged = ({"loss": math.nan, "grad_norm": math.nan, "lr": 1e-3}, 0.5, 0.0, 100, 0.0, False)
+    lines, written = dist_pools.get(1, "gloo").run(_report_window, [diverged])[0]
+    assert len(lines) == 1 and "loss nan" in lines[0] and "skipped" not in lines[0]
+    assert len(written) == 1 and math.isnan(written[0]["loss"]) and math.isnan(written[0]["grad_norm"])
+    skipped = ({"loss": math.nan, "grad_norm": math.nan, "lr": 1e-3}, 0.5, 0.0, 100, 0.0, True)
+    lines, written = dist_pools.get(1, "gloo").run(_report_window, [ok, skipped])[0]
+    assert "loss 2.0000" in lines[0] and "skipped 1 (no trained token or fp16 overflow)" in lines[0]
+    assert [w["loss"] for w in written] == [2.0]

@@ -400,7 +400,7 @@ def train(
     # per log interval (and before an eval, a checkpoint or the end), so the host queues the next step's work
     # while the GPU finishes this one. Window seconds are wall time between reads (each read syncs).
     pending: list[tuple[int, dict[str, Any], float, int, float]] = []
-    window: list[tuple[dict[str, float], float, float, int, float]] = []
+    window: list[tuple[dict[str, float], float, float, int, float, bool]] = []
     read_start = time.perf_counter()
 
     def read_pending() -> None:
@@ -418,7 +418,7 @@ def train(
                 run.checkpoints.wait()  # a save in flight holds a state from before this step: let it finish
                 newest = latest_complete(recipe.checkpoint.dir)
                 check_finite(number, stats, None if newest is None else str(newest))
-            window.append((stats, per_step, t_data, tokens, flops))
+            window.append((stats, per_step, t_data, tokens, flops, skipped))
             if skipped:
                 history["skipped"].append(number)
             else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,9 +71,10 @@ def write_line(progress, line: str) -> None:
 def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progress) -> None:
     """Report the steps since the last report: mean loss, throughput, MFU (with the device's ``peak`` FLOP/s),
     data-wait share and memory, to the console (rank 0) and the metric sinks. ``window`` holds one
-    ``(stats, seconds, data_wait_seconds, tokens, flops)`` per step; skipped steps (no trained token, an fp16
-    overflow) carry a nan loss."""
-    trained = [w for w in window if not math.isnan(w[0]["loss"])]
+    ``(stats, seconds, data_wait_seconds, tokens, flops, skipped)`` per step; steps without a trained token or
+    with an fp16 overflow (``skipped``) count as skipped. A trained step whose loss is NaN (diverged; the trainer
+    stops on it, `veomni.train.numerics`) is a trained step: its NaN reaches the line, never disguised as skipped."""
+    trained = [w for w in window if not w[5]]
     skipped = len(window) - len(trained)
     if not trained:
         if skipped and dist.get_rank() == 0 and run.recipe.log.console:
