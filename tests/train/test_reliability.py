@@ -382,3 +382,35 @@ def test_a_diverged_step_is_reported_as_nan_not_as_a_skipped_one(dist_pools):
     lines, written = dist_pools.get(1, "gloo").run(_report_window, [ok, skipped])[0]
     assert "loss 2.0000" in lines[0] and "skipped 1 (no trained token or fp16 overflow)" in lines[0]
     assert [w["loss"] for w in written] == [2.0]
+
+
+def _train_with_a_slow_export(ctx, raw: dict, seconds: float) -> dict:
+    """`_train` where each HF export takes ``seconds`` longer (a large model's export, on a tiny one)."""
+    import time
+
+    from veomni.models import export
+
+    real = export.export_hf
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    export.export_hf = slow
+    try:
+        return _train(ctx, raw)
+    finally:
+        export.export_hf = real
+
+
+def test_interval_exports_are_not_counted_as_step_time(dist_pools, tmp_path):
+    # Like evaluations and checkpoints, an HF export between steps is not training: its time must not lower the
+    # window's tokens/s and MFU (the steps before it were left unread and took the export's seconds).
+    raw = tiny_recipe(str(tmp_path), DENSE, steps=3, log_interval=3)
+    raw["checkpoint"]["hf_export_interval"] = 2
+    history = dist_pools.get(1, "gloo").run(_train_with_a_slow_export, raw, 3.0)[0]
+    assert len(history["exports"]) == 1
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    seconds = {r["step"]: r["seconds"] for r in records}
+    assert sorted(seconds) == [1, 2, 3]
+    assert max(seconds.values()) < 1.0, seconds  # a step takes ~0.2 s here; the export 3 s more

@@ -450,8 +450,12 @@ def train(
             and (run.step % recipe.train.eval_interval == 0 or run.step == run.total_steps)
         )
         saving = bool(recipe.checkpoint.interval and run.step % recipe.checkpoint.interval == 0)
+        exporting = bool(
+            recipe.checkpoint.hf_export_interval and run.step % recipe.checkpoint.hf_export_interval == 0
+        )
         logging_now = run.step % recipe.train.log_interval == 0 or run.step == run.total_steps
-        if logging_now or evaluating or saving:
+        # Evals, saves and exports are not step time: the steps before them are read (timed) first.
+        if logging_now or evaluating or saving or exporting:
             read_pending()
         if logging_now:
             log_window(run, window, peak, sinks, progress)
@@ -469,7 +473,7 @@ def train(
                 )
         if saving:
             _save(run)
-        if recipe.checkpoint.hf_export_interval and run.step % recipe.checkpoint.hf_export_interval == 0:
+        if exporting:
             history["exports"].append(str(_export(run, f"hf_step_{run.step:08d}")))
     if progress is not None:
         progress.close()
