@@ -293,7 +293,7 @@ def test_a_rank0_side_file_failure_is_raised_on_every_rank_not_a_hang(dist_pools
     # Rank 0 alone writes hf_files/ while the others already wait in the collective DCP save.
     first, second = dist_pools.get(2).run(_save_with_failing_side_files, str(tmp_path))
     assert first == "OSError: no space left for the tokenizer"
-    assert second.startswith("RuntimeError: checkpoint") and "hf_files/ on rank 0 failed" in second
+    assert second.startswith("RuntimeError: checkpoint") and "hf_files/ failed on rank 0: OSError" in second
     assert "no space left for the tokenizer" in second
 
 
@@ -380,3 +380,23 @@ def test_async_saves_on_two_ranks_are_marked_and_pruned_by_rank0_after_the_write
     optimizer = build_adamw(model, **ADAM)
     trainer_state, rank_state = CheckpointManager(tmp_path).load(latest_complete(tmp_path), model, optimizer)
     assert trainer_state == {"step": 2} and rank_state == {"rank": 0}
+
+
+def _save_with_a_failing_rank_file(ctx, root: str) -> str:
+    model = toy.build(0, ctx.device)
+    optimizer = build_adamw(model, **ADAM)
+    # Rank 1's own file cannot be written (a full disk or quota there; here: state torch.save cannot pickle).
+    rank_state = {"data": (lambda: None) if ctx.rank == 1 else 0}
+    try:
+        CheckpointManager(root).save(1, model, optimizer, trainer_state={}, rank_state=rank_state)
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return f"{type(err).__name__}: {err}"
+    return "saved"
+
+
+def test_a_rank_file_failure_on_any_rank_is_raised_on_every_rank_not_a_hang(dist_pools, tmp_path):
+    # Rank 1 fails writing rank_00001.pt while rank 0 goes on into the collective DCP save: both must raise.
+    first, second = dist_pools.get(2).run(_save_with_a_failing_rank_file, str(tmp_path))
+    assert first.startswith("RuntimeError: checkpoint") and "rank 1:" in first and "pickle" in first
+    assert "pickle" in second and not second.startswith("RuntimeError: checkpoint")  # rank 1's own error
+    assert latest_complete(tmp_path) is None

@@ -89,15 +89,18 @@ def _rank() -> int:
 
 
 def _raise_on_every_rank(failure: BaseException | None, what: str) -> None:
-    """Re-raise rank 0's ``failure`` on every rank (rank 0's own exception there, a RuntimeError naming it on the
-    others): a rank-0-only step inside a collective save must not leave the other ranks waiting in DCP."""
-    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    """Raise every rank's ``failure`` on every rank (a failed rank its own exception, the others a RuntimeError
+    naming each failed rank's): a rank-local step before a collective save (its own files, rank 0's trainer.pt and
+    hf_files/) must not leave the other ranks waiting in DCP for it. Every rank must call it."""
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    messages = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, mine)
     if failure is not None:
         raise failure
-    if message[0] is not None:
-        raise RuntimeError(f"{what}: {message[0]}")
+    if failed := [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None]:
+        raise RuntimeError(f"{what} " + "; ".join(failed))
 
 
 def _barrier() -> None:
@@ -275,16 +278,19 @@ class CheckpointManager:
             staging.mkdir(parents=True)
         _barrier()
         payload = _checkpoint_view(model, self.state, *get_state_dict(model, optimizer))
-        torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
         failure = None
-        if _rank() == 0:
-            torch.save(dict(trainer_state), staging / "trainer.pt")
-            try:
+        try:
+            torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
+            if _rank() == 0:
+                torch.save(dict(trainer_state), staging / "trainer.pt")
                 if model_files is not None:
                     model_files(staging / CHECKPOINT_FILES_DIR)
-            except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-                failure = err
-        _raise_on_every_rank(failure, f"checkpoint {path}: writing {CHECKPOINT_FILES_DIR}/ on rank 0 failed")
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            failure = err
+        _raise_on_every_rank(
+            failure,
+            f"checkpoint {path}: writing the rank files, trainer.pt or {CHECKPOINT_FILES_DIR}/ failed on",
+        )
         if self.async_save:
             future = dcp.async_save(payload, checkpoint_id=staging / "dcp", process_group=self._async_group)
             written = getattr(future, "upload_completion", future)
@@ -310,7 +316,7 @@ class CheckpointManager:
         written.result()  # a failed write raises on every rank (DCP reports it to all)
         # Rank 0 marked the step in the writer's thread; a failure there is raised on every rank.
         failure = marked.exception()
-        _raise_on_every_rank(failure, f"checkpoint {path}: marking it complete on rank 0 failed")
+        _raise_on_every_rank(failure, f"checkpoint {path}: marking it complete failed on")
         _barrier()  # every rank sees the marker and the pruned directory before its next save looks at them
         log.info("checkpoint %s complete", path)
 
