@@ -268,3 +268,16 @@ def test_step_flops_count_a_sliding_window_layer_over_its_window_only():
     sliding = 5 * 5 + 8 * 8 + 8 * (2 * 100 - 8)
     expected = task.flops_per_token * step.tokens + 6.0 * width * (2 * full + 2 * sliding)
     assert task.step_flops(step) == pytest.approx(expected)
+
+
+def test_the_mfu_peak_tells_the_h100_variants_apart():
+    # torch.cuda.get_device_name's names; the PCIe and NVL parts run at lower clocks than the SXM one (dense bf16:
+    # 756.5 and 835.5 against 989.4 TFLOP/s), and an SXM peak on them under-reports MFU by up to a quarter.
+    from veomni.train.metrics import peak_flops, peak_flops_of
+
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756.5e12
+    assert peak_flops_of("NVIDIA H100 NVL") == 835.5e12
+    assert peak_flops_of("NVIDIA H800 PCIe") == 756.5e12
+    assert peak_flops_of("NVIDIA H200") == peak_flops_of("NVIDIA GH200 480GB") == 989.4e12
+    assert peak_flops_of("NVIDIA H20") is None and peak_flops(torch.device("cpu")) is None

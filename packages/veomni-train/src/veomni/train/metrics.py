@@ -24,10 +24,14 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak (no sparsity), per device, by a substring of torch.cuda.get_device_name().
+# Dense bf16 peak (no sparsity), per device, by a substring of torch.cuda.get_device_name(); the first match wins,
+# so a variant ("H100 PCIe": lower clocks and power than the SXM part) comes before its family's name.
 PEAK_BF16_FLOPS: dict[str, float] = {
     "H200": 989.4e12,
+    "H100 PCIe": 756.5e12,
+    "H100 NVL": 835.5e12,
     "H100": 989.4e12,
+    "H800 PCIe": 756.5e12,
     "H800": 989.4e12,
     "A100": 312e12,
     "A800": 312e12,
@@ -40,7 +44,11 @@ def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None where unknown (CPU, unlisted GPUs): MFU is then not reported."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(name: str) -> float | None:
+    """The dense bf16 peak of the device called ``name`` (as ``torch.cuda.get_device_name`` says), or None."""
     for key, value in PEAK_BF16_FLOPS.items():
         if key in name:
             return value
