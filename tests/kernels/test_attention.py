@@ -351,9 +351,9 @@ def test_gqa_traces_with_symbolic_head_counts():
     ids=["bf16-packed", "fp32-batched", "fp32-packed"],
 )  # fmt: skip
 def test_gpu_sdpa_gqa_runs_a_fused_kernel_where_sdpa_cannot_take_enable_gqa(dtype, packed):
-    # A masked or fp32 call with enable_gqa rules out every fused CUDA kernel (flash/cuDNN: no mask, no fp32;
-    # memory-efficient: no GQA), so SDPA ran its math backend: an [S, S] matrix per head, and nothing that
-    # keep-attention checkpointing could keep. The KV heads are repeated there instead.
+    # An fp32 call with enable_gqa rules out every fused CUDA kernel (flash/cuDNN: no fp32; memory-efficient: no
+    # GQA), so SDPA ran its math backend: an [S, S] matrix per head, and nothing that keep-attention checkpointing
+    # could keep. The KV heads are repeated there instead. bf16 with a mask runs cuDNN with enable_gqa.
     from torch.utils._python_dispatch import TorchDispatchMode
 
     if not torch.cuda.is_available():
@@ -376,7 +376,9 @@ def test_gpu_sdpa_gqa_runs_a_fused_kernel_where_sdpa_cannot_take_enable_gqa(dtyp
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
     with Ops() as seen:
         out, grads = _run(ATTENTION_FUNCTIONS["sdpa"], q, k, v, grad_out, **kwargs)
-    assert "aten::_scaled_dot_product_efficient_attention" in seen.names, sorted(seen.names)
+    fused = {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+             "aten::_scaled_dot_product_flash_attention"}  # fmt: skip
+    assert fused & seen.names, sorted(seen.names)
     assert not any("math" in name for name in seen.names), sorted(seen.names)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref, ref_grads = _run(eager, q32, k32, v32, grad_out.float(), **kwargs)

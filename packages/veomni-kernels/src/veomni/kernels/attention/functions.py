@@ -175,16 +175,17 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> dict[str, bool]:
 
 
 def _sdpa_kv_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
-    """K, V and the GQA argument for one SDPA call. On CUDA only the flash and cuDNN kernels take ``enable_gqa``,
-    and they take neither a mask nor fp32; the memory-efficient kernel takes both but not GQA. A masked or fp32
-    GQA call would therefore run SDPA's math backend (an ``[S, S]`` score matrix per head, slow, and invisible to
-    keep-attention checkpointing): there the KV heads are repeated (``[B, S, Hq, D]``) so the efficient kernel
-    runs."""
+    """K, V and the GQA argument for one SDPA call. On CUDA, of SDPA's fused kernels only flash and cuDNN take
+    ``enable_gqa``, and neither takes fp32; the memory-efficient kernel takes fp32 but not GQA. An fp32 GQA call
+    would therefore run SDPA's math backend (an ``[S, S]`` score matrix per head, and no op that keep-attention
+    checkpointing can keep): there the KV heads are repeated (``[B, S, Hq, D]``) so the efficient kernel runs.
+    bf16/fp16 calls keep ``enable_gqa``: cuDNN takes it with a mask too (torch 2.11 on an H200: the same kernel and
+    time as with repeated heads, docs/benchmarks.md)."""
     if q.shape[2] == k.shape[2]:
         return k, v, {}
-    if q.device.type == "cuda" and (masked or q.dtype not in (torch.float16, torch.bfloat16)):
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         repeats = q.shape[2] // k.shape[2]
         return k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2), {}
     return k, v, _gqa(q, k)
@@ -230,7 +231,7 @@ def sdpa_attention(
         full = torch.ones(q.shape[1], k.shape[1] - 1, dtype=torch.bool, device=q.device)
         sink_col = torch.ones(q.shape[1], 1, dtype=torch.bool, device=q.device)
         mask = torch.cat([sink_col, full if mask is None else mask], dim=1)
-    k, v, gqa = _sdpa_kv_heads(q, k, v, masked=mask is not None)
+    k, v, gqa = _sdpa_kv_heads(q, k, v)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
