@@ -281,3 +281,42 @@ def test_the_mfu_peak_tells_the_h100_variants_apart():
     assert peak_flops_of("NVIDIA H800 PCIe") == 756.5e12
     assert peak_flops_of("NVIDIA H200") == peak_flops_of("NVIDIA GH200 480GB") == 989.4e12
     assert peak_flops_of("NVIDIA H20") is None and peak_flops(torch.device("cpu")) is None
+
+
+def _window_peaks(ctx, sizes_mib: list[int]) -> list[float]:
+    """Each window's figure minus what was allocated before (other tests' tensors in this process)."""
+    from veomni.train.metrics import window_peak_memory_gib
+
+    device = ctx.device
+    base = torch.cuda.memory_allocated(device) / 2**30
+    peaks = []
+    for size in sizes_mib:
+        block = torch.empty(size * 2**20 // 4, dtype=torch.float32, device=device) if size else None
+        del block
+        peaks.append(window_peak_memory_gib(device) - base)
+    return peaks
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_the_memory_figure_is_the_windows_peak_on_the_fullest_rank(dist_pools):
+    # Before: rank 0's peak since the process started, so a window never showed less than the model load, and a
+    # rank holding more (EP, uneven rows) was not seen. Rank 1 allocates 2 GiB in the first window, nothing after.
+    results = dist_pools.get(2, "nccl").run(_window_peaks_per_rank, [[0, 0], [2048, 0]])
+    for first, second in results:  # each rank's figure is the larger peak, less its own baseline
+        assert first >= 1.9 and second < 0.5
+
+
+def _window_peaks_per_rank(ctx, sizes_per_rank: list[list[int]]) -> list[float]:
+    return _window_peaks(ctx, sizes_per_rank[ctx.rank])
+
+
+@pytest.mark.cuda
+def test_the_memory_figure_restarts_every_window():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(device=torch.device("cuda", 0))
+    first, second = _window_peaks(ctx, [1024, 0])
+    assert first >= 1.0 and second < 0.5

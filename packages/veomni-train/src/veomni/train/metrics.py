@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def attention_flops(
 
 @attrs.frozen(kw_only=True)
 class StepMetrics:
-    """What one logging interval reports (averages over its steps; memory is the peak)."""
+    """What one logging interval reports (averages over its steps; memory is the interval's peak allocated memory,
+    the largest of any rank)."""
 
     step: int
     total_steps: int
@@ -124,11 +126,17 @@ def console_line(m: StepMetrics) -> str:
     return " | ".join(parts)
 
 
-def peak_memory_gib(device: torch.device) -> float | None:
-    """Peak allocated accelerator memory since the last reset, in GiB (None on CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return None
+def window_peak_memory_gib(device: torch.device) -> float | None:
+    """The largest peak of allocated accelerator memory on any rank since the previous call, in GiB (None on CPU);
+    then the peak restarts. A collective over the world when it has several ranks: every rank calls it, once per
+    log window (EP and uneven rows make ranks differ; rank 0's own peak could hide the one that runs out)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
 
 
 class Sinks:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from veomni.train.metrics import Sinks, StepMetrics, console_line, peak_memory_gib
+from veomni.train.metrics import Sinks, StepMetrics, console_line, window_peak_memory_gib
 
 if TYPE_CHECKING:
     from veomni.train.loop import Run
@@ -90,7 +90,7 @@ def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progres
     metrics = StepMetrics(
         step=run.step, total_steps=run.total_steps, loss=sum(w[0]["loss"] for w in trained) / len(trained),
         grad_norm=last["grad_norm"], lr=last["lr"], tokens_per_s_per_device=tokens / seconds / world,
-        mfu=(flops / seconds / world / peak) if peak else None, peak_memory_gib=peak_memory_gib(run.device),
+        mfu=(flops / seconds / world / peak) if peak else None, peak_memory_gib=window_peak_memory_gib(run.device),
         data_wait_fraction=sum(w[2] for w in window) / seconds, skipped=skipped,
     )  # fmt: skip
     if dist.get_rank() == 0:
@@ -100,4 +100,6 @@ def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progres
                   "tokens_per_s_per_device": metrics.tokens_per_s_per_device}  # fmt: skip
         if metrics.mfu is not None:
             values["mfu"] = metrics.mfu
+        if metrics.peak_memory_gib is not None:
+            values["peak_memory_gib"] = metrics.peak_memory_gib
         sinks.write(run.step, values)
