@@ -414,3 +414,33 @@ def test_interval_exports_are_not_counted_as_step_time(dist_pools, tmp_path):
     seconds = {r["step"]: r["seconds"] for r in records}
     assert sorted(seconds) == [1, 2, 3]
     assert max(seconds.values()) < 1.0, seconds  # a step takes ~0.2 s here; the export 3 s more
+
+
+def test_a_rolled_back_run_sets_newer_checkpoints_aside(dist_pools, tmp_path):
+    # Run A saves steps 3 and 6. Run B resumes from step 3 and saves step 5 at its end. Before, A's step 6 stayed a
+    # step directory: keep-last-2 pruning deleted B's step 3 and kept A's 6, and resume=auto then continued A's
+    # abandoned line instead of B's newest state.
+    from veomni.train.checkpoint import latest_complete
+
+    pool = dist_pools.get(1, "gloo")
+    raw = tiny_recipe(str(tmp_path), DENSE, steps=6)
+    raw["checkpoint"].update({"interval": 3, "keep_last": 2})
+    pool.run(_train, raw)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000006"]
+    rolled = copy.deepcopy(raw)
+    rolled["train"]["steps"] = 5
+    rolled["checkpoint"].update({"resume": str(tmp_path / "step_00000003"), "save_final": True})
+    pool.run(_train, rolled)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_00000003", "step_00000005", "step_00000006.abandoned"
+    ]
+    assert latest_complete(tmp_path) == tmp_path / "step_00000005"
+    # A fresh start in the used directory sets everything aside, and its metrics supersede all earlier lines.
+    fresh = copy.deepcopy(raw)
+    fresh["train"]["steps"] = 1
+    pool.run(_train, fresh)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_00000003.abandoned", "step_00000005.abandoned", "step_00000006.abandoned"
+    ]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-2] == {"resumed_from": None, "step": 0} and records[-1]["step"] == 1

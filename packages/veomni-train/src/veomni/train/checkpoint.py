@@ -307,6 +307,30 @@ class CheckpointManager:
             self._finish(staging, path)
         return path
 
+    def set_aside_newer(self, step: int) -> list[Path]:
+        """Rename every step directory above ``step`` (complete or not) to ``<name>.abandoned`` (``.abandoned2``,
+        ... if taken), before a run that continues from ``step`` writes into ``root``: they belong to another line
+        of training (a run rolled back to an older checkpoint, or started fresh in a used directory). Left in place,
+        ``resume=auto`` would later take them for this run's newest state, and keep-last pruning, which keeps the
+        highest steps, would delete this run's new checkpoints first. Nothing is deleted.
+
+        Every rank must call it (rank 0 renames, then a barrier). Returns the new paths (rank 0; empty elsewhere).
+        """
+        moved: list[Path] = []
+        if _rank() == 0 and self.root.is_dir():
+            for p in sorted(self.root.iterdir()):
+                m = STEP_DIR.match(p.name) or STAGED_DIR.match(p.name)
+                if m is None or int(m.group(1)) <= step:
+                    continue
+                target, n = p.with_name(p.name + ".abandoned"), 1
+                while target.exists():
+                    n += 1
+                    target = p.with_name(f"{p.name}.abandoned{n}")
+                p.rename(target)
+                moved.append(target)
+        _barrier()
+        return moved
+
     def wait(self) -> None:
         """Block until a pending async save is written and marked complete (every rank must call it)."""
         if self._pending is None:

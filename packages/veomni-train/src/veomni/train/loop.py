@@ -298,6 +298,12 @@ def build_run(recipe: Recipe) -> Run:
     if recipe.train.cuda_graphs:
         run.graphs = make_graphs(run)
     _maybe_resume(run)
+    if moved := checkpoints.set_aside_newer(run.step):
+        log.warning(
+            "%s held checkpoints above step %d, the step this run continues from (another line of training): "
+            "renamed to %s so that resume=auto and keep-last pruning only see this run's",
+            recipe.checkpoint.dir, run.step, [p.name for p in moved],
+        )  # fmt: skip
     return run
 
 
@@ -383,9 +389,11 @@ def train(
             "training %d steps (%s, task %s); data: %s",
             run.total_steps, run.state.dims, run.task.name, run.train_data.summary(),
         )  # fmt: skip
-        if run.resumed_from is not None:
-            # Lines after this marker supersede any with a step above it (those steps are trained again).
-            append_jsonl(metrics_file, {"resumed_from": str(run.resumed_from), "step": run.step})
+        if run.resumed_from is not None or metrics_file.exists():
+            # Lines after this marker supersede any with a step above it (those steps are trained again); a fresh
+            # start in a used directory supersedes them all (resumed_from null, step 0).
+            resumed = None if run.resumed_from is None else str(run.resumed_from)
+            append_jsonl(metrics_file, {"resumed_from": resumed, "step": run.step})
         if recipe.data.on_bad_row == "skip":
             append_jsonl(metrics_file, {"step": run.step, "bad_rows": bad_rows(run)})
     sinks = Sinks(
