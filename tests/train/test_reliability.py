@@ -444,3 +444,19 @@ def test_a_rolled_back_run_sets_newer_checkpoints_aside(dist_pools, tmp_path):
     ]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-2] == {"resumed_from": None, "step": 0} and records[-1]["step"] == 1
+
+
+def test_an_epochs_run_resumed_with_another_step_size_is_refused(dist_pools, tmp_path):
+    # train.epochs is turned into a step count of the current step size, from step 0, while the resumed step counts
+    # the saved run's steps: with another step size the run ended before (or after) its last epoch.
+    files = [write_jsonl(tmp_path / "a.jsonl", trained_rows(8))]
+    raw = small_batches(tiny_recipe(str(tmp_path / "job"), DENSE), files, steps=None)
+    raw["train"].update({"epochs": 1, "tokens_per_step": 128})
+    raw["checkpoint"]["interval"] = 2
+    pool = dist_pools.get(1, "gloo")
+    pool.run(_train, raw)
+    raw["train"]["tokens_per_step"] = 64
+    raw["checkpoint"]["resume"] = str(tmp_path / "job" / "step_00000002")
+    kind, message = pool.run(_train_refused, raw)[0]
+    assert kind == "PreflightError"
+    assert "train.epochs=1 with 1 micro-batches per step" in message and "took 2" in message

@@ -332,7 +332,18 @@ def _maybe_resume(run: Run) -> None:
         else:  # saved by a run without fp16 compute (a changed model.dtype is allowed on resume)
             log.warning("%s holds no fp16 loss scale: starting at %g", path, run.loss_scale.value)
     # The data position is global (epoch, cursor), so it resumes at any DP size; see docs/train.md.
-    run.train_data.load_state_dict(trainer_state["data"])
+    saved_data = trainer_state["data"]
+    saved_per_step = saved_data["dp_size"] * saved_data["grad_accum"]
+    if run.recipe.train.steps is None and saved_per_step != run.train_data.per_step:
+        # train.epochs became a step count of this run's step size, applied from step 0, while run.step counts the
+        # saved run's steps: the run would end before or after its last epoch.
+        raise PreflightError(
+            f"checkpoint {path}: train.epochs={run.recipe.train.epochs} with {run.train_data.per_step} micro-batches "
+            f"per step (dp x grad_accum), but the checkpoint's run took {saved_per_step}; its step count does not "
+            "carry over to the new step size. Set train.steps to the step this run should end at, or resume with "
+            "the saved train.tokens_per_step / tokens_per_micro_batch"
+        )
+    run.train_data.load_state_dict(saved_data)
     if trainer_state["world_size"] != dist.get_world_size():
         log.warning(
             "resumed %s saved on %d ranks on %d ranks: model and optimizer were resharded by DCP, the data "
