@@ -55,6 +55,7 @@ from veomni.train.optim import Schedule, build_adamw, build_scheduler, load_sche
 from veomni.train.preflight import (
     PreflightError,
     check_grad_accum,
+    check_ops_backend,
     check_parallel_fit,
     check_resume_path,
     check_sp_heads,
@@ -197,15 +198,7 @@ def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Ta
     config = model_config(recipe)
     check_vocab(tokenizer, config, recipe.model.tokenizer_path)
     check_sp_heads(config, state.dims.sp)
-    # backend=hf binds no kernels: the ops section must then stay unset rather than be silently ignored.
-    chosen = {
-        k: v for k, v in attrs.asdict(recipe.ops).items() if v is not None and (k, v) != ("compile", "auto")
-    }
-    if recipe.model.backend == "hf" and chosen:
-        raise PreflightError(
-            f"model.backend=hf trains transformers' own model without veomni kernels, but ops sets {chosen}; "
-            "remove them or use model.backend=veomni"
-        )
+    check_ops_backend(recipe)
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     model_task = TASKS[recipe.model.task].model_task
     probe = meta_instance(config, model_task)
