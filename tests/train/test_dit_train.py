@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_offline_export import _train_save_export
 
 from veomni.train.recipe import ASSETS_DIR, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
 
@@ -160,14 +161,6 @@ def test_export_loads_in_diffusers_with_the_same_state_dict(dist_pools, tmp_path
     ]
 
 
-def _train_save_export(ctx, raw: dict, export: str) -> str:
-    from veomni.train.loop import _export, _save, build_run, train_step
-
-    run = build_run(recipe_from_dict(raw))
-    train_step(run, next(iter(run.train_data)))
-    _save(run)
-    shutil.move(str(_export(run, "hf")), export)
-    return str(Path(raw["checkpoint"]["dir"]) / f"step_{run.step:08d}")
 
 
 def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, tmp_path):

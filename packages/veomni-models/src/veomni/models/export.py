@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
 from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
-from veomni.models.export_dcp import dcp_directory, dcp_model
+from veomni.models.export_dcp import dcp_directory, dcp_fetcher, dcp_model
 from veomni.models.export_files import (
     copy_side_files,
     export_sources,
@@ -380,7 +379,6 @@ def export_dcp_to_hf(
             when its keys and shapes are exactly the checkpoint's.
         registry: a `ModelRegistry` (default `veomni.models.registry.MODELS`).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     from veomni.models.registry import MODELS, DiffusersConfig
@@ -409,14 +407,7 @@ def export_dcp_to_hf(
     converters = converters_for(model, targets, for_export=True)
     items = plan_layout(shapes, converters)
 
-    def fetch(key: str) -> torch.Tensor:
-        meta = stored[chosen[key]]
-        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_path), no_dist=True)
-        return tensor.to(shapes[key][1])
-
+    fetch = dcp_fetcher(dcp_path, stored, chosen, {k: dtype_ for k, (_, dtype_) in shapes.items()})
     report = write_checkpoint(
         out_dir, items, fetch, converters, is_writer=True, max_shard_bytes=max_shard_bytes
     )

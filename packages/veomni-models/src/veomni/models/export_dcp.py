@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -151,3 +153,24 @@ def dcp_model(
         f"{first}\n  (task inferred: none of {candidates} matches the checkpoint's keys; pass task= / --task)",
         first.missing, first.unexpected, first.mismatched,
     )  # fmt: skip
+
+
+def dcp_fetcher(
+    dcp_dir: str | os.PathLike, stored: Mapping[str, object], chosen: Mapping[str, str],
+    dtypes: Mapping[str, torch.dtype],
+) -> Callable[[str], torch.Tensor]:  # fmt: skip
+    """``fetch(model key)``: that tensor read whole from ``dcp_dir`` in one process (its checkpoint key
+    ``chosen[key]``, stored shape and dtype from ``stored``), cast to ``dtypes[key]``; what the export's writer
+    asks for one tensor at a time."""
+
+    def fetch(key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        meta = stored[chosen[key]]
+        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)  # type: ignore[attr-defined]
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_dir), no_dist=True)
+        return tensor.to(dtypes[key])
+
+    return fetch

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -131,11 +130,10 @@ def export_dcp_to_diffusers(
             logged, the checkpoint's is used).
         prefix, dtype, max_shard_bytes, registry: as `veomni.models.export.export_dcp_to_hf`.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     from veomni.models.export import plan_layout, write_checkpoint
-    from veomni.models.export_dcp import dcp_accounting
+    from veomni.models.export_dcp import dcp_accounting, dcp_fetcher
     from veomni.models.export_files import config_differences
     from veomni.models.registry import MODELS
 
@@ -156,14 +154,7 @@ def export_dcp_to_diffusers(
     chosen = dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
     shapes = {k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen}
 
-    def fetch(key: str) -> torch.Tensor:
-        meta = stored[chosen[key]]
-        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({chosen[key]: tensor}, checkpoint_id=str(dcp_dir), no_dist=True)
-        return tensor.to(shapes[key][1])
-
+    fetch = dcp_fetcher(dcp_dir, stored, chosen, {k: dtype_ for k, (_, dtype_) in shapes.items()})
     report = write_checkpoint(
         out_dir, plan_layout(shapes, []), fetch, [], is_writer=True, max_shard_bytes=max_shard_bytes,
         stem=DIFFUSERS_WEIGHTS_STEM,
