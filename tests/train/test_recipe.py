@@ -129,7 +129,9 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["train"]["tokens_per_step"] = micro * draw(st.integers(1, 16))
     raw["data"]["max_seq_len"] = draw(st.integers(2, micro))
     raw["data"]["num_workers"] = draw(st.integers(0, 4))
-    raw["model"]["param_dtype"] = draw(st.sampled_from(["float32", raw["model"]["dtype"]]))
+    # fp16 compute trains over fp32 parameters only (loss scaling needs fp32 gradients).
+    param_dtypes = ["float32"] if raw["model"]["dtype"] == "float16" else ["float32", raw["model"]["dtype"]]
+    raw["model"]["param_dtype"] = draw(st.sampled_from(param_dtypes))
     if not raw["parallel"]["activation_checkpointing"]:
         raw["parallel"]["ac_keep_attention"] = False  # it chooses what checkpointing keeps
     if (raw["parallel"]["sp"] or 1) < 2:
