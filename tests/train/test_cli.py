@@ -115,3 +115,18 @@ def test_bad_input_found_before_the_build_exits_2_without_a_traceback(tmp_path, 
     )
     assert "Traceback" not in err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_diverged_run_exits_1_naming_the_step_without_a_traceback(tmp_path, capsys):
+    from test_loop import DENSE, tiny_recipe
+
+    from veomni.train.recipe import recipe_from_dict, save_recipe
+
+    # lr 1e30: the first update sends the weights to ~1e30, and the second step's gradients are nan.
+    raw = tiny_recipe(str(tmp_path / "run"), DENSE, steps=3, tokens_per_step=256, tokens_per_micro_batch=256)
+    raw["optim"].update({"lr": 1e30, "warmup_steps": 0, "max_grad_norm": None})
+    path = save_recipe(recipe_from_dict(raw), tmp_path / "diverging.yaml")
+    code = main([str(path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "TrainingDivergedError: step 2 diverged" in err and "Traceback" not in err

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from veomni.train.checkpoint_match import CheckpointMismatchError
     from veomni.train.data.sources import DataError
     from veomni.train.loop import train
+    from veomni.train.numerics import TrainingDivergedError
     from veomni.train.preflight import PreflightError
 
     try:
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"veomni-train{where}: {type(err).__name__}: {err}", file=sys.stderr)
         _close_process_group()
         return 2
+    except TrainingDivergedError as err:
+        # The message names the step, its numbers and the checkpoint to go back to.
+        if rank == 0:
+            print(f"veomni-train: {type(err).__name__}: {err}", file=sys.stderr)
+        _close_process_group()
+        return 1
     if rank == 0:
         losses = result["loss"]
         if losses:
