@@ -110,3 +110,36 @@ def test_thinker_sp2_equals_one_process_on_a_mixed_batch(dist_pools):
         assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-5)
         assert not result["missing"]
         assert result["worst_grad"] <= 1.0, result
+
+
+def _hf_attention_case(ctx) -> str:
+    from test_qwen2_5_omni import MIXED, omni_batch
+
+    from veomni.core.sp import slice_sequence
+
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    torch.manual_seed(0)
+    model = ours.Qwen2_5OmniThinkerForConditionalGeneration(tiny_config())
+    model.set_attn_implementation("sdpa")  # HF's own: it attends over this rank's slice only, no all-to-all
+    batch = omni_batch(MIXED, seed=9)
+    batch.pop("labels"), batch.pop("attention_mask")
+    position_ids, _ = model.model.get_rope_index(
+        batch["input_ids"], batch["image_grid_thw"], None, torch.ones_like(batch["input_ids"]), False,
+        batch["feature_attention_mask"].sum(-1), None,
+    )  # fmt: skip
+    with use_parallel_state(state):
+        try:
+            model(
+                **{**batch, "input_ids": slice_sequence(batch["input_ids"], 1, state.sp_group)},
+                position_ids=slice_sequence(position_ids, 2, state.sp_group),
+            )
+        except ValueError as err:
+            return str(err)
+    return "no error"
+
+
+def test_thinker_under_sp_refuses_hf_attention_in_the_language_model(dist_pools):
+    """HF's attention functions know nothing of the SP group: each rank would attend over its own slice of the
+    sequence only (a silently wrong loss); the thinker refuses them like the other SP-capable VLM adapters."""
+    for message in dist_pools.get(2).run(_hf_attention_case):
+        assert "veomni attention implementation" in message, message

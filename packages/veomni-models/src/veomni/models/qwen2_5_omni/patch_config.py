@@ -65,6 +65,7 @@ from veomni.models.qwen2_5_vl import patch_config as qwen2_5_vl
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
 from veomni.models.qwen3_vl.sp import (
+    check_sp_inputs,
     scatter_visual_sp,
     sp_group_or_none,
     sp_world_size,
@@ -89,8 +90,8 @@ config.add_import(
 config.add_import("from veomni.models.qwen2_5_vl.window import WindowIndex")
 config.add_import("from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids")
 config.add_import(
-    "from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, "
-    "sp_world_size"
+    "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, "
+    "sp_group_or_none, sp_world_size"
 )
 config.add_import("from veomni.models.hf_attention import PREFIX")
 config.add_import("from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen")
@@ -308,6 +309,8 @@ def thinker_model_forward(
     sp_group = sp_group_or_none()
     if sp_group is not None:
         check_thinker_sp_inputs(input_ids, position_ids, sp_world_size(sp_group))
+        # HF's attention functions would attend over this rank's slice only: the LM must run veomni's.
+        check_sp_inputs(self.config, position_ids, inputs_embeds, sp_group)
 
     # Every modality's features in sequence order, all of the micro-batch's (the towers run once per step).
     features: dict[str, torch.Tensor] = {}

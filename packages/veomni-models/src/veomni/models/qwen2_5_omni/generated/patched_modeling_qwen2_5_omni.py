@@ -32,7 +32,7 @@
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual
 #   - add_import: from veomni.models.qwen2_5_vl.window import WindowIndex
 #   - add_import: from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
-#   - add_import: from veomni.models.qwen3_vl.sp import gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
+#   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.hf_attention import PREFIX
 #   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
@@ -117,6 +117,7 @@ from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_si
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
+    check_sp_inputs,
     gather_merged,
     scatter_visual_sp,
     slice_patches,
@@ -1930,6 +1931,8 @@ class Qwen2_5OmniThinkerModel(Qwen2_5OmniPreTrainedModelForConditionalGeneration
         sp_group = sp_group_or_none()
         if sp_group is not None:
             check_thinker_sp_inputs(input_ids, position_ids, sp_world_size(sp_group))
+            # HF's attention functions would attend over this rank's slice only: the LM must run veomni's.
+            check_sp_inputs(self.config, position_ids, inputs_embeds, sp_group)
 
         # Every modality's features in sequence order, all of the micro-batch's (the towers run once per step).
         features: dict[str, torch.Tensor] = {}
