@@ -320,3 +320,43 @@ def test_the_memory_figure_restarts_every_window():
     ctx = SimpleNamespace(device=torch.device("cuda", 0))
     first, second = _window_peaks(ctx, [1024, 0])
     assert first >= 1.0 and second < 0.5
+
+
+def _matmul_weights(module: torch.nn.Module) -> int:
+    return sum(p.numel() for n, p in module.named_parameters() if p.dim() >= 2 and not n.endswith("bias"))
+
+
+def test_frozen_weights_count_forward_and_input_gradient_only_where_needed():
+    # A frozen weight computes no weight gradient: 4 FLOPs per element and token when something trained runs before
+    # it (the input gradient flows through it), 2 when nothing does. Before, every weight counted 6, so freezing
+    # inflated MFU.
+    from veomni.train.tasks import flops_per_token
+
+    full = flops_per_token(_meta_model(DENSE))
+    model = _meta_model(DENSE)
+    layer0 = _matmul_weights(model.model.layers[0])
+    freeze_modules(model, ["model.layers.0"], where="test")
+    assert flops_per_token(model) == full - 2 * layer0  # the trained embedding runs before it
+    freeze_modules(model, ["model.embed_tokens"], where="test")
+    assert flops_per_token(model) == full - 4 * layer0  # now nothing trained runs before it
+
+
+def test_a_frozen_vision_tower_counts_its_forward_only():
+    from transformers import AutoConfig
+
+    from veomni.train.loop import meta_instance
+
+    config = AutoConfig.for_model(
+        "qwen3_vl",
+        text_config={"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "deepstack_visual_indexes": []},
+    )  # fmt: skip
+    trained = build_task("vlm", meta_instance(config, "image_text_to_text"))
+    probe = meta_instance(config, "image_text_to_text")
+    freeze_modules(probe, ["model.visual"], where="test")
+    frozen = build_task("vlm", probe)
+    assert frozen.vision_flops_per_patch == pytest.approx(trained.vision_flops_per_patch / 3)
+    # The language model's term is unchanged: the frozen tower runs before it, and it is not counted per token.
+    assert frozen.flops_per_token == trained.flops_per_token

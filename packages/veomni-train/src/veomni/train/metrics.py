@@ -7,6 +7,10 @@ MFU convention (the causal one; it counts only useful work):
 
 ``N_active`` counts the weights that multiply activations (every Linear / fused expert / LM-head weight; the
 embedding lookup is not a matmul, unless tied to the LM head), with routed experts scaled by ``top_k / E``.
+``6`` is forward, input gradient and weight gradient of a trained weight. A frozen weight does no weight gradient:
+it counts 4 when a trained parameter runs before it (the input gradient must flow through it), else 2 (forward
+only: a frozen vision tower, the frozen first layers); `matmul_flops_per_token` takes the order in which modules
+register their parameters for the order in which they run, as transformers' models define them.
 The attention term: per layer, per head and per sample of length ``s``, causal QK^T and PV cost ``2 * s**2 * D``
 forward (half of the full ``4 * s**2 * D``), and training triples the forward. Packed samples only attend
 inside themselves, so the sum runs over the samples, not the packed row. Recomputation from activation
@@ -16,7 +20,7 @@ checkpointing is not useful work and is not counted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
@@ -78,6 +82,35 @@ def active_matmul_params(
             continue  # a lookup; when tied, the same tensor is counted once, as the LM head's matmul
         total += param.numel() * (expert_fraction if name in experts else 1.0)
     return int(total)
+
+
+def matmul_flops_per_token(
+    model: nn.Module, expert_param_names: Iterable[str] = (), expert_fraction: float = 1.0,
+    counted: Callable[[str], bool] = lambda name: True,
+) -> float:  # fmt: skip
+    """Training matmul FLOPs per token of ``model``'s weights (see the module docstring): 6 per trained weight
+    element, 4 per frozen one that a trained parameter runs before, 2 per frozen one before any trained parameter.
+
+    Args:
+        model: an unsharded (meta is fine) HF model, with ``requires_grad`` as it will train.
+        expert_param_names: FQNs of fused routed-expert tensors ``[E, ...]``.
+        expert_fraction: ``top_k / E`` for those tensors.
+        counted: which parameter names to count (every parameter still decides what runs before what).
+    """
+    experts = set(expert_param_names)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embedding is not None and head is not None and embedding.weight is head.weight
+    total, trained_before = 0.0, False
+    for name, param in model.named_parameters():
+        passes = 6.0 if param.requires_grad else (4.0 if trained_before else 2.0)
+        trained_before = trained_before or param.requires_grad
+        if param.dim() < 2 or name.endswith("bias") or not counted(name):
+            continue
+        if embedding is not None and param is embedding.weight and not tied:
+            continue
+        total += passes * param.numel() * (expert_fraction if name in experts else 1.0)
+    return total
 
 
 def attention_flops(

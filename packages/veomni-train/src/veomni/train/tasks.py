@@ -26,7 +26,7 @@ from veomni.models.qwen2_vl.positions import Qwen2VLPositions
 from veomni.models.qwen3_vl.collate import model_keys
 from veomni.train.data import Step, model_inputs
 from veomni.train.dit_task import DitTask
-from veomni.train.metrics import active_matmul_params, attention_flops
+from veomni.train.metrics import attention_flops, matmul_flops_per_token
 
 IGNORE_INDEX = -100
 
@@ -124,14 +124,15 @@ def sliding_window_layers(config: PretrainedConfig) -> tuple[int, int | None]:
     return (layers, int(window)) if layers and window else (0, None)
 
 
-def flops_per_token(probe: nn.Module) -> float:
-    """``6 * N_active``: matmul FLOPs per trained token of ``probe`` (an unsharded or meta instance); routed
-    expert weights count ``top_k / E`` of their size."""
+def flops_per_token(probe: nn.Module, counted: Callable[[str], bool] = lambda name: True) -> float:
+    """``6 * N_active`` (frozen weights less, `veomni.train.metrics.matmul_flops_per_token`): matmul FLOPs per
+    trained token of ``probe`` (an unsharded or meta instance, frozen as it will train); routed expert weights count
+    ``top_k / E`` of their size. ``counted`` picks the parameter names counted (a VLM counts its tower per patch)."""
     text = text_config(probe.config)
     experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None)
     fraction = text.num_experts_per_tok / experts if experts else 1.0
     expert_names = [n for n, _ in probe.named_parameters() if ".experts." in n]
-    return 6.0 * active_matmul_params(probe, expert_names, fraction)
+    return matmul_flops_per_token(probe, expert_names, fraction, counted)
 
 
 @attrs.frozen(kw_only=True)
@@ -269,15 +270,18 @@ def vision_tower(probe: nn.Module) -> nn.Module:
 def vision_flops_per_patch(visual: nn.Module, merge: int) -> float:
     """``6 * N`` matmul FLOPs per vision patch: every weight of the tower multiplies each patch, except the
     patch mergers (names containing ``merger``), which run once per ``merge**2`` patches, and embedding tables
-    (Qwen3-VL's learned ``pos_embed``: looked up, not multiplied). The tower's own attention score FLOPs are not
-    counted."""
+    (Qwen3-VL's learned ``pos_embed``: looked up, not multiplied). Frozen weights count 2 (forward) instead of 6
+    until the first trained one, 4 after it (`veomni.train.metrics.matmul_flops_per_token`: nothing runs before
+    the tower). The tower's own attention score FLOPs are not counted."""
     lookups = {id(m.weight) for m in visual.modules() if isinstance(m, nn.Embedding)}
-    total = 0.0
+    total, trained_before = 0.0, False
     for name, param in visual.named_parameters():
+        passes = 6.0 if param.requires_grad else (4.0 if trained_before else 2.0)
+        trained_before = trained_before or param.requires_grad
         if param.dim() < 2 or id(param) in lookups:
             continue
-        total += param.numel() / (merge * merge if "merger" in name else 1)
-    return 6.0 * total
+        total += passes * param.numel() / (merge * merge if "merger" in name else 1)
+    return total
 
 
 VIDEO_LAYOUTS = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
@@ -332,10 +336,11 @@ class VlmTask(TextTask):
         merge = int(probe.config.vision_config.spatial_merge_size)
         vision = vision_flops_per_patch(visual, merge)
         # The tower's weights are counted per patch, not per text token.
-        tower = sum(p.numel() for p in visual.parameters() if p.dim() >= 2)
+        tower = {id(p) for p in visual.parameters()}
+        in_tower = {name for name, p in probe.named_parameters() if id(p) in tower}
         window_layers, window = sliding_window_layers(probe.config)
         return cls(
-            flops_per_token=flops_per_token(probe) - 6.0 * tower,
+            flops_per_token=flops_per_token(probe, lambda name: name not in in_tower),
             num_layers=attention_layers(probe.config),
             query_width=query_width(probe.config),
             aux_loss_coef=float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0),
