@@ -240,3 +240,15 @@ def test_undefined_names_in_patches_are_reported() -> None:
     cfg.override_method("FakeModel.greet", description="broken")(greet)
     with pytest.raises(PatchgenError, match="undefined names: no_such_name"):
         generate(cfg)
+
+
+def test_a_patch_on_an_excluded_definition_is_an_error_not_silently_dropped() -> None:
+    cfg = _fake_config()
+    cfg.exclude_from_output("Talker")
+
+    def forward(self, x: float) -> float:
+        return x
+
+    cfg.override_method("Talker.forward", description="never emitted")(forward)
+    with pytest.raises(PatchgenError, match=r"Talker.*exclude_from_output.*override_method Talker\.forward"):
+        generate(cfg)

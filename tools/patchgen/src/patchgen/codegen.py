@@ -178,6 +178,14 @@ class _Assembler:
 
     def assemble(self, module: cst.Module) -> cst.Module:
         excluded = set(self.config.excluded)
+        # An excluded definition is skipped before any patch is looked at: a patch on it would vanish while the
+        # header still lists it as applied.
+        dead = [p for p in self.config.patches if p.target in excluded]
+        if dead:
+            raise PatchgenError(
+                f"{self.config.target_file}: {sorted({p.target for p in dead})} are in exclude_from_output but "
+                f"also patched ({', '.join(f'{p.kind} {p.label}' for p in dead)}); drop the patches or the exclusion"
+            )
         insert_at = import_section_end(module)
         found: set[str] = set()
         body: list[cst.BaseStatement] = []
