@@ -242,6 +242,23 @@ def test_undefined_names_in_patches_are_reported() -> None:
         generate(cfg)
 
 
+def test_an_added_import_nothing_uses_is_an_error_not_silently_dropped() -> None:
+    # Ruff's unused-import fix would delete it while the header still lists it under "Patches applied"; an import
+    # added for its side effect would silently not run.
+    cfg = _fake_config()
+    cfg.add_import("import statistics")
+    # One name used: the statement stays (sibling configs share supersets of `from` imports).
+    cfg.add_import("from json import dumps, loads")
+
+    def greet(self) -> str:
+        return dumps("patched")  # noqa: F821 - the add_import above binds it in the output
+
+    cfg.override_method("FakeModel.greet", description="uses dumps only")(greet)
+    with pytest.raises(PatchgenError, match=r"out\.py: add_import \['import statistics'\]") as info:
+        generate(cfg)
+    assert "json" not in str(info.value)
+
+
 def test_a_patch_on_an_excluded_definition_is_an_error_not_silently_dropped() -> None:
     cfg = _fake_config()
     cfg.exclude_from_output("Talker")

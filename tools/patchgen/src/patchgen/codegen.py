@@ -254,6 +254,30 @@ def _unreferenced(code: str) -> set[str]:
     return {n for n in _top_level_names(tree) if not used.get(n)}
 
 
+def _import_bindings(statement: ast.stmt) -> list[str]:
+    """The names one import statement binds (``import a.b`` binds ``a``)."""
+    if not isinstance(statement, ast.Import | ast.ImportFrom):
+        return []
+    return [alias.asname or alias.name.split(".")[0] for alias in statement.names]
+
+
+def _check_added_imports(config: PatchConfig, code: str) -> None:
+    """Refuse an ``add_import`` statement of which the normalised module kept nothing.
+
+    Ruff's unused-import fix deletes an added import nothing uses: the header would still list it as applied, and an
+    import added for its side effect (registering something) would silently not run. A statement that keeps some
+    of its names still imports its module, so sibling configs may share one superset of ``from`` imports.
+    """
+    bound = {name for stmt in ast.parse(code).body for name in _import_bindings(stmt)}
+    lost = [s for s in config.imports if not bound.intersection(_import_bindings(ast.parse(s).body[0]))]
+    if lost:
+        raise PatchgenError(
+            f"{config.target_file}: add_import {lost}: nothing in the generated module uses what they import, so "
+            "ruff's unused-import fix removed them. Remove them from the config; an import wanted for its side "
+            "effect goes in add_post_import_block with '# noqa: F401'"
+        )
+
+
 def _check_renames(renamed: list[RenamedCall], config: PatchConfig, code: str) -> None:
     """Refuse a name_map that changes the argument set a renamed call is written against."""
     if not renamed:
@@ -319,6 +343,7 @@ def generate(config: PatchConfig, config_module: str | None = None) -> Generated
             "call/signature mismatches in the generated module:\n" + "\n".join(map(str, violations))
         )
     _check_renames(assembler.renamed, config, code)
+    _check_added_imports(config, code)
 
     warnings: list[str] = []
     orphaned = sorted(_unreferenced(code) - _unreferenced(baseline) - set(assembler.helper_names))
