@@ -100,3 +100,32 @@ def test_every_model_patch_config_is_registered() -> None:
     on_disk = {f"veomni.models.{p.parent.name}.patch_config" for p in models_dir.glob("*/patch_config.py")}
     assert on_disk, models_dir
     assert on_disk == set(registry.registered_configs()), sorted(on_disk ^ set(registry.registered_configs()))
+
+
+def test_check_flags_a_generated_file_no_registered_config_produces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config whose target_file was renamed leaves the old output behind, still importable and never
+    regenerated again: --check must not call that directory up to date."""
+    pkg = tmp_path / "tmp_cfgs_orphan"
+    pkg.mkdir()
+    (pkg / "cfg.py").write_text(
+        'from patchgen.config import PatchConfig\nconfig = PatchConfig("fakeup.modeling_fake", "patched_new.py", "x")\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "CONFIG_MODULES", ["tmp_cfgs_orphan.cfg"])
+    assert cli.main(["--all"]) == 0
+    stale = pkg / "generated" / "patched_old.py"
+    stale.write_text("# an earlier target_file of this config\n")
+    stale.with_suffix(".diff").write_text("")
+    capsys.readouterr()
+
+    assert cli.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"{stale}: not produced by any registered config" in err
+    assert f"{stale.with_suffix('.diff')}: not produced by any registered config" in err
+
+    assert cli.main(["--check", "--fix"]) == 0
+    assert not stale.exists() and not stale.with_suffix(".diff").exists()
+    assert (pkg / "generated" / "patched_new.py").exists()
+    assert cli.main(["--check"]) == 0

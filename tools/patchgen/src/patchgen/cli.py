@@ -80,6 +80,22 @@ def _drift(path: Path, expected: str) -> str | None:
     return f"{path}: differs from regeneration\n{excerpt}"
 
 
+def _orphans(produced: set[Path]) -> list[Path]:
+    """Module/diff files in the generated directories that no registered config writes.
+
+    ``generated/`` is patchgen's alone: a file left there by a renamed ``target_file`` stays importable but is
+    never regenerated, so ``--check`` would otherwise call a stale module up to date.
+    """
+    found = set()
+    for directory in {p.parent for p in produced}:
+        found |= {
+            p
+            for p in directory.iterdir()
+            if p.suffix in (".py", ".diff") and p.is_file() and p.name != "__init__.py"
+        }
+    return sorted(found - produced)
+
+
 def _check(names: Sequence[str], fix: bool) -> int:
     if not names:
         print(
@@ -88,10 +104,12 @@ def _check(names: Sequence[str], fix: bool) -> int:
         )
         return EXIT_OK
     drifted: list[str] = []
+    produced: set[Path] = set()
     for name in names:
         loaded = load_config(name)
         gen = generate(loaded.config, name)
         py_path, diff_path = output_paths(loaded)
+        produced |= {py_path, diff_path}
         problems = [d for d in (_drift(py_path, gen.code), _drift(diff_path, gen.diff)) if d]
         if problems and fix:
             write_outputs(gen, py_path, diff_path)
@@ -100,6 +118,12 @@ def _check(names: Sequence[str], fix: bool) -> int:
             drifted += problems
         else:
             print(f"ok {py_path}")
+    for orphan in _orphans(produced):
+        if fix:
+            orphan.unlink()
+            print(f"removed {orphan}")
+        else:
+            drifted.append(f"{orphan}: not produced by any registered config (an old target_file?)")
     if drifted:
         print("patchgen --check: generated files drifted from their configs:", file=sys.stderr)
         for d in drifted:
