@@ -280,3 +280,31 @@ def test_flash_attn_2_needs_its_interface_not_the_namespace_flash_attn_4_install
     (tmp_path / "flash_attn" / "flash_attn_interface.py").write_text("")
     importlib.invalidate_caches()
     assert OpsConfig(attention="flash_attn_2", hardware=h100).attention == "flash_attn_2"
+
+
+def test_model_specific_kernels_are_imported_when_a_model_first_takes_them():
+    # On a CUDA host with flash-linear-attention installed, the gated-DeltaNet ops default to "fla": building every
+    # model's kernel set imported fla (seconds, and transformers with it), and an fla that fails to import crashed a
+    # Llama build that never calls those ops. They are built on first `get`, and a failure names the field.
+    reg = _toy_registry()
+    built: list[str] = []
+
+    def broken() -> object:
+        built.append("fla")
+        raise ImportError("fla: cannot import name 'something' from 'triton'")
+
+    for op in ("gated_delta_rule", "causal_conv1d", "rms_norm_gated"):
+        for variant in ("a", "b"):
+            reg.register(op, variant, "fla", broken, Requirement(device_types=("cuda",)))
+    config = OpsConfig(hardware=H100, registry=reg)
+    assert config.gated_delta_rule == "fla" and "gated_delta_rule" in config.defaulted
+    kernels = resolve_kernels(config)
+    assert built == []
+    assert kernels.get("rms_norm", "a") is torch.mul
+    with pytest.raises(
+        ImportError, match=r"OpsConfig.gated_delta_rule='fla'.*gated_delta_rule/a.*cannot import"
+    ):
+        kernels.get("gated_delta_rule", "a")
+    assert built == ["fla"]
+    explicit = resolve_kernels(OpsConfig(rms_norm_gated="triton", hardware=H100, registry=reg))
+    assert explicit.get("rms_norm_gated", "a") is explicit.get("rms_norm_gated", "a") is torch.mul

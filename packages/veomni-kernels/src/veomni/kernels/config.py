@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from veomni.kernels.hardware import Hardware, detect_hardware
-from veomni.kernels.registry import KERNELS, KernelFn, KernelRegistry
+from veomni.kernels.registry import KERNELS, KernelFn, KernelRegistry, KernelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -286,10 +286,12 @@ class Kernels:
     """
 
     config: OpsConfig
-    _table: Mapping[tuple[str, str], KernelFn]
+    _table: dict[tuple[str, str], KernelFn]
     _missing: Mapping[tuple[str, str], str]
     # The model-specific fallbacks not yet reported (`MODEL_SPECIFIC_OPS`): each is logged once, on first `get`.
     _unreported: set[str] = attrs.field(factory=set)
+    # The `MODEL_SPECIFIC_OPS` kernels, built on first `get` (then moved to ``_table``).
+    _deferred: dict[tuple[str, str], KernelSpec] = attrs.field(factory=dict)
 
     def get(self, field: str, variant: str) -> KernelFn:
         """The function for OpsConfig field ``field`` (an op name, or an alias such as rope_vision)."""
@@ -299,13 +301,29 @@ class Kernels:
         key = (field, variant)
         if key in self._table:
             return self._table[key]
+        spec = self._deferred.get(key)
+        if spec is not None:
+            try:
+                fn = spec.factory()
+            except ImportError as err:
+                raise ImportError(
+                    f"OpsConfig.{field}={spec.backend!r}: the {spec.op}/{variant} kernel cannot be imported "
+                    f"({err}); fix the package or set {field}: eager"
+                ) from err
+            self._table[key] = fn
+            del self._deferred[key]
+            return fn
         if key in self._missing:
             raise KeyError(self._missing[key])
-        raise KeyError(f"no kernel {field}/{variant}; available: {sorted(self._table)}")
+        raise KeyError(f"no kernel {field}/{variant}; available: {sorted([*self._table, *self._deferred])}")
 
 
 def resolve_kernels(config: OpsConfig) -> Kernels:
     """Build every (field, variant) implementation the config selects; variants its backend lacks raise on `get`.
+
+    The `MODEL_SPECIFIC_OPS` kernels are built when a model first takes them: their CUDA default (fla) is a heavy
+    optional package that most models never call, and one that fails to import must not break those models. Those
+    ops run only in layers that are never compiled (`veomni.models.build`), so the import stays outside traced code.
 
     Args:
         config: a validated `OpsConfig`.
@@ -315,6 +333,7 @@ def resolve_kernels(config: OpsConfig) -> Kernels:
     registry = config.registry
     table: dict[tuple[str, str], KernelFn] = {}
     missing: dict[tuple[str, str], str] = {}
+    deferred: dict[tuple[str, str], KernelSpec] = {}
     for field in op_fields():
         op, backend = FIELD_OPS[field], getattr(config, field)
         for variant in registry.variants(op):
@@ -323,5 +342,8 @@ def resolve_kernels(config: OpsConfig) -> Kernels:
             except KeyError as err:
                 missing[(field, variant)] = f"OpsConfig.{field}={backend!r}: {err.args[0]}"
                 continue
-            table[(field, variant)] = spec.factory()
-    return Kernels(config, table, missing, set(config.fallbacks) & MODEL_SPECIFIC_OPS)
+            if field in MODEL_SPECIFIC_OPS:
+                deferred[(field, variant)] = spec
+            else:
+                table[(field, variant)] = spec.factory()
+    return Kernels(config, table, missing, set(config.fallbacks) & MODEL_SPECIFIC_OPS, deferred)
