@@ -308,3 +308,29 @@ def test_model_specific_kernels_are_imported_when_a_model_first_takes_them():
     assert built == ["fla"]
     explicit = resolve_kernels(OpsConfig(rms_norm_gated="triton", hardware=H100, registry=reg))
     assert explicit.get("rms_norm_gated", "a") is explicit.get("rms_norm_gated", "a") is torch.mul
+
+
+def _fake_liger(root, version: str) -> None:
+    # Only what the probe reads: the package and its distribution metadata (nothing is imported).
+    (root / "liger_kernel").mkdir()
+    (root / "liger_kernel" / "__init__.py").write_text("")
+    info = root / f"liger_kernel-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: liger-kernel\nVersion: {version}\n")
+
+
+@pytest.mark.parametrize("version, runs", [("0.8.4", False), ("0.6.0", False), ("0.8.5", True), ("0.9.0rc1", True)])
+def test_liger_rope_needs_a_release_that_takes_rotary_dim(tmp_path, monkeypatch, version, runs):
+    # veomni's liger rope passes rotary_dim (partial RoPE), a LigerRopeFunction argument since liger-kernel 0.8.5:
+    # an older liger raised a TypeError at the model's first forward instead of being refused with the config.
+    import importlib
+
+    _fake_liger(tmp_path, version)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert OpsConfig(rms_norm="liger", swiglu="liger", hardware=H100).rms_norm == "liger"
+    if runs:
+        assert OpsConfig(rope="liger", hardware=H100).rope == "liger"
+    else:
+        with pytest.raises(ValueError, match=rf"rope='liger' cannot run.*>= 0\.8\.5.*liger-kernel {version} is installed"):
+            OpsConfig(rope="liger", hardware=H100)

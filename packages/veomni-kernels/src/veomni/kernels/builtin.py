@@ -7,6 +7,8 @@ it, so importing veomni.kernels never imports triton, liger-kernel or flash-attn
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 
 from veomni.kernels.attention.external import flash_2_problem, flash_4_problem
 from veomni.kernels.hardware import ANYWHERE, TRITON, Requirement
@@ -15,6 +17,27 @@ from veomni.kernels.registry import KERNELS, KernelFn
 
 CUDA = Requirement(device_types=("cuda",))
 LIGER = Requirement(device_types=("cuda",), packages=("liger_kernel",))
+LIGER_ROPE_MIN = (0, 8, 5)
+
+
+def liger_rope_problem(hw: object) -> str | None:
+    """Why the installed liger-kernel cannot run veomni's liger rope, read from its metadata (no import).
+
+    The wrapper passes ``rotary_dim`` (partial RoPE), which ``LigerRopeFunction`` takes since 0.8.5; an older
+    release would raise a TypeError at the model's first forward.
+    """
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # not installed as a distribution: the package requirement speaks for itself
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None or tuple(int(g or 0) for g in match.groups()) >= LIGER_ROPE_MIN:
+        return None
+    need = ".".join(map(str, LIGER_ROPE_MIN))
+    return f"needs liger-kernel >= {need} (its rope takes rotary_dim since then); liger-kernel {version} is installed"
+
+
+LIGER_ROPE = Requirement(device_types=("cuda",), packages=("liger_kernel",), condition=liger_rope_problem)
 NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
 # torch._grouped_mm: CPU kernels (torch >= 2.9), and on CUDA the sync-free CUTLASS path exists for sm_90/sm_100
 # (older GPUs get a fallback that copies the offsets to the host). See moe_experts/torch_impl.py for dtypes.
@@ -76,8 +99,8 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("load_balancing_loss", "switch", "triton", f"{_K}.moe_loss.triton_impl:load_balancing_loss_triton", TRITON),
     ("rms_norm", "standard", "liger", f"{_K}.liger_backend:rms_norm_standard", LIGER),
     ("rms_norm", "offset", "liger", f"{_K}.liger_backend:rms_norm_offset", LIGER),
-    ("rope", "full", "liger", f"{_K}.liger_backend:apply_rope", LIGER),
-    ("rope", "partial", "liger", f"{_K}.liger_backend:apply_rope", LIGER),
+    ("rope", "full", "liger", f"{_K}.liger_backend:apply_rope", LIGER_ROPE),
+    ("rope", "partial", "liger", f"{_K}.liger_backend:apply_rope", LIGER_ROPE),
     ("swiglu", "standard", "liger", f"{_K}.liger_backend:swiglu", LIGER),
     ("attention", "default", "eager", f"{_K}.attention.functions:eager_attention", ANYWHERE),
     ("attention", "default", "sdpa", f"{_K}.attention.functions:sdpa_attention", ANYWHERE),
