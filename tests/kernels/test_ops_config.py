@@ -334,3 +334,23 @@ def test_liger_rope_needs_a_release_that_takes_rotary_dim(tmp_path, monkeypatch,
     else:
         with pytest.raises(ValueError, match=rf"rope='liger' cannot run.*>= 0\.8\.5.*liger-kernel {version} is installed"):
             OpsConfig(rope="liger", hardware=H100)
+
+
+@pytest.mark.parametrize("version, runs", [("0.6.1", False), ("0.6.2", True), ("0.6.5", True)])
+def test_quack_needs_a_release_with_the_rmsnorm_weight_offset(tmp_path, monkeypatch, version, runs):
+    # quack_backend's offset RMSNorm passes weight_offset to quack.rmsnorm, which quack-kernels has taken since
+    # 0.6.2: on 0.6.0 / 0.6.1 (allowed by the [quack] extra) a Qwen3-Next run raised a TypeError at its first forward.
+    import importlib
+
+    (tmp_path / "quack").mkdir()
+    (tmp_path / "quack" / "__init__.py").write_text("")
+    info = tmp_path / f"quack_kernels-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: quack-kernels\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    if runs:
+        assert OpsConfig(rms_norm="quack", hardware=H100).rms_norm == "quack"
+    else:
+        with pytest.raises(ValueError, match=rf"rms_norm='quack' cannot run.*>= 0\.6\.2.*quack-kernels {version}"):
+            OpsConfig(rms_norm="quack", hardware=H100)

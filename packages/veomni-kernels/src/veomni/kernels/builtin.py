@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
+from collections.abc import Callable
 
 from veomni.kernels.attention.external import flash_2_problem, flash_4_problem
 from veomni.kernels.hardware import ANYWHERE, TRITON, Requirement
@@ -17,27 +18,32 @@ from veomni.kernels.registry import KERNELS, KernelFn
 
 CUDA = Requirement(device_types=("cuda",))
 LIGER = Requirement(device_types=("cuda",), packages=("liger_kernel",))
-LIGER_ROPE_MIN = (0, 8, 5)
 
 
-def liger_rope_problem(hw: object) -> str | None:
-    """Why the installed liger-kernel cannot run veomni's liger rope, read from its metadata (no import).
+def _release_at_least(dist: str, minimum: tuple[int, int, int], why: str) -> Callable[[object], str | None]:
+    """A `Requirement.condition`: the installed distribution ``dist`` is at least ``minimum``, read from its
+    metadata (nothing is imported). ``why`` says what the older releases lack."""
 
-    The wrapper passes ``rotary_dim`` (partial RoPE), which ``LigerRopeFunction`` takes since 0.8.5; an older
-    release would raise a TypeError at the model's first forward.
-    """
-    try:
-        version = importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        return None  # not installed as a distribution: the package requirement speaks for itself
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if match is None or tuple(int(g or 0) for g in match.groups()) >= LIGER_ROPE_MIN:
-        return None
-    need = ".".join(map(str, LIGER_ROPE_MIN))
-    return f"needs liger-kernel >= {need} (its rope takes rotary_dim since then); liger-kernel {version} is installed"
+    def problem(hw: object) -> str | None:
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None  # not installed as a distribution: the package requirement speaks for itself
+        match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+        if match is None or tuple(int(g or 0) for g in match.groups()) >= minimum:
+            return None
+        return f"needs {dist} >= {'.'.join(map(str, minimum))} ({why}); {dist} {version} is installed"
+
+    return problem
 
 
-LIGER_ROPE = Requirement(device_types=("cuda",), packages=("liger_kernel",), condition=liger_rope_problem)
+# The liger rope wrapper passes rotary_dim (partial RoPE), a LigerRopeFunction argument since 0.8.5; an older
+# release would raise a TypeError at the model's first forward.
+LIGER_ROPE = Requirement(
+    device_types=("cuda",),
+    packages=("liger_kernel",),
+    condition=_release_at_least("liger-kernel", (0, 8, 5), "its rope takes rotary_dim since then"),
+)
 NPU = Requirement(device_types=("npu",), packages=("torch_npu",))
 # torch._grouped_mm: CPU kernels (torch >= 2.9), and on CUDA the sync-free CUTLASS path exists for sm_90/sm_100
 # (older GPUs get a fallback that copies the offsets to the host). See moe_experts/torch_impl.py for dtypes.
@@ -46,8 +52,14 @@ FLASH_2 = Requirement(
     device_types=("cuda",), min_capability=(8, 0), packages=("flash_attn",), condition=flash_2_problem
 )
 FLASH_3 = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn_interface",))
-# quack-kernels (CuTe-DSL): Hopper and newer; the import name is `quack`.
-QUACK = Requirement(device_types=("cuda",), min_capability=(9, 0), packages=("quack",))
+# quack-kernels (CuTe-DSL): Hopper and newer; the import name is `quack`. quack_backend's offset RMSNorm passes
+# weight_offset, which quack.rmsnorm takes since 0.6.2.
+QUACK = Requirement(
+    device_types=("cuda",),
+    min_capability=(9, 0),
+    packages=("quack",),
+    condition=_release_at_least("quack-kernels", (0, 6, 2), "quack.rmsnorm takes weight_offset since then"),
+)
 # FlashAttention 4 is the flash_attn.cute subpackage: a plain flash_attn (FA2) install is not enough.
 FLASH_4 = Requirement(
     device_types=("cuda",), min_capability=(9, 0), packages=("flash_attn",), condition=flash_4_problem
