@@ -108,10 +108,12 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, name
 
 
 def _save(ctx, raw: dict) -> None:
-    from veomni.train.loop import _save, build_run, train_step
+    from veomni.train.loop import _export, _save, build_run, train_step
 
     run = build_run(recipe_from_dict(raw))
     train_step(run, next(iter(run.train_data)))
+    # The trained weights as the saving run holds them: what the resumed run must hold again, bit for bit.
+    _export(run, "trained")
     _save(run)
 
 
@@ -169,6 +171,10 @@ def test_resume_and_export_under_sp_and_ep(dist_pools, references, tmp_path, gdn
     exported = load_file(export / "model.safetensors")
     source = load_file(f"{weights}/model.safetensors")
     assert set(exported) == set(source)  # the upstream key layout again, nothing missing or extra
+    # The resumed run holds exactly what the saving run trained: every SP/FSDP shard and every EP rank's experts
+    # back in their places (a checkpoint read into the wrong shard would still differ from the source below).
+    trained = load_file(tmp_path / "ckpt" / "trained" / "model.safetensors")
+    assert [k for k in trained if not torch.equal(exported[k], trained[k])] == []
     # One AdamW step moves every parameter it steps: an unchanged one was left out of training or of the export
     # (the DeltaNet decay and conv, the gated attention, every expert, the router and shared expert alike).
     assert [k for k in source if torch.equal(exported[k], source[k])] == []
