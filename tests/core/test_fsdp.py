@@ -263,6 +263,18 @@ def _bf16_step(ctx):
     model = apply_fsdp2(copy.deepcopy(ref), state, FSDPPolicy(block_patterns=("layers.*",)))
     ids, labels = toy.token_batch(1, ROWS_PER_RANK * state.dims.dp, SEQ)
     ids, labels = ids.to(ctx.device), labels.to(ctx.device)
+    # The reduction's oracle: every dp rank's bf16 gradients (a plain bf16 copy computes the same bf16 ops as the
+    # unsharded FSDP unit), widened to fp32 and averaged there, as reduce_dtype=fp32 promises. The comparison with
+    # the fp32 model below is loose (bf16 compute); a reduction in bf16 would round the average to 8 bits and
+    # still pass it, but not this one.
+    low = toy.build(0, ctx.device).bfloat16()
+    dp = state.dims.dp
+    reduced = {n: torch.zeros(p.shape, device=ctx.device) for n, p in low.named_parameters()}
+    for r in range(dp):
+        low.zero_grad(set_to_none=True)
+        _local_loss(low, ids.chunk(dp)[r], labels.chunk(dp)[r], ctx.world_size, labels.numel()).backward()
+        for n, p in low.named_parameters():
+            reduced[n] += p.grad.float() / ctx.world_size
     ref_loss = F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten())
     ref_loss.backward()
     loss = _local_loss(
@@ -281,6 +293,9 @@ def _bf16_step(ctx):
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name  # fp32 master and grads
         torch.testing.assert_close(
             _full(p.grad), ref_grads[name].grad, rtol=5e-2, atol=2e-2, msg=lambda m, name=name: f"{name}: {m}"
+        )
+        torch.testing.assert_close(
+            _full(p.grad), reduced[name], rtol=1e-6, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}"
         )
 
 
