@@ -61,12 +61,29 @@ def test_steps_are_finite_and_the_loss_falls(dist_pools, tmp_path):
     assert np.mean(losses[-4:]) < 0.85 * np.mean(losses[:4]), losses
 
 
+def _steps_and_block_runs(ctx, raw: dict, n: int) -> tuple[list[dict[str, float]], float]:
+    """`_steps`, and how often the first block's feed-forward started per micro-batch: 2 when activation
+    checkpointing recomputes the block in backward, else 1 (a pre-hook: the recomputation stops inside it)."""
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    ffn = next(m for name, m in run.model.named_modules() if name.endswith("blocks.0.ffn"))
+    calls = []
+    handle = ffn.register_forward_pre_hook(lambda *_: calls.append(1))
+    it = iter(run.train_data)
+    steps = [next(it) for _ in range(n)]
+    stats = [train_step(run, step) for step in steps]
+    handle.remove()
+    return stats, len(calls) / sum(len(step.micro_batches) for step in steps)
+
+
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
 def test_sp2_matches_one_process(dist_pools, reference, tmp_path, activation_checkpointing):
     # Every SP rank sees the same clips and noise; each computes the full loss / 2 and FSDP averages the gradient.
     raw = dit_recipe(str(tmp_path), sp=2)
     raw["parallel"]["activation_checkpointing"] = activation_checkpointing
-    for rank_result in dist_pools.get(2, "gloo").run(_steps, raw, 3):
+    for rank_result, block_runs in dist_pools.get(2, "gloo").run(_steps_and_block_runs, raw, 3):
+        assert block_runs == (2 if activation_checkpointing else 1)  # the recomputation under SP did run
         for got, want in zip(rank_result, reference, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=2e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

@@ -77,6 +77,23 @@ def _steps(ctx, raw: dict, n: int) -> list[dict[str, float]]:
     return [train_step(run, next(it)) for _ in range(n)]
 
 
+def _recomputed_steps(ctx, raw: dict, n: int) -> tuple[list[dict[str, float]], float]:
+    """`_steps`, and how often the first block's MLP started per micro-batch: 1, or 2 when activation checkpointing
+    recomputes the block in backward (a layout run "with checkpointing" that never recomputed proves nothing). A
+    pre-hook: the recomputation stops as soon as it has rebuilt what backward needs, inside the MLP's forward."""
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    it = iter(run.train_data)
+    mlp = next(m for name, m in run.model.named_modules() if name.endswith("layers.0.mlp"))
+    calls = []
+    handle = mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    steps = [next(it) for _ in range(n)]
+    stats = [train_step(run, step) for step in steps]
+    handle.remove()
+    return stats, len(calls) / sum(len(step.micro_batches) for step in steps)
+
+
 LAYOUTS = {  # world -> [(dp_replicate, sp, ep)] ; dp_shard fills the rest
     2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
     4: [(2, 2, 1), (2, 1, 2), (1, 2, 2)],
@@ -126,9 +143,10 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
         for ac in acs if checkpointed else (False,):
             raw["parallel"]["activation_checkpointing"] = bool(ac)
             raw["parallel"]["ac_keep_attention"] = ac == "keep"
-            for rank_result in pool.run(_steps, raw, STEPS):
+            for rank_result, block_runs in pool.run(_recomputed_steps, raw, STEPS):
+                layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep} activation_checkpointing={ac}"
+                assert block_runs == (2 if ac else 1), layout
                 for got, want in zip(rank_result, reference, strict=True):
-                    layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep} activation_checkpointing={ac}"
                     assert got["loss"] == pytest.approx(want["loss"], rel=tol["loss"]), layout
                     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tol["grad_norm"]), layout
                     assert got["lr"] == want["lr"]
