@@ -82,13 +82,16 @@ def test_without_kernels_is_bitwise_upstream_and_eager_kernels_match(moe):
     assert_match(run(ours, inputs), want, 2e-5)
 
 
+@pytest.mark.parametrize("packing", ["cu_seq_lens_q", "position_ids"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_packed_row_equals_documents_run_alone(moe):
+def test_packed_row_equals_documents_run_alone(moe, packing):
+    # position_ids alone is HF's DataCollatorWithFlattening packing: every layer, Gated DeltaNet too, must honour it.
     _, ours = build_pair(moe)
     apply_ops(ours, OpsConfig(**EAGER_OPS))
     inputs = batch(lengths=(7, 12, 5))
     no_aux = {"output_router_logits": False} if moe else {}  # the aux loss is a statistic of the whole row
-    packed = run(ours, inputs, **packed_kwargs(inputs["position_ids"]), **no_aux)
+    extra = packed_kwargs(inputs["position_ids"]) if packing == "cu_seq_lens_q" else {}
+    packed = run(ours, inputs, **extra, **no_aux)
     ours.zero_grad(set_to_none=True)
     bounds = [(0, 7), (7, 19), (19, 24)]
     logits = torch.cat(

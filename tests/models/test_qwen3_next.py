@@ -144,11 +144,14 @@ def test_eager_kernels_match_upstream():
     assert_match(run(ours, inputs), run(upstream, inputs), 2e-5)
 
 
-def test_packed_row_equals_documents_run_alone():
+@pytest.mark.parametrize("packing", ["cu_seq_lens_q", "position_ids"])
+def test_packed_row_equals_documents_run_alone(packing):
+    # position_ids alone is HF's DataCollatorWithFlattening packing: every layer, Gated DeltaNet too, must honour it.
     _, ours = build_pair()
     apply_ops(ours, OpsConfig(**EAGER_OPS))
     inputs = batch(lengths=(7, 12, 5))
-    packed = run(ours, inputs, output_router_logits=False, **packed_kwargs(inputs["position_ids"]))
+    extra = packed_kwargs(inputs["position_ids"]) if packing == "cu_seq_lens_q" else {}
+    packed = run(ours, inputs, output_router_logits=False, **extra)
     # The oracle: each document through the same model on its own (HF's loss over all labelled tokens).
     ours.zero_grad(set_to_none=True)
     bounds = [(0, 7), (7, 19), (19, 24)]
@@ -167,6 +170,18 @@ def test_packed_row_equals_documents_run_alone():
     assert not torch.allclose(leaky[0][:, 7:], packed[0][:, 7:], atol=1e-3)
 
 
+def test_rows_packed_by_position_ids_alone_equal_each_row_packed_alone():
+    # Two rows, each packed by its positions only (batch > 1): the documents of every row restart their state.
+    _, ours = build_pair()
+    apply_ops(ours, OpsConfig(**EAGER_OPS))
+    inputs = batch(lengths=(7, 12, 5), rows=2, seed=3)
+    both = run(ours, inputs, output_router_logits=False)
+    for row in range(2):
+        alone = {k: v[row : row + 1] for k, v in inputs.items()}
+        logits = ours(**alone, use_cache=False, output_router_logits=False, **packed_kwargs(alone["position_ids"]))
+        torch.testing.assert_close(both[0][row : row + 1], logits.logits.detach(), rtol=2e-5, atol=2e-5)
+
+
 def test_sp_head_counts_must_divide():
     check_gdn_sp_heads(2, 4, 2)
     with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) and linear_num_value_heads \(4\) must both "
@@ -174,7 +189,7 @@ def test_sp_head_counts_must_divide():
         check_gdn_sp_heads(2, 4, 4)
 
 
-def _sp_case(ctx, lengths: tuple[int, ...]) -> dict[str, float]:
+def _sp_case(ctx, lengths: tuple[int, ...], by_positions: bool = False) -> dict[str, float]:
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
     group = state.sp_group
     # Heads divisible by the SP size: 4 key heads, 8 value heads (grouped 2:1).
@@ -189,6 +204,8 @@ def _sp_case(ctx, lengths: tuple[int, ...]) -> dict[str, float]:
 
     kw = dict(packed_kwargs(positions), output_router_logits=False, use_cache=False)
     ref = model(input_ids=ids, position_ids=positions, **kw).logits
+    if by_positions:  # the reference keeps cu_seq_lens_q; the SP run gets each rank's slice of the positions only
+        kw = dict(output_router_logits=False, use_cache=False)
     summed(ref, labels).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -209,10 +226,11 @@ def _sp_case(ctx, lengths: tuple[int, ...]) -> dict[str, float]:
     return worst
 
 
+@pytest.mark.parametrize("by_positions", [False, True], ids=["cu_seq_lens_q", "position_ids"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_sp_equals_single_process(dist_pools, world):
+def test_sp_equals_single_process(dist_pools, world, by_positions):
     # 25 tokens: not divisible by 2 or 4, so the SP padding path runs too.
-    for worst in dist_pools.get(world).run(_sp_case, (7, 13, 5)):
+    for worst in dist_pools.get(world).run(_sp_case, (7, 13, 5), by_positions):
         assert worst["missing"] == 0
         assert worst["logits"] < 1e-4, worst
         assert worst["grad"] <= 1.0, worst

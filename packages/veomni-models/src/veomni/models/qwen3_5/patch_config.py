@@ -3,7 +3,9 @@ patches: the two share the gated attention, the ``1 + weight`` RMSNorm, the gate
 recurrence; Qwen3.5's DeltaNet projects q/k/v, z, beta and the decay logits with four separate linears.
 
 The training path of ``Qwen3_5GatedDeltaNet`` is `veomni.models.qwen3_next.gdn.gated_delta_net_train` (varlen
-state reset, Ulysses SP over heads); with a cache or without kernels it runs upstream's forward.
+state reset, Ulysses SP over heads); with a cache or without kernels it runs upstream's forward. The text model's
+forward (`veomni.models.qwen3_5.text_model`) derives ``cu_seq_lens_q/k`` once from rows packed by their text
+positions alone, which HF never hands to the Gated DeltaNet layers.
 
 The vision-language model (``qwen3_5``: ``Qwen3_5ForConditionalGeneration``) is Qwen3-VL's tower without deepstack
 mergers in front of this hybrid language model, with Qwen3-VL's mrope rule (``get_rope_index`` is the same), so
@@ -20,6 +22,7 @@ import torch
 from patchgen.config import PatchConfig
 from transformers import initialization as init
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    BaseModelOutputWithPast,
     Cache,
     Qwen3_5GatedDeltaNet,
     Qwen3_5RMSNorm,
@@ -40,6 +43,7 @@ from veomni.models.qwen3.patch_config import (
     mlp_forward,
     seq_cls_init,
 )
+from veomni.models.qwen3_5.text_model import text_model_layers
 from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
@@ -63,6 +67,7 @@ config.add_import(
 )
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
+config.add_import("from veomni.models.qwen3_5.text_model import text_model_layers")
 config.override_method("Qwen3_5RMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
     offset_rms_norm_forward
 )
@@ -91,6 +96,27 @@ def init_weights(self, module) -> None:
         init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
     elif isinstance(module, Qwen3_5RMSNorm):
         init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
+
+
+@config.override_method(
+    "Qwen3_5TextModel.forward",
+    description="upstream's (veomni.models.qwen3_5.text_model), with cu_seq_lens_q/k derived once from packing by "
+    "text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions",
+)
+def text_model_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> BaseModelOutputWithPast:
+    hidden_states, past_key_values = text_model_layers(
+        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
+    )
+    return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 @config.override_method(

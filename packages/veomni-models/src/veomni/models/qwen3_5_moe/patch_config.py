@@ -1,6 +1,6 @@
 """Patches Qwen3.5-MoE's upstream modeling (the text model, ``qwen3_5_moe_text``): Qwen3.5's patches (Gated DeltaNet
-training path with varlen and Ulysses SP, norms, gated attention with partial RoPE, SwiGLU) renamed onto the MoE
-module's classes, plus Qwen3-MoE's LM/aux losses and Qwen3-Next's expert-parallel plan. Routed experts go through
+training path with varlen and Ulysses SP, packing derived from position_ids alone, norms, gated attention with
+partial RoPE, SwiGLU) renamed onto the MoE module's classes, plus Qwen3-MoE's LM/aux losses and Qwen3-Next's expert-parallel plan. Routed experts go through
 HF's experts interface (``"veomni"``: ``moe_experts`` kernels, EP dispatch).
 
 The vision-language model (``qwen3_5_moe``: ``Qwen3_5MoeForConditionalGeneration``) gets Qwen3.5's vision patches
@@ -11,11 +11,19 @@ loss) and expert-parallel plans, renamed. Regenerate with ``uv run patchgen veom
 
 from __future__ import annotations
 
+import torch
 from patchgen.config import PatchConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Cache,
+    MoeModelOutputWithPast,
+    TransformersKwargs,
+    Unpack,
+)
 
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import mlp_forward
 from veomni.models.qwen3_5.patch_config import add_vision_patches, gated_delta_net_forward
+from veomni.models.qwen3_5.text_model import text_model_layers
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
@@ -40,6 +48,7 @@ config.add_import(
 )
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
+config.add_import("from veomni.models.qwen3_5.text_model import text_model_layers")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method("Qwen3_5MoeRMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
     offset_rms_norm_forward
@@ -53,6 +62,29 @@ config.override_method("Qwen3_5MoeMLP.forward", description="SwiGLU via kernels.
 config.override_method("Qwen3_5MoeAttention.forward", description="partial RoPE via rope/partial, output gate")(
     gated_attention_forward
 )
+
+
+@config.override_method(
+    "Qwen3_5MoeTextModel.forward",
+    description="Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text "
+    "positions alone, for the Gated DeltaNet layers",
+)
+def text_model_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> MoeModelOutputWithPast:
+    hidden_states, past_key_values = text_model_layers(
+        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
+    )
+    return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
 config.override_method(
     "Qwen3_5MoeGatedDeltaNet.forward",
     description="Qwen3.5's: gated_delta_net_train for training, upstream's forward with a cache",

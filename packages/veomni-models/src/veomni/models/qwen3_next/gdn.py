@@ -4,6 +4,10 @@
 Short convolution and delta rule through the instance's kernels with the packing's ``cu_seq_lens_q`` (state and
 conv window restart per document), Ulysses SP over heads (`veomni.models.qwen3_next.sp`), then the gated norm and
 ``out_proj``.
+
+HF's decoder layers hand ``position_ids`` to the attention layers only, so a row packed by its positions alone
+(``DataCollatorWithFlattening``) would reach the Gated DeltaNet layers as one document. The patched text models call
+`packing_from_positions` once per forward: it turns such positions into the ``cu_seq_lens_q/k`` every layer reads.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from torch import nn
 from transformers import initialization as init
 
 from veomni.kernels import Kernels
+from veomni.models.hf_attention_inputs import current_sp_state, packing_metadata
 from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
 
-__all__ = ["gated_delta_net_train", "init_decay_log"]
+__all__ = ["gated_delta_net_train", "init_decay_log", "packing_from_positions"]
 
 
 def init_decay_log(a_log: torch.Tensor) -> None:
@@ -33,6 +38,53 @@ def init_decay_log(a_log: torch.Tensor) -> None:
         a_log: ``[Hv]`` parameter (any float dtype; plain tensor or DTensor).
     """
     init.copy_(a_log, torch.empty_like(a_log, dtype=torch.float32).uniform_(0.01, 16).log_())
+
+
+def packing_from_positions(
+    module: nn.Module,
+    position_ids: torch.Tensor | None,
+    hidden_states: torch.Tensor,
+    past_key_values: Any,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The decoder layers' kwargs, with ``cu_seq_lens_q/k`` derived from ``position_ids`` when a row is packed by
+    its positions alone.
+
+    veomni attention finds such packing in ``position_ids`` by itself, but HF never passes them to the linear
+    attention layers, whose convolution and recurrent state would run across document boundaries. The offsets are
+    the ones veomni attention derives (`veomni.models.hf_attention_inputs.packing_metadata`, a document starts
+    wherever a position is not its predecessor + 1, rows flattened into one), computed once per forward; under
+    Ulysses SP the positions are this rank's shard, gathered over the SP group and cut to ``sp_unpadded_len``
+    as the attention does. Left unchanged: a model without kernels (upstream's code), a cache (generation runs
+    upstream's layer), explicit ``cu_seq_lens_q``, and positions with one document per row (an ordinary batch).
+
+    Args:
+        module: the text model (its ``veomni_kernels`` tell whether the patched layers run).
+        position_ids: ``[B, S]`` text positions (this rank's shard under SP), or None.
+        hidden_states: ``[B, S, D]`` input embeddings (batch and local length).
+        past_key_values: the forward's cache, or None.
+        kwargs: the forward's remaining kwargs (not modified).
+    Returns:
+        ``kwargs``, or a copy with ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32 ``[n + 1]``) added.
+    """
+    if (
+        getattr(module, "veomni_kernels", None) is None
+        or past_key_values is not None
+        or position_ids is None
+        or kwargs.get("cu_seq_lens_q") is not None
+    ):
+        return kwargs
+    batch, length = hidden_states.shape[:2]
+    state = current_sp_state()
+    group, full_len = None, None
+    if state is not None:
+        group = state.sp_group
+        unpadded = kwargs.get("sp_unpadded_len")
+        full_len = length * state.dims.sp if unpadded is None else unpadded
+    cu, _ = packing_metadata({"position_ids": position_ids}, batch, length, group=group, full_len=full_len)
+    if cu is None:
+        return kwargs
+    return {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
 
 
 def gated_delta_net_train(
@@ -53,15 +105,23 @@ def gated_delta_net_train(
         mixed_qkv: ``[B, T, 2*Hk*dk + Hv*dv]`` pre-conv channels (all q heads, all k heads, all v heads).
         z: ``[B, T, Hv, dv]`` output gate; b, a: ``[B, T, Hv]`` beta and decay logits. ``T`` is this rank's
             sequence shard under SP.
-        kwargs: the layer's forward kwargs (``cu_seq_lens_q``, ``sp_unpadded_len`` are read).
+        kwargs: the layer's forward kwargs (``cu_seq_lens_q``, ``sp_unpadded_len`` are read); ``cu_seq_lens_q``
+            covers the ``B`` rows read as one flattened row of ``B * T`` tokens (full ``T`` under SP).
     Returns:
         ``[B, T, hidden]`` in the projections' dtype.
     """
     # Under Ulysses SP: the whole sequence of this rank's heads (and their conv rows); else the layer as is.
     local = gdn_sequence_to_heads(module, mixed_qkv, b, a, kwargs.get("sp_unpadded_len"))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
+    rows, length = local.mixed_qkv.shape[:2]
+    mixed_qkv, beta_logits, decay_logits = local.mixed_qkv, local.b, local.a
+    if cu_seqlens is not None and rows > 1:
+        # HF's varlen convention (and veomni attention's): the offsets cover all rows read as one flattened row.
+        mixed_qkv, beta_logits, decay_logits = (
+            x.reshape(1, rows * length, *x.shape[2:]) for x in (mixed_qkv, beta_logits, decay_logits)
+        )
     mixed_qkv = kernels.get("causal_conv1d", "standard")(
-        local.mixed_qkv, local.conv_weight, None, activation=module.activation, cu_seqlens=cu_seqlens
+        mixed_qkv, local.conv_weight, None, activation=module.activation, cu_seqlens=cu_seqlens
     )
     num_k, num_v, dk, dv = local.num_k_heads, local.num_v_heads, module.head_k_dim, module.head_v_dim
     query, key, value = torch.split(mixed_qkv, [num_k * dk, num_k * dk, num_v * dv], dim=-1)
@@ -69,9 +129,9 @@ def gated_delta_net_train(
     query, key = query.reshape(*lead, num_k, dk), key.reshape(*lead, num_k, dk)
     value = value.reshape(*lead, num_v, dv)
     # fp32 so that exp(A_log) cannot overflow in fp16 (as upstream).
-    g = -local.a_log.float().exp() * F.softplus(local.a.float() + local.dt_bias)
+    g = -local.a_log.float().exp() * F.softplus(decay_logits.float() + local.dt_bias)
     core = kernels.get("gated_delta_rule", "chunk")(
-        query, key, value, g, local.b.sigmoid(), use_qk_l2norm=True, cu_seqlens=cu_seqlens
+        query, key, value, g, beta_logits.sigmoid(), use_qk_l2norm=True, cu_seqlens=cu_seqlens
     )
-    core = gdn_heads_to_sequence(module, core)  # [B, T, Hv, dv]
+    core = gdn_heads_to_sequence(module, core.reshape(rows, length, *core.shape[2:]))  # [B, T, Hv, dv]
     return module.out_proj(module.norm(core, z).flatten(2))

@@ -6,6 +6,10 @@ instance's kernels, packed varlen linear attention, and the expert-parallel plan
   every document of a packed row (upstream's torch fallback ignores ``cu_seqlens`` and leaks state across
   documents). Under Ulysses SP the projections are exchanged to head-sharded, whole-sequence tensors first
   (`veomni.models.qwen3_next.sp`). With a cache (generation) or without kernels it runs upstream's forward.
+- ``Qwen3NextModel.forward``: upstream's, plus rows packed by ``position_ids`` alone (HF's
+  ``DataCollatorWithFlattening``) get their ``cu_seq_lens_q/k`` derived once per forward, so the Gated DeltaNet layers
+  (which HF never hands the positions) restart per document like the attention layers
+  (`veomni.models.qwen3_next.gdn.packing_from_positions`; under SP from the gathered shards).
 - ``Qwen3NextRMSNorm`` (``1 + weight``, all fp32) via the ``rms_norm/offset`` kernel; the gated output norm via
   ``rms_norm_gated``; attention's partial RoPE (``partial_rotary_factor``) via ``rope/partial``.
 - Dense MLP / shared expert via ``swiglu``; routed experts through HF's experts interface (``"veomni"``: the
@@ -23,7 +27,9 @@ from transformers.models.qwen3_next import modeling_qwen3_next as upstream_model
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     ALL_ATTENTION_FUNCTIONS,
     Cache,
+    DynamicCache,
     FlashAttentionKwargs,
+    MoeModelOutputWithPast,
     Qwen3NextExperts,
     Qwen3NextGatedDeltaNet,
     Qwen3NextRMSNorm,
@@ -32,15 +38,16 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     Unpack,
     apply_mask_to_padding_states,
     apply_rotary_pos_emb,
+    create_recurrent_attention_mask,
     eager_attention_forward,
     init,
 )
 
 from veomni.core.ep import ExpertPlan
-from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_masks import create_causal_mask, use_veomni_masks
 from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -52,7 +59,9 @@ config = PatchConfig(
 use_veomni_masks(config, "create_causal_mask")
 config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
-config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
+config.add_import(
+    "from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions"
+)
 config.add_import("from veomni.core.ep import ExpertPlan")
 
 
@@ -165,6 +174,63 @@ def gated_attention_forward(
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = attn_output * torch.sigmoid(gate)
     return self.o_proj(attn_output), attn_weights
+
+
+@config.override_method(
+    "Qwen3NextModel.forward",
+    description="upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening "
+    "collator) so that the Gated DeltaNet layers, which never see the positions, restart per document",
+)
+def text_model_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> MoeModelOutputWithPast:
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = self.embed_tokens(input_ids)
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=self.config)
+    # Before the default positions below: positions made up here (0..S-1 per row) describe no packing.
+    kwargs = packing_from_positions(self, position_ids, inputs_embeds, past_key_values, kwargs)
+    if position_ids is None:
+        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+
+    if not isinstance(causal_mask_mapping := attention_mask, dict):
+        mask_kwargs = {
+            "config": self.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+            "position_ids": position_ids,
+        }
+        causal_mask_mapping = {
+            "full_attention": create_causal_mask(**mask_kwargs),
+            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+        }
+
+    hidden_states = inputs_embeds
+    position_embeddings = self.rotary_emb(hidden_states, position_ids)
+    for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+        hidden_states = decoder_layer(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=causal_mask_mapping[self.config.layer_types[i]],
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+    hidden_states = self.norm(hidden_states)
+    return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 @config.override_method(

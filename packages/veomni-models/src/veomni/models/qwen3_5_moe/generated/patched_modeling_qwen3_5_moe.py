@@ -10,6 +10,7 @@
 #   - override_method Qwen3_5MoeRMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3_5MoeAttention.forward: partial RoPE via rope/partial, output gate
+#   - override_method Qwen3_5MoeTextModel.forward: Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text positions alone, for the Gated DeltaNet layers
 #   - override_method Qwen3_5MoeGatedDeltaNet.forward: Qwen3.5's: gated_delta_net_train for training, upstream's forward with a cache
 #   - override_method Qwen3_5MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
 #   - override_method Qwen3_5MoePreTrainedModel._init_weights: upstream's init, the router drawn on its own module (Qwen3-Next's, renamed: transformers never visits the parameter-less sparse block upstream draws it from)
@@ -28,6 +29,7 @@
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+#   - add_import: from veomni.models.qwen3_5.text_model import text_model_layers
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 #   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
@@ -68,7 +70,7 @@ from torch import nn
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.integrations import (
     use_experts_implementation,
@@ -77,7 +79,6 @@ from transformers.integrations import (
     use_kernelized_func,
 )
 from transformers.integrations.accelerate import force_accelerate_hooks
-from transformers.masking_utils import create_recurrent_attention_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -110,12 +111,12 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
     Qwen3_5MoeTextConfig,
     Qwen3_5MoeVisionConfig,
 )
-from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet,
 )
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+from veomni.models.qwen3_5.text_model import text_model_layers
 from veomni.core.ep import ExpertPlan
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from veomni.models.kernel_hooks import apply_rope_vision
@@ -1381,6 +1382,7 @@ class Qwen3_5MoeTextModel(Qwen3_5MoePreTrainedModel):
         # Initialize weights and apply final processing
         self.post_init()
 
+    # [PATCHED] Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text positions alone, for the Gated DeltaNet layers
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
@@ -1394,66 +1396,10 @@ class Qwen3_5MoeTextModel(Qwen3_5MoePreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-
-        # the hard coded `4` is for text, temporal, height and width.
-        if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (
-                torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            )
-            position_ids = position_ids.view(1, 1, -1).expand(4, inputs_embeds.shape[0], -1)
-        elif position_ids.ndim == 2:
-            position_ids = position_ids[None, ...].expand(4, position_ids.shape[0], -1)
-
-        if position_ids.ndim == 3 and position_ids.shape[0] == 4:
-            text_position_ids = position_ids[0]
-            position_ids = position_ids[1:]
-        else:
-            text_position_ids = None
-
-        if not isinstance(causal_mask_mapping := attention_mask, dict):
-            # Prepare mask arguments
-            mask_kwargs = {
-                "config": self.config,
-                "inputs_embeds": inputs_embeds,
-                "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
-                "position_ids": text_position_ids,
-            }
-            # Create the masks
-            causal_mask_mapping = {
-                "full_attention": create_causal_mask(**mask_kwargs),
-                "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
-            }
-
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-
-        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            hidden_states = decoder_layer(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=text_position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                **kwargs,
-            )
-
-        hidden_states = self.norm(hidden_states)
-
-        return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
+        hidden_states, past_key_values = text_model_layers(
+            self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
         )
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 @auto_docstring

@@ -12,6 +12,7 @@
 #   - override_method Qwen3NextRMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
 #   - override_method Qwen3NextRMSNormGated.forward: RMSNorm(x) * silu(gate) via kernels.get('rms_norm_gated')
 #   - override_method Qwen3NextAttention.forward: partial RoPE via kernels.get('rope', 'partial'), output gate
+#   - override_method Qwen3NextModel.forward: upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document
 #   - override_method Qwen3NextGatedDeltaNet.forward: training: causal_conv1d + gated_delta_rule kernels with cu_seq_lens_q (state reset per packed document) and Ulysses SP over heads; generation (a cache) or no kernels: upstream's forward
 #   - override_method Qwen3NextForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
 #   - override_method Qwen3NextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
@@ -21,7 +22,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -83,7 +84,7 @@ from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextCon
 from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -962,6 +963,7 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
         # Initialize weights and apply final processing
         self.post_init()
 
+    # [PATCHED] upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
@@ -977,13 +979,12 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-
+        # Before the default positions below: positions made up here (0..S-1 per row) describe no packing.
+        kwargs = packing_from_positions(self, position_ids, inputs_embeds, past_key_values, kwargs)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (
@@ -992,7 +993,6 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         if not isinstance(causal_mask_mapping := attention_mask, dict):
-            # Prepare mask arguments
             mask_kwargs = {
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
@@ -1000,7 +1000,6 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
                 "past_key_values": past_key_values,
                 "position_ids": position_ids,
             }
-            # Create the masks
             causal_mask_mapping = {
                 "full_attention": create_causal_mask(**mask_kwargs),
                 "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
@@ -1008,7 +1007,6 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(
                 hidden_states,
@@ -1019,13 +1017,8 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
-
         hidden_states = self.norm(hidden_states)
-
-        return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-        )
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 def load_balancing_loss_func(
