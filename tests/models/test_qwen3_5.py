@@ -104,6 +104,21 @@ def test_packed_row_equals_documents_run_alone(moe, packing):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_packed_forward_with_the_default_use_cache_runs_the_training_path(moe):
+    # The config's use_cache=True builds a cache unless the caller says otherwise (HF's Trainer does not), and a cache
+    # sends Gated DeltaNet to upstream's generation code, which ignores the packing.
+    _, ours = build_pair(moe)
+    apply_ops(ours, OpsConfig(**EAGER_OPS))
+    assert ours.config.use_cache
+    inputs = batch(lengths=(7, 12, 5))
+    no_aux = {"output_router_logits": False} if moe else {}
+    with torch.no_grad():
+        default = ours(**inputs, **no_aux).logits
+        training = ours(**inputs, use_cache=False, **no_aux).logits
+    torch.testing.assert_close(default, training, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_fresh_init_draws_every_weight_as_upstream_does(moe):
     # Both override _init_weights (A_log drawn on its own layout, for FSDP2-sharded fresh inits): on plain tensors
     # the draws stay upstream's.

@@ -182,6 +182,25 @@ def test_rows_packed_by_position_ids_alone_equal_each_row_packed_alone():
         torch.testing.assert_close(both[0][row : row + 1], logits.logits.detach(), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("packing", ["cu_seq_lens_q", "position_ids"])
+def test_a_packed_forward_with_the_default_use_cache_runs_the_training_path(packing):
+    # The config's use_cache=True is what a forward builds a cache from unless told otherwise (HF's Trainer does not
+    # say): a cache sends Gated DeltaNet to upstream's generation code, which ignores the packing.
+    _, ours = build_pair()
+    apply_ops(ours, OpsConfig(**EAGER_OPS))
+    assert ours.config.use_cache
+    inputs = batch(lengths=(7, 12, 5))
+    extra = dict(packed_kwargs(inputs["position_ids"]) if packing == "cu_seq_lens_q" else {}, output_router_logits=False)
+    with torch.no_grad():
+        default = ours(**inputs, **extra)
+        training = ours(**inputs, use_cache=False, **extra)
+    torch.testing.assert_close(default.logits, training.logits, rtol=0, atol=0)
+    # A cache the caller passes cannot take a packed row: refused, not run across the documents.
+    cache = upstream_modeling.DynamicCache(config=ours.config)
+    with pytest.raises(ValueError, match="packed rows .* cannot run with a cache"), torch.no_grad():
+        ours(**inputs, past_key_values=cache, **{**extra, **packed_kwargs(inputs["position_ids"])})
+
+
 def test_sp_head_counts_must_divide():
     check_gdn_sp_heads(2, 4, 2)
     with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) and linear_num_value_heads \(4\) must both "
@@ -204,8 +223,8 @@ def _sp_case(ctx, lengths: tuple[int, ...], by_positions: bool = False) -> dict[
 
     kw = dict(packed_kwargs(positions), output_router_logits=False, use_cache=False)
     ref = model(input_ids=ids, position_ids=positions, **kw).logits
-    if by_positions:  # the reference keeps cu_seq_lens_q; the SP run gets each rank's slice of the positions only
-        kw = dict(output_router_logits=False, use_cache=False)
+    if by_positions:  # each rank's slice of the positions only, and the config's use_cache (HF Trainer's call)
+        kw = dict(output_router_logits=False)
     summed(ref, labels).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -5,7 +5,8 @@ recurrence; Qwen3.5's DeltaNet projects q/k/v, z, beta and the decay logits with
 The training path of ``Qwen3_5GatedDeltaNet`` is `veomni.models.qwen3_next.gdn.gated_delta_net_train` (varlen
 state reset, Ulysses SP over heads); with a cache or without kernels it runs upstream's forward. The text model's
 forward (`veomni.models.qwen3_5.text_model`) derives ``cu_seq_lens_q/k`` once from rows packed by their text
-positions alone, which HF never hands to the Gated DeltaNet layers.
+positions alone, which HF never hands to the Gated DeltaNet layers, and builds no default cache for a packed or SP
+forward (with a cache those layers run upstream's generation code).
 
 The vision-language model (``qwen3_5``: ``Qwen3_5ForConditionalGeneration``) is Qwen3-VL's tower without deepstack
 mergers in front of this hybrid language model, with Qwen3-VL's mrope rule (``get_rope_index`` is the same), so
@@ -44,7 +45,7 @@ from veomni.models.qwen3.patch_config import (
     seq_cls_init,
 )
 from veomni.models.qwen3_5.text_model import text_model_layers
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_next.patch_config import (
     gated_attention_forward,
     gated_rms_norm_forward,
@@ -66,7 +67,9 @@ config.add_import(
     "from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet"
 )
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
-config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
+config.add_import(
+    "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log"
+)
 config.add_import("from veomni.models.qwen3_5.text_model import text_model_layers")
 config.override_method("Qwen3_5RMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
     offset_rms_norm_forward
@@ -101,7 +104,8 @@ def init_weights(self, module) -> None:
 @config.override_method(
     "Qwen3_5TextModel.forward",
     description="upstream's (veomni.models.qwen3_5.text_model), with cu_seq_lens_q/k derived once from packing by "
-    "text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions",
+    "text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions; no default "
+    "cache for a packed or SP forward",
 )
 def text_model_forward(
     self,
@@ -133,6 +137,8 @@ def gated_delta_net_forward(
 ) -> torch.Tensor:
     kernels = getattr(self, "veomni_kernels", None)
     if kernels is None or cache_params is not None:
+        if kernels is not None:
+            check_cached_call(kwargs)  # upstream's cached path reads neither packing nor SP shards
         return UpstreamGatedDeltaNet.forward(
             self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
         )

@@ -1,10 +1,11 @@
 """The body of Qwen3.5's (and Qwen3.5-MoE's) text-model forward, shared by the two generated modeling files, which
 differ only in the output class they return.
 
-It is upstream's forward with one addition: rows packed by their text positions alone (HF's
-``DataCollatorWithFlattening``) get ``cu_seq_lens_q/k`` derived once per forward
-(`veomni.models.qwen3_next.gdn.packing_from_positions`). HF hands ``position_ids`` to the attention layers only, so
-without them the Gated DeltaNet layers would run their convolution and recurrent state across documents.
+It is upstream's forward with one addition (`veomni.models.qwen3_next.gdn.prepare_training_forward`): rows packed by
+their text positions alone (HF's ``DataCollatorWithFlattening``) get ``cu_seq_lens_q/k`` derived once per forward, and
+a packed or SP forward builds no default cache. HF hands ``position_ids`` to the attention layers only, and with a
+cache the Gated DeltaNet layers run upstream's generation code: either way they would run their convolution and
+recurrent state across documents.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_recurrent_attention_mask
 
 from veomni.models.hf_masks import create_causal_mask
-from veomni.models.qwen3_next.gdn import packing_from_positions
+from veomni.models.qwen3_next.gdn import prepare_training_forward
 
 __all__ = ["text_model_layers"]
 
@@ -46,9 +47,6 @@ def text_model_layers(
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
         inputs_embeds = model.embed_tokens(input_ids)
-    if use_cache and past_key_values is None:
-        past_key_values = DynamicCache(config=model.config)
-
     given = position_ids is not None  # positions made up below (0..S-1 per row) describe no packing
     if position_ids is None:
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -60,10 +58,13 @@ def text_model_layers(
         text_position_ids, position_ids = position_ids[0], position_ids[1:]
     else:
         text_position_ids = None
-    # The packing the attention layers read from the text positions, for the Gated DeltaNet layers too.
-    kwargs = packing_from_positions(
-        model, text_position_ids if given else None, inputs_embeds, past_key_values, kwargs
+    # The packing the attention layers read from the text positions, for the Gated DeltaNet layers too. The default
+    # cache comes after it (only for an unpacked forward); a fresh one is empty, so the positions above start at 0.
+    kwargs, use_cache = prepare_training_forward(
+        model, text_position_ids if given else None, inputs_embeds, past_key_values, use_cache, kwargs
     )
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=model.config)
 
     causal_mask_mapping = attention_mask
     if not isinstance(causal_mask_mapping, dict):

@@ -47,7 +47,9 @@ config.add_import(
     "from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet"
 )
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
-config.add_import("from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log")
+config.add_import(
+    "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log"
+)
 config.add_import("from veomni.models.qwen3_5.text_model import text_model_layers")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method("Qwen3_5MoeRMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
@@ -67,7 +69,7 @@ config.override_method("Qwen3_5MoeAttention.forward", description="partial RoPE 
 @config.override_method(
     "Qwen3_5MoeTextModel.forward",
     description="Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text "
-    "positions alone, for the Gated DeltaNet layers",
+    "positions alone, for the Gated DeltaNet layers; no default cache for a packed or SP forward",
 )
 def text_model_forward(
     self,

@@ -6,8 +6,10 @@ conv window restart per document), Ulysses SP over heads (`veomni.models.qwen3_n
 ``out_proj``.
 
 HF's decoder layers hand ``position_ids`` to the attention layers only, so a row packed by its positions alone
-(``DataCollatorWithFlattening``) would reach the Gated DeltaNet layers as one document. The patched text models call
-`packing_from_positions` once per forward: it turns such positions into the ``cu_seq_lens_q/k`` every layer reads.
+(``DataCollatorWithFlattening``) would reach the Gated DeltaNet layers as one document; and a forward that builds
+the config's default cache sends them to upstream's generation code. The patched text models call
+`prepare_training_forward` once per forward: it turns such positions into the ``cu_seq_lens_q/k`` every layer reads
+and keeps packed and SP forwards off the cache.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from veomni.kernels import Kernels
 from veomni.models.hf_attention_inputs import current_sp_state, packing_metadata
 from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
 
-__all__ = ["gated_delta_net_train", "init_decay_log", "packing_from_positions"]
+__all__ = ["check_cached_call", "gated_delta_net_train", "init_decay_log", "prepare_training_forward"]
 
 
 def init_decay_log(a_log: torch.Tensor) -> None:
@@ -40,51 +42,75 @@ def init_decay_log(a_log: torch.Tensor) -> None:
     init.copy_(a_log, torch.empty_like(a_log, dtype=torch.float32).uniform_(0.01, 16).log_())
 
 
-def packing_from_positions(
+def prepare_training_forward(
     module: nn.Module,
     position_ids: torch.Tensor | None,
     hidden_states: torch.Tensor,
     past_key_values: Any,
+    use_cache: bool | None,
     kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """The decoder layers' kwargs, with ``cu_seq_lens_q/k`` derived from ``position_ids`` when a row is packed by
-    its positions alone.
+) -> tuple[dict[str, Any], bool | None]:
+    """What a hybrid text model's forward hands its layers: ``(kwargs, use_cache)``, called before it builds its
+    default cache.
 
-    veomni attention finds such packing in ``position_ids`` by itself, but HF never passes them to the linear
-    attention layers, whose convolution and recurrent state would run across document boundaries. The offsets are
-    the ones veomni attention derives (`veomni.models.hf_attention_inputs.packing_metadata`, a document starts
-    wherever a position is not its predecessor + 1, rows flattened into one), computed once per forward; under
-    Ulysses SP the positions are this rank's shard, gathered over the SP group and cut to ``sp_unpadded_len``
-    as the attention does. Left unchanged: a model without kernels (upstream's code), a cache (generation runs
-    upstream's layer), explicit ``cu_seq_lens_q``, and positions with one document per row (an ordinary batch).
+    1. Rows packed by ``position_ids`` alone (HF's ``DataCollatorWithFlattening``) get ``cu_seq_lens_q/k``. veomni
+       attention finds such packing in ``position_ids`` by itself, but HF never passes them to the linear attention
+       layers, whose convolution and recurrent state would run across document boundaries. The offsets are the ones
+       veomni attention derives (`veomni.models.hf_attention_inputs.packing_metadata`: a document starts wherever a
+       position is not its predecessor + 1, rows flattened into one), computed once per forward; under Ulysses SP
+       the positions are this rank's shard, gathered over the SP group and cut to ``sp_unpadded_len`` as the
+       attention does. Positions with one document per row (an ordinary batch) add nothing.
+    2. A packed or Ulysses SP forward builds no default cache (``use_cache`` is the config's ``True`` unless the
+       caller says otherwise, and HF's Trainer does not): with a cache the Gated DeltaNet layers run upstream's
+       generation code, which reads neither the packing nor the SP shards.
+
+    Left unchanged: a model without kernels (upstream's code) and a cache passed by the caller (generation; a packed
+    or SP forward with one is refused by the layers, `check_cached_call`).
 
     Args:
         module: the text model (its ``veomni_kernels`` tell whether the patched layers run).
-        position_ids: ``[B, S]`` text positions (this rank's shard under SP), or None.
+        position_ids: ``[B, S]`` text positions given by the caller (this rank's shard under SP), or None.
         hidden_states: ``[B, S, D]`` input embeddings (batch and local length).
-        past_key_values: the forward's cache, or None.
+        past_key_values: the cache the caller passed, or None.
+        use_cache: the forward's ``use_cache``.
         kwargs: the forward's remaining kwargs (not modified).
     Returns:
-        ``kwargs``, or a copy with ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32 ``[n + 1]``) added.
+        ``kwargs`` or a copy with ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32 ``[n + 1]``) added, and
+        ``use_cache`` or False.
     """
-    if (
-        getattr(module, "veomni_kernels", None) is None
-        or past_key_values is not None
-        or position_ids is None
-        or kwargs.get("cu_seq_lens_q") is not None
-    ):
-        return kwargs
-    batch, length = hidden_states.shape[:2]
+    if getattr(module, "veomni_kernels", None) is None or past_key_values is not None:
+        return kwargs, use_cache
     state = current_sp_state()
-    group, full_len = None, None
-    if state is not None:
-        group = state.sp_group
-        unpadded = kwargs.get("sp_unpadded_len")
-        full_len = length * state.dims.sp if unpadded is None else unpadded
-    cu, _ = packing_metadata({"position_ids": position_ids}, batch, length, group=group, full_len=full_len)
-    if cu is None:
-        return kwargs
-    return {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    if position_ids is not None and kwargs.get("cu_seq_lens_q") is None:
+        batch, length = hidden_states.shape[:2]
+        group, full_len = None, None
+        if state is not None:
+            group = state.sp_group
+            unpadded = kwargs.get("sp_unpadded_len")
+            full_len = length * state.dims.sp if unpadded is None else unpadded
+        cu, _ = packing_metadata({"position_ids": position_ids}, batch, length, group=group, full_len=full_len)
+        if cu is not None:
+            kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    if kwargs.get("cu_seq_lens_q") is not None or state is not None:
+        use_cache = False
+    return kwargs, use_cache
+
+
+def check_cached_call(kwargs: Mapping[str, Any]) -> None:
+    """Refuse a Gated DeltaNet call with a cache that is packed (``cu_seq_lens_q``) or runs under Ulysses SP.
+
+    With a cache the layer runs upstream's generation code on its own input: it would carry the state from one
+    document into the next, or recur over this rank's shard alone.
+    """
+    state = current_sp_state()
+    if kwargs.get("cu_seq_lens_q") is None and state is None:
+        return
+    what = "packed rows (cu_seq_lens_q)" if state is None else f"Ulysses SP (sp={state.dims.sp})"
+    raise ValueError(
+        f"Gated DeltaNet: {what} cannot run with a cache (past_key_values): the cached path is upstream's "
+        "generation code, which would run the recurrent state across documents or over one rank's shard. Call "
+        "the model with use_cache=False and no past_key_values for training"
+    )
 
 
 def gated_delta_net_train(

@@ -8,8 +8,9 @@ instance's kernels, packed varlen linear attention, and the expert-parallel plan
   (`veomni.models.qwen3_next.sp`). With a cache (generation) or without kernels it runs upstream's forward.
 - ``Qwen3NextModel.forward``: upstream's, plus rows packed by ``position_ids`` alone (HF's
   ``DataCollatorWithFlattening``) get their ``cu_seq_lens_q/k`` derived once per forward, so the Gated DeltaNet layers
-  (which HF never hands the positions) restart per document like the attention layers
-  (`veomni.models.qwen3_next.gdn.packing_from_positions`; under SP from the gathered shards).
+  (which HF never hands the positions) restart per document like the attention layers, and a packed or SP forward
+  builds no default cache, which would send them to upstream's generation code
+  (`veomni.models.qwen3_next.gdn.prepare_training_forward`; under SP from the gathered shards).
 - ``Qwen3NextRMSNorm`` (``1 + weight``, all fp32) via the ``rms_norm/offset`` kernel; the gated output norm via
   ``rms_norm_gated``; attention's partial RoPE (``partial_rotary_factor``) via ``rope/partial``.
 - Dense MLP / shared expert via ``swiglu``; routed experts through HF's experts interface (``"veomni"``: the
@@ -47,7 +48,12 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.hf_masks import create_causal_mask, use_veomni_masks
 from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions
+from veomni.models.qwen3_next.gdn import (
+    check_cached_call,
+    gated_delta_net_train,
+    init_decay_log,
+    prepare_training_forward,
+)
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -60,7 +66,8 @@ use_veomni_masks(config, "create_causal_mask")
 config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import(
-    "from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions"
+    "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, "
+    "prepare_training_forward"
 )
 config.add_import("from veomni.core.ep import ExpertPlan")
 
@@ -179,7 +186,8 @@ def gated_attention_forward(
 @config.override_method(
     "Qwen3NextModel.forward",
     description="upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening "
-    "collator) so that the Gated DeltaNet layers, which never see the positions, restart per document",
+    "collator) so that the Gated DeltaNet layers, which never see the positions, restart per document; no default "
+    "cache for a packed or SP forward (it would send them to upstream's generation code)",
 )
 def text_model_forward(
     self,
@@ -195,10 +203,12 @@ def text_model_forward(
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
         inputs_embeds = self.embed_tokens(input_ids)
+    # The caller's positions (made-up ones below describe no packing), before the default cache is built.
+    kwargs, use_cache = prepare_training_forward(
+        self, position_ids, inputs_embeds, past_key_values, use_cache, kwargs
+    )
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache(config=self.config)
-    # Before the default positions below: positions made up here (0..S-1 per row) describe no packing.
-    kwargs = packing_from_positions(self, position_ids, inputs_embeds, past_key_values, kwargs)
     if position_ids is None:
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -247,6 +257,8 @@ def gated_delta_net_forward(
 ) -> torch.Tensor:
     kernels = getattr(self, "veomni_kernels", None)
     if kernels is None or cache_params is not None:
+        if kernels is not None:
+            check_cached_call(kwargs)  # upstream's cached path reads neither packing nor SP shards
         return upstream_modeling.Qwen3NextGatedDeltaNet.forward(
             self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
         )

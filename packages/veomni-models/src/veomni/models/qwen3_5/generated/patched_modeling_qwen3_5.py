@@ -12,7 +12,7 @@
 #   - override_method Qwen3_5Attention.forward: partial RoPE via rope/partial, output gate
 #   - override_method Qwen3_5ForCausalLM.forward: LM head + loss via lm_logits_and_loss (as Qwen3)
 #   - override_method Qwen3_5PreTrainedModel._init_weights: upstream's init with A_log drawn on its own layout (an FSDP2-sharded fresh init is a DTensor)
-#   - override_method Qwen3_5TextModel.forward: upstream's (veomni.models.qwen3_5.text_model), with cu_seq_lens_q/k derived once from packing by text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions
+#   - override_method Qwen3_5TextModel.forward: upstream's (veomni.models.qwen3_5.text_model), with cu_seq_lens_q/k derived once from packing by text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions; no default cache for a packed or SP forward
 #   - override_method Qwen3_5GatedDeltaNet.forward: training: gated_delta_net_train (conv + delta-rule kernels with cu_seq_lens_q, Ulysses SP over heads); generation (a cache) or no kernels: upstream's forward
 #   - override_method Qwen3_5VisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5VisionModel.forward: rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
@@ -26,7 +26,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 #   - add_import: from veomni.models.qwen3_5.text_model import text_model_layers
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 #   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
@@ -115,7 +115,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import (
 )
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_5.text_model import text_model_layers
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from veomni.models.kernel_hooks import apply_rope_vision
@@ -627,6 +627,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         kernels = getattr(self, "veomni_kernels", None)
         if kernels is None or cache_params is not None:
+            if kernels is not None:
+                check_cached_call(kwargs)  # upstream's cached path reads neither packing nor SP shards
             return UpstreamGatedDeltaNet.forward(
                 self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
             )
@@ -1281,7 +1283,7 @@ class Qwen3_5TextModel(Qwen3_5PreTrainedModel):
         # Initialize weights and apply final processing
         self.post_init()
 
-    # [PATCHED] upstream's (veomni.models.qwen3_5.text_model), with cu_seq_lens_q/k derived once from packing by text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions
+    # [PATCHED] upstream's (veomni.models.qwen3_5.text_model), with cu_seq_lens_q/k derived once from packing by text positions alone (HF's flattening collator): the Gated DeltaNet layers never see the positions; no default cache for a packed or SP forward
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring

@@ -10,7 +10,7 @@
 #   - override_method Qwen3_5MoeRMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3_5MoeAttention.forward: partial RoPE via rope/partial, output gate
-#   - override_method Qwen3_5MoeTextModel.forward: Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text positions alone, for the Gated DeltaNet layers
+#   - override_method Qwen3_5MoeTextModel.forward: Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text positions alone, for the Gated DeltaNet layers; no default cache for a packed or SP forward
 #   - override_method Qwen3_5MoeGatedDeltaNet.forward: Qwen3.5's: gated_delta_net_train for training, upstream's forward with a cache
 #   - override_method Qwen3_5MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
 #   - override_method Qwen3_5MoePreTrainedModel._init_weights: upstream's init, the router drawn on its own module (Qwen3-Next's, renamed: transformers never visits the parameter-less sparse block upstream draws it from)
@@ -28,7 +28,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 #   - add_import: from veomni.models.qwen3_5.text_model import text_model_layers
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
@@ -115,7 +115,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet,
 )
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log
+from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_5.text_model import text_model_layers
 from veomni.core.ep import ExpertPlan
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
@@ -627,6 +627,8 @@ class Qwen3_5MoeGatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         kernels = getattr(self, "veomni_kernels", None)
         if kernels is None or cache_params is not None:
+            if kernels is not None:
+                check_cached_call(kwargs)  # upstream's cached path reads neither packing nor SP shards
             return UpstreamGatedDeltaNet.forward(
                 self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
             )
@@ -1382,7 +1384,7 @@ class Qwen3_5MoeTextModel(Qwen3_5MoePreTrainedModel):
         # Initialize weights and apply final processing
         self.post_init()
 
-    # [PATCHED] Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text positions alone, for the Gated DeltaNet layers
+    # [PATCHED] Qwen3.5's (veomni.models.qwen3_5.text_model): cu_seq_lens_q/k derived once from packing by text positions alone, for the Gated DeltaNet layers; no default cache for a packed or SP forward
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring

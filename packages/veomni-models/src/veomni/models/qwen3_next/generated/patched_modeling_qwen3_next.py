@@ -12,7 +12,7 @@
 #   - override_method Qwen3NextRMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
 #   - override_method Qwen3NextRMSNormGated.forward: RMSNorm(x) * silu(gate) via kernels.get('rms_norm_gated')
 #   - override_method Qwen3NextAttention.forward: partial RoPE via kernels.get('rope', 'partial'), output gate
-#   - override_method Qwen3NextModel.forward: upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document
+#   - override_method Qwen3NextModel.forward: upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document; no default cache for a packed or SP forward (it would send them to upstream's generation code)
 #   - override_method Qwen3NextGatedDeltaNet.forward: training: causal_conv1d + gated_delta_rule kernels with cu_seq_lens_q (state reset per packed document) and Ulysses SP over heads; generation (a cache) or no kernels: upstream's forward
 #   - override_method Qwen3NextForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
 #   - override_method Qwen3NextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
@@ -22,7 +22,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions
+#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, prepare_training_forward
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -84,7 +84,12 @@ from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextCon
 from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.qwen3_next.gdn import gated_delta_net_train, init_decay_log, packing_from_positions
+from veomni.models.qwen3_next.gdn import (
+    check_cached_call,
+    gated_delta_net_train,
+    init_decay_log,
+    prepare_training_forward,
+)
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -720,6 +725,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         kernels = getattr(self, "veomni_kernels", None)
         if kernels is None or cache_params is not None:
+            if kernels is not None:
+                check_cached_call(kwargs)  # upstream's cached path reads neither packing nor SP shards
             return upstream_modeling.Qwen3NextGatedDeltaNet.forward(
                 self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
             )
@@ -963,7 +970,7 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
         # Initialize weights and apply final processing
         self.post_init()
 
-    # [PATCHED] upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document
+    # [PATCHED] upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document; no default cache for a packed or SP forward (it would send them to upstream's generation code)
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
@@ -981,10 +988,12 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        # The caller's positions (made-up ones below describe no packing), before the default cache is built.
+        kwargs, use_cache = prepare_training_forward(
+            self, position_ids, inputs_embeds, past_key_values, use_cache, kwargs
+        )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        # Before the default positions below: positions made up here (0..S-1 per row) describe no packing.
-        kwargs = packing_from_positions(self, position_ids, inputs_embeds, past_key_values, kwargs)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (
