@@ -22,8 +22,6 @@
 #   - override_method Qwen3_5ForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits) (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log

@@ -24,8 +24,6 @@
 #   - override_method Qwen3_5MoeForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss scaled by router_aux_loss_coef (Qwen3-VL-MoE adapter, renamed)
 #   - override_method Qwen3_5MoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts) (Qwen3-VL-MoE adapter, renamed)
 #   - override_method Qwen3_5MoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0 (Qwen3-VL-MoE adapter, renamed)
-#   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
