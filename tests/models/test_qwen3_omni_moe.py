@@ -333,3 +333,16 @@ def test_gpu_kernels_match_upstream():
     model.to(torch.bfloat16)
     for tower in (model.model.audio_tower, model.model.visual):
         assert tower.dummy_forward().dtype == torch.bfloat16
+
+
+def test_omni_task_per_token_flops_ignore_whether_the_towers_are_frozen():
+    # The towers are not counted per text token at all, so freezing them (which halves or thirds their own count)
+    # leaves the language model's term unchanged; it was once lowered by 4 FLOPs per audio-tower weight.
+    from veomni.core.freeze import freeze_modules
+    from veomni.train.loop import meta_instance
+    from veomni.train.tasks import build_task
+
+    trained = build_task("omni", meta_instance(tiny_config(), TASK))
+    probe = meta_instance(tiny_config(), TASK)
+    freeze_modules(probe, ["model.audio_tower", "model.visual"], where="test")
+    assert build_task("omni", probe).flops_per_token == trained.flops_per_token

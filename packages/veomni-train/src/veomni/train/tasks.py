@@ -330,13 +330,18 @@ class VlmTask(TextTask):
     model_task: ClassVar[str] = "image_text_to_text"
 
     @classmethod
+    def towers(cls, probe: nn.Module) -> tuple[nn.Module, ...]:
+        """The encoder towers of ``probe`` whose weights are left out of the per-token FLOPs: the vision tower."""
+        return (vision_tower(probe),)
+
+    @classmethod
     def for_model(cls, probe: nn.Module) -> VlmTask:
         visual = vision_tower(probe)
         text = text_config(probe.config)
         merge = int(probe.config.vision_config.spatial_merge_size)
         vision = vision_flops_per_patch(visual, merge)
-        # The tower's weights are counted per patch, not per text token.
-        tower = {id(p) for p in visual.parameters()}
+        # The towers' weights are counted per patch (or not yet, the audio tower's), not per text token.
+        tower = {id(p) for module in cls.towers(probe) for p in module.parameters()}
         in_tower = {name for name, p in probe.named_parameters() if id(p) in tower}
         window_layers, window = sliding_window_layers(probe.config)
         return cls(
@@ -418,21 +423,19 @@ class OmniTask(VlmTask):
     model_task: ClassVar[str] = "any_to_any"
 
     @classmethod
-    def for_model(cls, probe: nn.Module) -> OmniTask:
-        base = super().for_model(probe)
+    def towers(cls, probe: nn.Module) -> tuple[nn.Module, ...]:
+        """The vision and the audio tower of ``probe`` (left out of the per-token FLOPs)."""
         audio = getattr(getattr(probe, "model", probe), "audio_tower", None)
         if audio is None:
             raise ValueError(
                 f"model.task=omni needs an omni thinker with a `model.audio_tower`; {type(probe).__name__} has none"
             )
-        tower = sum(p.numel() for p in audio.parameters() if p.dim() >= 2)
+        return (*super().towers(probe), audio)
+
+    @classmethod
+    def for_model(cls, probe: nn.Module) -> OmniTask:
         # The omni data pipeline writes the thinker's own video layout (`veomni.train.data.omni`).
-        return attrs.evolve(
-            base,
-            flops_per_token=base.flops_per_token - 6.0 * tower,
-            thinker_config=probe.config,
-            no_video=None,
-        )
+        return attrs.evolve(super().for_model(probe), thinker_config=probe.config, no_video=None)
 
     def model_kwargs(
         self, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
