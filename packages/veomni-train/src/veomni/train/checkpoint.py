@@ -8,8 +8,8 @@ Layout of one checkpoint, ``<dir>/step_00000100/``:
     rank_00003.pt        per rank: RNG states (python, numpy, torch CPU, accelerator) and data-loader state
     hf_files/            rank 0: what the task's HF export writes beside the weights (the trained config.json,
                          generation_config.json, tokenizer, processor files), so that the offline export
-                         (`veomni.models.export.export_dcp_to_hf` on ``dcp/``) equals the in-loop one; absent for
-                         the dit task and in checkpoints written before it existed
+                         (`veomni.models.export.export_dcp_to_hf` on ``dcp/``) equals the in-loop one; for the
+                         dit task only the diffusers config.json; absent in checkpoints written before it existed
     COMPLETE             written last, atomically (write + rename), by rank 0 after every rank finished
 
 Loading is strict both ways: before any tensor is read, the checkpoint's tensor names and global shapes (DCP
