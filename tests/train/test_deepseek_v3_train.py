@@ -177,3 +177,25 @@ def test_bias_update_without_such_routers_is_refused(dist_pools, tmp_path):
     raw["optim"]["moe_bias_update_speed"] = 0.001
     kind, message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
     assert kind == "PreflightError" and "has none; set it to 0" in message
+
+
+def _overflow_loads(ctx, raw: dict) -> list[float]:
+    from veomni.models.deepseek_v3.aux_free_balance import LOAD
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    run.loss_scale.load_state_dict({"scale": 2.0**60, "finite_steps": 0})  # overflows fp16 in any backward
+    stats = train_step(run, next(iter(run.train_data)))
+    (router,) = run.balanced_routers
+    return [stats["skipped"], float(getattr(router, LOAD).sum())]
+
+
+def test_an_fp16_overflow_step_leaves_no_load_for_the_next_bias_update(dist_pools, setup, tmp_path):
+    # The overflowed step applies nothing, its router bias update included: its loads must not be added to the
+    # next step's, which would then decide the signs over two steps.
+    weights, _, _ = setup
+    raw = _recipe(str(tmp_path), weights)
+    raw["optim"]["moe_bias_update_speed"] = 0.01
+    raw["model"]["dtype"] = "float16"
+    skipped, load = dist_pools.get(1, "gloo").run(_overflow_loads, raw)[0]
+    assert skipped == 1.0 and load == 0.0

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_state import use_parallel_state
 from veomni.core.sp.real_tokens import use_real_length
-from veomni.models.deepseek_v3.aux_free_balance import update_correction_biases
+from veomni.models.deepseek_v3.aux_free_balance import reset_load_counters, update_correction_biases
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
 from veomni.train.optim import clip_and_step
@@ -138,6 +138,8 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     )
     if not stepped:  # an fp16 overflow: nothing of this step is applied, the next one runs at half the scale
         run.optimizer.zero_grad(set_to_none=run.graphs is None)
+        if run.balanced_routers:  # the bias update counts the loads of stepped steps only
+            reset_load_counters(run.balanced_routers)
         run.skipped_steps += 1
         run.overflow_steps += 1
         return {"loss": math.nan, "grad_norm": math.nan, "lr": lr, "skipped": 1.0,

@@ -66,3 +66,11 @@ def update_correction_biases(
         router.e_score_correction_bias.add_(delta.to(router.e_score_correction_bias.dtype))
         getattr(router, LOAD).zero_()
     return loads
+
+
+@torch.no_grad()
+def reset_load_counters(routers: list[nn.Module]) -> None:
+    """Zero every router's counter without updating its bias: a step that applies nothing (an fp16 overflow,
+    `veomni.train.numerics`) must not add its loads to the next step's update."""
+    for router in routers:
+        getattr(router, LOAD).zero_()
