@@ -204,3 +204,25 @@ def test_gpu_fp16_loss_scaling_with_and_without_cuda_graphs(tmp_path, ops):
         if not a["skipped"]:
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+
+
+def _diverge_with_a_save_in_flight(ctx, raw: dict) -> list[str]:
+    from veomni.train.loop import build_run, train_step
+
+    run = build_run(recipe_from_dict(raw))
+    run.loss_scale.load_state_dict({"scale": 0.5, "finite_steps": 0})  # no scaling left to take off
+    run.loss_scale.scale.fill_(2.0**40)  # ... while this backward still overflows
+    events = []
+    run.checkpoints.wait = lambda: events.append("waited")
+    try:
+        train_step(run, next(iter(run.train_data)))
+    except TrainingDivergedError:
+        events.append("diverged")
+    return events
+
+
+def test_an_fp16_divergence_lets_a_save_in_flight_finish(dist_pools, tmp_path):
+    raw = tiny_recipe(str(tmp_path), DENSE)
+    raw["model"]["dtype"] = "float16"
+    raw["model"]["config"].update(SMALL)
+    assert dist_pools.get(1, "gloo").run(_diverge_with_a_save_in_flight, raw)[0] == ["waited", "diverged"]

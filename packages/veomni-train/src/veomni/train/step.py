@@ -33,6 +33,7 @@ from veomni.core.sp.real_tokens import use_real_length
 from veomni.models.deepseek_v3.aux_free_balance import reset_load_counters, update_correction_biases
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
+from veomni.train.numerics import TrainingDivergedError
 from veomni.train.optim import clip_and_step
 from veomni.train.preflight import PreflightError
 
@@ -133,9 +134,15 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
             loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
     lr = current_lr(run)
     # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
-    grad_norm, stepped = clip_and_step(
-        run.optimizer, run.trained, run.recipe.optim.max_grad_norm, run.state, run.loss_scale
-    )
+    try:
+        grad_norm, stepped = clip_and_step(
+            run.optimizer, run.trained, run.recipe.optim.max_grad_norm, run.state, run.loss_scale
+        )
+    except TrainingDivergedError:
+        # fp16 overflowing with no scale left (every rank alike: the norm is global). A save in flight holds a
+        # state from before this step: let it finish, as the trainer's check of diverged numbers does.
+        run.checkpoints.wait()
+        raise
     if not stepped:  # an fp16 overflow: nothing of this step is applied, the next one runs at half the scale
         run.optimizer.zero_grad(set_to_none=run.graphs is None)
         if run.balanced_routers:  # the bias update counts the loads of stepped steps only
