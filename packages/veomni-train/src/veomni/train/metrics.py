@@ -20,7 +20,7 @@ checkpointing is not useful work and is not counted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 import torch
@@ -60,6 +60,24 @@ def peak_flops_of(name: str) -> float | None:
     return None
 
 
+def _matmul_elements(
+    model: nn.Module, expert_param_names: Iterable[str], expert_fraction: float
+) -> Iterator[tuple[str, nn.Parameter, float]]:
+    """Every parameter of ``model`` in registration order, with its elements that multiply activations per token:
+    0 for biases (fused per-expert ``[E, out]`` biases included: additions), norms and an untied embedding lookup
+    (when tied, the tensor counts once, as the LM head's matmul); routed experts scaled by ``expert_fraction``."""
+    experts = set(expert_param_names)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embedding is not None and head is not None and embedding.weight is head.weight
+    for name, param in model.named_parameters():
+        lookup = embedding is not None and param is embedding.weight and not tied
+        if param.dim() < 2 or name.endswith("bias") or lookup:
+            yield name, param, 0.0
+        else:
+            yield name, param, param.numel() * (expert_fraction if name in experts else 1.0)
+
+
 def active_matmul_params(
     model: nn.Module, expert_param_names: Iterable[str] = (), expert_fraction: float = 1.0
 ) -> int:
@@ -70,18 +88,7 @@ def active_matmul_params(
         expert_param_names: FQNs of fused routed-expert tensors ``[E, ...]``.
         expert_fraction: ``top_k / E`` for those tensors.
     """
-    experts = set(expert_param_names)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = embedding is not None and head is not None and embedding.weight is head.weight
-    total = 0.0
-    for name, param in model.named_parameters():
-        if param.dim() < 2 or name.endswith("bias"):  # fused per-expert biases ([E, out]) are additions
-            continue
-        if embedding is not None and param is embedding.weight and not tied:
-            continue  # a lookup; when tied, the same tensor is counted once, as the LM head's matmul
-        total += param.numel() * (expert_fraction if name in experts else 1.0)
-    return int(total)
+    return int(sum(n for _, _, n in _matmul_elements(model, expert_param_names, expert_fraction)))
 
 
 def matmul_flops_per_token(
@@ -97,19 +104,12 @@ def matmul_flops_per_token(
         expert_fraction: ``top_k / E`` for those tensors.
         counted: which parameter names to count (every parameter still decides what runs before what).
     """
-    experts = set(expert_param_names)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = embedding is not None and head is not None and embedding.weight is head.weight
     total, trained_before = 0.0, False
-    for name, param in model.named_parameters():
+    for name, param, elements in _matmul_elements(model, expert_param_names, expert_fraction):
         passes = 6.0 if param.requires_grad else (4.0 if trained_before else 2.0)
         trained_before = trained_before or param.requires_grad
-        if param.dim() < 2 or name.endswith("bias") or not counted(name):
-            continue
-        if embedding is not None and param is embedding.weight and not tied:
-            continue
-        total += passes * param.numel() * (expert_fraction if name in experts else 1.0)
+        if counted(name):
+            total += passes * elements
     return total
 
 
