@@ -201,6 +201,11 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     loaded = WanTransformer3DModel.from_pretrained(offline)
     assert loaded.config.rope_max_seq_len == 64
+    # A text task named for a DiT checkpoint is refused, not silently ignored.
+    from veomni.models.export import export_dcp_to_hf
+
+    with pytest.raises(ValueError, match=r"is a diffusers config \(WanTransformer3DModel\).*found task='causal_lm'"):
+        export_dcp_to_hf(step / "dcp", tmp_path / "refused", prefix="model.", task="causal_lm")
 
 
 def test_flops_match_torch_flop_counter():

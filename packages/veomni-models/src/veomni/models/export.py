@@ -381,7 +381,7 @@ def export_dcp_to_hf(
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    from veomni.models.registry import MODELS, DiffusersConfig
+    from veomni.models.registry import DIFFUSERS_TASK, MODELS, DiffusersConfig
 
     registry = MODELS if registry is None else registry
     dcp_path = dcp_directory(dcp_dir)
@@ -389,6 +389,12 @@ def export_dcp_to_hf(
     cfg = registry.load_config(sources.config)  # type: ignore[attr-defined]
     if isinstance(cfg, DiffusersConfig):  # a DiT's checkpoint: written as diffusers' save_pretrained writes it
         from veomni.models.export_diffusers import export_dcp_to_diffusers
+
+        if task not in (None, DIFFUSERS_TASK):
+            raise ValueError(
+                f"export_dcp_to_hf: {sources.config} is a diffusers config ({cfg.class_name}), which exports as "
+                f"task {DIFFUSERS_TASK!r}; found task={task!r} (leave it out)"
+            )
 
         return export_dcp_to_diffusers(
             dcp_path, out_dir, cfg, sources, given=config, prefix=prefix, dtype=dtype,
