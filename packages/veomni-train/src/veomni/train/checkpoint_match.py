@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 SHOWN = 8  # names listed per kind of difference in an error
 
 
+def config_dict(config: Any) -> dict[str, Any]:
+    """The model config as plain data (transformers ``to_dict``; a diffusers config's JSON values): what
+    ``trainer.pt`` saves and `check_resumable` compares."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config.values)
+
+
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not hold the state of the model (or optimizer) it is being loaded into."""
 

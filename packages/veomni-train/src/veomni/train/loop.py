@@ -28,8 +28,8 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
 from veomni.models.registry import MODELS
-from veomni.train.checkpoint import CheckpointManager, latest_complete, read_trainer_state, step_dir
-from veomni.train.checkpoint_match import check_resumable
+from veomni.train.checkpoint import CheckpointManager, latest_complete
+from veomni.train.checkpoint_match import config_dict
 from veomni.train.cuda_graphs import MicroBatchGraphs
 from veomni.train.data import (
     DataTopology,
@@ -51,7 +51,7 @@ from veomni.train.model_setup import (
     one_rank_path,
 )
 from veomni.train.numerics import DynamicLossScale, check_finite
-from veomni.train.optim import Schedule, build_adamw, build_scheduler, load_scheduler_state
+from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import (
     PreflightError,
     check_grad_accum,
@@ -64,6 +64,7 @@ from veomni.train.preflight import (
     check_warmup,
 )
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
+from veomni.train.resume import resume_run
 from veomni.train.run_log import append_jsonl, bad_rows, log_window, progress_bar, report_replaced, write_line
 from veomni.train.step import (
     check_cuda_graphs,
@@ -233,11 +234,6 @@ SETUPS: dict[str, Callable[[Recipe, ParallelState, torch.device], TaskSetup]] = 
 """Recipe ``model.task`` -> the function preparing its `TaskSetup`."""
 
 
-def config_dict(config: Any) -> dict[str, Any]:
-    """The model config as plain data (transformers ``to_dict``; a diffusers config's JSON values)."""
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config.values)
-
-
 def build_run(recipe: Recipe) -> Run:
     """Set up distributed state, check everything checkable, build data, model, optimizer, schedule and
     checkpoints; resume when asked."""
@@ -290,7 +286,7 @@ def build_run(recipe: Recipe) -> Run:
     )  # fmt: skip
     if recipe.train.cuda_graphs:
         run.graphs = make_graphs(run)
-    _maybe_resume(run)
+    resume_run(run)
     if moved := checkpoints.set_aside_newer(run.step):
         log.warning(
             "%s held checkpoints above step %d, the step this run continues from (another line of training): "
@@ -298,56 +294,6 @@ def build_run(recipe: Recipe) -> Run:
             recipe.checkpoint.dir, run.step, [p.name for p in moved],
         )  # fmt: skip
     return run
-
-
-def _maybe_resume(run: Run) -> None:
-    resume = run.recipe.checkpoint.resume
-    if resume == "never":
-        return
-    path = latest_complete(run.recipe.checkpoint.dir) if resume == "auto" else Path(resume)
-    if path is None:
-        log.info("resume=auto: no complete checkpoint under %s; starting fresh", run.recipe.checkpoint.dir)
-        return
-    check_resumable(
-        path, read_trainer_state(path), model_config=config_dict(run.config), recipe=recipe_to_dict(run.recipe)
-    )
-    trainer_state, rank_state = run.checkpoints.load(path, run.trained, run.optimizer)
-    if run.masters is not None:
-        # The loaded fp32 masters, frozen ones too, into the compute model.
-        run.masters.push(trainable_only=False)
-    load_scheduler_state(run.scheduler, trainer_state["scheduler"])
-    run.step = int(trainer_state["step"])
-    run.skipped_steps = int(trainer_state.get("skipped_steps", 0))
-    run.overflow_steps = int(trainer_state.get("overflow_steps", 0))
-    if run.loss_scale is not None:
-        if (saved_scale := trainer_state.get("loss_scale")) is not None:
-            run.loss_scale.load_state_dict(saved_scale)
-        else:  # saved by a run without fp16 compute (a changed model.dtype is allowed on resume)
-            log.warning("%s holds no fp16 loss scale: starting at %g", path, run.loss_scale.value)
-    # The data position is global (epoch, cursor), so it resumes at any DP size; see docs/train.md.
-    saved_data = trainer_state["data"]
-    saved_per_step = saved_data["dp_size"] * saved_data["grad_accum"]
-    if run.recipe.train.steps is None and saved_per_step != run.train_data.per_step:
-        # train.epochs became a step count of this run's step size, applied from step 0, while run.step counts the
-        # saved run's steps: the run would end before or after its last epoch.
-        raise PreflightError(
-            f"checkpoint {path}: train.epochs={run.recipe.train.epochs} with {run.train_data.per_step} micro-batches "
-            f"per step (dp x grad_accum), but the checkpoint's run took {saved_per_step}; its step count does not "
-            "carry over to the new step size. Set train.steps to the step this run should end at, or resume with "
-            "the saved train.tokens_per_step / tokens_per_micro_batch"
-        )
-    run.train_data.load_state_dict(saved_data)
-    if trainer_state["world_size"] != dist.get_world_size():
-        log.warning(
-            "resumed %s saved on %d ranks on %d ranks: model and optimizer were resharded by DCP, the data "
-            "position continues from the same global sample; per-rank RNG streams %s",
-            path, trainer_state["world_size"], dist.get_world_size(),
-            "were restored" if rank_state is not None else "start fresh on ranks that did not exist",
-        )  # fmt: skip
-    run.resumed_from = path
-    if path.resolve() == step_dir(Path(run.recipe.checkpoint.dir), run.step).resolve():
-        run.saved_step = run.step
-    log.info("resumed from %s at step %d", path, run.step)
 
 
 # ---------------------------------------------------------------- the job
