@@ -36,16 +36,18 @@ from veomni.kernels import KERNELS
 from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
 from veomni.train import recipe_parse
 from veomni.train.recipe_parse import RecipeError
-from veomni.train.recipe_sections import (
+from veomni.train.recipe_run_sections import (
     CheckpointSection,
-    DataSection,
     DitSection,
     LogSection,
+    OptimSection,
+    TrainSection,
+)
+from veomni.train.recipe_sections import (
+    DataSection,
     ModelSection,
     OpsSection,
-    OptimSection,
     ParallelSection,
-    TrainSection,
     _field,
     _required,
 )
