@@ -95,7 +95,8 @@ def _load_into(ctx, raw: dict, path: str) -> tuple[str, bool, bool]:
     from veomni.train.loop import build_run
 
     fresh = copy.deepcopy(raw)
-    fresh["checkpoint"]["resume"] = "never"
+    # A directory of its own: a fresh run sets aside the step directories of the one it starts in.
+    fresh["checkpoint"].update({"resume": "never", "dir": str(Path(path).parent / "fresh_run")})
     run = build_run(recipe_from_dict(fresh))
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     with pytest.raises(Exception) as info:
