@@ -9,7 +9,14 @@ import copy
 
 import pytest
 import torch
-from test_qwen3_next import EAGER_OPS, assert_fresh_init_like_upstream, assert_match, batch, run
+from test_qwen3_next import (
+    EAGER_OPS,
+    _sp_padding_mask_case,
+    assert_fresh_init_like_upstream,
+    assert_match,
+    batch,
+    run,
+)
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream_modeling
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as upstream_moe_modeling
@@ -116,6 +123,18 @@ def test_a_packed_forward_with_the_default_use_cache_runs_the_training_path(moe)
         default = ours(**inputs, **no_aux).logits
         training = ours(**inputs, use_cache=False, **no_aux).logits
     torch.testing.assert_close(default, training, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mask_form", ["local", "full"])
+def test_sp_takes_the_padding_mask_of_the_ranks_shard(dist_pools, mask_form):
+    # The shared text-model body (veomni.models.qwen3_5.text_model) builds the Gated DeltaNet mask as Qwen3-Next's
+    # forward does: a per-rank mask equals one process; a full [B, S] one (HF would cut it to the last shard on
+    # every rank, zeroing rank 0's real tokens) is refused.
+    for worst in dist_pools.get(2).run(_sp_padding_mask_case, "qwen3_5", 15, mask_form):
+        if mask_form == "local":
+            assert worst["error"] is None and worst["rel"] < 1e-5, worst
+        else:
+            assert worst["error"] is not None and "[2, 8]" in worst["error"], worst
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

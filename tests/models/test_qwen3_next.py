@@ -255,6 +255,60 @@ def test_sp_equals_single_process(dist_pools, world, by_positions):
         assert worst["grad"] <= 1.0, worst
 
 
+def _sp_padding_mask_case(ctx, family: str, length: int, mask_form: str) -> dict[str, object]:
+    """Two right-padded rows (row 1 padded at its tail, in the last shard) with an ``attention_mask``: the SP
+    forward against one process. ``mask_form``: "local" (this rank's shard), "full" (the ``[B, S]`` mask) or
+    "wrong" (a width that is neither)."""
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    group = state.sp_group
+    if family == "qwen3_next":
+        _, model = build_pair(linear_num_key_heads=4, linear_num_value_heads=8, num_key_value_heads=4)
+    else:
+        from test_qwen3_5 import build_pair as build_qwen3_5_pair  # 2 key / 4 value heads: divisible by 2
+
+        _, model = build_qwen3_5_pair()
+    apply_ops(model, OpsConfig(**EAGER_OPS))
+    model.eval()
+    # No router aux loss: it refuses a mask of another width by itself; the Gated DeltaNet layers are under test.
+    extra = {"output_router_logits": False} if family == "qwen3_next" else {}
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (2, length), generator=gen)
+    positions = torch.arange(length)[None].expand(2, -1)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, length - 3 :] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra).logits
+        given = {"local": lambda: slice_sequence(mask, 1, group), "full": lambda: mask,
+                 "wrong": lambda: mask[:, 4:]}[mask_form]()  # fmt: skip
+        with use_parallel_state(state):
+            try:
+                local = model(input_ids=slice_sequence(ids, 1, group), attention_mask=given,
+                              position_ids=slice_sequence(positions, 1, group), sp_unpadded_len=length,
+                              use_cache=False, **extra).logits  # fmt: skip
+            except ValueError as error:
+                return {"error": str(error)}
+    full = gather_sequence(local, group, dim=1, equal_sizes=True)[:, :length]
+    return {"error": None, "rel": ((full - ref).abs().max() / ref.abs().max()).item()}
+
+
+@pytest.mark.parametrize("length", [16, 15])
+def test_sp_with_a_per_rank_padding_mask_equals_single_process(dist_pools, length):
+    # Under SP every per-token input is this rank's shard, the padding mask too. 15 tokens: the shards are padded
+    # to 16 (sp_unpadded_len).
+    for worst in dist_pools.get(2).run(_sp_padding_mask_case, "qwen3_next", length, "local"):
+        assert worst["error"] is None, worst
+        assert worst["rel"] < 1e-5, worst
+
+
+@pytest.mark.parametrize("mask_form", ["full", "wrong"])
+def test_sp_refuses_a_padding_mask_that_is_not_the_ranks_shard(dist_pools, mask_form):
+    # HF's create_recurrent_attention_mask trims a [B, S] mask to its last S/P columns on every rank: row 1's tail
+    # padding zeroed the hidden states of rank 0's real tokens in every Gated DeltaNet layer, silently.
+    for worst in dist_pools.get(2).run(_sp_padding_mask_case, "qwen3_next", 16, mask_form):
+        assert worst["error"] is not None, worst
+        assert "[2, 8]" in worst["error"] and "Ulysses SP" in worst["error"], worst
+
+
 def test_per_expert_checkpoint_builds_and_exports_to_plain_transformers(tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_recurrent_attention_mask
 
 from veomni.models.hf_masks import create_causal_mask
-from veomni.models.qwen3_next.gdn import prepare_training_forward
+from veomni.models.qwen3_next.gdn import prepare_training_forward, recurrent_padding_mask
 
 __all__ = ["text_model_layers"]
 
@@ -77,7 +76,8 @@ def text_model_layers(
         }
         causal_mask_mapping = {
             "full_attention": create_causal_mask(**mask_kwargs),
-            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+            # HF's, but under SP the 2-D mask must be this rank's shard (HF would trim a full one to the last shard).
+            "linear_attention": recurrent_padding_mask(**mask_kwargs),
         }
 
     hidden_states = inputs_embeds

@@ -21,12 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.masking_utils import create_recurrent_attention_mask
 
 from veomni.kernels import Kernels
 from veomni.models.hf_attention_inputs import current_sp_state, packing_metadata
 from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
 
-__all__ = ["check_cached_call", "gated_delta_net_train", "init_decay_log", "prepare_training_forward"]
+__all__ = [
+    "check_cached_call",
+    "gated_delta_net_train",
+    "init_decay_log",
+    "prepare_training_forward",
+    "recurrent_padding_mask",
+]
 
 
 def init_decay_log(a_log: torch.Tensor) -> None:
@@ -94,6 +101,45 @@ def prepare_training_forward(
     if kwargs.get("cu_seq_lens_q") is not None or state is not None:
         use_cache = False
     return kwargs, use_cache
+
+
+def recurrent_padding_mask(
+    config: Any,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """HF's ``create_recurrent_attention_mask`` (the ``[B, S]`` padding mask the Gated DeltaNet layers multiply their
+    input by); under Ulysses SP the caller's 2-D mask must be this rank's shard.
+
+    Under SP every per-token input is the rank's shard (``input_ids``, ``position_ids``, labels; the MoE aux loss
+    refuses a mask of other width), so the mask is ``[B, S/P]`` too. HF's builder would take a full ``[B, S]`` mask
+    and keep its last ``S/P`` columns on every rank: each rank would zero its tokens where the last shard is padding,
+    silently. So any other width is refused. The mask is returned as given under SP (HF's all-ones shortcut is a host
+    sync, and it also drops the mask of a one-token shard, taking it for a decode step).
+
+    Args:
+        config, past_key_values, kwargs: as HF's builder takes them (passed on to it without SP).
+        inputs_embeds: ``[B, S_local, D]``, this rank's shard under SP.
+        attention_mask: None, a ``[B, S_local]`` padding mask (1 keeps a token), or a 4-D mask (HF's rules: None).
+    Returns:
+        ``[B, S_local]`` or None.
+    Raises:
+        ValueError: under SP, a 2-D mask whose shape is not ``[B, S_local]``.
+    """
+    state = current_sp_state()
+    if state is None or attention_mask is None or attention_mask.dim() != 2:
+        return create_recurrent_attention_mask(config, inputs_embeds, attention_mask, past_key_values, **kwargs)
+    expected = list(inputs_embeds.shape[:2])
+    if list(attention_mask.shape) != expected:
+        raise ValueError(
+            f"Gated DeltaNet under Ulysses SP (sp={state.dims.sp}): attention_mask must be this rank's shard of the "
+            f"padding mask, {expected} like its input_ids ([B, S/P]: veomni.core.sp.slice_sequence(mask, 1, "
+            f"sp_group)), got {list(attention_mask.shape)}. A full-sequence [B, S] mask would be cut to its last "
+            "S/P columns on every rank, zeroing the wrong tokens"
+        )
+    return attention_mask.contiguous()
 
 
 def check_cached_call(kwargs: Mapping[str, Any]) -> None:

@@ -39,7 +39,6 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     Unpack,
     apply_mask_to_padding_states,
     apply_rotary_pos_emb,
-    create_recurrent_attention_mask,
     eager_attention_forward,
     init,
 )
@@ -53,6 +52,7 @@ from veomni.models.qwen3_next.gdn import (
     gated_delta_net_train,
     init_decay_log,
     prepare_training_forward,
+    recurrent_padding_mask,
 )
 from veomni.models.seq_cls import seq_cls_forward
 
@@ -67,7 +67,7 @@ config.add_import("from transformers.models.qwen3_next import modeling_qwen3_nex
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import(
     "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, "
-    "prepare_training_forward"
+    "prepare_training_forward, recurrent_padding_mask"
 )
 config.add_import("from veomni.core.ep import ExpertPlan")
 
@@ -224,7 +224,8 @@ def text_model_forward(
         }
         causal_mask_mapping = {
             "full_attention": create_causal_mask(**mask_kwargs),
-            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+            # HF's, but under SP the 2-D mask must be this rank's shard (HF would trim a full one to the last shard).
+            "linear_attention": recurrent_padding_mask(**mask_kwargs),
         }
 
     hidden_states = inputs_embeds

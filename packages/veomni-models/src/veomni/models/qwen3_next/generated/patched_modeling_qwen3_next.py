@@ -22,7 +22,7 @@
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, prepare_training_forward
+#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, prepare_training_forward, recurrent_padding_mask
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -65,7 +65,6 @@ from transformers.integrations import (
     use_kernelized_func,
 )
 from transformers.integrations.accelerate import force_accelerate_hooks
-from transformers.masking_utils import create_recurrent_attention_mask
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -89,6 +88,7 @@ from veomni.models.qwen3_next.gdn import (
     gated_delta_net_train,
     init_decay_log,
     prepare_training_forward,
+    recurrent_padding_mask,
 )
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
@@ -1011,7 +1011,8 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
             }
             causal_mask_mapping = {
                 "full_attention": create_causal_mask(**mask_kwargs),
-                "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+                # HF's, but under SP the 2-D mask must be this rank's shard (HF would trim a full one to the last shard).
+                "linear_attention": recurrent_padding_mask(**mask_kwargs),
             }
 
         hidden_states = inputs_embeds
