@@ -360,3 +360,45 @@ def test_a_frozen_vision_tower_counts_its_forward_only():
     assert frozen.vision_flops_per_patch == pytest.approx(trained.vision_flops_per_patch / 3)
     # The language model's term is unchanged: the frozen tower runs before it, and it is not counted per token.
     assert frozen.flops_per_token == trained.flops_per_token
+
+
+# Qwen3.5's text model, two Gated DeltaNet layers then one full-attention layer; value heads grouped 2:1.
+HYBRID = dict(
+    model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=88, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    layer_types=["linear_attention", "linear_attention", "full_attention"],
+)  # fmt: skip
+
+
+def test_a_hybrid_counts_its_gated_delta_recurrence_per_token():
+    # The chunked delta rule multiplies activations by activations (no weight sees it): before, MFU counted a Gated
+    # DeltaNet layer by its projections alone. Per value head and token, forward 6 dk dv + 2 C (3 dk + 2 dv) at
+    # C = 64: 6*8*12 + 128*(24 + 24) = 6720; x 8 heads x 2 layers x 3 (training).
+    from veomni.train.metrics import matmul_flops_per_token
+    from veomni.train.tasks import flops_per_token
+
+    model = _meta_model(HYBRID)
+    assert flops_per_token(model) - matmul_flops_per_token(model) == 6720 * 8 * 2 * 3
+    task = TextTask.for_model(model)
+    assert task.num_layers == 1 and task.flops_per_token == flops_per_token(model)
+    assert flops_per_token(_meta_model(DENSE)) == matmul_flops_per_token(_meta_model(DENSE))  # no such layers
+
+
+def test_the_recurrence_term_matches_the_flop_counter_on_the_eager_kernel():
+    # FlopCounterMode counts the eager oracle's matmuls (K K^T, Q K^T, (Q K^T) U, and the three state products);
+    # it applies the chunk's triangular inverse by solves, which it does not count and fla multiplies out: the
+    # term's 2 C (dk + dv) per value head and token. Two full chunks, so no chunk padding is counted.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from veomni.kernels.linear_attention.eager import gated_delta_rule_eager
+    from veomni.train.tasks import GATED_DELTA_CHUNK, gated_delta_rule_flops_per_token
+
+    tokens, heads, value_heads, dk, dv, chunk = 128, 4, 8, 8, 12, GATED_DELTA_CHUNK
+    q, k = torch.randn(1, tokens, heads, dk), torch.randn(1, tokens, heads, dk)
+    v = torch.randn(1, tokens, value_heads, dv)
+    g, beta = -torch.rand(1, tokens, value_heads), torch.rand(1, tokens, value_heads)
+    with FlopCounterMode(display=False) as counter:
+        gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk)
+    forward = gated_delta_rule_flops_per_token(_meta_model(HYBRID).config) / (3 * 2 * value_heads)
+    assert counter.get_total_flops() == (forward - 2 * chunk * (dk + dv)) * value_heads * tokens

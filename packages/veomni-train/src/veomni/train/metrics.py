@@ -13,8 +13,9 @@ only: a frozen vision tower, the frozen first layers); `matmul_flops_per_token` 
 register their parameters for the order in which they run, as transformers' models define them.
 The attention term: per layer, per head and per sample of length ``s``, causal QK^T and PV cost ``2 * s**2 * D``
 forward (half of the full ``4 * s**2 * D``), and training triples the forward. Packed samples only attend
-inside themselves, so the sum runs over the samples, not the packed row. Recomputation from activation
-checkpointing is not useful work and is not counted.
+inside themselves, so the sum runs over the samples, not the packed row. A hybrid's linear-attention layers
+(Gated DeltaNet) add their recurrence's chunked matmuls per token, also x3 (`veomni.train.tasks`). Recomputation
+from activation checkpointing is not useful work and is not counted.
 """
 
 from __future__ import annotations

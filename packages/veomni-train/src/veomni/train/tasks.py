@@ -104,8 +104,8 @@ def query_width(config: PretrainedConfig) -> float:
 def attention_layers(config: PretrainedConfig) -> int:
     """Layers of the language model with full causal softmax attention (the quadratic FLOPs term): all of them,
     except the linear-attention layers of a hybrid (Gated DeltaNet's ``layer_types`` entries ``linear_attention``),
-    whose cost is linear in the length and already counted by their projections, and the sliding-window layers
-    (`sliding_window_layers`)."""
+    whose cost is linear in the length (projections, plus `gated_delta_rule_flops_per_token`), and the
+    sliding-window layers (`sliding_window_layers`)."""
     text = text_config(config)
     kinds = getattr(text, "layer_types", None) or ()
     return (
@@ -113,6 +113,33 @@ def attention_layers(config: PretrainedConfig) -> int:
         - sum(kind == "linear_attention" for kind in kinds)
         - sliding_window_layers(config)[0]
     )
+
+
+GATED_DELTA_CHUNK = 64
+"""Chunk length of the gated delta rule kernels (fla's is fixed at 64; the eager oracle's default)."""
+
+
+def gated_delta_rule_flops_per_token(config: PretrainedConfig, chunk: int = GATED_DELTA_CHUNK) -> float:
+    """Training FLOPs per token of the Gated DeltaNet recurrences (``layer_types`` entry ``linear_attention``), which
+    no weight accounts for: 3x the forward, as the attention term.
+
+    The chunked (WY) form's matmuls per value head, per chunk of ``C`` tokens, state ``S [dk, dv]``: ``K K^T`` and
+    ``Q K^T`` (``2 C**2 dk`` each), ``W = T (beta K)`` and ``U = T (beta V)`` with the chunk's triangular inverse
+    ``T`` (``2 C**2 dk``, ``2 C**2 dv``), ``(Q K^T) V_new`` (``2 C**2 dv``), and ``W S``, ``Q S``, ``K^T V_new``
+    (``2 C dk dv`` each). Per token, forward: ``6 dk dv + 2 C (3 dk + 2 dv)``. The C x C products are whole tiles
+    (the kernels mask after the product), so they count in full. Not counted: the inverse itself (``C**3 / 3``
+    per chunk, ~1.5% at C = 64, dk = dv = 128) and elementwise work (gates, l2 norm); the short convolution is
+    a weight (``conv1d``), counted with them. The eager oracle applies ``T`` by triangular solves, which
+    ``FlopCounterMode`` does not count: it sees ``6 dk dv + 2 C (2 dk + dv)``.
+    """
+    text = text_config(config)
+    kinds = list(getattr(text, "layer_types", None) or ())[: int(text.num_hidden_layers)]
+    layers = sum(kind == "linear_attention" for kind in kinds)
+    if not layers:
+        return 0.0
+    dk, dv = int(text.linear_key_head_dim), int(text.linear_value_head_dim)
+    forward = 6 * dk * dv + 2 * chunk * (3 * dk + 2 * dv)
+    return 3.0 * layers * int(text.linear_num_value_heads) * forward
 
 
 def sliding_window_layers(config: PretrainedConfig) -> tuple[int, int | None]:
@@ -127,12 +154,14 @@ def sliding_window_layers(config: PretrainedConfig) -> tuple[int, int | None]:
 def flops_per_token(probe: nn.Module, counted: Callable[[str], bool] = lambda name: True) -> float:
     """``6 * N_active`` (frozen weights less, `veomni.train.metrics.matmul_flops_per_token`): matmul FLOPs per
     trained token of ``probe`` (an unsharded or meta instance, frozen as it will train); routed expert weights count
-    ``top_k / E`` of their size. ``counted`` picks the parameter names counted (a VLM counts its tower per patch)."""
+    ``top_k / E`` of their size. ``counted`` picks the parameter names counted (a VLM counts its tower per patch).
+    A hybrid's Gated DeltaNet recurrences add `gated_delta_rule_flops_per_token`."""
     text = text_config(probe.config)
     experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None)
     fraction = text.num_experts_per_tok / experts if experts else 1.0
     expert_names = [n for n, _ in probe.named_parameters() if ".experts." in n]
-    return matmul_flops_per_token(probe, expert_names, fraction, counted)
+    recurrence = gated_delta_rule_flops_per_token(probe.config)
+    return matmul_flops_per_token(probe, expert_names, fraction, counted) + recurrence
 
 
 @attrs.frozen(kw_only=True)
