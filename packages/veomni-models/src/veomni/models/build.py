@@ -218,7 +218,7 @@ def build_model(
             block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing. MoE blocks
             compile only with ``moe_experts="torch"`` and no EP (``"auto"`` leaves others eager, ``"on"`` raises).
             Compiled blocks take the eager formulas of the defaulted fields of ``COMPILED_BLOCK_DEFAULTS``
-            (rms_norm, rope, swiglu: inductor fuses them; `OpsConfig.for_compiled_blocks`).
+            (rms_norm, rope, rope_vision, swiglu: inductor fuses them; `OpsConfig.for_compiled_blocks`).
         parallel_state: apply FSDP2 (and EP when ``ep > 1``) on its meshes; None builds a plain model.
         init_device: ``"meta"`` (construct without memory, then allocate shards) or a real device to
             construct on directly.

@@ -5,7 +5,8 @@ Layout of one checkpoint, ``<dir>/step_00000100/``:
     dcp/                 model and optimizer state (torch.distributed.checkpoint), loadable at another world size
     trainer.pt           rank 0: step counters, scheduler state, world/DP/SP/EP sizes, the resolved recipe and
                          the model config (compared with the resuming run's, see `checkpoint_match.config_diff`)
-    rank_00003.pt        per rank: RNG states (python, numpy, torch CPU, accelerator) and data-loader state
+    rank_00003.pt        per rank: RNG states (python, numpy, torch CPU, accelerator); the data position is global,
+                         in trainer.pt
     hf_files/            rank 0: what the task's HF export writes beside the weights (the trained config.json,
                          generation_config.json, tokenizer, processor files), so that the offline export
                          (`veomni.models.export.export_dcp_to_hf` on ``dcp/``) equals the in-loop one; for the
