@@ -24,7 +24,8 @@ from veomni.models.hf_attention import packed_kwargs
 from veomni.models.kernel_hooks import apply_ops
 from veomni.models.loading.quantized import QuantizedCheckpointError
 from veomni.models.registry import MODELS
-from veomni.train.tasks import TextTask, query_width
+from veomni.train.flops import query_width
+from veomni.train.tasks import TextTask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EAGER_OPS = dict(

@@ -14,9 +14,10 @@ import torch
 from test_loop import DENSE, MOE, initial_weights, tiny_recipe
 
 from veomni.core.freeze import freeze_modules
+from veomni.train.flops import query_width
 from veomni.train.optim import lr_multiplier, param_groups
 from veomni.train.recipe import RecipeError, recipe_from_dict
-from veomni.train.tasks import TextTask, build_task, query_width
+from veomni.train.tasks import TextTask, build_task
 
 FROZEN = ["model.embed_tokens", "model.layers.0.self_attn"]
 SCALED = {"model.layers.1": 0.5}
@@ -330,7 +331,7 @@ def test_frozen_weights_count_forward_and_input_gradient_only_where_needed():
     # A frozen weight computes no weight gradient: 4 FLOPs per element and token when something trained runs before
     # it (the input gradient flows through it), 2 when nothing does. Before, every weight counted 6, so freezing
     # inflated MFU.
-    from veomni.train.tasks import flops_per_token
+    from veomni.train.flops import flops_per_token
 
     full = flops_per_token(_meta_model(DENSE))
     model = _meta_model(DENSE)
@@ -375,8 +376,8 @@ def test_a_hybrid_counts_its_gated_delta_recurrence_per_token():
     # The chunked delta rule multiplies activations by activations (no weight sees it): before, MFU counted a Gated
     # DeltaNet layer by its projections alone. Per value head and token, forward 6 dk dv + 2 C (3 dk + 2 dv) at
     # C = 64: 6*8*12 + 128*(24 + 24) = 6720; x 8 heads x 2 layers x 3 (training).
+    from veomni.train.flops import flops_per_token
     from veomni.train.metrics import matmul_flops_per_token
-    from veomni.train.tasks import flops_per_token
 
     model = _meta_model(HYBRID)
     assert flops_per_token(model) - matmul_flops_per_token(model) == 6720 * 8 * 2 * 3
@@ -392,7 +393,7 @@ def test_the_recurrence_term_matches_the_flop_counter_on_the_eager_kernel():
     from torch.utils.flop_counter import FlopCounterMode
 
     from veomni.kernels.linear_attention.eager import gated_delta_rule_eager
-    from veomni.train.tasks import GATED_DELTA_CHUNK, gated_delta_rule_flops_per_token
+    from veomni.train.flops import GATED_DELTA_CHUNK, gated_delta_rule_flops_per_token
 
     tokens, heads, value_heads, dk, dv, chunk = 128, 4, 8, 8, 12, GATED_DELTA_CHUNK
     q, k = torch.randn(1, tokens, heads, dk), torch.randn(1, tokens, heads, dk)

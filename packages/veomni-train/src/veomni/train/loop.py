@@ -41,6 +41,7 @@ from veomni.train.data import (
     total_steps,
 )
 from veomni.train.dit_setup import dit_setup
+from veomni.train.flops import flops_per_token, query_width
 from veomni.train.metrics import Sinks, peak_flops
 from veomni.train.model_setup import (
     _hardware,
@@ -74,7 +75,7 @@ from veomni.train.step import (
     train_step,
     train_step_on_device,
 )
-from veomni.train.tasks import TASKS, OmniTask, Task, VlmTask, build_task, flops_per_token, query_width
+from veomni.train.tasks import TASKS, OmniTask, Task, VlmTask, build_task
 
 log = logging.getLogger("veomni.train")
 # Public names that moved to their own modules; kept importable from here.
