@@ -1,7 +1,8 @@
 """The offline export of a training checkpoint (`veomni.models.export.export_dcp_to_hf` on ``step_N/dcp``) gives what
 the in-loop export (the task's ``export``) gives: the trained config (``model.config_overrides`` included), the
 generation config and the tokenizer / processor files, which the checkpoint keeps in ``step_N/hf_files``. A
-checkpoint without that directory (written before it existed) still exports from the source config."""
+checkpoint without that directory (written before it existed) still exports from the source config. Text, VLM and
+omni (the Qwen2.5-Omni thinker of test_omni_train, with its one image-and-audio preprocessor file) runs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_loop import DENSE, initial_weights, tiny_recipe
+from test_omni_train import MELS, omni_recipe
+from test_omni_train import assets as omni_assets  # noqa: F401  (fixture)
 from test_vlm_train import initial_weights as vlm_weights
 from test_vlm_train import make_data, make_processor_dir, vlm_recipe
 
@@ -140,3 +143,37 @@ def test_offline_vlm_export_equals_the_in_loop_export_and_loads_its_processor(vl
             AutoProcessor.from_pretrained(out)
     else:
         assert type(AutoProcessor.from_pretrained(out)).__name__ == "Qwen3VLProcessor"
+
+
+@pytest.fixture(scope="module")
+def omni_run(dist_pools, omni_assets, tmp_path_factory) -> dict:  # noqa: F811
+    root = tmp_path_factory.mktemp("omni_offline")
+    raw = omni_recipe(omni_assets, str(root / "run"), steps=1)
+    export = str(root / "hf")
+    step = dist_pools.get(1, "gloo").run(_train_save_export, raw, export)[0]
+    return {"step": Path(step), "export": Path(export)}
+
+
+def test_offline_omni_export_equals_the_in_loop_export_and_loads_in_transformers(omni_run, tmp_path):
+    from transformers import (
+        AutoModelForMultimodalLM,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    out = tmp_path / "out"
+    # No --task: the omni thinker's class is inferred from the trained config in hf_files/.
+    assert export_cli([str(omni_run["step"] / "dcp"), str(out), "--prefix", "model."]) == 0
+    assert_same_export(out, omni_run["export"])
+    model, info = AutoModelForMultimodalLM.from_pretrained(out, output_loading_info=True)
+    assert isinstance(model, Qwen2_5OmniThinkerForConditionalGeneration)
+    # No missing, unexpected or mismatched key: nothing initialised at random.
+    assert not any(info.values()), info
+    # The file holds the upstream (hub) key names, which transformers renames on load and back on save: the model
+    # saved again gives the exported tensors.
+    model.save_pretrained(tmp_path / "again")
+    want, got = load_file(out / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    # The audio half of the one preprocessor file.
+    assert WhisperFeatureExtractor.from_pretrained(out).feature_size == MELS
