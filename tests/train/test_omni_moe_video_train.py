@@ -184,9 +184,30 @@ def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
     assert abs(base - loss("v0_high.mov")) > 1e-4  # the same frames, another track
 
 
+def _plain(value):
+    """A DTensor as its full tensor, a tensor as a copy (one rank: the values to compare across runs)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def _trainer_state(run) -> dict:
+    """What a resume must restore besides the weights: AdamW's per-parameter moments and step counts, and the
+    schedule's step with the groups' learning rates (a lost one shows only in the update after the resume)."""
+    return {
+        "optimizer": {
+            k: {n: _plain(v) for n, v in s.items()} for k, s in run.optimizer.state_dict()["state"].items()
+        },
+        "schedule": (run.scheduler.last_epoch, [group["lr"] for group in run.optimizer.param_groups]),
+    }
+
+
 def _resume(ctx, raw: dict, split: int) -> dict:
     """``STEPS`` steps with a checkpoint saved after ``split`` (as `train` saves mid-run), then a run resumed from
-    that checkpoint for the remaining steps."""
+    that checkpoint for the remaining steps; the optimizer and schedule state at the save and right after the resume,
+    and both runs' final weights."""
     from veomni.train.loop import _save, build_run, train_step
     from veomni.train.recipe import recipe_from_dict
 
@@ -200,13 +221,30 @@ def _resume(ctx, raw: dict, split: int) -> dict:
         losses.append(float(train_step(run, step)["loss"]))
         if k + 1 == split:
             _save(run)
+            saved = _trainer_state(run)
     resumed = copy.deepcopy(raw)
     resumed["checkpoint"]["resume"] = "auto"
     second = build_run(recipe_from_dict(resumed))
     assert second.step == split
+    restored = _trainer_state(second)
     it = iter(second.train_data)
     tail = [float(train_step(second, next(it))["loss"]) for _ in range(STEPS - split)]
-    return {"losses": losses, "resumed": tail, "videos": videos}
+    weights = [{n: _plain(p) for n, p in r.model.named_parameters()} for r in (run, second)]
+    return {"losses": losses, "resumed": tail, "videos": videos, "saved": saved, "restored": restored,
+            "weights": weights}  # fmt: skip
+
+
+def _same(want, got) -> bool:
+    """Nested dicts / lists / tuples of tensors and numbers equal bit for bit."""
+    if torch.is_tensor(want):
+        return torch.is_tensor(got) and want.dtype == got.dtype and torch.equal(want, got)
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict) and want.keys() == got.keys() and all(_same(want[k], got[k]) for k in want)
+        )
+    if isinstance(want, list | tuple):
+        return len(want) == len(got) and all(_same(a, b) for a, b in zip(want, got, strict=True))
+    return want == got
 
 
 def _steps(ctx, raw: dict) -> list[float]:
@@ -228,7 +266,15 @@ def test_trainer_runs_audio_in_video_rows_and_resumes_exactly(one_rank):
     assert one_rank["videos"] > 0
     losses = one_rank["losses"]
     assert all(math.isfinite(x) for x in losses), one_rank
-    assert one_rank["resumed"] == losses[1:]  # bitwise: same data position, RNG and optimizer state
+    assert one_rank["resumed"] == losses[1:]  # bitwise: same data position, RNG and weights
+    # The step after the resume reads only the weights; the optimizer and schedule shape its update.
+    saved, restored = one_rank["saved"], one_rank["restored"]
+    assert saved["optimizer"] and _same(saved["optimizer"], restored["optimizer"]), (
+        "optimizer state not restored"
+    )
+    assert saved["schedule"] == restored["schedule"], (saved["schedule"], restored["schedule"])
+    straight, resumed = one_rank["weights"]
+    assert _same(straight, resumed), [n for n in straight if not torch.equal(straight[n], resumed[n])]
 
 
 def test_sp2_matches_one_rank(dist_pools, assets, one_rank, tmp_path):
