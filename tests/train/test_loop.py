@@ -95,7 +95,9 @@ def _recomputed_steps(ctx, raw: dict, n: int) -> tuple[list[dict[str, float]], f
 
 
 LAYOUTS = {  # world -> [(dp_replicate, sp, ep)] ; dp_shard fills the rest
-    2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
+    # (1, 1, 1): plain FSDP, every parameter sharded over both ranks (for the MoE models without EP, so the experts
+    # are FSDP-sharded as well).
+    2: [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
     4: [(2, 2, 1), (2, 1, 2), (1, 2, 2)],
 }
 # Layouts also run with activation checkpointing: the recomputation in backward must see the same SP/EP state.
