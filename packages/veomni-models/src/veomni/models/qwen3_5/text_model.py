@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.qwen3_next.gdn import prepare_training_forward, recurrent_padding_mask
+from veomni.models.qwen3_next.decoder import run_decoder_layers
+from veomni.models.qwen3_next.gdn import prepare_training_forward
 
 __all__ = ["text_model_layers"]
 
@@ -65,31 +65,7 @@ def text_model_layers(
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache(config=model.config)
 
-    causal_mask_mapping = attention_mask
-    if not isinstance(causal_mask_mapping, dict):
-        mask_kwargs = {
-            "config": model.config,
-            "inputs_embeds": inputs_embeds,
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "position_ids": text_position_ids,
-        }
-        causal_mask_mapping = {
-            "full_attention": create_causal_mask(**mask_kwargs),
-            # HF's, but under SP the 2-D mask must be this rank's shard (HF would trim a full one to the last shard).
-            "linear_attention": recurrent_padding_mask(**mask_kwargs),
-        }
-
-    hidden_states = inputs_embeds
-    position_embeddings = model.rotary_emb(hidden_states, position_ids)
-    for i, decoder_layer in enumerate(model.layers[: model.config.num_hidden_layers]):
-        hidden_states = decoder_layer(
-            hidden_states,
-            position_embeddings=position_embeddings,
-            attention_mask=causal_mask_mapping[model.config.layer_types[i]],
-            position_ids=text_position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            **kwargs,
-        )
+    hidden_states = run_decoder_layers(
+        model, inputs_embeds, attention_mask, past_key_values, position_ids, text_position_ids, use_cache, kwargs
+    )
     return model.norm(hidden_states), past_key_values

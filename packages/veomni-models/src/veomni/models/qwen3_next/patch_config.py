@@ -44,15 +44,14 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from veomni.core.ep import ExpertPlan
-from veomni.models.hf_masks import create_causal_mask, use_veomni_masks
 from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
+from veomni.models.qwen3_next.decoder import run_decoder_layers
 from veomni.models.qwen3_next.gdn import (
     check_cached_call,
     gated_delta_net_train,
     init_decay_log,
     prepare_training_forward,
-    recurrent_padding_mask,
 )
 from veomni.models.seq_cls import seq_cls_forward
 
@@ -62,13 +61,13 @@ config = PatchConfig(
     description="Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses "
     "dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism",
 )
-use_veomni_masks(config, "create_causal_mask")
 config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import(
     "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, "
-    "prepare_training_forward, recurrent_padding_mask"
+    "prepare_training_forward"
 )
+config.add_import("from veomni.models.qwen3_next.decoder import run_decoder_layers")
 config.add_import("from veomni.core.ep import ExpertPlan")
 
 
@@ -214,32 +213,9 @@ def text_model_forward(
         position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
         position_ids = position_ids.unsqueeze(0)
 
-    if not isinstance(causal_mask_mapping := attention_mask, dict):
-        mask_kwargs = {
-            "config": self.config,
-            "inputs_embeds": inputs_embeds,
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "position_ids": position_ids,
-        }
-        causal_mask_mapping = {
-            "full_attention": create_causal_mask(**mask_kwargs),
-            # HF's, but under SP the 2-D mask must be this rank's shard (HF would trim a full one to the last shard).
-            "linear_attention": recurrent_padding_mask(**mask_kwargs),
-        }
-
-    hidden_states = inputs_embeds
-    position_embeddings = self.rotary_emb(hidden_states, position_ids)
-    for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-        hidden_states = decoder_layer(
-            hidden_states,
-            position_embeddings=position_embeddings,
-            attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            **kwargs,
-        )
+    hidden_states = run_decoder_layers(
+        self, inputs_embeds, attention_mask, past_key_values, position_ids, position_ids, use_cache, kwargs
+    )
     hidden_states = self.norm(hidden_states)
     return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 

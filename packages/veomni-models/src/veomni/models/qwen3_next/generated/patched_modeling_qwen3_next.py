@@ -18,11 +18,10 @@
 #   - override_method Qwen3NextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3NextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - override_method Qwen3NextForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
-#   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, prepare_training_forward, recurrent_padding_mask
+#   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, prepare_training_forward
+#   - add_import: from veomni.models.qwen3_next.decoder import run_decoder_layers
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -80,7 +79,6 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-from veomni.models.hf_masks import create_causal_mask
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.qwen3_next.gdn import (
@@ -88,8 +86,8 @@ from veomni.models.qwen3_next.gdn import (
     gated_delta_net_train,
     init_decay_log,
     prepare_training_forward,
-    recurrent_padding_mask,
 )
+from veomni.models.qwen3_next.decoder import run_decoder_layers
 from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -1001,32 +999,16 @@ class Qwen3NextModel(Qwen3NextPreTrainedModel):
             )
             position_ids = position_ids.unsqueeze(0)
 
-        if not isinstance(causal_mask_mapping := attention_mask, dict):
-            mask_kwargs = {
-                "config": self.config,
-                "inputs_embeds": inputs_embeds,
-                "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
-                "position_ids": position_ids,
-            }
-            causal_mask_mapping = {
-                "full_attention": create_causal_mask(**mask_kwargs),
-                # HF's, but under SP the 2-D mask must be this rank's shard (HF would trim a full one to the last shard).
-                "linear_attention": recurrent_padding_mask(**mask_kwargs),
-            }
-
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            hidden_states = decoder_layer(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                **kwargs,
-            )
+        hidden_states = run_decoder_layers(
+            self,
+            inputs_embeds,
+            attention_mask,
+            past_key_values,
+            position_ids,
+            position_ids,
+            use_cache,
+            kwargs,
+        )
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
