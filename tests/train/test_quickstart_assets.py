@@ -29,7 +29,6 @@ def test_assets_are_what_the_script_writes(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     committed, fresh = files(QUICKSTART), files(tmp_path)
