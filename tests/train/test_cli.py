@@ -3,6 +3,8 @@ errors exit 2 with the reason, and veomni-doctor reports the kernel backends."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from veomni.train.cli import main
@@ -130,3 +132,12 @@ def test_a_diverged_run_exits_1_naming_the_step_without_a_traceback(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 1
     assert "TrainingDivergedError: step 2 diverged" in err and "Traceback" not in err
+    # The metrics file stays strict JSON: the diverged step's NaN is the string "NaN", not a bare token.
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"bare {token} in metrics.jsonl")
+
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    diverged = [r for r in records if r.get("diverged")]
+    assert len(diverged) == 1 and "NaN" in (diverged[0]["loss"], diverged[0]["grad_norm"])

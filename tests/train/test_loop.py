@@ -195,6 +195,13 @@ def test_quickstart_trains_saves_and_exports(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step " in result.stdout and "lr " in result.stdout
+    # Redirected output (not a terminal): no progress-bar redraws, and each metric line carries the wall-clock
+    # time, the elapsed time and the ETA instead.
+    assert "\r" not in result.stderr and "\r" not in result.stdout
+    metric_lines = [line for line in result.stdout.splitlines() if " | grad " in line]
+    assert metric_lines
+    for line in metric_lines:
+        assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] step \d+/\d+ \| .* \| elapsed \w+ \| eta \w+", line), line
     first, last = (
         float(x) for x in re.search(r"done: \d+ steps, loss (\S+) -> (\S+)", result.stdout).groups()
     )

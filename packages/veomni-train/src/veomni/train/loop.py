@@ -66,7 +66,15 @@ from veomni.train.preflight import (
 )
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.resume import resume_run
-from veomni.train.run_log import append_jsonl, bad_rows, log_window, progress_bar, report_replaced, write_line
+from veomni.train.run_log import (
+    RunClock,
+    append_jsonl,
+    bad_rows,
+    log_window,
+    progress_bar,
+    report_replaced,
+    write_line,
+)
 from veomni.train.step import (
     check_cuda_graphs,
     evaluate,
@@ -355,6 +363,7 @@ def train(
     history: dict[str, Any] = {"loss": [], "eval": [], "exports": [], "skipped": []}
     peak = peak_flops(run.device)
     progress = progress_bar(run, rank0)
+    clock = RunClock(run.step, run.total_steps)
     # Steps run without a host sync: their loss and grad norm stay on the device until the window is read, once
     # per log interval (and before an eval, a checkpoint or the end), so the host queues the next step's work
     # while the GPU finishes this one. Window seconds are wall time between reads (each read syncs).
@@ -389,53 +398,56 @@ def train(
                 on_step(number, stats)
         pending = []
 
-    data_iter = iter(run.train_data)
-    while run.step < run.total_steps:
-        t0 = time.perf_counter()
-        if not pending:
-            read_start = t0  # evals and checkpoints between windows are not step time
-        step = next(data_iter)
-        t_data = time.perf_counter() - t0
-        stats = train_step_on_device(run, step)
-        flops = 0.0 if stats["skipped"] else run.task.step_flops(step)
-        pending.append((run.step, stats, t_data, step.tokens, flops))
+    # The bar is closed however the loop ends, so an error is printed on a line of its own, not after the bar.
+    try:
+        data_iter = iter(run.train_data)
+        while run.step < run.total_steps:
+            t0 = time.perf_counter()
+            if not pending:
+                read_start = t0  # evals and checkpoints between windows are not step time
+            step = next(data_iter)
+            t_data = time.perf_counter() - t0
+            stats = train_step_on_device(run, step)
+            flops = 0.0 if stats["skipped"] else run.task.step_flops(step)
+            pending.append((run.step, stats, t_data, step.tokens, flops))
+            if progress is not None:
+                progress.update(1)
+            # The last step is evaluated too: the finished model is the one saved and exported, and an interval longer
+            # than the run would otherwise leave the eval data unused without a word.
+            evaluating = bool(
+                run.eval_data is not None
+                and recipe.train.eval_interval
+                and (run.step % recipe.train.eval_interval == 0 or run.step == run.total_steps)
+            )
+            saving = bool(recipe.checkpoint.interval and run.step % recipe.checkpoint.interval == 0)
+            exporting = bool(
+                recipe.checkpoint.hf_export_interval and run.step % recipe.checkpoint.hf_export_interval == 0
+            )
+            logging_now = run.step % recipe.train.log_interval == 0 or run.step == run.total_steps
+            # Evals, saves and exports are not step time: the steps before them are read (timed) first.
+            if logging_now or evaluating or saving or exporting:
+                read_pending()
+            if logging_now:
+                log_window(run, window, peak, sinks, progress, clock)
+                window = []
+            if evaluating:
+                result = evaluate(run)
+                history["eval"].append({"step": run.step, **result})
+                if rank0:
+                    append_jsonl(metrics_file, {"step": run.step, **result})
+                sinks.write(run.step, result)
+                if rank0 and recipe.log.console:
+                    write_line(
+                        progress,
+                        f"eval step {run.step} | loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f}",
+                    )
+            if saving:
+                _save(run)
+            if exporting:
+                history["exports"].append(str(_export(run, f"hf_step_{run.step:08d}")))
+    finally:
         if progress is not None:
-            progress.update(1)
-        # The last step is evaluated too: the finished model is the one saved and exported, and an interval longer
-        # than the run would otherwise leave the eval data unused without a word.
-        evaluating = bool(
-            run.eval_data is not None
-            and recipe.train.eval_interval
-            and (run.step % recipe.train.eval_interval == 0 or run.step == run.total_steps)
-        )
-        saving = bool(recipe.checkpoint.interval and run.step % recipe.checkpoint.interval == 0)
-        exporting = bool(
-            recipe.checkpoint.hf_export_interval and run.step % recipe.checkpoint.hf_export_interval == 0
-        )
-        logging_now = run.step % recipe.train.log_interval == 0 or run.step == run.total_steps
-        # Evals, saves and exports are not step time: the steps before them are read (timed) first.
-        if logging_now or evaluating or saving or exporting:
-            read_pending()
-        if logging_now:
-            log_window(run, window, peak, sinks, progress)
-            window = []
-        if evaluating:
-            result = evaluate(run)
-            history["eval"].append({"step": run.step, **result})
-            if rank0:
-                append_jsonl(metrics_file, {"step": run.step, **result})
-            sinks.write(run.step, result)
-            if rank0 and recipe.log.console:
-                write_line(
-                    progress,
-                    f"eval step {run.step} | loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f}",
-                )
-        if saving:
-            _save(run)
-        if exporting:
-            history["exports"].append(str(_export(run, f"hf_step_{run.step:08d}")))
-    if progress is not None:
-        progress.close()
+            progress.close()
     if run.skipped_steps and rank0:
         log.warning(
             "%d of %d steps were skipped (no optimizer or schedule step): %d held no trained token, %d overflowed "

@@ -141,10 +141,23 @@ class StepMetrics:
     peak_memory_gib: float | None
     data_wait_fraction: float
     skipped: int = 0
+    elapsed_s: float | None = None
+    eta_s: float | None = None
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: short enough for a log line, exact enough to plan by."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def console_line(m: StepMetrics) -> str:
-    """``step 10/100 | loss 2.3456 | grad 1.234 | lr 3.00e-04 | tok/s/dev 12,345 | mfu 41.2% | mem 3.1 GiB | data 1.2%``"""
+    """``step 10/100 | loss 2.3456 | grad 1.234 | lr 3.00e-04 | tok/s/dev 12,345 | mfu 41.2% | mem 3.1 GiB | data 1.2%
+    | elapsed 1m05s | eta 9m45s`` (elapsed and ETA where the loop gives them)."""
     parts = [
         f"step {m.step}/{m.total_steps}",
         f"loss {m.loss:.4f}",
@@ -155,6 +168,10 @@ def console_line(m: StepMetrics) -> str:
         f"mem {m.peak_memory_gib:.1f} GiB" if m.peak_memory_gib is not None else "mem n/a",
         f"data {m.data_wait_fraction * 100:.1f}%",
     ]
+    if m.elapsed_s is not None:
+        parts.append(f"elapsed {format_duration(m.elapsed_s)}")
+    if m.eta_s is not None:
+        parts.append(f"eta {format_duration(m.eta_s)}")
     if m.skipped:
         parts.append(f"skipped {m.skipped} (no trained token or fp16 overflow)")
     return " | ".join(parts)

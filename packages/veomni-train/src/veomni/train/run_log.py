@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +46,50 @@ def report_replaced(run: Run, metrics_file: Path | None) -> None:
             )
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float written as the string JSON readers know from JavaScript (``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"``): a bare ``NaN`` token is not JSON, and a diverged step must stay readable."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item) for item in value]
+    return value
+
+
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` to the metrics file ``path`` as one JSON line."""
+    """Append ``record`` to the metrics file ``path`` as one strict JSON line (non-finite floats as strings)."""
+    line = json.dumps(_json_safe(record), allow_nan=False)
     with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(line + "\n")
+
+
+class RunClock:
+    """Wall time since the loop started and the ETA of the remaining steps at the rate seen so far (evals, saves
+    and exports included: they are part of what the user waits for)."""
+
+    def __init__(self, first_step: int, total_steps: int) -> None:
+        self.started = time.perf_counter()
+        self.first_step = first_step
+        self.total_steps = total_steps
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left after ``step``, or None before the first step of this process has run."""
+        done = step - self.first_step
+        if done <= 0:
+            return None
+        return self.elapsed() / done * (self.total_steps - step)
 
 
 def progress_bar(run: Run, rank0: bool):
-    """A tqdm bar over the run's steps on rank 0 (starting at a resumed step), None elsewhere."""
-    if not rank0:
+    """A tqdm bar over the run's steps on rank 0 (starting at a resumed step) when stderr is a terminal; None
+    elsewhere. Redirected to a file or a pipe, a bar's carriage-return redraws pile up into one long line (a VLM
+    run left a 31 KB line of 504 redraws): there the metric lines, with elapsed time and ETA, are the progress."""
+    if not rank0 or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
@@ -61,25 +99,31 @@ def progress_bar(run: Run, rank0: bool):
 
 
 def write_line(progress, line: str) -> None:
-    """Print ``line`` above the progress bar (or plainly without one)."""
+    """Print ``line``, stamped with the wall-clock time as the log records are, above the progress bar (or plainly
+    without one)."""
+    line = f"[{time.strftime('%H:%M:%S')}] {line}"
     if progress is not None:
         progress.write(line)
     else:
         print(line, flush=True)
 
 
-def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progress) -> None:
+def log_window(
+    run: Run, window: list, peak: float | None, sinks: Sinks, progress, clock: RunClock | None = None
+) -> None:
     """Report the steps since the last report: mean loss, throughput, MFU (with the device's ``peak`` FLOP/s),
     data-wait share and memory, to the console (rank 0) and the metric sinks. ``window`` holds one
     ``(stats, seconds, data_wait_seconds, tokens, flops, skipped)`` per step; steps without a trained token or
     with an fp16 overflow (``skipped``) count as skipped. A trained step whose loss is NaN (diverged; the trainer
-    stops on it, `veomni.train.numerics`) is a trained step: its NaN reaches the line, never disguised as skipped."""
+    stops on it, `veomni.train.numerics`) is a trained step: its NaN reaches the line, never disguised as skipped.
+    ``clock`` adds the elapsed time and the ETA to the console line."""
     trained = [w for w in window if not w[5]]
     skipped = len(window) - len(trained)
     if not trained:
         if skipped and dist.get_rank() == 0 and run.recipe.log.console:
             write_line(
-                progress, f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token or fp16 overflow)"
+                progress,
+                f"step {run.step}/{run.total_steps} | skipped {skipped} (no trained token or fp16 overflow)",
             )
         return
     world = run.state.dims.world_size
@@ -92,6 +136,7 @@ def log_window(run: Run, window: list, peak: float | None, sinks: Sinks, progres
         grad_norm=last["grad_norm"], lr=last["lr"], tokens_per_s_per_device=tokens / seconds / world,
         mfu=(flops / seconds / world / peak) if peak else None, peak_memory_gib=window_peak_memory_gib(run.device),
         data_wait_fraction=sum(w[2] for w in window) / seconds, skipped=skipped,
+        elapsed_s=None if clock is None else clock.elapsed(), eta_s=None if clock is None else clock.eta(run.step),
     )  # fmt: skip
     if dist.get_rank() == 0:
         if run.recipe.log.console:
