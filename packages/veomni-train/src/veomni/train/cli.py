@@ -51,9 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     from veomni.train.loop import train
     from veomni.train.numerics import TrainingDivergedError
     from veomni.train.preflight import PreflightError
+    from veomni.train.stop_signals import TrainingStopped
 
     try:
         result = train(recipe)
+    except TrainingStopped as stopped:
+        if rank == 0:
+            print(f"veomni-train: {stopped}", file=sys.stderr)
+        _close_process_group()
+        return stopped.exit_code
+    except KeyboardInterrupt:
+        # Asked twice (or before the loop began): nothing more is written; a save cut short has no COMPLETE
+        # marker, so resume=auto skips it. The process group is left alone: a peer may be gone already.
+        print("veomni-train: interrupted: stopped at once, nothing saved for the current step", file=sys.stderr)
+        return 130
     except (PreflightError, DataError, CheckpointMismatchError, CheckpointFileError) as err:
         # Bad input, explained by the message itself: no traceback to wade through.
         where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

@@ -83,6 +83,7 @@ from veomni.train.step import (
     train_step,
     train_step_on_device,
 )
+from veomni.train.stop_signals import StopRequests, TrainingStopped, cpu_group
 from veomni.train.tasks import TASKS, OmniTask, Task, VlmTask, build_task
 
 log = logging.getLogger("veomni.train")
@@ -333,6 +334,16 @@ def _export(run: Run, name: str) -> Path:
     return out
 
 
+def _stop_on_signal(run: Run, signal_name: str, read_pending: Callable[[], None]) -> None:
+    """Save this step (unless saved already), wait for every write, then raise `TrainingStopped`."""
+    read_pending()  # the steps trained so far reach metrics.jsonl
+    if run.saved_step != run.step:
+        _save(run)
+    run.checkpoints.wait()
+    newest = latest_complete(run.recipe.checkpoint.dir)
+    raise TrainingStopped(signal_name, run.step, None if newest is None else str(newest))
+
+
 def train(
     recipe: Recipe, *, on_step: Callable[[int, dict[str, float]], None] | None = None
 ) -> dict[str, Any]:
@@ -398,8 +409,13 @@ def train(
                 on_step(number, stats)
         pending = []
 
+    # Signals stop the run at a step boundary with a saved state; the ranks agree on the boundary (a CPU
+    # all-reduce per step, which never waits for the GPU).
+    stop = StopRequests(cpu_group()) if recipe.checkpoint.save_on_signal else None
     # The bar is closed however the loop ends, so an error is printed on a line of its own, not after the bar.
     try:
+        if stop is not None:
+            stop.install()
         data_iter = iter(run.train_data)
         while run.step < run.total_steps:
             t0 = time.perf_counter()
@@ -445,7 +461,11 @@ def train(
                 _save(run)
             if exporting:
                 history["exports"].append(str(_export(run, f"hf_step_{run.step:08d}")))
+            if stop is not None and (signal_name := stop.agreed()) is not None:
+                _stop_on_signal(run, signal_name, read_pending)
     finally:
+        if stop is not None:
+            stop.restore()
         if progress is not None:
             progress.close()
     if run.skipped_steps and rank0:

@@ -161,6 +161,11 @@ class CheckpointSection:
     async_save: bool = _field(False, "write checkpoints in the background while training continues")
     hf_export: bool = _field(True, "export HF safetensors (with config and tokenizer) after the last step")
     hf_export_interval: int | None = _field(None, "also export HF safetensors every this many steps")
+    save_on_signal: bool = _field(
+        True,
+        "on SIGINT (Ctrl-C), SIGTERM or SIGUSR1 save a complete checkpoint at the next step boundary and exit "
+        "(128 + the signal's number); the same SIGINT/SIGTERM again exits at once. False: signals act as usual",
+    )
 
     def __attrs_post_init__(self) -> None:
         for name in ("interval", "keep_last", "hf_export_interval"):

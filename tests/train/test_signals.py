@@ -1,0 +1,115 @@
+"""Signals stop a run cleanly: the first saves a complete checkpoint at the next step boundary (every rank agrees
+on it), the same signal again stops at once without a checkpoint marked complete. Real subprocesses, real
+signals, a real two-rank gloo group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from veomni.train.checkpoint import latest_complete
+from veomni.train.stop_signals import StopRequests
+
+LONG_RUN = [
+    "quickstart", "--train.steps=100000", "--train.epochs=null", "--train.log_interval=1",
+    "--train.eval_interval=null", "--data.eval_files=[]", "--checkpoint.hf_export=false",
+]  # fmt: skip
+
+
+def test_the_first_signal_only_asks_and_the_same_one_again_interrupts():
+    with StopRequests(group=None) as stop:
+        assert stop.agreed() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGUSR1)  # another kind of signal does not escalate
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handlers are back
+
+
+def _start(run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "veomni.train.cli", *LONG_RUN, f"--checkpoint.dir={run_dir}", *extra]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
+
+
+def _wait_for_trained_steps(run_dir: Path, procs: list[subprocess.Popen], steps: int) -> None:
+    """Until metrics.jsonl holds `steps` trained steps (no time limit: a dead process ends the wait instead)."""
+    metrics = run_dir / "metrics.jsonl"
+    while True:
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, f"a run ended before it was signalled: {dead[0].communicate()[1][-3000:]}"
+        if metrics.is_file():
+            trained = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+            if len(trained) >= steps:
+                return
+        time.sleep(0.2)
+
+
+def test_sigterm_saves_a_complete_checkpoint_exits_143_and_the_run_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_trained_steps(run_dir, [proc], 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    assert "veomni-train: SIGTERM: saving a checkpoint at the next step boundary; SIGTERM again stops" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("veomni-train: stopped on SIGTERM after step ") and "checkpoint.resume=auto" in last
+    saved = latest_complete(run_dir)
+    step = int(saved.name.removeprefix("step_"))
+    assert f"after step {step}: saved {saved}" in last and step >= 2
+    # Every trained step reached metrics.jsonl before the exit.
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(logged) == step
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "veomni.train.cli", *LONG_RUN, f"--checkpoint.dir={run_dir}",
+         "--checkpoint.resume=auto", f"--train.steps={step + 2}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "done: 2 steps" in resumed.stdout
+
+
+def test_ctrl_c_with_save_on_signal_off_stops_at_once_in_one_line(tmp_path):
+    """The "stop now" path (what a second Ctrl-C raises): one line, exit 130, no checkpoint marked complete."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint.save_on_signal=false")
+    _wait_for_trained_steps(run_dir, [proc], 1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("veomni-train: interrupted: stopped at once")
+    assert latest_complete(run_dir) is None
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    run_dir = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [
+        _start(run_dir, env={**common, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
+        for r in range(2)
+    ]
+    _wait_for_trained_steps(run_dir, procs, 2)
+    procs[1].send_signal(signal.SIGUSR1)
+    errs = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [138, 138], [e[-2000:] for e in errs]
+    assert not any("Traceback" in e for e in errs)
+    assert errs[0].strip().splitlines()[-1].startswith("veomni-train: stopped on SIGUSR1 after step ")
+    saved = latest_complete(run_dir)
+    assert saved is not None and (saved / "rank_00000.pt").is_file() and (saved / "rank_00001.pt").is_file()
