@@ -89,6 +89,7 @@ class JsonlFile:
     def __init__(self, path: str) -> None:
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such data file")
+        _check_text_file(path)
         self.path = path
         offsets, lines = [], []
         with open(path, "rb") as f:
@@ -126,6 +127,28 @@ class JsonlFile:
         if not isinstance(value, dict):
             raise DataError(f"{self.ref(row)}: expected a JSON object, found {type(value).__name__}")
         return value
+
+
+def _check_text_file(path: str) -> None:
+    """Refuse a binary file read as jsonl as a whole, before its first line is taken for a bad row."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PAR1"):
+        found = "a parquet file (it starts with parquet's magic bytes PAR1)"
+    elif b"\0" in head:
+        found = "binary data (NUL bytes in its first 4 KiB)"
+    else:
+        try:
+            head.decode("utf-8")
+            return
+        except UnicodeDecodeError as err:
+            if err.start >= len(head) - 3:  # a multi-byte character cut by the 4 KiB window
+                return
+            found = f"bytes that are not UTF-8 text (offset {err.start})"
+    raise DataError(
+        f"{path}: read as jsonl (data.format), but the file holds {found}; set data.format: auto to decide by "
+        "extension, or the format the file really has"
+    )
 
 
 class ParquetFile:
