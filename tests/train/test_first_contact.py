@@ -3,8 +3,15 @@ whole-file mistake is one line about the file, not a row-level hint that leads n
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from data_helpers import write_parquet
 
 from veomni.train.cli import main
@@ -38,3 +45,89 @@ def test_a_parquet_file_read_as_jsonl_is_one_line_about_the_file(tmp_path, capsy
     assert code == 2
     assert f"{data}: read as jsonl (data.format), but the file holds a parquet file" in err
     assert "on_bad_row" not in err and "line 1" not in err and "Traceback" not in err
+
+
+def _run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # A subprocess: huggingface_hub reads HF_HUB_OFFLINE and HF_HUB_CACHE when it is imported.
+    return subprocess.run(
+        [sys.executable, "-m", "veomni.train.cli", *args], capture_output=True, text=True,
+        env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def _cached_snapshot(cache: Path, repo_id: str) -> Path:
+    """A Hub cache entry as huggingface_hub writes it: refs/main -> snapshots/<commit>/ (a tiny Qwen3 with the
+    quickstart tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_id=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(snapshot)
+    for f in (ASSETS_DIR / "quickstart" / "tokenizer").iterdir():
+        shutil.copy(f, snapshot / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_model_weights_by_hub_id_come_from_the_hub_cache(tmp_path):
+    cache = tmp_path / "hub"
+    _cached_snapshot(cache, "veomni-test/tiny-qwen3")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    result = _run_cli(
+        "quickstart", "--model.weights=veomni-test/tiny-qwen3", "--model.config=null", "--model.tokenizer=null",
+        f"--checkpoint.dir={tmp_path / 'run'}", *SHORT, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 2 steps" in result.stdout
+    # The saved recipe names the id, not the cache directory it resolved to.
+    assert "weights: veomni-test/tiny-qwen3" in (tmp_path / "run" / "recipe.yaml").read_text()
+
+    missing = _run_cli(
+        "quickstart", "--model.weights=veomni-test/not-cached", "--model.config=null", "--model.tokenizer=null",
+        f"--checkpoint.dir={tmp_path / 'run2'}", *SHORT, env=env,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "Traceback" not in missing.stderr
+    assert (
+        "model.weights: 'veomni-test/not-cached' is not a local path and reads as a Hugging Face Hub id, but it is "
+        "not in the local cache and the Hub cannot be reached" in missing.stderr
+    )
+
+
+def test_a_weights_path_that_does_not_exist_is_one_line(tmp_path, capsys):
+    code = main(["quickstart", f"--model.weights={tmp_path / 'nowhere'}", "--model.config=null",
+                 f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"model.weights: no such file or directory: {tmp_path / 'nowhere'}" in err
+
+
+def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, capsys):
+    weights = _cached_snapshot(tmp_path / "hub", "x/y")
+    for f in weights.glob("*.safetensors"):
+        f.unlink()
+    (weights / "pytorch_model.bin").write_bytes(b"not read")
+    code = main(["quickstart", f"--model.weights={weights}", "--model.config=null", "--model.tokenizer=null",
+                 f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "holds PyTorch pickle weights ['pytorch_model.bin'] but no safetensors" in err
+    assert "save_pretrained(out)" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed here")
+def test_a_sink_whose_extra_is_missing_is_one_line_before_the_build(tmp_path, capsys):
+    code = main(["quickstart", f"--log.tensorboard_dir={tmp_path / 'tb'}", f"--checkpoint.dir={tmp_path / 'run'}",
+                 *SHORT])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "log.tensorboard_dir is set but tensorboard is not installed" in err
+    assert "uv sync --all-packages --extra tensorboard" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran

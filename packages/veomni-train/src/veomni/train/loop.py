@@ -42,6 +42,7 @@ from veomni.train.data import (
 )
 from veomni.train.dit_setup import dit_setup
 from veomni.train.flops import flops_per_token, query_width
+from veomni.train.hub import fetch_hub_sources
 from veomni.train.metrics import Sinks, peak_flops
 from veomni.train.model_setup import (
     _hardware,
@@ -56,6 +57,8 @@ from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import (
     PreflightError,
     check_grad_accum,
+    check_log_sinks,
+    check_model_sources,
     check_ops_backend,
     check_parallel_fit,
     check_resume_path,
@@ -249,6 +252,9 @@ def build_run(recipe: Recipe) -> Run:
     checkpoints; resume when asked."""
     device = setup_distributed(recipe.train.device)
     check_resume_path(recipe.checkpoint.resume)
+    check_log_sinks(recipe)
+    recipe = fetch_hub_sources(recipe)  # Hub ids in model.weights / config / tokenizer -> cached snapshots
+    check_model_sources(recipe)
     torch.manual_seed(recipe.train.seed)
     state = build_parallel_state(parallel_dims(recipe, dist.get_world_size()), device.type)
     check_grad_accum(recipe, state.dims.dp)

@@ -5,7 +5,9 @@ Each raises `PreflightError` naming what was expected and what was found.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 from torch import nn
@@ -152,3 +154,48 @@ def check_ops_backend(recipe: Recipe) -> None:
             f"model.backend=hf trains the upstream model's own code without veomni kernels, but ops sets {chosen}; "
             "remove them or use model.backend=veomni"
         )
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def check_model_sources(recipe: Recipe) -> None:
+    """``model.weights`` / ``model.config`` / ``model.tokenizer`` name what exists (after Hub ids were fetched),
+    and a weights directory holds safetensors: PyTorch pickle weights are refused with the conversion to run
+    (unpickling a downloaded file can run code; safetensors cannot)."""
+    model = recipe.model
+    sources = {"weights": model.weights, "tokenizer": model.tokenizer}
+    if isinstance(model.config, str):
+        sources["config"] = model.config
+    for field, value in sources.items():
+        if value is not None and not Path(value).exists():
+            raise PreflightError(
+                f"model.{field}: no such file or directory: {value} (nor a Hugging Face Hub id: those read "
+                "org/name[@revision])"
+            )
+    weights = Path(model.weights) if model.weights is not None else None
+    if weights is None or not weights.is_dir():
+        return
+    names = sorted(p.name for p in weights.iterdir())
+    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        return
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise PreflightError(
+            f"model.weights: {weights} holds PyTorch pickle weights {pickles[:4]} but no safetensors; convert them "
+            "once with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out) (or the "
+            "model's own Auto class) writes model.safetensors"
+        )
+    raise PreflightError(f"model.weights: {weights} holds no *.safetensors weights; it holds {names[:20]}")
+
+
+def check_log_sinks(recipe: Recipe) -> None:
+    """A configured TensorBoard or wandb sink is importable (found before the build, not after it)."""
+    wanted = {"tensorboard": recipe.log.tensorboard_dir, "wandb": recipe.log.wandb_project}
+    for extra, setting in wanted.items():
+        if setting and importlib.util.find_spec(extra) is None:
+            field = "log.tensorboard_dir" if extra == "tensorboard" else "log.wandb_project"
+            raise PreflightError(
+                f"{field} is set but {extra} is not installed: pip install 'veomni-train[{extra}]' (in a "
+                f"checkout of this repository: uv sync --all-packages --extra {extra})"
+            )

@@ -241,16 +241,23 @@ def recipe_from_dict(raw: Mapping[str, Any]) -> Recipe:
     return recipe_parse.build(Recipe, raw, resolve_path)
 
 
-def resolve_path(value: Any) -> Any:
+def resolve_path(value: Any, *, hub_ids: bool = False) -> Any:
     """Make a path value absolute: ``builtin://X`` -> the packaged asset X, relative -> from the current directory.
 
     Tuples are resolved item by item; None, mappings (inline model configs) and the words ``auto``/``never``
     (checkpoint.resume) are returned unchanged. Absolute paths are fixed points, so resolving is idempotent.
+    With ``hub_ids``, a value that names no local path and reads as a Hub id (``org/name[@revision]``) is kept
+    as written: `veomni.train.hub.fetch_hub_sources` fetches it when the run starts.
     """
     if isinstance(value, tuple):
-        return tuple(resolve_path(v) for v in value)
+        return tuple(resolve_path(v, hub_ids=hub_ids) for v in value)
     if not isinstance(value, str) or value in ("auto", "never"):
         return value
+    if hub_ids:
+        from veomni.train.hub import hub_id
+
+        if hub_id(value) is not None:
+            return value
     if value.startswith(BUILTIN_PREFIX):
         target = ASSETS_DIR / value[len(BUILTIN_PREFIX) :]
         if not target.exists():

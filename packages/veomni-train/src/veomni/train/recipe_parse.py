@@ -3,7 +3,8 @@
 Generic machinery behind `veomni.train.recipe`: it knows nothing about the recipe's sections. A *tree* is an
 attrs class whose fields are either nested attrs classes (sections) or leaves of the supported types: bool, int,
 float, str, dict, ``Literal[...]``, ``tuple[X, ...]`` / ``tuple[X, Y]`` (lists in YAML) and unions with None.
-Leaf metadata: ``help`` (one line), ``required`` (no default), ``path`` (run through the caller's resolver).
+Leaf metadata: ``help`` (one line), ``required`` (no default), ``path`` (run through the caller's resolver;
+``path="hub"``: called with ``hub_ids=True``, for fields that may also name a Hugging Face Hub repository).
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ def _build_fields(
             continue
         try:
             value = convert(raw[name], tp, key)
-            values[name] = resolve_path(value) if field.metadata.get("path") else value
+            path_kind = field.metadata.get("path")
+            if path_kind == "hub":
+                value = resolve_path(value, hub_ids=True)
+            elif path_kind:
+                value = resolve_path(value)
+            values[name] = value
         except RecipeError as err:
             problems.append(str(err))
     return values

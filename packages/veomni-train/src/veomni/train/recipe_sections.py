@@ -17,7 +17,7 @@ from veomni.train.recipe_parse import RecipeError
 
 
 def _field(
-    default: Any, help: str, *, path: bool = False, factory: bool = False, dotted_keys: bool = False
+    default: Any, help: str, *, path: bool | str = False, factory: bool = False, dotted_keys: bool = False
 ) -> Any:
     meta = {"help": help, "path": path, "dotted_keys": dotted_keys}
     if factory:
@@ -25,7 +25,7 @@ def _field(
     return attrs.field(default=default, metadata=meta)
 
 
-def _required(help: str, *, path: bool = False) -> Any:
+def _required(help: str, *, path: bool | str = False) -> Any:
     return attrs.field(metadata={"help": help, "path": path, "required": True})
 
 
@@ -33,9 +33,9 @@ def _required(help: str, *, path: bool = False) -> Any:
 class ModelSection:
     config: str | dict | None = _field(
         None,
-        "HF model config: a config.json file or a directory holding one, or an inline mapping with model_type "
-        "(None: the config in model.weights)",
-        path=True,
+        "HF model config: a config.json file or a directory holding one, a Hub id (org/name[@revision]), or an "
+        "inline mapping with model_type (None: the config in model.weights)",
+        path="hub",
     )
     config_overrides: dict = _field(
         dict,
@@ -44,12 +44,12 @@ class ModelSection:
         factory=True,
     )
     weights: str | None = _required(
-        "HF checkpoint directory (safetensors) to start from; null trains from a random initialisation "
-        "(required, so that random weights are never an accident)",
-        path=True,
+        "HF checkpoint directory (safetensors) or Hub id (org/name[@revision], fetched into the HF cache) to start "
+        "from; null trains from a random initialisation (required, so that random weights are never an accident)",
+        path="hub",
     )
     tokenizer: str | None = _field(
-        None, "directory for transformers.AutoTokenizer (None: model.weights)", path=True
+        None, "directory or Hub id for transformers.AutoTokenizer (None: model.weights)", path="hub"
     )
     task: Literal["text", "vlm", "dit", "omni"] = _field(
         "text",
