@@ -159,3 +159,39 @@ def test_resume_on_more_ranks_is_accepted(dist_pools, tmp_path):
     raw = tiny_recipe(str(tmp_path), DENSE)
     dist_pools.get(1, "gloo").run(_train_and_save, raw, 1)
     assert dist_pools.get(2, "gloo").run(_resume_step, raw) == [1, 1]
+
+
+def _resumed_hyperparameters(ctx, raw: dict, overrides: dict) -> list[dict]:
+    from veomni.train.loop import build_run
+
+    resumed = copy.deepcopy(raw)
+    resumed["checkpoint"]["resume"] = "auto"
+    resumed["optim"].update(overrides)
+    run = build_run(recipe_from_dict(resumed))
+    factor = run.scheduler.lr_lambdas[0](run.scheduler.last_epoch)
+    return [
+        {k: g[k] for k in ("lr", "initial_lr", "betas", "eps", "weight_decay", "lr_multiplier")} | {"f": factor}
+        for g in run.optimizer.param_groups
+    ]
+
+
+def test_a_resume_takes_the_recipes_lr_only_when_asked(dist_pools, tmp_path):
+    # What the divergence message advises: resume with a lower optim.lr. By default the checkpoint's values stay
+    # (the exact continuation); optim.on_resume=recipe puts the new ones on every group, multipliers kept.
+    raw = tiny_recipe(str(tmp_path), DENSE, steps=4)
+    raw["optim"].update({"lr": 1e-3, "weight_decay": 0.1, "lr_multipliers": {"model.embed_tokens": 0.5}})
+    pool = dist_pools.get(1, "gloo")
+    pool.run(_train_and_save, raw, 2)
+    lower = {"lr": 1e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.01}
+    kept = pool.run(_resumed_hyperparameters, raw, lower)[0]
+    taken = pool.run(_resumed_hyperparameters, raw, {**lower, "on_resume": "recipe"})[0]
+    for group in kept:
+        assert group["initial_lr"] == pytest.approx(1e-3 * group["lr_multiplier"])
+        assert tuple(group["betas"]) == (0.9, 0.95) and group["eps"] == 1e-8
+    for group in taken:
+        assert group["initial_lr"] == pytest.approx(1e-4 * group["lr_multiplier"])
+        assert group["lr"] == pytest.approx(1e-4 * group["lr_multiplier"] * group["f"])
+        assert tuple(group["betas"]) == (0.8, 0.9) and group["eps"] == 1e-6
+        assert group["weight_decay"] in (0.0, 0.01)
+    assert {g["lr_multiplier"] for g in taken} == {0.5, 1.0}
+    assert any(g["weight_decay"] == 0.01 for g in taken) and any(g["weight_decay"] == 0.0 for g in taken)

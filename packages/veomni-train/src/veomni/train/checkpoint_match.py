@@ -199,9 +199,12 @@ def check_resumable(
         now = recipe["optim"]
         restored = [f"optim.{k}: saved {saved_optim.get(k)!r}, recipe {now[k]!r}"
                     for k in ("lr", "betas", "eps", "weight_decay") if saved_optim.get(k) != now[k]]  # fmt: skip
-        if restored:
+        if restored and now.get("on_resume") == "recipe":
+            log.info("resuming %s with the recipe's optimizer values (optim.on_resume=recipe): %s", path, restored)
+        elif restored:
             log.warning(
                 "resuming %s: the checkpoint's optimizer and schedule state keep the saved values of %s (the "
-                "schedule's shape, warmup and max_grad_norm follow the recipe); start fresh to change them",
+                "schedule's shape, warmup and max_grad_norm follow the recipe); set optim.on_resume=recipe to "
+                "take the recipe's",
                 path, restored,
             )  # fmt: skip

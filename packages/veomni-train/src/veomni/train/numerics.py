@@ -112,6 +112,6 @@ def check_finite(step: int, stats: Mapping[str, float], last_checkpoint: str | N
     raise TrainingDivergedError(
         f"step {step} diverged: loss {loss}, gradient norm {grad_norm}. Its update has already written non-finite "
         f"values into the weights, so the run stops here and saves nothing more ({where}). Resume from a "
-        "checkpoint with a lower learning rate, warmup or optim.max_grad_norm, or look for bad data at this step "
-        "(veomni-data-preview)"
+        "checkpoint with a lower --optim.lr and --optim.on_resume=recipe (without it a resume keeps the saved lr), "
+        "a longer warmup or a lower optim.max_grad_norm, or look for bad data at this step (veomni-data-preview)"
     )

@@ -192,6 +192,24 @@ def load_scheduler_state(scheduler: LambdaLR, state: Mapping[str, Any]) -> None:
     scheduler._last_lr = [group["lr"] for group in groups]
 
 
+def take_recipe_hyperparameters(
+    scheduler: LambdaLR, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """After `load_scheduler_state`: put the recipe's peak ``lr`` (times each group's ``lr_multiplier``), betas,
+    eps and weight decay (on the decayed groups) on the restored optimizer, and re-derive the groups' current lr
+    from the schedule at the restored step (``optim.on_resume: recipe``). AdamW's moments are kept."""
+    groups = scheduler.optimizer.param_groups
+    for group in groups:
+        group["initial_lr"] = lr * group["lr_multiplier"]
+        group["betas"], group["eps"] = tuple(betas), eps
+        if group["weight_decay"] != 0.0:  # the no-decay groups (norms, biases) stay at 0
+            group["weight_decay"] = weight_decay
+    scheduler.base_lrs = [group["initial_lr"] for group in groups]
+    for group, base_lr, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
 def clip_and_step(
     optimizer: torch.optim.Optimizer, trained: nn.Module, max_norm: float | None, state: ParallelState,
     loss_scale: DynamicLossScale | None = None,

@@ -32,6 +32,11 @@ class OptimSection:
         factory=True,
         dotted_keys=True,
     )
+    on_resume: Literal["saved", "recipe"] = _field(
+        "saved",
+        "saved: a resume keeps the checkpoint's lr, betas, eps and weight_decay (the exact continuation); recipe: "
+        "take this recipe's values instead (e.g. a lower optim.lr after a divergence), multipliers kept",
+    )
     moe_bias_update_speed: float = _field(
         0.0,
         "DeepSeek-V3 auxiliary-loss-free balancing: after each step every router's e_score_correction_bias moves by "

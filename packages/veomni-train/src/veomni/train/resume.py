@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from veomni.train.checkpoint import latest_complete, read_trainer_state, step_dir
 from veomni.train.checkpoint_match import check_resumable, config_dict
-from veomni.train.optim import load_scheduler_state
+from veomni.train.optim import load_scheduler_state, take_recipe_hyperparameters
 from veomni.train.preflight import PreflightError
 from veomni.train.recipe import recipe_to_dict
 
@@ -44,6 +44,10 @@ def resume_run(run: Run) -> None:
         # The loaded fp32 masters, frozen ones too, into the compute model.
         run.masters.push(trainable_only=False)
     load_scheduler_state(run.scheduler, trainer_state["scheduler"])
+    if (optim := run.recipe.optim).on_resume == "recipe":
+        take_recipe_hyperparameters(
+            run.scheduler, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
     run.step = int(trainer_state["step"])
     run.skipped_steps = int(trainer_state.get("skipped_steps", 0))
     run.overflow_steps = int(trainer_state.get("overflow_steps", 0))
