@@ -14,7 +14,7 @@ from veomni.kernels import KERNELS
 from veomni.train.recipe import RECIPES_DIR, builtin_recipes, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-USER_DOCS = ["README.md", "docs/train.md", "docs/models.md", "docs/core.md", "docs/kernels.md"]
+USER_DOCS = ["README.md", "docs/train.md", "docs/launch.md", "docs/models.md", "docs/core.md", "docs/kernels.md"]
 
 
 def documented_backends(cell: str) -> set[str]:
