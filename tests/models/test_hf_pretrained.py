@@ -181,6 +181,8 @@ def test_saves_the_upstream_layout(saved, tmp_path):
     _assert_same_tensors(_files(tmp_path / "ours"), _files(tmp_path / "upstream"))
     back = case.upstream(case.load).from_pretrained(tmp_path / "ours")
     _assert_same_tensors(back.state_dict(), reference.state_dict())
+    again = case.ours().from_pretrained(tmp_path / "ours")  # and ours reads its own output
+    _assert_same_tensors(again.state_dict(), reference.state_dict())
 
 
 def test_conversion_mapping_is_upstreams(saved):
@@ -235,6 +237,22 @@ def test_released_qwen3_vl_moe_expert_layout_is_transposed_on_load(tmp_path):
     _assert_same_tensors(ours.state_dict(), reference.state_dict())
     state = ours.state_dict()
     assert all(torch.equal(state[k], v) for k, v in _files(tmp_path / "fused").items())
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    # transformers writes one tensor per tied group; the tied head is neither missing nor an error on load.
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as Upstream
+
+    from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    Upstream(qwen3_moe_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "upstream")
+    assert "lm_head.weight" not in _files(tmp_path / "upstream")
+    model, info = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "upstream", output_loading_info=True)
+    assert info["missing_keys"] == set()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "ours")
+    _assert_same_tensors(_files(tmp_path / "ours"), _files(tmp_path / "upstream"))
 
 
 def test_a_missing_task_head_still_loads(tmp_path):
