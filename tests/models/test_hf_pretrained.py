@@ -57,6 +57,10 @@ class Case:
             importlib.import_module(f"transformers.models.{self.family}.modeling_{self.family}"), name
         )
 
+    @property
+    def id(self) -> str:
+        return self.family if self.save == self.load else f"{self.family}-{self.load}"
+
     def module(self) -> str:
         return f"veomni.models.{self.family}.generated.patched_modeling_{self.family}"
 
@@ -111,6 +115,13 @@ CASES = [
         "Qwen3_5MoeForConditionalGeneration",
         lambda: qwen3_5_config(moe=True),
     ),
+    # The MoE text model's recipe strips the prefix and merges the per-expert weights.
+    Case(
+        "qwen3_5_moe",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        lambda: qwen3_5_config(moe=True),
+    ),
 ]
 
 
@@ -136,7 +147,7 @@ def torch_fallback():
         yield
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c.family for c in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
 def saved(request, tmp_path_factory, torch_fallback) -> tuple[Case, Path, torch.nn.Module]:
     """The case, the directory upstream's class saved a seeded random model to, and upstream's load of it."""
     case: Case = request.param
