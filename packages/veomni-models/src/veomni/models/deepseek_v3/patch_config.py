@@ -53,6 +53,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, mlp_forward, rms_norm_forward, seq_cls_init
 from veomni.models.seq_cls import seq_cls_forward
 
@@ -62,6 +63,7 @@ config = PatchConfig(
     description="DeepSeek-V3 (MLA, group-limited sigmoid router, shared experts) with RMSNorm, SwiGLU, RoPE and the "
     "LM loss dispatched through veomni's kernels, an fp32 router bias, and get_parallel_plan() for expert parallelism",
 )
+upstream_checkpoint_io(config, "DeepseekV3PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")

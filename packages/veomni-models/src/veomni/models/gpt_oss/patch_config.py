@@ -35,6 +35,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
 from veomni.core.ep import ExpertPlan
 from veomni.models.gpt_oss.experts import reject_quantized
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
@@ -46,6 +47,7 @@ config = PatchConfig(
     description="GPT-OSS with RoPE and the LM / load-balancing losses through veomni's kernels, its experts claimed "
     "for the clamped experts kernels, MXFP4 configs refused, and get_parallel_plan() for expert parallelism",
 )
+upstream_checkpoint_io(config, "GptOssPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")

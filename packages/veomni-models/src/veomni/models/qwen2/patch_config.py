@@ -21,6 +21,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
@@ -36,6 +37,7 @@ config = PatchConfig(
     target_file="patched_modeling_qwen2.py",
     description="Qwen2 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+upstream_checkpoint_io(config, "Qwen2PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")

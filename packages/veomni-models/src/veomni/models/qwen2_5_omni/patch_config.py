@@ -55,6 +55,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_omni import tower_patches
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
@@ -78,6 +79,7 @@ config = PatchConfig(
     description="Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards "
     "for ranks without a modality, a checked audio scatter and the fused LM loss",
 )
+upstream_checkpoint_io(config, "Qwen2_5OmniPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import(

@@ -35,6 +35,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import needs_max_seqlen
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids
@@ -53,6 +54,7 @@ config = PatchConfig(
     description="Qwen2.5-VL: the Qwen2-VL adapter's text kernels, encoder varlen vision attention, ViT SP and dummy "
     "forward, plus the windowed tower fed by a host-precomputed window layout",
 )
+upstream_checkpoint_io(config, "Qwen2_5_VLPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 for statement in qwen2_vl.IMPORTS:
     config.add_import(statement)

@@ -46,6 +46,7 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_attention import PREFIX
 from veomni.models.hf_encoder_attention import needs_max_seqlen
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, vision_position_ids
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
@@ -64,6 +65,7 @@ config = PatchConfig(
     description="Qwen2-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower (ViT "
     "Ulysses SP), a dummy tower forward for ranks without media, and the fused LM loss",
 )
+upstream_checkpoint_io(config, "Qwen2VLPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 IMPORTS = (
     "from veomni.models.kernel_hooks import apply_rope, apply_rope_vision",

@@ -28,6 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.seq_cls import init_sequence_classifier, seq_cls_forward
 
@@ -36,6 +37,7 @@ config = PatchConfig(
     target_file="patched_modeling_qwen3.py",
     description="Qwen3 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+upstream_checkpoint_io(config, "Qwen3PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")

@@ -35,6 +35,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet,
 )
 
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_FORWARD,
@@ -60,6 +61,7 @@ config = PatchConfig(
     "dispatched through veomni's kernels; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen "
     "attention, ViT Ulysses SP, dummy forward) and fused LM loss",
 )
+upstream_checkpoint_io(config, "Qwen3_5PreTrainedModel")
 # The upstream layer under a family-neutral name, so Qwen3.5-MoE reuses this override with its own class.
 config.add_import(
     "from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet"

@@ -20,6 +20,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Unpack,
 )
 
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import mlp_forward
 from veomni.models.qwen3_5.patch_config import add_vision_patches, gated_delta_net_forward
 from veomni.models.qwen3_5.text_model import text_model_layers
@@ -41,6 +42,7 @@ config = PatchConfig(
     "model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) with the "
     "Qwen3-VL-MoE adapter's losses and expert plan",
 )
+upstream_checkpoint_io(config, "Qwen3_5MoePreTrainedModel")
 config.add_import(
     "from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet"
 )

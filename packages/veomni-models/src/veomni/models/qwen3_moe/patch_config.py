@@ -26,6 +26,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
     attention_forward,
@@ -41,6 +42,7 @@ config = PatchConfig(
     description="Qwen3-MoE with dense ops, LM loss and load-balancing loss dispatched through veomni's kernels, "
     "an aux loss that tolerates missing router logits, and get_parallel_plan() for expert parallelism",
 )
+upstream_checkpoint_io(config, "Qwen3MoePreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")

@@ -44,6 +44,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from veomni.core.ep import ExpertPlan
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.qwen3_next.decoder import run_decoder_layers
@@ -61,6 +62,7 @@ config = PatchConfig(
     description="Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses "
     "dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism",
 )
+upstream_checkpoint_io(config, "Qwen3NextPreTrainedModel")
 config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import(

@@ -50,6 +50,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_omni import patch_config as omni25
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count
 from veomni.models.qwen3_omni_moe import audio_patches
@@ -69,6 +70,7 @@ config = PatchConfig(
     "and ViT SP, routed experts through veomni's experts interface, the audio tower on the encoder varlen entry "
     "with SP and dummy forwards, checked scatters, the fused LM loss and the aux loss from text_config",
 )
+upstream_checkpoint_io(config, "Qwen3OmniMoePreTrainedModel", "Qwen3OmniMoeThinkerTextPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 for statement in vl.config.imports:
     config.add_import(statement)

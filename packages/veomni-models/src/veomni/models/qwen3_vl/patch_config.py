@@ -47,6 +47,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3_vl.sp import check_sp_inputs, scatter_visual_sp, sp_group_or_none
 from veomni.models.qwen3_vl.vision import parallel_world_size, scatter_visual
@@ -62,6 +63,7 @@ config = PatchConfig(
     description="Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, "
     "a dummy tower forward for ranks without images, and the fused LM loss",
 )
+upstream_checkpoint_io(config, "Qwen3VLPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope, apply_rope_vision")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")

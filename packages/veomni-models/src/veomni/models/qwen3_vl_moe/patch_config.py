@@ -37,6 +37,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3_vl import patch_config as dense
 
 config = PatchConfig(
@@ -46,6 +47,7 @@ config = PatchConfig(
     "forward (reused via name_map), routed experts through veomni's experts interface, the load-balancing loss "
     "from text_config, and get_parallel_plan() for expert parallelism",
 )
+upstream_checkpoint_io(config, "Qwen3VLMoePreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
 config.name_map({"Qwen3VL": "Qwen3VLMoe"}, origin_module="transformers.models.qwen3_vl.modeling_qwen3_vl")
 for statement in dense.config.imports:

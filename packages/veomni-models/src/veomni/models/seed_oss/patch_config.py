@@ -25,6 +25,7 @@ from transformers.models.seed_oss.modeling_seed_oss import (
 )
 
 from veomni.models.hf_masks import use_veomni_masks
+from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, causal_lm_forward, rms_norm_forward, seq_cls_init
 from veomni.models.seq_cls import seq_cls_forward
@@ -34,6 +35,7 @@ config = PatchConfig(
     target_file="patched_modeling_seed_oss.py",
     description="Seed-OSS with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set",
 )
+upstream_checkpoint_io(config, "SeedOssPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.kernel_hooks import apply_rope")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")

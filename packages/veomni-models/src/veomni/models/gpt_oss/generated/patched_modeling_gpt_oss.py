@@ -6,6 +6,8 @@
 # Regenerate: patchgen veomni.models.gpt_oss.patch_config
 # Description: GPT-OSS with RoPE and the LM / load-balancing losses through veomni's kernels, its experts claimed for the clamped experts kernels, MXFP4 configs refused, and get_parallel_plan() for expert parallelism
 # Patches applied:
+#   - override_method GptOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method GptOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method GptOssForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded)
 #   - override_method GptOssPreTrainedModel.__init__: refuse quantized (MXFP4) configs with the conversion recipe, before any weight is allocated
 #   - override_method GptOssPreTrainedModel.get_correct_attn_implementation: veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF reads 'sdpa' in 'veomni_sdpa' as its own SDPA path, which gpt-oss refuses (it would drop the sinks)
@@ -16,6 +18,7 @@
 #   - override_method GptOssForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
@@ -73,6 +76,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+from veomni.models.hf_pretrained import check_backbone_loaded
 from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
@@ -468,6 +472,23 @@ class GptOssPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GptOssTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.normal_(module.bias, mean=0.0, std=std)
+
+    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
+        return cls.is_remote_code()
+
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_backbone_loaded(model, loading_info["missing_keys"], pretrained_model_name_or_path)
+        return (model, loading_info) if output_loading_info else model
 
     # [PATCHED] refuse quantized (MXFP4) configs with the conversion recipe, before any weight is allocated (injected: not in upstream)
     def __init__(self, config, *inputs, **kwargs) -> None:

@@ -6,6 +6,8 @@
 # Regenerate: patchgen veomni.models.llama.patch_config
 # Description: Llama with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set
 # Patches applied:
+#   - override_method LlamaPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method LlamaPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method LlamaRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method LlamaMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method LlamaForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
@@ -13,6 +15,7 @@
 #   - override_method LlamaForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method LlamaForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
@@ -65,6 +68,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.configuration_llama import LlamaConfig
+from veomni.models.hf_pretrained import check_backbone_loaded
 from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.causal_lm import lm_logits_and_loss
@@ -370,6 +374,23 @@ class LlamaPreTrainedModel(PreTrainedModel):
         "hidden_states": LlamaDecoderLayer,
         "attentions": LlamaAttention,
     }
+
+    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
+        return cls.is_remote_code()
+
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_backbone_loaded(model, loading_info["missing_keys"], pretrained_model_name_or_path)
+        return (model, loading_info) if output_loading_info else model
 
 
 @auto_docstring

@@ -6,6 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_5.patch_config
 # Description: Qwen3.5 text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLP and LM loss dispatched through veomni's kernels; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) and fused LM loss
 # Patches applied:
+#   - override_method Qwen3_5PreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3_5PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method Qwen3_5RMSNorm.forward: (1 + weight) RMSNorm via rms_norm/offset
 #   - override_method Qwen3_5RMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
@@ -22,6 +24,7 @@
 #   - override_method Qwen3_5ForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits) (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
@@ -111,6 +114,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import (
     Qwen3_5TextConfig,
     Qwen3_5VisionConfig,
 )
+from veomni.models.hf_pretrained import check_backbone_loaded
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
@@ -929,6 +933,23 @@ class Qwen3_5PreTrainedModel(PreTrainedModel):
             init_decay_log(module.A_log)  # upstream's draw, also on an FSDP2-sharded parameter
         elif isinstance(module, Qwen3_5RMSNorm):
             init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
+
+    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
+        return cls.is_remote_code()
+
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_backbone_loaded(model, loading_info["missing_keys"], pretrained_model_name_or_path)
+        return (model, loading_info) if output_loading_info else model
 
 
 class Qwen3_5VisionMLP(nn.Module):

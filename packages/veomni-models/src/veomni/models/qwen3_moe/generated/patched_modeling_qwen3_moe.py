@@ -6,6 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_moe.patch_config
 # Description: Qwen3-MoE with dense ops, LM loss and load-balancing loss dispatched through veomni's kernels, an aux loss that tolerates missing router logits, and get_parallel_plan() for expert parallelism
 # Patches applied:
+#   - override_method Qwen3MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method Qwen3MoeRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
@@ -15,6 +17,7 @@
 #   - override_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - override_method Qwen3MoeForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
@@ -75,6 +78,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from veomni.models.hf_pretrained import check_backbone_loaded
 from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
@@ -448,6 +452,23 @@ class Qwen3MoePreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, Qwen3MoeTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
+
+    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
+        return cls.is_remote_code()
+
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_backbone_loaded(model, loading_info["missing_keys"], pretrained_model_name_or_path)
+        return (model, loading_info) if output_loading_info else model
 
 
 class Qwen3MoeRotaryEmbedding(nn.Module):

@@ -6,6 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_vl.patch_config
 # Description: Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, a dummy tower forward for ranks without images, and the fused LM loss
 # Patches applied:
+#   - override_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3VLTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3VLTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
@@ -17,6 +19,7 @@
 #   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
 #   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
 #   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
@@ -88,6 +91,7 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import (
     Qwen3VLTextConfig,
     Qwen3VLVisionConfig,
 )
+from veomni.models.hf_pretrained import check_backbone_loaded
 from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
@@ -702,6 +706,23 @@ class Qwen3VLPreTrainedModel(PreTrainedModel):
         "hidden_states": Qwen3VLTextDecoderLayer,
         "attentions": Qwen3VLTextAttention,
     }
+
+    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
+        return cls.is_remote_code()
+
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_backbone_loaded(model, loading_info["missing_keys"], pretrained_model_name_or_path)
+        return (model, loading_info) if output_loading_info else model
 
 
 class Qwen3VLVisionModel(Qwen3VLPreTrainedModel):

@@ -6,6 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_vl_moe.patch_config
 # Description: Qwen3-VL-MoE: the Qwen3-VL adapter's text kernels, encoder varlen vision tower, ViT SP and dummy forward (reused via name_map), routed experts through veomni's experts interface, the load-balancing loss from text_config, and get_parallel_plan() for expert parallelism
 # Patches applied:
+#   - override_method Qwen3VLMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3VLMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLMoeTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers) (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeTextAttention.forward: RoPE via kernels.get('rope', 'full') (Qwen3-VL adapter, renamed)
@@ -20,6 +22,7 @@
 #   - override_method Qwen3VLMoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)
 #   - override_method Qwen3VLMoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0
 #   - drop_import_names: create_causal_mask
+#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf_masks import create_causal_mask
 #   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
@@ -96,6 +99,7 @@ from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
     Qwen3VLMoeTextConfig,
     Qwen3VLMoeVisionConfig,
 )
+from veomni.models.hf_pretrained import check_backbone_loaded
 from veomni.models.hf_masks import create_causal_mask
 from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.causal_lm import lm_logits_and_loss
@@ -467,6 +471,23 @@ class Qwen3VLMoePreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, Qwen3VLMoeTextTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
+
+    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
+        return cls.is_remote_code()
+
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_backbone_loaded(model, loading_info["missing_keys"], pretrained_model_name_or_path)
+        return (model, loading_info) if output_loading_info else model
 
 
 class Qwen3VLMoeVisionRotaryEmbedding(nn.Module):
