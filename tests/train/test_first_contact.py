@@ -131,3 +131,14 @@ def test_a_sink_whose_extra_is_missing_is_one_line_before_the_build(tmp_path, ca
     assert "log.tensorboard_dir is set but tensorboard is not installed" in err
     assert "uv sync --all-packages --extra tensorboard" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran
+
+
+def test_log_file_holds_the_console_lines_and_the_log(tmp_path, capsys):
+    log_file = tmp_path / "logs" / "train.log"
+    code = main(["quickstart", f"--log.file={log_file}", "--train.log_interval=1",
+                 f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-2000:]
+    text = log_file.read_text()
+    assert "rank0] INFO veomni.train: training 2 steps" in text
+    assert "rank0] INFO veomni.train.console: step 2/2 | loss " in text and "| eta " in text
+    assert "\r" not in text

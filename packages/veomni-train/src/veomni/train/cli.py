@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if not sys.stderr.isatty():
+        _quiet_third_party_bars()
+    if recipe.log.file:
+        from veomni.train.run_log import attach_log_file
+
+        attach_log_file(recipe.log.file, rank)
     # Heavy imports only when training.
     from veomni.models.loading import CheckpointFileError
     from veomni.train.checkpoint_match import CheckpointMismatchError
@@ -85,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"HF export: {path}", flush=True)
     _close_process_group()
     return 0
+
+
+def _quiet_third_party_bars() -> None:
+    # Redirected output: transformers' and the Hub's tqdm bars would redraw with carriage returns into the log.
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
 
 
 def _close_process_group() -> None:

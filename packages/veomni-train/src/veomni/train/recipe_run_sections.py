@@ -190,6 +190,12 @@ class LogSection:
     wandb_project: str | None = _field(
         None, "log to this Weights & Biases project (needs veomni-train[wandb])"
     )
+    file: str | None = _field(
+        None,
+        "also append the log to this file: rank 0's lines (metrics, evaluations, info) and every rank's warnings "
+        "and errors, each stamped with time and rank (e.g. outputs/run/train.log)",
+        path=True,
+    )
 
 
 @attrs.frozen(kw_only=True)

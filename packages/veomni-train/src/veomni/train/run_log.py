@@ -98,14 +98,37 @@ def progress_bar(run: Run, rank0: bool):
     )
 
 
+CONSOLE = logging.getLogger("veomni.train.console")  # the console lines, for `attach_log_file` only
+CONSOLE.propagate = False
+
+
 def write_line(progress, line: str) -> None:
     """Print ``line``, stamped with the wall-clock time as the log records are, above the progress bar (or plainly
-    without one)."""
+    without one); `attach_log_file` copies it to the log file."""
+    CONSOLE.info(line)
     line = f"[{time.strftime('%H:%M:%S')}] {line}"
     if progress is not None:
         progress.write(line)
     else:
         print(line, flush=True)
+
+
+def attach_log_file(path: str, rank: int) -> None:
+    """Append this process's log records (INFO on rank 0, WARNING elsewhere) and rank 0's console lines to
+    ``path`` (its directory created). Each rank appends whole lines, so several ranks can share one file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    handler.setFormatter(
+        logging.Formatter(f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    )
+    logging.getLogger().addHandler(handler)
+    # The file gets what the docstring promises whatever the console's configuration (an embedding program may
+    # have set the root logger to WARNING).
+    logging.getLogger("veomni").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if rank == 0:
+        CONSOLE.addHandler(handler)
+        CONSOLE.setLevel(logging.INFO)
 
 
 def log_window(
