@@ -9,8 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from veomni.train.recipe import RecipeError, builtin_recipes, dump_recipe, load_recipe, recipe_help
+
+if TYPE_CHECKING:
+    from veomni.train.rank_failure import FailureWatch
 
 USAGE = (
     "usage: veomni-train RECIPE [--section.field=value ...] [--print]\n"
@@ -51,21 +55,37 @@ def main(argv: list[str] | None = None) -> int:
     from veomni.train.loop import train
     from veomni.train.numerics import TrainingDivergedError
     from veomni.train.preflight import PreflightError
+    from veomni.train.rank_failure import FailureWatch, peer_failure, stop_process
 
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # Another rank's failure stops this one with one line (veomni.train.rank_failure), wherever it is blocked.
+    watch = FailureWatch(rank).start() if multi else None
     try:
         result = train(recipe)
     except (PreflightError, DataError, CheckpointMismatchError, CheckpointFileError) as err:
         # Bad input, explained by the message itself: no traceback to wade through.
-        where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"veomni-train{where}: {type(err).__name__}: {err}", file=sys.stderr)
+        where = f" (rank {rank})" if multi else ""
+        print(f"veomni-train{where}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        _stop_watch(watch, rank, err)
         _close_process_group()
         return 2
     except TrainingDivergedError as err:
         # The message names the step, its numbers and the checkpoint to go back to.
+        _stop_watch(watch, rank, None)
         if rank == 0:
             print(f"veomni-train: {type(err).__name__}: {err}", file=sys.stderr)
         _close_process_group()
         return 1
+    except Exception as err:
+        # A collective failing because another rank stopped (gloo: "Connection closed by peer") is that rank's
+        # failure, told in one line; anything else is this rank's own, told to the others and raised.
+        failure = peer_failure(rank) if multi else None
+        if failure is not None:
+            _stop_watch(watch, rank, None)
+            stop_process(rank, failure)  # exits 2
+        _stop_watch(watch, rank, err)
+        raise
+    _stop_watch(watch, rank, None)
     if rank == 0:
         losses = result["loss"]
         if losses:
@@ -74,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"HF export: {path}", flush=True)
     _close_process_group()
     return 0
+
+
+def _stop_watch(watch: FailureWatch | None, rank: int, error: BaseException | None) -> None:
+    """Stop this rank's `FailureWatch` and, when it failed with ``error``, tell the other ranks."""
+    from veomni.train.rank_failure import publish_failure
+
+    if watch is not None:
+        watch.stop()
+        if error is not None:
+            publish_failure(rank, error)
 
 
 def _close_process_group() -> None:
