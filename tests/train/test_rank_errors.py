@@ -84,3 +84,42 @@ def test_a_bad_row_on_one_torchrun_rank_stops_both_with_one_line_each(tmp_path):
     )
     # torchrun's summary: both ranks exited with code 2.
     assert len(re.findall(r"exitcode\s*:\s*2\b", result.stderr)) == 2, result.stderr[-3000:]
+
+
+WATCHED = """
+import sys
+
+import torch.distributed as dist
+
+from veomni.train.data.sources import DataError
+from veomni.train.rank_failure import FailureWatch, publish_failure
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 0:
+    # Fails without closing its sockets: the peer's collective does not fail, only the watch can stop it.
+    publish_failure(0, DataError("rows.jsonl line 3: bad"))
+    print("veomni-train (rank 0): DataError: rows.jsonl line 3: bad", file=sys.stderr, flush=True)
+    sys.exit(2)
+FailureWatch(rank, interval=0.1).start()
+dist.barrier()  # rank 0 never joins
+print("rank 1 passed the barrier", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_rank_blocked_in_a_collective_is_stopped_by_the_watch(tmp_path):
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    logs = tmp_path / "logs"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--log-dir", str(logs), "--redirects", "3", str(script),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode != 0
+    stderr = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
+    assert error_lines(stderr[1]) == [
+        "veomni-train (rank 1): stopping: rank 0 failed: DataError: rows.jsonl line 3: bad"
+    ], stderr[1][-3000:]
+    assert "Traceback" not in stderr[1] and "passed the barrier" not in stderr[1]
+    assert len(re.findall(r"exitcode\s*:\s*2\b", result.stderr)) == 2, result.stderr[-3000:]
