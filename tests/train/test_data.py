@@ -169,16 +169,9 @@ def test_parquet_messages_without_a_loss_mask_take_the_default(tmp_path):
     assert runs(sample, True) == ["user\nQ1<|im_end|>\n", "A1<|im_end|>\n"]
 
 
-def test_template_that_is_not_prefix_stable_is_an_error(tmp_path, monkeypatch):
+def test_a_tokenizer_without_a_chat_template_is_an_error():
+    # Templates that are not prefix-stable, or whose messages cannot be located: tests/train/test_chat_template.py.
     tok = copy.deepcopy(tokenizer())
-    tok.chat_template = "{% for m in messages %}[{{ messages|length }}]{{ m['content'] }}{% endfor %}"
-    encoder = build_encoder(tok, "conversation")
-    path = write_jsonl(tmp_path / "rows.jsonl", [chat("Q", "A")])
-    source = RowSource([str(path)], "auto", encoder.columns)
-    with pytest.raises(
-        DataError, match=f"{path} line 1: the chat template is not prefix-stable at message 0"
-    ):
-        encode_row(source, encoder, 0, 64, "error")
     tok.chat_template = None
     with pytest.raises(DataError, match="the tokenizer has no chat_template"):
         build_encoder(tok, "conversation")

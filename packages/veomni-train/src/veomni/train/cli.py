@@ -9,8 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from veomni.train.recipe import RecipeError, builtin_recipes, dump_recipe, load_recipe, recipe_help
+
+if TYPE_CHECKING:
+    from veomni.train.rank_failure import FailureWatch
 
 USAGE = (
     "usage: veomni-train RECIPE [--section.field=value ...] [--print]\n"
@@ -57,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     from veomni.train.loop import train
     from veomni.train.numerics import TrainingDivergedError
     from veomni.train.preflight import PreflightError
+    from veomni.train.rank_failure import FailureWatch, peer_failure, stop_process
     from veomni.train.stop_signals import TrainingStopped
 
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # Another rank's failure stops this one with one line (veomni.train.rank_failure), wherever it is blocked.
+    watch = FailureWatch(rank).start() if multi else None
     try:
         result = train(recipe)
     except TrainingStopped as stopped:
+        _stop_watch(watch, rank, None)
         if rank == 0:
             print(f"veomni-train: {stopped}", file=sys.stderr)
         _close_process_group()
@@ -69,20 +78,33 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Asked twice (or before the loop began): nothing more is written; a save cut short has no COMPLETE
         # marker, so resume=auto skips it. The process group is left alone: a peer may be gone already.
+        _stop_watch(watch, rank, None)
         print("veomni-train: interrupted: stopped at once, nothing saved for the current step", file=sys.stderr)
         return 130
     except (PreflightError, DataError, CheckpointMismatchError, CheckpointFileError) as err:
         # Bad input, explained by the message itself: no traceback to wade through.
-        where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"veomni-train{where}: {type(err).__name__}: {err}", file=sys.stderr)
+        where = f" (rank {rank})" if multi else ""
+        print(f"veomni-train{where}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        _stop_watch(watch, rank, err)
         _close_process_group()
         return 2
     except TrainingDivergedError as err:
         # The message names the step, its numbers and the checkpoint to go back to.
+        _stop_watch(watch, rank, None)
         if rank == 0:
             print(f"veomni-train: {type(err).__name__}: {err}", file=sys.stderr)
         _close_process_group()
         return 1
+    except Exception as err:
+        # A collective failing because another rank stopped (gloo: "Connection closed by peer") is that rank's
+        # failure, told in one line; anything else is this rank's own, told to the others and raised.
+        failure = peer_failure(rank) if multi else None
+        if failure is not None:
+            _stop_watch(watch, rank, None)
+            stop_process(rank, failure)  # exits 2
+        _stop_watch(watch, rank, err)
+        raise
+    _stop_watch(watch, rank, None)
     if rank == 0:
         losses = result["loss"]
         if losses:
@@ -100,6 +122,16 @@ def _quiet_third_party_bars() -> None:
 
     disable_progress_bars()
     hf_logging.disable_progress_bar()
+
+
+def _stop_watch(watch: FailureWatch | None, rank: int, error: BaseException | None) -> None:
+    """Stop this rank's `FailureWatch` and, when it failed with ``error``, tell the other ranks."""
+    from veomni.train.rank_failure import publish_failure
+
+    if watch is not None:
+        watch.stop()
+        if error is not None:
+            publish_failure(rank, error)
 
 
 def _close_process_group() -> None:

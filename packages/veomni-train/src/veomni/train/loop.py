@@ -208,7 +208,7 @@ class TaskSetup:
 
 def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> TaskSetup:
     """`TaskSetup` of the transformers tasks (text, vlm): tokenizer, config and kernel checks, packed data."""
-    tokenizer = load_tokenizer(recipe.model.tokenizer_path)
+    tokenizer = load_tokenizer(recipe.model.tokenizer_path, recipe.data.chat_template)
     config = model_config(recipe)
     check_vocab(tokenizer, config, recipe.model.tokenizer_path)
     check_sp_heads(config, state.dims.sp)

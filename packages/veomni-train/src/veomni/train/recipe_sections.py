@@ -7,6 +7,7 @@ the run goes (optim, train, checkpoint, log, dit).
 
 from __future__ import annotations
 
+import os
 import typing
 from typing import Any, Literal
 
@@ -69,7 +70,8 @@ class ModelSection:
         "state, no gradient reduction; a name matching nothing is an error",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = _field(
-        "bfloat16", "compute dtype of the forward and backward (float16: with dynamic loss scaling, over float32 parameters)"
+        "bfloat16",
+        "compute dtype of the forward and backward (float16: with dynamic loss scaling, over float32 parameters)",
     )
     param_dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "float32",
@@ -191,6 +193,12 @@ class DataSection:
     )
     text_field: str = _field("text", "kind=text: the row's field holding the text")
     messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
+    chat_template: str | None = _field(
+        None,
+        "kind=conversation, multimodal: the chat template to render conversations with, replacing the tokenizer's "
+        "own and saved with the HF export: a built-in name (chatml, qwen3, qwen3_keep_thinking) or a Jinja file "
+        "(None: the tokenizer's)",
+    )
     loss_mask_field: str | None = _field(
         "loss_mask",
         "kind=conversation: per-message field (0/1 or bool) that overrides the default loss choice",
@@ -247,6 +255,8 @@ class DataSection:
                 f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
                 f"data.kind is {self.kind!r}"
             )
+        if self.chat_template is not None:
+            self._check_chat_template()
         # The token pipelines of kind text and conversation read none of the media fields: set, they would be ignored.
         readers = {"media_root": ("multimodal", "dit"), "patches_per_micro_batch": ("multimodal",),
                    "video_fps": ("multimodal",), "video_max_frames": ("multimodal",),
@@ -257,6 +267,20 @@ class DataSection:
                     f"data.{name}: read for data.kind {', '.join(kinds)} only, but data.kind is {self.kind!r}; "
                     f"found {getattr(self, name)!r} (remove it)"
                 )
+
+    def _check_chat_template(self) -> None:
+        from veomni.train.data.chat_template import BUILTIN_CHAT_TEMPLATES
+
+        if self.kind not in ("conversation", "multimodal"):
+            raise RecipeError(
+                f"data.chat_template: conversations are rendered for data.kind conversation and multimodal only, but "
+                f"data.kind is {self.kind!r}; found {self.chat_template!r} (remove it)"
+            )
+        if self.chat_template not in BUILTIN_CHAT_TEMPLATES and not os.path.isfile(self.chat_template):
+            raise RecipeError(
+                f"data.chat_template: expected a built-in name ({', '.join(BUILTIN_CHAT_TEMPLATES)}) or a Jinja "
+                f"file, found {self.chat_template!r} (no such built-in or file)"
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -11,6 +11,7 @@ and reading them from the root would silently drop them (the aux loss coefficien
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -331,6 +332,13 @@ class VlmTask(TextTask):
         for name in ("processor_config.json", "video_preprocessor_config.json", "chat_template.json"):
             if (source / name).is_file() and not (out / name).exists():
                 shutil.copyfile(source / name, out / name)
+        # A processor template other than the one trained with (data.chat_template replaced it on the tokenizer,
+        # which wrote chat_template.jinja) would make AutoProcessor chat differently from training: leave it out.
+        processor_template = out / "chat_template.json"
+        if processor_template.is_file():
+            saved = json.loads(processor_template.read_text()).get("chat_template")
+            if saved != tokenizer.chat_template:
+                processor_template.unlink()
 
     def step_flops(self, step: Step) -> float:
         return super().step_flops(step) + self.vision_flops_per_patch * step.patches

@@ -4,12 +4,16 @@ A sample is ``(input_ids, trained)``: int64 token ids and a bool mask where ``tr
 prediction target (predicted from position j - 1). ``trained[0]`` is always False: nothing precedes it. The packer
 turns the mask into shifted labels; the mask form keeps "which tokens does the model learn" visible.
 
-Conversations are rendered with the tokenizer's chat template and tokenised in one piece (so the ids are what
-the model sees at inference), then each token is attributed to the message its first character comes from. That
-needs a prefix-stable template (rendering the first k messages gives a prefix of rendering all of them); a
-template that is not is an error naming the row and the message. For an assistant message, the generation
-header (``<|im_start|>assistant\\n`` in ChatML) is never trained: only what the assistant writes, its end-of-turn
-token and what the template puts after it.
+Conversations are rendered with the chat template (the tokenizer's own, or ``data.chat_template``: see
+`veomni.train.data.chat_template`) and tokenised in one piece (so the ids are what the model sees at inference),
+then each token is attributed to the message its first character comes from. Message boundaries are found in
+that one rendering, so templates that are not prefix-stable work too (Qwen3's drops the ``<think>`` block of
+earlier assistant turns): where message i's content ends is found by appending a probe character to it and
+rendering again (the rendering must change by an insertion there and nowhere else), and its turn runs on over the
+end-of-turn text that rendering the conversation up to message i puts after it. A message whose end cannot be
+found that way is an error naming the row and the message. For an assistant message, the generation header
+(``<|im_start|>assistant\\n`` in ChatML: what the generation prompt adds) is never trained: only what the assistant
+writes, its end-of-turn token and what the template puts after it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import attrs
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from veomni.train.data.chat_template import resolve_chat_template
 from veomni.train.data.sources import DataError, OverlongError, RowRef, RowSource
 
 
@@ -49,13 +54,22 @@ class Sample:
         return int(self.trained.sum())
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer.from_pretrained(path)`` for a local directory, with a clear error when it is missing."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(path)`` for a local directory, with a clear error when it is missing.
+
+    Args:
+        path: the tokenizer directory.
+        chat_template: ``data.chat_template`` (a built-in name or a Jinja file) to replace the tokenizer's own
+            template with; it is what ``save_pretrained`` then writes beside an export. None keeps the tokenizer's.
+    """
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
         raise DataError(f"tokenizer directory {path} does not exist (model.tokenizer / model.weights)")
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(chat_template)
+    return tokenizer
 
 
 class TextEncoder:
@@ -164,30 +178,37 @@ class ConversationEncoder:
         self, messages: list[dict[str, Any]], flags: list[bool], ref: RowRef
     ) -> tuple[np.ndarray, np.ndarray]:
         full = self._render(messages, ref)
+        ends = [self._content_end(messages, i, full, ref) for i in range(len(messages))]
+        for i in range(1, len(ends)):
+            if ends[i] < ends[i - 1]:
+                raise DataError(
+                    f"{ref}: message {i} ({messages[i]['role']}) is rendered before message {i - 1}: the chat "
+                    "template reorders messages, so tokens cannot be attributed to them"
+                )
+        # prefixes[i]: the conversation rendered up to message i (what a generation prompt follows).
+        prefixes = [self._render(messages[: i + 1], ref) for i in range(len(messages) - 1)]
         # Character spans of the trained parts of each message.
         char_trained = np.zeros(len(full) + 1, dtype=bool)
         start_of_message = 0
         for i, message in enumerate(messages):
-            end = self._render(messages[: i + 1], ref)
-            if not full.startswith(end):
-                raise DataError(
-                    f"{ref}: the chat template is not prefix-stable at message {i}: rendering the first {i + 1} "
-                    "messages is not a prefix of rendering them all, so tokens cannot be attributed to messages"
-                )
+            end = (
+                len(full)
+                if i == len(messages) - 1
+                else ends[i] + _turn_end(prefixes[i], full[ends[i] : ends[i + 1]])
+            )
             start = start_of_message
             if message["role"] == "assistant":
-                # What the generation prompt and the rendered message share is template header, never trained.
-                # An opening assistant message has no earlier turns to put a generation prompt after (templates
-                # refuse an empty conversation): its header is what two renderings with different one-character
-                # contents share (a default system prompt included).
-                if i:
-                    probes = [self._render(messages[:i], ref, generation_prompt=True), end]
-                else:
-                    probes = [self._render([{**message, "content": c}], ref) for c in ("a", "b")]
-                start = max(start, len(os.path.commonprefix(probes)))
+                header = self._assistant_header(messages, i, prefixes[i - 1] if i else "", ref)
+                if not full.startswith(header, start) or start + len(header) > ends[i]:
+                    raise DataError(
+                        f"{ref}: message {i}: the assistant header {header!r} (what the generation prompt adds) does "
+                        f"not open its turn in the rendered conversation, which has "
+                        f"{full[start : start + len(header) + 16]!r} there"
+                    )
+                start += len(header)
             if flags[i]:
-                char_trained[start : len(end)] = True
-            start_of_message = len(end)
+                char_trained[start:end] = True
+            start_of_message = end
         encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids = np.asarray(encoding["input_ids"], dtype=np.int64)
         if ids.size == 0:
@@ -196,6 +217,60 @@ class ConversationEncoder:
         trained = char_trained[np.clip(starts, 0, len(full))]
         trained[0] = False
         return ids, trained
+
+    def _content_end(self, messages: list[dict[str, Any]], i: int, full: str, ref: RowRef) -> int:
+        """Where message ``i``'s content ends in ``full``: render again with a probe character appended to it; the
+        rendering must differ from ``full`` by one insertion, and the insertion point is the end."""
+        probe = [
+            *messages[:i],
+            {**messages[i], "content": _with_probe(messages[i]["content"])},
+            *messages[i + 1 :],
+        ]
+        rendered = self._render(probe, ref)
+        at = len(os.path.commonprefix([full, rendered]))
+        grown = len(rendered) - len(full)
+        if grown <= 0 or rendered[at + grown :] != full[at:] or _PROBE not in rendered[at : at + grown]:
+            raise DataError(
+                f"{ref}: cannot find where message {i} ({messages[i]['role']}) ends in the rendered conversation: "
+                "the chat template does not render its content in one place as given (a character appended to it "
+                "changed the rendering elsewhere, or not at all), so tokens cannot be attributed to messages"
+            )
+        return at
+
+    def _assistant_header(self, messages: list[dict[str, Any]], i: int, before: str, ref: RowRef) -> str:
+        """The text that opens assistant message ``i``'s turn: what the generation prompt adds after the earlier
+        messages. An opening assistant message has no earlier turns to put a generation prompt after (templates
+        refuse an empty conversation): its header is what two renderings with different one-character contents
+        share (a default system prompt included)."""
+        if i:
+            prompt = self._render(messages[:i], ref, generation_prompt=True)
+            return prompt[len(os.path.commonprefix([prompt, before])) :]
+        probes = [self._render([{**messages[i], "content": c}], ref) for c in ("a", "b")]
+        return os.path.commonprefix(probes)
+
+
+_PROBE = "\ue000"
+"""A private-use character appended to a message's content to find where the template renders it."""
+
+
+def _with_probe(content: Any) -> Any:
+    """``content`` with `_PROBE` after it: appended to a string, a text part after a list of parts."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": _PROBE}]
+    return content + _PROBE
+
+
+def _turn_end(prefix: str, gap: str) -> int:
+    """How much of ``gap`` (the rendering from a message's content end on) still belongs to the message: the longest
+    start of ``gap`` that ``prefix`` (the conversation rendered up to that message) ends with, its end-of-turn text."""
+    if not prefix:
+        return 0
+    k = gap.rfind(prefix[-1])
+    while k >= 0:
+        if prefix.endswith(gap[: k + 1]):
+            return k + 1
+        k = gap.rfind(prefix[-1], 0, k)
+    return 0
 
 
 Encoder = TextEncoder | ConversationEncoder

@@ -167,7 +167,7 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
         return
     source_name, overrides, opts = parse_args(argv)
     recipe = load_recipe(source_name, overrides)
-    tokenizer = load_tokenizer(recipe.model.tokenizer_path)
+    tokenizer = load_tokenizer(recipe.model.tokenizer_path, recipe.data.chat_template)
     topology = DataTopology(dp_rank=opts["--dp-rank"], dp_size=opts["--dp-size"])
     budget = recipe.train.tokens_per_micro_batch
     out.write(f"recipe: {source_name}\ntokenizer: {recipe.model.tokenizer_path} (vocab {len(tokenizer)})\n")

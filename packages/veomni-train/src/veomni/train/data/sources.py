@@ -19,7 +19,28 @@ import numpy as np
 
 
 class DataError(ValueError):
-    """Bad input data: the message names the file and the row (or line)."""
+    """Bad input data: the message names the file and the row (or line).
+
+    A DataError raised in a DataLoader worker comes back to the main process as the original one-line message:
+    torch rebuilds the exception in the main process from ``"Caught DataError in DataLoader worker process N.
+    Original Traceback ...: <message>"``, and the constructor takes the original message back out of that (the
+    worker's traceback says nothing the message does not: file and row are in it).
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(_worker_message(message, type(self)))
+
+
+def _worker_message(message: str, cls: type) -> str:
+    """The original message of a ``cls`` error that torch's ``ExceptionWrapper.reraise`` wrapped in its worker
+    traceback (the text after the traceback's last ``module.Class: ``); any other message as it is."""
+    if not (
+        isinstance(message, str) and message.startswith(f"Caught {cls.__name__} in DataLoader worker process")
+    ):
+        return message
+    marker = f"\n{cls.__module__}.{cls.__qualname__}: "
+    at = message.rfind(marker)
+    return message if at < 0 else message[at + len(marker) :].rstrip("\n")
 
 
 class OverlongError(DataError):
