@@ -142,3 +142,19 @@ def test_log_file_holds_the_console_lines_and_the_log(tmp_path, capsys):
     assert "rank0] INFO veomni.train: training 2 steps" in text
     assert "rank0] INFO veomni.train.console: step 2/2 | loss " in text and "| eta " in text
     assert "\r" not in text
+
+
+def test_profile_steps_write_a_trace_and_a_top_ops_table(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["quickstart", "--log.profile_steps=[2,2]", f"--checkpoint.dir={out}", *SHORT])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    trace = json.loads((out / "profile" / "trace_rank_0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names  # the step's matmuls are in the window
+    table = (out / "profile" / "top_ops.txt").read_text()
+    assert table.startswith("steps 2..2, sorted by self_cpu_time_total") and "Self CPU" in table
+
+
+def test_profile_steps_must_be_an_ordered_window(tmp_path, capsys):
+    assert main(["quickstart", "--log.profile_steps=[3,2]", "--print"]) == 2
+    assert "log.profile_steps: expected [first, last] with 1 <= first <= last, found [3, 2]" in capsys.readouterr().err

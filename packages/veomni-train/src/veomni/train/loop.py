@@ -67,6 +67,7 @@ from veomni.train.preflight import (
     check_vocab,
     check_warmup,
 )
+from veomni.train.profiling import StepProfiler
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.resume import resume_run
 from veomni.train.run_log import (
@@ -418,6 +419,9 @@ def train(
     # Signals stop the run at a step boundary with a saved state; the ranks agree on the boundary (a CPU
     # all-reduce per step, which never waits for the GPU).
     stop = StopRequests(cpu_group()) if recipe.checkpoint.save_on_signal else None
+    profiler = StepProfiler(
+        recipe.log.profile_steps, Path(recipe.checkpoint.dir) / "profile", dist.get_rank(), run.device
+    )
     # The bar is closed however the loop ends, so an error is printed on a line of its own, not after the bar.
     try:
         if stop is not None:
@@ -429,7 +433,9 @@ def train(
                 read_start = t0  # evals and checkpoints between windows are not step time
             step = next(data_iter)
             t_data = time.perf_counter() - t0
+            profiler.before_step(run.step + 1)
             stats = train_step_on_device(run, step)
+            profiler.after_step(run.step)
             flops = 0.0 if stats["skipped"] else run.task.step_flops(step)
             pending.append((run.step, stats, t_data, step.tokens, flops))
             if progress is not None:

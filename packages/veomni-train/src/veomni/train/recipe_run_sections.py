@@ -190,12 +190,25 @@ class LogSection:
     wandb_project: str | None = _field(
         None, "log to this Weights & Biases project (needs veomni-train[wandb])"
     )
+    profile_steps: tuple[int, int] | None = _field(
+        None,
+        "[a, b]: profile steps a..b (1-based, inclusive) with the torch profiler: a Chrome trace per rank and a "
+        "top-operators table under <checkpoint.dir>/profile/",
+    )
     file: str | None = _field(
         None,
         "also append the log to this file: rank 0's lines (metrics, evaluations, info) and every rank's warnings "
         "and errors, each stamped with time and rank (e.g. outputs/run/train.log)",
         path=True,
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last:
+                raise RecipeError(
+                    f"log.profile_steps: expected [first, last] with 1 <= first <= last, found {list(self.profile_steps)}"
+                )
 
 
 @attrs.frozen(kw_only=True)

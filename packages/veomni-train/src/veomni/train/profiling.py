@@ -1,0 +1,55 @@
+"""``log.profile_steps: [a, b]``: a torch profiler trace of steps a..b (1-based, inclusive) and a table of the
+operators that took the most time, written under ``<checkpoint.dir>/profile/``.
+
+Every rank writes its own Chrome trace (``trace_rank_R.json``: open it in https://ui.perfetto.dev or
+chrome://tracing); rank 0 also writes ``top_ops.txt``, torch's ``key_averages`` table sorted by device time where
+there is a device, else by CPU time. Profiling stops after step b, so the run's later steps are not slowed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger("veomni.train")
+
+TOP_OPS_ROWS = 40
+
+
+class StepProfiler:
+    """Call `before_step(n)` before step n is run and `after_step(n)` after it (n 1-based); a no-op outside the
+    profiled window or without one."""
+
+    def __init__(self, steps: tuple[int, int] | None, out_dir: Path, rank: int, device: torch.device) -> None:
+        self.first, self.last = steps if steps is not None else (0, -1)
+        self.out_dir, self.rank, self.device = out_dir, rank, device
+        self._profile: profile | None = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.first:
+            return
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profile = profile(activities=activities, record_shapes=True, with_stack=False)
+        self._profile.start()
+
+    def after_step(self, step: int) -> None:
+        if self._profile is None or step != self.last:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the queued kernels of the window belong in the trace
+        self._profile.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace = self.out_dir / f"trace_rank_{self.rank}.json"
+        self._profile.export_chrome_trace(str(trace))
+        if self.rank == 0:
+            sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            table = self._profile.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS_ROWS)
+            header = f"steps {self.first}..{self.last}, sorted by {sort_by}\n"
+            (self.out_dir / "top_ops.txt").write_text(header + table)
+            log.info("profiled steps %d..%d: %s and %s", self.first, self.last, trace, self.out_dir / "top_ops.txt")
+        self._profile = None
