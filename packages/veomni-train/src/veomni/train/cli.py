@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from veomni.train.loop import train
     from veomni.train.numerics import TrainingDivergedError
     from veomni.train.preflight import PreflightError
+    from veomni.train.profiling import TrainingOutOfMemoryError
     from veomni.train.rank_failure import FailureWatch, peer_failure, stop_process
     from veomni.train.stop_signals import TrainingStopped
 
@@ -88,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         _stop_watch(watch, rank, err)
         _close_process_group()
         return 2
+    except TrainingOutOfMemoryError as err:
+        # Each rank that ran out says so (ranks differ: uneven rows, EP); the snapshot names what held the memory.
+        print(f"veomni-train (rank {rank}): {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        _stop_watch(watch, rank, err)
+        return 1
     except TrainingDivergedError as err:
         # The message names the step, its numbers and the checkpoint to go back to.
         _stop_watch(watch, rank, None)

@@ -67,7 +67,7 @@ from veomni.train.preflight import (
     check_vocab,
     check_warmup,
 )
-from veomni.train.profiling import StepProfiler
+from veomni.train.profiling import StepProfiler, dump_oom_snapshot
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
 from veomni.train.resume import resume_run
 from veomni.train.run_log import (
@@ -434,7 +434,10 @@ def train(
             step = next(data_iter)
             t_data = time.perf_counter() - t0
             profiler.before_step(run.step + 1)
-            stats = train_step_on_device(run, step)
+            try:
+                stats = train_step_on_device(run, step)
+            except torch.OutOfMemoryError as err:  # snapshot while the step's tensors still hold the memory
+                raise dump_oom_snapshot(err, run.step + 1, Path(recipe.checkpoint.dir), dist.get_rank()) from None
             profiler.after_step(run.step)
             flops = 0.0 if stats["skipped"] else run.task.step_flops(step)
             pending.append((run.step, stats, t_data, step.tokens, flops))

@@ -53,3 +53,26 @@ class StepProfiler:
             (self.out_dir / "top_ops.txt").write_text(header + table)
             log.info("profiled steps %d..%d: %s and %s", self.first, self.last, trace, self.out_dir / "top_ops.txt")
         self._profile = None
+
+
+class TrainingOutOfMemoryError(RuntimeError):
+    """A step ran out of accelerator memory; the message names the step, the rank and the snapshot written."""
+
+
+def dump_oom_snapshot(err: torch.OutOfMemoryError, step: int, out_dir: Path, rank: int) -> TrainingOutOfMemoryError:
+    """Write what held the memory when ``err`` was raised in step ``step``: ``oom_rank_R.pickle`` (torch's memory
+    snapshot: every segment and block, with stack traces where `torch.cuda.memory._record_memory_history` was on;
+    drag it into https://pytorch.org/memory_viz) and ``oom_rank_R.txt`` (``torch.cuda.memory_summary``).
+
+    Returns the error to raise in its place (called while the failing step's tensors are still alive).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    snapshot = out_dir / f"oom_rank_{rank}.pickle"
+    torch.cuda.memory._dump_snapshot(str(snapshot))
+    (out_dir / f"oom_rank_{rank}.txt").write_text(torch.cuda.memory_summary())
+    first_line = str(err).splitlines()[0] if str(err) else "out of memory"
+    return TrainingOutOfMemoryError(
+        f"step {step} ran out of memory on rank {rank} ({first_line}); memory snapshot: {snapshot} (open it at "
+        "https://pytorch.org/memory_viz), summary beside it. Lower train.tokens_per_micro_batch, or turn on "
+        "parallel.activation_checkpointing"
+    )
