@@ -27,6 +27,7 @@ from veomni.core.master_weights import MasterWeights, master_weights_of
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
+from veomni.models.expert_load import attach_expert_load_counters
 from veomni.models.registry import MODELS
 from veomni.train.checkpoint import CheckpointManager, latest_complete
 from veomni.train.checkpoint_match import config_dict
@@ -177,6 +178,7 @@ class Run:
     masters: MasterWeights | None = None
     graphs: MicroBatchGraphs | None = None  # train.cuda_graphs
     balanced_routers: list[nn.Module] = attrs.Factory(list)  # optim.moe_bias_update_speed > 0
+    expert_layers: list[str] = attrs.Factory(list)  # experts modules counting their routed tokens (metrics)
 
     @property
     def trained(self) -> nn.Module:
@@ -299,6 +301,7 @@ def build_run(recipe: Recipe) -> Run:
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
         scheduler=scheduler, train_data=train_data, eval_data=eval_data, checkpoints=checkpoints,
         total_steps=steps, task=task, config=config, masters=masters, balanced_routers=routers,
+        expert_layers=attach_expert_load_counters(model),
         loss_scale=DynamicLossScale(device) if recipe.model.dtype == "float16" else None,
     )  # fmt: skip
     if recipe.train.cuda_graphs:

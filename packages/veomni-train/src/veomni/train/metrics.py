@@ -143,6 +143,7 @@ class StepMetrics:
     skipped: int = 0
     elapsed_s: float | None = None
     eta_s: float | None = None
+    moe_imbalance: float | None = None  # the largest max/mean expert load of any MoE layer (veomni.models.expert_load)
 
 
 def format_duration(seconds: float) -> str:
@@ -168,6 +169,8 @@ def console_line(m: StepMetrics) -> str:
         f"mem {m.peak_memory_gib:.1f} GiB" if m.peak_memory_gib is not None else "mem n/a",
         f"data {m.data_wait_fraction * 100:.1f}%",
     ]
+    if m.moe_imbalance is not None:
+        parts.append(f"moe max/mean {m.moe_imbalance:.2f}")
     if m.elapsed_s is not None:
         parts.append(f"elapsed {format_duration(m.elapsed_s)}")
     if m.eta_s is not None:

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch.distributed as dist
 
+from veomni.models.expert_load import load_summary, read_expert_loads
 from veomni.train.metrics import Sinks, StepMetrics, console_line, window_peak_memory_gib
 
 if TYPE_CHECKING:
@@ -161,7 +163,12 @@ def log_window(
         data_wait_fraction=sum(w[2] for w in window) / seconds, skipped=skipped,
         elapsed_s=None if clock is None else clock.elapsed(), eta_s=None if clock is None else clock.eta(run.step),
     )  # fmt: skip
+    moe = load_summary(read_expert_loads(run.model, run.expert_layers)) if run.expert_layers else None
+    if moe is not None:
+        metrics = attrs.evolve(metrics, moe_imbalance=moe["moe_imbalance"])
     if dist.get_rank() == 0:
+        if moe is not None:
+            append_jsonl(Path(run.recipe.checkpoint.dir) / "metrics.jsonl", {"step": run.step, **moe})
         if run.recipe.log.console:
             write_line(progress, console_line(metrics))
         values = {"loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
@@ -170,4 +177,6 @@ def log_window(
             values["mfu"] = metrics.mfu
         if metrics.peak_memory_gib is not None:
             values["peak_memory_gib"] = metrics.peak_memory_gib
+        if moe is not None:
+            values.update({k: v for k, v in moe.items() if isinstance(v, float)})
         sinks.write(run.step, values)
