@@ -158,3 +158,26 @@ def test_profile_steps_write_a_trace_and_a_top_ops_table(tmp_path, capsys):
 def test_profile_steps_must_be_an_ordered_window(tmp_path, capsys):
     assert main(["quickstart", "--log.profile_steps=[3,2]", "--print"]) == 2
     assert "log.profile_steps: expected [first, last] with 1 <= first <= last, found [3, 2]" in capsys.readouterr().err
+
+
+def test_data_files_accept_globs_and_shard_directories(tmp_path):
+    from data_helpers import text_rows, write_jsonl
+
+    from veomni.train.data.sources import DataError, RowSource
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        write_jsonl(shards / f"part-{i:02d}.jsonl", text_rows(4, seed=i))
+    (shards / "README.md").write_text("not data")
+    by_dir = RowSource([str(shards)], "auto", ["text"])
+    by_glob = RowSource([str(tmp_path / "**" / "part-*.jsonl")], "auto", ["text"])
+    for source in (by_dir, by_glob):
+        assert len(source) == 12
+        assert [f.path for f in source.files] == [str(shards / f"part-{i:02d}.jsonl") for i in range(3)]
+        assert source.ref(11).file.endswith("part-02.jsonl")
+    with pytest.raises(DataError, match=r"part-\*\.parquet: the pattern matches no file"):
+        RowSource([str(shards / "part-*.parquet")], "auto", ["text"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet file"):
+        RowSource([str(tmp_path / "empty")], "auto", ["text"])

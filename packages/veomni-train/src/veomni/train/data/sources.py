@@ -9,6 +9,7 @@ receive them under any start method.
 from __future__ import annotations
 
 import bisect
+import glob
 import json
 import os
 from collections.abc import Sequence
@@ -85,6 +86,33 @@ class RowRef:
         if self.line is not None:
             return f"{self.file} line {self.line}"
         return f"{self.file} row {self.row} (0-based)"
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def expand_data_files(entries: Sequence[str]) -> list[str]:
+    """Each entry as the files it names, in order: a file itself; a glob (``data/*.jsonl``, ``**`` recursive) its
+    matches, sorted; a directory its ``.jsonl`` / ``.json`` / ``.parquet`` files (not recursive), sorted. A
+    pattern or directory naming no data file is an error (a typo must not shrink the dataset silently)."""
+    out: list[str] = []
+    for entry in entries:
+        if any(c in entry for c in "*?["):
+            matches = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise DataError(f"{entry}: the pattern matches no file")
+            out += matches
+        elif os.path.isdir(entry):
+            names = sorted(os.listdir(entry))
+            found = [os.path.join(entry, n) for n in names if n.lower().endswith(DATA_SUFFIXES)]
+            if not found:
+                raise DataError(
+                    f"{entry}: a directory with no {', '.join(DATA_SUFFIXES)} file; it holds {names[:10]}"
+                )
+            out += found
+        else:
+            out.append(entry)
+    return out
 
 
 def detect_format(path: str, format: str) -> str:
@@ -230,7 +258,7 @@ class RowSource:
         if not files:
             raise DataError("no data files given")
         self.files: list[JsonlFile | ParquetFile] = []
-        for path in files:
+        for path in expand_data_files(files):
             kind = detect_format(path, format)
             self.files.append(JsonlFile(path) if kind == "jsonl" else ParquetFile(path, columns, optional))
         self._starts = np.cumsum([0] + [len(f) for f in self.files]).tolist()
