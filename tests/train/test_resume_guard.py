@@ -159,3 +159,35 @@ def test_resume_on_more_ranks_is_accepted(dist_pools, tmp_path):
     raw = tiny_recipe(str(tmp_path), DENSE)
     dist_pools.get(1, "gloo").run(_train_and_save, raw, 1)
     assert dist_pools.get(2, "gloo").run(_resume_step, raw) == [1, 1]
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(dist_pools, tmp_path, model):
+    # Saved at step 0: no parameter has AdamW state yet, and none is saved or invented on load (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+    from test_loop import MOE
+
+    raw = tiny_recipe(str(tmp_path), DENSE if model == "dense" else MOE, steps=2)
+    result = dist_pools.get(1, "gloo").run(resume_before_gradients, raw, 0, 2)[0]
+    check_exact_resume(result, some="embed_tokens")
+
+
+def test_a_checkpoint_without_state_for_some_parameters_is_accepted():
+    # Two of the structure's parameters never had a gradient: the match reads the trained parameters from the
+    # optimizer's groups and reports those two, instead of refusing them as tied or frozen.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import AutoModelForCausalLM
+
+    structure = (False, 1, 16, False, 0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(structure))
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = {"lm_head.weight", "model.norm.weight"}
+    for name, p in model.named_parameters():
+        p.grad = None if name in untouched else torch.zeros_like(p)
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    path = _root() / "partial" / "dcp"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    assert check_payload_matches(path, payload_of(structure)) == sorted(untouched)

@@ -45,7 +45,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -219,6 +224,41 @@ def _checkpoint_view(
 # ---------------------------------------------------------------- save / load
 
 
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``get_state_dict`` without the state torch invents: for an optimizer that has stepped no parameter yet it
+    runs a zero-gradient step (AdamW state, ``step`` 1, for every parameter); that would change the live run and be
+    saved as if every parameter had been trained once. Such an optimizer is saved with no state, as it has."""
+    fresh = not optimizer.state
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:
+        optimizer.state.clear()
+        optim_sd = {**optim_sd, "state": {}}
+    return model_sd, optim_sd
+
+
+def _load_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict[str, Any], names: list[list[str]]
+) -> None:
+    """Put the loaded ``optim_sd`` (its param groups as saved) into ``optimizer``, whose groups hold the parameters
+    ``names``; a parameter without state in ``optim_sd`` ends without state (not strict: the match was checked)."""
+    if optim_sd["state"]:
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=False))
+        return
+    # torch reads an empty state as one keyed by parameter ids and would take the saved groups by position; match
+    # them by parameter name as it does otherwise: each group takes the settings of the saved group of its first
+    # parameter.
+    optimizer.state.clear()
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        saved = next(
+            (g for g in optim_sd["param_groups"] if group_names and group_names[0] in g["params"]), None
+        )
+        if saved is None:
+            raise ValueError(
+                f"no saved optimizer param group holds {group_names[:1]} (checked before loading)"
+            )
+        group.update({key: value for key, value in saved.items() if key != "params"})
+
+
 class CheckpointManager:
     """Saves and restores training state under ``root``; every rank must call `save`/`load` together.
 
@@ -278,7 +318,7 @@ class CheckpointManager:
                 shutil.rmtree(staging)  # a leftover of an interrupted save of the same step
             staging.mkdir(parents=True)
         _barrier()
-        payload = _checkpoint_view(model, self.state, *get_state_dict(model, optimizer))
+        payload = _checkpoint_view(model, self.state, *_state_dicts(model, optimizer))
         failure = None
         try:
             torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
@@ -425,9 +465,19 @@ class CheckpointManager:
         """
         path = Path(path)
         check_complete(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # (every parameter gets its state's tensors)
         payload = _checkpoint_view(model, self.state, model_sd, optim_sd)
-        check_payload_matches(path / "dcp", payload)
+        if stateless := check_payload_matches(path / "dcp", payload):
+            # Trained parameters no gradient had reached when the checkpoint was saved: they stay without state,
+            # as in the saving run, and AdamW creates it at their first gradient.
+            log.info(
+                "checkpoint %s: %d trained parameters have no optimizer state yet (no gradient reached them "
+                "before it was saved): %s", path, len(stateless), stateless,
+            )  # fmt: skip
+            for fqn in stateless:
+                payload["optim"]["state"].pop(fqn, None)
+                optim_sd["state"].pop(fqn, None)
+        names = [list(group["params"]) for group in optim_sd["param_groups"]]
         # DCP fills a list by index: this run's param_groups would take the first len(groups) saved groups, whatever
         # parameters those held, and coarser groups (EP experts merged back) would miss the saved groups past
         # them. Every saved group is loaded instead, and set_state_dict hands each of this run's groups the
@@ -436,10 +486,8 @@ class CheckpointManager:
         if saved_groups is not None:
             payload["optim"]["param_groups"] = optim_sd["param_groups"] = saved_groups
         dcp.load(payload, checkpoint_id=path / "dcp")
-        set_state_dict(
-            model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-            options=StateDictOptions(strict=True),
-        )  # fmt: skip
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+        _load_optimizer(model, optimizer, optim_sd, names)
         trainer_state = torch.load(path / "trainer.pt", weights_only=False)
         rank_file = path / f"rank_{_rank():05d}.pt"
         rank_state = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
