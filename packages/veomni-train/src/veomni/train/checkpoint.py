@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STAGED_DIR = re.compile(r"^step_(\d{8})\.(new|old)$")  # a re-save's new copy and the one it replaces
+# A directory `CheckpointManager.set_aside_newer` renamed (``step_N.abandoned``, ``step_N.new.abandoned2``, ...).
+SET_ASIDE_DIR = re.compile(r"^step_(\d{8})(\.new|\.old)?\.abandoned\d*$")
 MARKER = "COMPLETE"
 
 
@@ -353,7 +355,8 @@ class CheckpointManager:
         ... if taken), before a run that continues from ``step`` writes into ``root``: they belong to another line
         of training (a run rolled back to an older checkpoint, or started fresh in a used directory). Left in place,
         ``resume=auto`` would later take them for this run's newest state, and keep-last pruning, which keeps the
-        highest steps, would delete this run's new checkpoints first. Nothing is deleted.
+        highest steps, would delete this run's new checkpoints first. Nothing is deleted here; the next complete
+        save prunes the incomplete ones (saves killed midway, never loadable) and keeps the complete ones.
 
         Every rank must call it (rank 0 renames, then a barrier). Returns the new paths (rank 0; empty elsewhere).
         """
@@ -437,6 +440,9 @@ class CheckpointManager:
         for p in self.root.iterdir():
             if STAGED_DIR.match(p.name):
                 stale.append(p)  # an incomplete staging copy, or the replaced copy of a finished swap
+                continue
+            if SET_ASIDE_DIR.match(p.name) and not (p / MARKER).is_file():
+                stale.append(p)  # another line's save killed midway, set aside: never loadable
                 continue
             m = STEP_DIR.match(p.name)
             if not m:
