@@ -191,3 +191,44 @@ def test_a_checkpoint_without_state_for_some_parameters_is_accepted():
     path = _root() / "partial" / "dcp"
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     assert check_payload_matches(path, payload_of(structure)) == sorted(untouched)
+
+
+def _resume_keeping_logs(ctx, raw: dict) -> tuple[int, dict[str, float], list[str]]:
+    import logging
+
+    from test_loop import _resume_and_step
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    loggers = [logging.getLogger("veomni.train"), logging.getLogger("veomni.models.build")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+    try:
+        step, stats = _resume_and_step(ctx, raw)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    return step, stats, messages
+
+
+def test_a_resume_does_not_read_model_weights(dist_pools, tmp_path):
+    # Every parameter comes from the checkpoint, so model.weights is not read at all (issue 42: at 100B+ it took
+    # minutes to load weights that were then overwritten). Corrupted after the save, it cannot be loaded: the
+    # resume works and continues the straight run exactly.
+    from test_loop import _steps, initial_weights
+
+    weights = Path(initial_weights(DENSE, str(tmp_path / "weights")))
+    raw = tiny_recipe(str(tmp_path / "run"), DENSE, weights=str(weights), steps=2)
+    pool = dist_pools.get(1, "gloo")
+    straight = pool.run(_steps, raw, 2)[0]
+    pool.run(_train_and_save, raw, 1)
+    (file,) = weights.glob("*.safetensors")
+    file.write_bytes(b"not a safetensors file")
+    step, stats, messages = pool.run(_resume_keeping_logs, raw)[0]
+    assert step == 1
+    assert stats["loss"] == straight[1]["loss"]
+    assert any("model weights are taken from the checkpoint" in m for m in messages), messages
