@@ -369,7 +369,8 @@ class CheckpointManager:
             # as in the saving run, and AdamW creates it at their first gradient.
             log.info(
                 "checkpoint %s: %d trained parameters have no optimizer state yet (no gradient reached them "
-                "before it was saved): %s", path, len(stateless), stateless,
+                "before it was saved): %s%s", path, len(stateless), ", ".join(stateless[:8]),
+                f" ... and {len(stateless) - 8} more" if len(stateless) > 8 else "",
             )  # fmt: skip
             for fqn in stateless:
                 payload["optim"]["state"].pop(fqn, None)
