@@ -177,8 +177,6 @@ def test_export_loads_in_diffusers_with_the_same_state_dict(dist_pools, tmp_path
     ]
 
 
-
-
 def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, tmp_path):
     # veomni-export-hf on step_N/dcp: the diffusers files the in-loop export writes, the trained config (overrides
     # included) taken from the checkpoint itself.
@@ -194,8 +192,9 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     assert sorted(p.name for p in offline.iterdir()) == sorted(p.name for p in in_loop.iterdir())
     config = json.loads((offline / "config.json").read_text())
     assert config == json.loads((in_loop / "config.json").read_text()) and config["rope_max_seq_len"] == 64
-    want, got = load_file(in_loop / "diffusion_pytorch_model.safetensors"), load_file(
-        offline / "diffusion_pytorch_model.safetensors"
+    want, got = (
+        load_file(in_loop / "diffusion_pytorch_model.safetensors"),
+        load_file(offline / "diffusion_pytorch_model.safetensors"),
     )
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     loaded = WanTransformer3DModel.from_pretrained(offline)
@@ -203,7 +202,9 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     # A text task named for a DiT checkpoint is refused, not silently ignored.
     from veomni.models.export import export_dcp_to_hf
 
-    with pytest.raises(ValueError, match=r"is a diffusers config \(WanTransformer3DModel\).*found task='causal_lm'"):
+    with pytest.raises(
+        ValueError, match=r"is a diffusers config \(WanTransformer3DModel\).*found task='causal_lm'"
+    ):
         export_dcp_to_hf(step / "dcp", tmp_path / "refused", prefix="model.", task="causal_lm")
 
 
@@ -421,3 +422,13 @@ def test_quickstart_dit_assets_are_what_the_script_writes(tmp_path):
             assert a.read_bytes() == b.read_bytes(), (
                 f"regenerate with tools/make_quickstart_dit_data.py: {name}"
             )
+
+
+def test_resumes_exactly_from_a_checkpoint_saved_before_the_first_step(dist_pools, tmp_path):
+    # No parameter of the DiT has AdamW state at step 0 (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+
+    (result,) = dist_pools.get(1, "gloo").run(
+        resume_before_gradients, dit_recipe(str(tmp_path), steps=2), 0, 2
+    )
+    check_exact_resume(result, some="blocks")

@@ -190,3 +190,13 @@ def test_resume_and_export_under_sp_and_ep(dist_pools, references, tmp_path, gdn
         generated = plain.generate(prompt, **settings)
         assert torch.equal(ours.generate(prompt, **settings), generated)
         torch.testing.assert_close(ours(generated).logits, plain(generated).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_resumes_exactly_from_a_checkpoint_saved_before_the_first_step(dist_pools, tmp_path):
+    # No parameter, the Gated DeltaNet layers' included, has AdamW state at step 0 (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+
+    weights = initial_weights(HYBRIDS["qwen3_next"], str(tmp_path / "weights"))
+    raw = hybrid_recipe(str(tmp_path / "run"), "qwen3_next", weights)
+    (result,) = dist_pools.get(1, "gloo").run(resume_before_gradients, raw, 0, STEPS)
+    check_exact_resume(result, some="linear_attn")

@@ -192,3 +192,13 @@ def test_ep2_and_sp2_x_ep2_match_one_rank(dist_pools, assets, one_rank, tmp_path
             for step, (got, want) in enumerate(zip(result["stats"], one_rank["stats"], strict=True)):
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (layout, step)
                 assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (layout, step)
+
+
+def test_resumes_exactly_from_a_checkpoint_saved_before_the_first_step(dist_pools, assets, tmp_path):
+    # No parameter, the audio tower and the experts included, has AdamW state at step 0 (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+
+    (result,) = dist_pools.get(1, "gloo").run(
+        resume_before_gradients, moe_recipe(assets, str(tmp_path)), 0, 2
+    )
+    check_exact_resume(result, some="audio_tower")

@@ -264,7 +264,9 @@ def test_empty_and_masked_files_beside_trained_ones_are_named_in_a_warning(tmp_p
         check_trained_tokens(source, index, files, "data.train_files")
     # check_trained_tokens' own warnings (indexing also warns, about the truncated rows).
     warnings = [
-        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith("data.train_files: ")
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.getMessage().startswith("data.train_files: ")
     ]
     assert f"data.train_files: {empty} holds no row" in warnings
     assert f"data.train_files: {files[2]} holds 2 rows but no trained token (every label masked)" in warnings
@@ -431,12 +433,17 @@ def test_a_rolled_back_run_sets_newer_checkpoints_aside(dist_pools, tmp_path):
     raw["checkpoint"].update({"interval": 3, "keep_last": 2})
     pool.run(_train, raw)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000006"]
+    # A's save of step 7 killed midway: set aside with the rest of A's line, then pruned by B's first complete
+    # save (it never was loadable); A's complete step 6 is kept.
+    (tmp_path / "step_00000007" / "dcp").mkdir(parents=True)
     rolled = copy.deepcopy(raw)
     rolled["train"]["steps"] = 5
     rolled["checkpoint"].update({"resume": str(tmp_path / "step_00000003"), "save_final": True})
     pool.run(_train, rolled)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [
-        "step_00000003", "step_00000005", "step_00000006.abandoned"
+        "step_00000003",
+        "step_00000005",
+        "step_00000006.abandoned",
     ]
     assert latest_complete(tmp_path) == tmp_path / "step_00000005"
     # A fresh start in the used directory sets everything aside, and its metrics supersede all earlier lines.
@@ -444,7 +451,9 @@ def test_a_rolled_back_run_sets_newer_checkpoints_aside(dist_pools, tmp_path):
     fresh["train"]["steps"] = 1
     pool.run(_train, fresh)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [
-        "step_00000003.abandoned", "step_00000005.abandoned", "step_00000006.abandoned"
+        "step_00000003.abandoned",
+        "step_00000005.abandoned",
+        "step_00000006.abandoned",
     ]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-2] == {"resumed_from": None, "step": 0} and records[-1]["step"] == 1

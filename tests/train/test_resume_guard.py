@@ -195,3 +195,76 @@ def test_a_resume_takes_the_recipes_lr_only_when_asked(dist_pools, tmp_path):
         assert group["weight_decay"] in (0.0, 0.01)
     assert {g["lr_multiplier"] for g in taken} == {0.5, 1.0}
     assert any(g["weight_decay"] == 0.01 for g in taken) and any(g["weight_decay"] == 0.0 for g in taken)
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(dist_pools, tmp_path, model):
+    # Saved at step 0: no parameter has AdamW state yet, and none is saved or invented on load (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+    from test_loop import MOE
+
+    raw = tiny_recipe(str(tmp_path), DENSE if model == "dense" else MOE, steps=2)
+    result = dist_pools.get(1, "gloo").run(resume_before_gradients, raw, 0, 2)[0]
+    check_exact_resume(result, some="embed_tokens")
+
+
+def test_a_checkpoint_without_state_for_some_parameters_is_accepted():
+    # Two of the structure's parameters never had a gradient: the match reads the trained parameters from the
+    # optimizer's groups and reports those two, instead of refusing them as tied or frozen.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import AutoModelForCausalLM
+
+    structure = (False, 1, 16, False, 0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(structure))
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = {"lm_head.weight", "model.norm.weight"}
+    for name, p in model.named_parameters():
+        p.grad = None if name in untouched else torch.zeros_like(p)
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    path = _root() / "partial" / "dcp"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    assert check_payload_matches(path, payload_of(structure)) == sorted(untouched)
+
+
+def _resume_keeping_logs(ctx, raw: dict) -> tuple[int, dict[str, float], list[str]]:
+    import logging
+
+    from test_loop import _resume_and_step
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    loggers = [logging.getLogger("veomni.train"), logging.getLogger("veomni.models.build")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+    try:
+        step, stats = _resume_and_step(ctx, raw)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    return step, stats, messages
+
+
+def test_a_resume_does_not_read_model_weights(dist_pools, tmp_path):
+    # Every parameter comes from the checkpoint, so model.weights is not read at all (issue 42: at 100B+ it took
+    # minutes to load weights that were then overwritten). Corrupted after the save, it cannot be loaded: the
+    # resume works and continues the straight run exactly.
+    from test_loop import _steps, initial_weights
+
+    weights = Path(initial_weights(DENSE, str(tmp_path / "weights")))
+    raw = tiny_recipe(str(tmp_path / "run"), DENSE, weights=str(weights), steps=2)
+    pool = dist_pools.get(1, "gloo")
+    straight = pool.run(_steps, raw, 2)[0]
+    pool.run(_train_and_save, raw, 1)
+    (file,) = weights.glob("*.safetensors")
+    file.write_bytes(b"not a safetensors file")
+    step, stats, messages = pool.run(_resume_keeping_logs, raw)[0]
+    assert step == 1
+    assert stats["loss"] == straight[1]["loss"]
+    assert any("model weights are taken from the checkpoint" in m for m in messages), messages

@@ -16,6 +16,7 @@ from test_loop import DENSE, MOE, initial_weights, tiny_recipe
 from veomni.core.freeze import freeze_modules
 from veomni.train.flops import query_width
 from veomni.train.optim import lr_multiplier, param_groups
+from veomni.train.preflight import PreflightError, check_trainable
 from veomni.train.recipe import RecipeError, recipe_from_dict
 from veomni.train.tasks import TextTask, build_task
 
@@ -120,11 +121,20 @@ def test_lr_multipliers_deepest_match_wins_and_errors_name_the_patterns():
     with pytest.raises(ValueError, match="all match 'model.layers.1' with different values"):
         lr_multiplier("model.layers.1.mlp.up_proj.weight", {"model.layers.1": 0.5, "model.layers.*": 2.0})
     model = _meta_model(DENSE)
-    with pytest.raises(ValueError, match=r"\['model.visual'\] match no trainable parameter"):
+    with pytest.raises(ValueError, match=r"\['model.visual'\] match no parameter or module"):
         param_groups(model, 0.1, 1e-3, {"model.visual": 0.1})
-    freeze_modules(model, ["model.norm"])
-    with pytest.raises(ValueError, match=r"\['model.norm'\] match no trainable parameter"):
-        param_groups(model, 0.1, 1e-3, {"model.norm": 0.1})
+
+
+def test_a_multiplier_on_a_frozen_module_is_said_not_refused(caplog):
+    # quickstart-vlm's {model.visual: 0.01} with --model.freeze=[model.visual]: the multiplier has nothing left to
+    # scale, which is an info line (issue 42), while a pattern matching nothing at all stays an error.
+    model = _meta_model(DENSE)
+    with caplog.at_level("INFO", logger="veomni.train"):
+        check_trainable(model, ["model.norm"], {"model.norm": 0.1, "model.layers.*": 0.5})
+    assert "['model.norm'] only match frozen parameters (model.freeze): no effect" in caplog.text
+    assert {g["lr_multiplier"] for g in param_groups(model, 0.1, 1e-3, {"model.norm": 0.1})} == {1.0}
+    with pytest.raises(PreflightError, match=r"\['model.nrom'\] match no parameter or module"):
+        check_trainable(_meta_model(DENSE), ["model.norm"], {"model.nrom": 0.1})
 
 
 def test_recipe_rejects_bad_multipliers_and_unknown_tasks(tmp_path):
@@ -299,7 +309,9 @@ def _window_peaks(ctx, sizes_mib: list[int]) -> list[float]:
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
 def test_the_memory_figure_is_the_windows_peak_on_the_fullest_rank(dist_pools):
     # Before: rank 0's peak since the process started, so a window never showed less than the model load, and a
     # rank holding more (EP, uneven rows) was not seen. Rank 1 allocates 2 GiB in the first window, nothing after.

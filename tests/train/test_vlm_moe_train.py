@@ -150,3 +150,13 @@ def test_mfu_counts_routed_experts_at_top_k_over_e():
         else:
             dense += param.numel()
     assert experts > 0 and task.flops_per_token == pytest.approx(6.0 * (dense + experts * 2 / 4))
+
+
+def test_resumes_exactly_from_a_checkpoint_saved_before_the_first_step(dist_pools, assets, tmp_path):
+    # No parameter, experts and vision tower included, has AdamW state at step 0 (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+
+    (result,) = dist_pools.get(1, "gloo").run(
+        resume_before_gradients, moe_recipe(assets, str(tmp_path)), 0, 2
+    )
+    check_exact_resume(result, some="experts")

@@ -196,7 +196,8 @@ def test_task_and_kind_must_match(assets, tmp_path):
     check_task_and_kind(recipe_from_dict(raw))
     bad = copy.deepcopy(raw)
     bad["data"]["kind"] = "conversation"
-    for media_field in ("media_root", "patches_per_micro_batch"):  # refused by the recipe for conversation data
+    # Refused by the recipe for conversation data.
+    for media_field in ("media_root", "patches_per_micro_batch"):
         bad["data"].pop(media_field, None)
     with pytest.raises(DataError, match="vlm task trains on multimodal data"):
         check_task_and_kind(recipe_from_dict(bad))
@@ -251,3 +252,12 @@ def test_data_preview_shows_image_spans_and_the_loss_mask(assets, tmp_path):
     # Image placeholders collapse to one span, untrained; the answer is trained (not bracketed).
     assert "[[<|im_start|>user\n<|vision_start|><image x" in text
     assert "]]A " in text and "<|im_end|>\n" in text
+
+
+def test_resumes_exactly_from_a_checkpoint_saved_before_the_first_image(dist_pools, assets, tmp_path):
+    # Saved at step 0: no parameter (the vision tower's included) has AdamW state yet (issue 42).
+    from resume_helpers import check_exact_resume, resume_before_gradients
+
+    raw = vlm_recipe(assets, str(tmp_path / "run"), steps=2)
+    (result,) = dist_pools.get(1, "gloo").run(resume_before_gradients, raw, 0, 2)
+    check_exact_resume(result, some="visual")

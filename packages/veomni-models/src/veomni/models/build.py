@@ -200,6 +200,7 @@ def build_model(
     backend: str = "veomni",
     freeze: Sequence[str] = (),
     compute_dtype: torch.dtype | None = None,
+    from_checkpoint: bool = False,
 ) -> PreTrainedModel | nn.Module:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
@@ -244,6 +245,9 @@ def build_model(
         compute_dtype: the dtype forward and backward will run in when the caller casts the parameters itself
             after the build (`veomni.core.master_weights.apply_master_weights` over the fp32 ``dtype``); it only
             chooses the kernels, as FSDP2's ``param_dtype`` does. Refused together with a ``parallel_state``.
+        from_checkpoint: the caller fills every parameter from a training checkpoint next (a DCP resume):
+            ``weights`` is not read (its ``generation_config.json`` still is) and the parameters are left
+            uninitialised on a meta build (buffers computed), with no random init either.
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
@@ -281,6 +285,7 @@ def build_model(
             freeze=freeze,
             ops=ops,
             expert_plan=expert_plan,
+            from_checkpoint=from_checkpoint,
         )
     # Before anything is built: a quantized model would be trained on values read without their scales.
     check_not_quantized(config, where=f"the {config.model_type!r} config")
@@ -348,15 +353,24 @@ def build_model(
         raise ValueError("build_model: expert_plan needs a parallel_state with ep > 1")
 
     name = resolved.cls.__name__
+    fresh = weights is None and not from_checkpoint  # initialised by the model's own init
     if on_meta:
-        init_fn = hf_init_fn(model) if weights is None else buffers_init_fn(model)
+        init_fn = hf_init_fn(model) if fresh else buffers_init_fn(model)
         materialize_sharded(model, compute, init_fn, cpu_offload=bool(policy and policy.cpu_offload))
-    elif weights is None:
+    elif fresh:
         with torch.no_grad():
             model.apply(hf_init_fn(model, check_buffers=False))
     # to_empty (from meta) re-creates parameters module by module, which unties a plain (non-FSDP) model.
     _retie(model)
-    if weights is None:
+    if from_checkpoint:
+        if weights is not None:
+            _attach_generation_config(model, weights)
+        logger.info(
+            "build_model: %s built without reading %s: its parameters are to be loaded from a training checkpoint",
+            name,
+            weights if weights is not None else "weights",
+        )
+    elif weights is None:
         logger.warning(
             "build_model: no weights given: the parameters of %s are initialised by its own _init_weights "
             "(random, seed-dependent), not loaded from a checkpoint",

@@ -295,10 +295,11 @@ def build_diffusers_model(
     freeze: Sequence[str],
     ops: OpsConfig | None = None,
     expert_plan: object = None,
+    from_checkpoint: bool = False,
 ) -> nn.Module:
     """`veomni.models.build.build_model` for a diffusers ``config`` resolved to ``cls`` (see there).
 
-    With ``weights``: parameters on meta, FSDP2 per block, shards allocated on ``compute``, rotary buffers
+    With ``weights`` (or ``from_checkpoint``, which skips the load: a DCP resume fills them): parameters on meta, FSDP2 per block, shards allocated on ``compute``, rotary buffers
     restored, then `load_weights` (``"sharded"`` or ``"rank0_broadcast"``, strict accounting, no
     converters). Without: diffusers' own ``__init__`` runs on every rank (its parameters drawn on the GPU when
     they fit there, else on the CPU), rank 0's values are broadcast, then FSDP2 shards them (the full model is
@@ -318,14 +319,13 @@ def build_diffusers_model(
     sp = parallel_state is not None and parallel_state.sp_enabled
     if sp:
         check_dit_sp_supported(cls, parallel_state.dims.sp)
-    if weights is not None:
+    if weights is not None and not from_checkpoint:
         check_checkpoint_kind(weights, "diffusers", f"diffusers {name}")
         _check_class_name(weights, config.class_name)
-    meta = weights is not None and on_meta
+    fresh = weights is None and not from_checkpoint  # diffusers' own __init__ draws the parameters
+    meta = not fresh and on_meta
     model = (
-        _construct(cls, config.values, meta=meta)
-        if weights is not None
-        else _construct_fresh(cls, config.values, compute)
+        _construct_fresh(cls, config.values, compute) if fresh else _construct(cls, config.values, meta=meta)
     )
     # FSDP2 needs one stored dtype per unit, and a Wan block holds keep-fp32 parameters (scale_shift_table, the
     # cross-attention norm) beside its linears: with low-precision storage under FSDP2 they are stored in
@@ -342,7 +342,7 @@ def build_diffusers_model(
         # Explicit: Ulysses SP is attention processors + sequence hooks (veomni.models.wan_sp), installed
         # while the parameters are still on meta, so a head count SP cannot split fails before allocation.
         apply_dit_sp(model, parallel_state)
-    if weights is None:
+    if fresh:
         _broadcast_from_rank0(model)
     if freeze:
         frozen = freeze_modules(model, freeze, where="build_model(freeze=...)")
@@ -356,7 +356,7 @@ def build_diffusers_model(
     if parallel_state is not None:
         policy = default_fsdp_policy(model) if fsdp_policy is None else fsdp_policy
         apply_fsdp2(model, parallel_state, policy)
-        if weights is None and compute.type == "cuda":
+        if fresh and compute.type == "cuda":
             torch.cuda.empty_cache()  # the full fresh copy is gone (sharded): its blocks back for training
     if meta:
         materialize_sharded(
@@ -364,6 +364,13 @@ def build_diffusers_model(
         )
     elif parallel_state is None:
         model.to(compute)
+    if from_checkpoint:
+        logger.info(
+            "build_model: %s built without reading weights: its parameters are to be loaded from a training "
+            "checkpoint",
+            name,
+        )
+        return model
     if weights is None:
         logger.warning(
             "build_model: no weights given: the parameters of %s are initialised by diffusers' own __init__ "

@@ -19,13 +19,11 @@ listing it -- a checkpoint of a 4-layer model never silently fills 2 layers of a
 on the world size, so resharding onto another number of ranks (or EP degree) still loads.
 
 `latest_complete` only ever returns directories with ``COMPLETE``: a process killed during a save leaves an
-incomplete directory that is ignored (and pruned by the next successful save), and the previous checkpoint
-stays loadable; a re-save of a step killed between its two renames resumes from its complete new copy. Keep-last-K pruning runs only after the new checkpoint is complete.
+incomplete directory that is ignored (and pruned by the next successful save, as is one set aside as
+``step_N.abandoned``), and the previous checkpoint stays loadable; a re-save of a step killed between its two
+renames resumes from its complete new copy. Keep-last-K pruning runs only after the new checkpoint is complete.
 
-Expert parallelism: after `apply_expert_plan` and FSDP2, an expert tensor is a DTensor of *local* experts, the
-same FQN and global shape on every EP rank, which DCP would take for replicas and save once. Before saving and
-loading, such tensors are re-wrapped (no copy) as DTensors of the full ``[E, ...]`` tensor over the EP and
-EP-FSDP mesh dims, so DCP sees which experts each rank holds and can reshard them to another EP size.
+What goes into ``dcp/`` (expert-parallel views, optimizer state as it is) is `veomni.train.checkpoint_state`.
 """
 
 from __future__ import annotations
@@ -45,19 +43,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict
 
-from veomni.core.ep import expert_shards
 from veomni.core.parallel_state import ParallelState
 from veomni.models.export_files import CHECKPOINT_FILES_DIR
 from veomni.train.checkpoint_match import check_payload_matches, saved_param_group_slots
+from veomni.train.checkpoint_state import checkpoint_view, load_optimizer, state_dicts
 
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STAGED_DIR = re.compile(r"^step_(\d{8})\.(new|old)$")  # a re-save's new copy and the one it replaces
+# A directory `CheckpointManager.set_aside_newer` renamed (``step_N.abandoned``, ``step_N.new.abandoned2``, ...).
+SET_ASIDE_DIR = re.compile(r"^step_(\d{8})(\.new|\.old)?\.abandoned\d*$")
 MARKER = "COMPLETE"
 
 
@@ -151,71 +149,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# ---------------------------------------------------------------- EP-aware DCP views
-
-
-def _expert_mesh(state: ParallelState) -> DeviceMesh:
-    # The EP mesh is [ep_replicate, ep_fsdp, ep]; the global expert order is ep-major (apply_expert_plan slices
-    # by EP rank first, FSDP then shards each slice), so the view mesh orders the dims [ep_replicate, ep, ep_fsdp].
-    # No process groups: DCP only needs the coordinates to compute each rank's chunk offsets.
-    ep_mesh = state.ep_mesh
-    ranks = ep_mesh.mesh.permute(0, 2, 1).contiguous()
-    return DeviceMesh(
-        ep_mesh.device_type, ranks, mesh_dim_names=("ep_replicate", "ep", "ep_fsdp"), _init_backend=False
-    )
-
-
-def _global_expert_view(tensor: torch.Tensor, mesh: DeviceMesh, num_experts: int) -> DTensor:
-    if isinstance(tensor, DTensor):
-        (placement,) = tensor.placements[-1:]  # the ep_fsdp placement (HSDP adds Replicate before it)
-        local = tensor.to_local()
-        local_shape = tensor.shape
-    else:
-        placement, local, local_shape = Replicate(), tensor, tensor.shape
-    global_shape = (num_experts, *local_shape[1:])
-    placements = (Replicate(), Shard(0), placement)
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=global_shape, stride=_contiguous_stride(global_shape)
-    )
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
-
-
-def _checkpoint_view(
-    model: nn.Module, state: ParallelState | None, model_sd: dict, optim_sd: dict
-) -> dict[str, Any]:
-    """The DCP payload: ``model_sd``/``optim_sd`` with expert tensors replaced by their global views.
-
-    Only new containers are modified (the optimizer's own state dicts are left alone); every tensor, view or
-    not, shares storage with the live one, so DCP loads in place.
-    """
-    shards = {fqn: s for fqn, s in expert_shards(model).items() if s.ep_size > 1}
-    if not shards:
-        return {"model": model_sd, "optim": optim_sd}
-    if state is None or state.ep_mesh is None:
-        raise ValueError("the model has expert-parallel shards: pass the ParallelState used to build it")
-    mesh = _expert_mesh(state)
-    model_view = dict(model_sd)
-    optim_state = dict(optim_sd.get("state", {}))
-    for fqn, shard in shards.items():
-        if fqn in model_view:
-            model_view[fqn] = _global_expert_view(model_view[fqn], mesh, shard.num_experts)
-        if fqn in optim_state:
-            optim_state[fqn] = {
-                key: _global_expert_view(v, mesh, shard.num_experts)
-                if isinstance(v, torch.Tensor) and v.dim() > 0
-                else v
-                for key, v in optim_state[fqn].items()
-            }
-    return {"model": model_view, "optim": {**optim_sd, "state": optim_state}}
-
-
 # ---------------------------------------------------------------- save / load
 
 
@@ -278,7 +211,7 @@ class CheckpointManager:
                 shutil.rmtree(staging)  # a leftover of an interrupted save of the same step
             staging.mkdir(parents=True)
         _barrier()
-        payload = _checkpoint_view(model, self.state, *get_state_dict(model, optimizer))
+        payload = checkpoint_view(model, self.state, *state_dicts(model, optimizer))
         failure = None
         try:
             torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
@@ -313,7 +246,8 @@ class CheckpointManager:
         ... if taken), before a run that continues from ``step`` writes into ``root``: they belong to another line
         of training (a run rolled back to an older checkpoint, or started fresh in a used directory). Left in place,
         ``resume=auto`` would later take them for this run's newest state, and keep-last pruning, which keeps the
-        highest steps, would delete this run's new checkpoints first. Nothing is deleted.
+        highest steps, would delete this run's new checkpoints first. Nothing is deleted here; the next complete
+        save prunes the incomplete ones (saves killed midway, never loadable) and keeps the complete ones.
 
         Every rank must call it (rank 0 renames, then a barrier). Returns the new paths (rank 0; empty elsewhere).
         """
@@ -398,6 +332,9 @@ class CheckpointManager:
             if STAGED_DIR.match(p.name):
                 stale.append(p)  # an incomplete staging copy, or the replaced copy of a finished swap
                 continue
+            if SET_ASIDE_DIR.match(p.name) and not (p / MARKER).is_file():
+                stale.append(p)  # another line's save killed midway, set aside: never loadable
+                continue
             m = STEP_DIR.match(p.name)
             if not m:
                 continue
@@ -425,9 +362,20 @@ class CheckpointManager:
         """
         path = Path(path)
         check_complete(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        payload = _checkpoint_view(model, self.state, model_sd, optim_sd)
-        check_payload_matches(path / "dcp", payload)
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # (every parameter gets its state's tensors)
+        payload = checkpoint_view(model, self.state, model_sd, optim_sd)
+        if stateless := check_payload_matches(path / "dcp", payload):
+            # Trained parameters no gradient had reached when the checkpoint was saved: they stay without state,
+            # as in the saving run, and AdamW creates it at their first gradient.
+            log.info(
+                "checkpoint %s: %d trained parameters have no optimizer state yet (no gradient reached them "
+                "before it was saved): %s%s", path, len(stateless), ", ".join(stateless[:8]),
+                f" ... and {len(stateless) - 8} more" if len(stateless) > 8 else "",
+            )  # fmt: skip
+            for fqn in stateless:
+                payload["optim"]["state"].pop(fqn, None)
+                optim_sd["state"].pop(fqn, None)
+        names = [list(group["params"]) for group in optim_sd["param_groups"]]
         # DCP fills a list by index: this run's param_groups would take the first len(groups) saved groups, whatever
         # parameters those held, and coarser groups (EP experts merged back) would miss the saved groups past
         # them. Every saved group is loaded instead, and set_state_dict hands each of this run's groups the
@@ -436,10 +384,8 @@ class CheckpointManager:
         if saved_groups is not None:
             payload["optim"]["param_groups"] = optim_sd["param_groups"] = saved_groups
         dcp.load(payload, checkpoint_id=path / "dcp")
-        set_state_dict(
-            model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-            options=StateDictOptions(strict=True),
-        )  # fmt: skip
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+        load_optimizer(model, optimizer, optim_sd, names)
         trainer_state = torch.load(path / "trainer.pt", weights_only=False)
         rank_file = path / f"rank_{_rank():05d}.pt"
         rank_state = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None

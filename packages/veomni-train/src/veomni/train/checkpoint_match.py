@@ -43,15 +43,37 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + more
 
 
-def _trained_params(tensors: Mapping[str, Any]) -> set[str]:
-    # Optimizer state keys are ``optim.state.<parameter fqn>.<statistic>``.
+def _stated_params(tensors: Mapping[str, Any]) -> set[str]:
+    # Optimizer state keys are ``optim.state.<parameter fqn>.<statistic>``: the parameters the optimizer holds state
+    # for, which AdamW creates at a parameter's first gradient (a parameter no gradient reached yet has none).
     prefix = "optim.state."
     return {k[len(prefix) :].rsplit(".", 1)[0] for k in tensors if k.startswith(prefix)}
 
 
-def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
+def _grouped_params(groups: Any) -> set[str] | None:
+    # The parameters an optimizer trains, by name: its param_groups' ``params`` (None when it records none).
+    if not groups:
+        return None
+    names = [group.get("params") for group in groups]
+    if any(n is None for n in names):
+        return None
+    return {fqn for group_names in names for fqn in group_names}
+
+
+def _param_of(key: str) -> str:
+    return key[len("optim.state.") :].rsplit(".", 1)[0]
+
+
+def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> list[str]:
     """Compare the tensors ``payload`` would load (names and global shapes) with what ``dcp_dir`` holds.
 
+    The parameters each side trains are read from its optimizer's param groups (the model's trainable parameters),
+    not from which parameters have optimizer state: AdamW keeps none for a parameter no gradient has reached yet (a
+    token embedding only some rows use, a tower before its first image), and such a checkpoint is complete.
+
+    Returns:
+        the parameters both runs train that have no optimizer state in the checkpoint (sorted); `CheckpointManager.load`
+        leaves them without state, as the saving run had them.
     Raises:
         CheckpointMismatchError: listing model tensors missing on either side and shape differences; only when
             the model matches are optimizer differences reported (a new optimizer key is then the real story). A
@@ -61,26 +83,45 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
     metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
     saved = {key: tuple(md.size) for key, md in metadata.items() if hasattr(md, "size")}
     wanted = {k: tuple(v.shape) for k, v in flatten_mapping(payload).items() if isinstance(v, torch.Tensor)}
+    saved_groups = _saved_groups(dcp_dir, metadata)
+    groups_now = (payload.get("optim") or {}).get("param_groups")
     # A tied lm_head is in the state dict under both names but is one trained parameter: the model tensors of a
-    # tied and an untied model match, and only the optimizer state shows it. That is a model difference.
-    trained_now, trained_then = _trained_params(wanted), _trained_params(saved)
+    # tied and an untied model match, and only the optimizer's parameters show it. That is a model difference.
+    trained_now = _grouped_params(groups_now)
+    trained_then = _grouped_params(saved_groups)
+    if trained_now is None or trained_then is None:  # an optimizer without named groups: only its state shows
+        trained_now, trained_then = _stated_params(wanted), _stated_params(saved)
+    stateless = sorted((trained_now & trained_then) - _stated_params(saved))
+    skipped = set(stateless)
     sharing = []
     if new := sorted(f"model.{p}" for p in trained_now - trained_then if f"model.{p}" in saved):
         sharing.append(
             f"{len(new)} model tensors are trained parameters of their own in this run but were not in the "
-            f"checkpoint's run (tied to another tensor, e.g. tie_word_embeddings, or frozen): {_listing(new)}"
+            f"checkpoint's run (tied to another tensor, e.g. tie_word_embeddings, or frozen by model.freeze): "
+            f"{_listing(new)}"
         )
     if gone := sorted(f"model.{p}" for p in trained_then - trained_now if f"model.{p}" in wanted):
         sharing.append(
             f"{len(gone)} model tensors were trained parameters of their own in the checkpoint's run but are not "
-            f"in this run (tied to another tensor, e.g. tie_word_embeddings, or frozen): {_listing(gone)}"
+            f"in this run (tied to another tensor, e.g. tie_word_embeddings, or frozen by model.freeze): "
+            f"{_listing(gone)}"
         )
     for namespace, what in (("model.", "model"), ("optim.state.", "optimizer state")):
         mine = {k for k in wanted if k.startswith(namespace)}
+        if namespace == "optim.state.":
+            mine = {k for k in mine if _param_of(k) not in skipped}
         theirs = {k for k in saved if k.startswith(namespace)}
         problems = []
         if missing := sorted(mine - theirs):
-            problems.append(f"{len(missing)} {what} tensors are not in the checkpoint: {_listing(missing)}")
+            cause = (
+                " (the checkpoint holds other statistics for these parameters: another optimizer or optimizer "
+                "settings)"
+                if namespace == "optim.state."
+                else ""
+            )
+            problems.append(
+                f"{len(missing)} {what} tensors are not in the checkpoint{cause}: {_listing(missing)}"
+            )
         if extra := sorted(theirs - mine):
             problems.append(
                 f"the checkpoint holds {len(extra)} {what} tensors this run does not: {_listing(extra)}"
@@ -99,10 +140,31 @@ def check_payload_matches(dcp_dir: Path, payload: Mapping[str, Any]) -> None:
                 "saved with (its recipe is in trainer.pt), or start fresh (another checkpoint.dir, or "
                 "checkpoint.resume=never)."
             )
-    _check_param_groups(dcp_dir, metadata, payload)
+    _check_param_groups(dcp_dir, saved_groups, payload)
+    return stateless
 
 
-def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Mapping[str, Any]) -> None:
+def _saved_groups(dcp_dir: Path, metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
+    # The checkpoint's optimizer param groups: their parameter names, weight decay and lr multiplier.
+    prefix = "optim.param_groups."
+    count = len({k[len(prefix) :].split(".", 1)[0] for k in metadata if k.startswith(prefix)})
+    keys = ("params", "weight_decay", "lr_multiplier")
+    saved = {
+        f"{prefix}{i}.{key}": None for i in range(count) for key in keys if f"{prefix}{i}.{key}" in metadata
+    }
+    if saved:
+        with warnings.catch_warnings():  # one process reading a few small entries is the intent here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(saved, checkpoint_id=dcp_dir, no_dist=True)
+    return [
+        {key: saved[f"{prefix}{i}.{key}"] for key in keys if f"{prefix}{i}.{key}" in saved}
+        for i in range(count)
+    ]
+
+
+def _check_param_groups(
+    dcp_dir: Path, saved_groups: list[dict[str, Any]], payload: Mapping[str, Any]
+) -> None:
     # The saved param_groups are matched to this run's by parameter name (torch's set_state_dict), and a group takes
     # the hyperparameters of the saved group its parameters were in: each parameter must sit in a group of the same
     # kind as before (decayed or not, same lr multiplier), or another group's settings would land on it without a
@@ -111,19 +173,13 @@ def _check_param_groups(dcp_dir: Path, metadata: Mapping[str, Any], payload: Map
     groups = (payload.get("optim") or {}).get("param_groups") if isinstance(payload, Mapping) else None
     if groups is None:
         return
-    prefix = "optim.param_groups."
-    count = len({k[len(prefix) :].split(".", 1)[0] for k in metadata if k.startswith(prefix)})
-    saved = {f"{prefix}{i}.{key}": None for i in range(count) for key in ("params", "weight_decay", "lr_multiplier")
-             if f"{prefix}{i}.{key}" in metadata}  # fmt: skip
-    with warnings.catch_warnings():  # one process reading a few small entries is the intent here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(saved, checkpoint_id=dcp_dir, no_dist=True)
+    count = len(saved_groups)
 
     def kind(weight_decay: Any, multiplier: Any) -> dict[str, Any]:
         return {"decayed": bool(weight_decay), "lr_multiplier": multiplier}
 
-    then = {fqn: kind(saved.get(f"{prefix}{i}.weight_decay"), saved.get(f"{prefix}{i}.lr_multiplier"))
-            for i in range(count) for fqn in saved.get(f"{prefix}{i}.params") or ()}  # fmt: skip
+    then = {fqn: kind(group.get("weight_decay"), group.get("lr_multiplier"))
+            for group in saved_groups for fqn in group.get("params") or ()}  # fmt: skip
     now = {
         fqn: kind(group.get("weight_decay"), group.get("lr_multiplier"))
         for group in groups
@@ -162,7 +218,11 @@ def saved_param_group_slots(dcp_dir: Path) -> list[dict[str, Any]] | None:
 
 
 def check_resumable(
-    path: Path, trainer_state: Mapping[str, Any], *, model_config: Mapping[str, Any], recipe: Mapping[str, Any]
+    path: Path,
+    trainer_state: Mapping[str, Any],
+    *,
+    model_config: Mapping[str, Any],
+    recipe: Mapping[str, Any],
 ) -> None:
     """Check a checkpoint's ``trainer.pt`` against the resuming run before any tensor is read.
 
@@ -194,7 +254,9 @@ def check_resumable(
         changed = [f"model.{k}: saved {saved_model.get(k)!r}, now {now[k]!r}" for k in now
                    if k != "config" and saved_model.get(k) != now[k]]  # fmt: skip
         if changed:
-            log.warning("resuming %s with a changed model section (same model, so allowed): %s", path, changed)
+            log.warning(
+                "resuming %s with a changed model section (same model, so allowed): %s", path, changed
+            )
     if (saved_optim := saved_recipe.get("optim")) is not None:
         now = recipe["optim"]
         restored = [f"optim.{k}: saved {saved_optim.get(k)!r}, recipe {now[k]!r}"

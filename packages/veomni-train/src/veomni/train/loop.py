@@ -70,7 +70,7 @@ from veomni.train.preflight import (
 )
 from veomni.train.profiling import StepProfiler, dump_oom_snapshot
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
-from veomni.train.resume import resume_run
+from veomni.train.resume import resume_path, resume_run
 from veomni.train.run_log import (
     RunClock,
     append_jsonl,
@@ -271,7 +271,14 @@ def build_run(recipe: Recipe) -> Run:
 
     # The initialisation depends on the seed alone, not on what building the data drew from the RNG.
     torch.manual_seed(recipe.train.seed)
-    model = build_recipe_model(recipe, config, probe, ops, state, device)
+    # A resume overwrites every parameter: model.weights is then not read (minutes at 100B+ scale).
+    resume_from = resume_path(recipe)
+    if resume_from is not None and recipe.model.weights is not None:
+        log.info("resuming from %s: model weights are taken from the checkpoint, %s is not read",
+                 resume_from, recipe.model.weights)  # fmt: skip
+    model = build_recipe_model(
+        recipe, config, probe, ops, state, device, from_checkpoint=resume_from is not None
+    )
     hand_aux_loss_to_loop(model)
     routers: list[nn.Module] = []
     if recipe.optim.moe_bias_update_speed > 0:
@@ -306,7 +313,7 @@ def build_run(recipe: Recipe) -> Run:
     )  # fmt: skip
     if recipe.train.cuda_graphs:
         run.graphs = make_graphs(run)
-    resume_run(run)
+    resume_run(run, resume_from)
     if moved := checkpoints.set_aside_newer(run.step):
         log.warning(
             "%s held checkpoints above step %d, the step this run continues from (another line of training): "

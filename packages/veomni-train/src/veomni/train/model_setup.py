@@ -87,30 +87,31 @@ def one_rank_path(recipe: Recipe, world_size: int) -> str:
 
 def build_recipe_model(
     recipe: Recipe, config: PretrainedConfig | str, probe: nn.Module, ops: Any, state: ParallelState,
-    device: torch.device,
+    device: torch.device, *, from_checkpoint: bool = False,
 ) -> nn.Module:  # fmt: skip
     """The recipe's model as `build_run` builds it (`one_rank_path` says which): FSDP2 (and EP) on ``state``'s
     meshes with the recipe's precision, or on one rank a plain module -- in ``model.param_dtype`` when it equals
     ``model.dtype`` (nothing to shard or cast), else in ``model.dtype`` with fp32 masters attached
     (`veomni.core.master_weights.master_weights_of` finds them; optimizer and checkpoints take their module).
-    ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`."""
+    ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`;
+    ``from_checkpoint``: a resume fills every parameter next, so ``model.weights`` is not read
+    (`veomni.models.build.build_model`)."""
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
     path = one_rank_path(recipe, state.dims.world_size)
     ops = ops_for_eager_only_features(recipe, ops)
+    args = {**_build_args(recipe, ops), "from_checkpoint": from_checkpoint}
     if path == "fsdp2":
         if state.dims.world_size == 1:
             log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
-        model = build_model(
-            config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **_build_args(recipe, ops)
-        )
+        model = build_model(config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **args)
         return _maybe_async_ulysses(recipe, model)
     # One rank: FSDP2 would only add per-block hooks and parameter copies (42% of the step time of Qwen3-1.7B on
     # one H100 in pure bf16, half the throughput with mixed precision; docs/benchmarks.md), so the model stays a
     # plain module.
     if path == "plain":
         log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)
-        model = build_model(config, dtype=param_dtype, device=device, **_build_args(recipe, ops))
+        model = build_model(config, dtype=param_dtype, device=device, **args)
     else:
         log.info(
             "one rank, %s compute over %s master weights: training a plain %s module, the optimizer stepping "
@@ -118,9 +119,7 @@ def build_recipe_model(
             recipe.model.dtype, recipe.model.param_dtype, recipe.model.dtype, recipe.model.param_dtype,
         )  # fmt: skip
         # Built (and loaded) in fp32 like FSDP2's masters; kernels chosen for the compute dtype.
-        model = build_model(
-            config, dtype=param_dtype, device=device, compute_dtype=dtype, **_build_args(recipe, ops)
-        )
+        model = build_model(config, dtype=param_dtype, device=device, compute_dtype=dtype, **args)
         apply_master_weights(model, dtype, policy.block_patterns, cast_inputs=policy.cast_forward_inputs)
     if policy.activation_checkpointing:
         apply_activation_checkpointing(model, policy.block_patterns, keep_attention=policy.ac_keep_attention)

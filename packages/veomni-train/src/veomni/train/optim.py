@@ -58,6 +58,24 @@ def lr_multiplier(name: str, multipliers: Mapping[str, float]) -> float:
     return 1.0
 
 
+def unmatched_multipliers(
+    model: nn.Module, lr_multipliers: Mapping[str, float]
+) -> tuple[list[str], list[str]]:
+    """The ``optim.lr_multipliers`` patterns that reach no trainable parameter of ``model``: ``(unmatched, moot)``,
+    those matching no parameter or module at all (an error) and those matching only frozen ones (a multiplier on a
+    module ``model.freeze`` froze whole: no effect)."""
+    trained: set[str] = set()
+    frozen: set[str] = set()
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        hits = {
+            p for p in lr_multipliers for d in range(1, len(parts) + 1) if fqn_matches(p, ".".join(parts[:d]))
+        }
+        (trained if param.requires_grad else frozen).update(hits)
+    idle = set(lr_multipliers) - trained
+    return sorted(idle - frozen), sorted(idle & frozen)
+
+
 def param_groups(
     model: nn.Module, weight_decay: float, lr: float | None = None, lr_multipliers: Mapping[str, float] = {}
 ) -> list[dict]:
@@ -65,7 +83,8 @@ def param_groups(
 
     Args:
         lr: the peak lr; with it each group gets ``lr * multiplier`` (without it, groups carry no lr).
-        lr_multipliers: see the module docstring; a pattern matching no trainable parameter is an error.
+        lr_multipliers: see the module docstring; a pattern matching no parameter is an error, one matching only
+            frozen parameters has no effect (`unmatched_multipliers`).
     Returns:
         ``[{"params": [...], "weight_decay": wd, "names": [...], "lr_multiplier": m (, "lr")}, ...]``;
         ``names`` is kept for logging.
@@ -77,17 +96,12 @@ def param_groups(
             "optimizer on master_weights_of(model).module"
         )
     groups: dict[tuple, dict] = {}
-    used: set[str] = set()
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         # Matrices decay; norms and biases do not, fused per-expert biases ([E, out], gpt-oss) included.
         decay = param.dim() >= 2 and not name.endswith("bias")
         scale = lr_multiplier(name, lr_multipliers) if lr_multipliers else 1.0
-        parts = name.split(".")
-        used |= {
-            p for p in lr_multipliers for d in range(1, len(parts) + 1) if fqn_matches(p, ".".join(parts[:d]))
-        }
         key = (_mesh_key(param), decay, scale)
         group = groups.setdefault(
             key,
@@ -104,10 +118,9 @@ def param_groups(
         group["names"].append(name)
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (all frozen?)")
-    if unused := sorted(set(lr_multipliers) - used):
+    if unmatched := unmatched_multipliers(model, lr_multipliers)[0]:
         raise ValueError(
-            f"optim.lr_multipliers: {unused} match no trainable parameter or module of {type(model).__name__} "
-            "(frozen parameters are not counted)"
+            f"optim.lr_multipliers: {unmatched} match no parameter or module of {type(model).__name__}"
         )
     return list(groups.values())
 

@@ -6,6 +6,7 @@ Each raises `PreflightError` naming what was expected and what was found.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from veomni.core.freeze import freeze_modules
 from veomni.core.sp.attention import kv_repeats_for_sp
 from veomni.train.checkpoint import check_complete
 from veomni.train.recipe import Recipe, RecipeError
+
+log = logging.getLogger("veomni.train")
 
 
 class PreflightError(ValueError):
@@ -134,13 +137,15 @@ def check_trainable(probe: nn.Module, freeze: Sequence[str], lr_multipliers: Map
     Args:
         probe: a meta instance of the model (its ``requires_grad`` flags are set as the run will set them).
     """
-    from veomni.train.optim import param_groups
+    from veomni.train.optim import param_groups, unmatched_multipliers
 
     try:
         freeze_modules(probe, freeze, where="model.freeze")
         param_groups(probe, 0.0, 1.0, lr_multipliers)
     except ValueError as err:
         raise PreflightError(str(err)) from None
+    if moot := unmatched_multipliers(probe, lr_multipliers)[1]:
+        log.info("optim.lr_multipliers: %s only match frozen parameters (model.freeze): no effect", moot)
 
 
 def check_ops_backend(recipe: Recipe) -> None:

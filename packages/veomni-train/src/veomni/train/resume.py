@@ -12,7 +12,7 @@ from veomni.train.checkpoint import latest_complete, read_trainer_state, step_di
 from veomni.train.checkpoint_match import check_resumable, config_dict
 from veomni.train.optim import load_scheduler_state, take_recipe_hyperparameters
 from veomni.train.preflight import PreflightError
-from veomni.train.recipe import recipe_to_dict
+from veomni.train.recipe import Recipe, recipe_to_dict
 
 if TYPE_CHECKING:
     from veomni.train.loop import Run
@@ -20,24 +20,35 @@ if TYPE_CHECKING:
 log = logging.getLogger("veomni.train")
 
 
-def resume_run(run: Run) -> None:
-    """Continue ``run`` from ``checkpoint.resume`` (``auto``: the newest complete checkpoint in ``checkpoint.dir``,
-    if any; ``never``; or a step directory): check the checkpoint against the run, then restore model, optimizer,
-    schedule, counters, fp16 loss scale and data position. Every rank calls it.
+def resume_path(recipe: Recipe) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names: None for ``never``, the newest complete one in ``checkpoint.dir``
+    for ``auto`` (None, logged, when there is none), else the given step directory. `build_run` asks before it
+    builds the model: a resumed run's parameters all come from the checkpoint, so ``model.weights`` is not read."""
+    resume = recipe.checkpoint.resume
+    if resume == "never":
+        return None
+    path = latest_complete(recipe.checkpoint.dir) if resume == "auto" else Path(resume)
+    if path is None:
+        log.info("resume=auto: no complete checkpoint under %s; starting fresh", recipe.checkpoint.dir)
+    return path
+
+
+def resume_run(run: Run, path: Path | None) -> None:
+    """Continue ``run`` from checkpoint ``path`` (`resume_path`; None: nothing to do): check the checkpoint against
+    the run, then restore model, optimizer, schedule, counters, fp16 loss scale and data position. Every rank calls
+    it.
 
     Raises:
         CheckpointMismatchError: another model's checkpoint (`veomni.train.checkpoint_match`).
         PreflightError: a ``train.epochs`` run resumed with another step size.
     """
-    resume = run.recipe.checkpoint.resume
-    if resume == "never":
-        return
-    path = latest_complete(run.recipe.checkpoint.dir) if resume == "auto" else Path(resume)
     if path is None:
-        log.info("resume=auto: no complete checkpoint under %s; starting fresh", run.recipe.checkpoint.dir)
         return
     check_resumable(
-        path, read_trainer_state(path), model_config=config_dict(run.config), recipe=recipe_to_dict(run.recipe)
+        path,
+        read_trainer_state(path),
+        model_config=config_dict(run.config),
+        recipe=recipe_to_dict(run.recipe),
     )
     trainer_state, rank_state = run.checkpoints.load(path, run.trained, run.optimizer)
     if run.masters is not None:
