@@ -28,6 +28,7 @@ from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
+    add_token_heads,
     attention_forward,
     mlp_forward,
     rms_norm_forward,
@@ -134,3 +135,6 @@ config.override_method(
     "Qwen3MoeForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
+
+# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "Qwen3Moe")
