@@ -176,16 +176,16 @@ def test_scaling_and_is_causal_are_honoured():
     torch.testing.assert_close(logits[1], logits[0], **FP32)
 
 
-def test_right_padding_matches_hf_and_left_padding_raises():
+def test_right_padding_matches_hf_and_left_padding_runs_hf_sdpa():
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    ref = build_model("qwen3", "sdpa")(input_ids=ids, attention_mask=mask).logits
-    got = build_model("qwen3", "veomni_sdpa")(input_ids=ids, attention_mask=mask).logits
-    keep = mask.bool()
-    torch.testing.assert_close(got[keep], ref[keep], **FP32)
-    with pytest.raises(RuntimeError, match="right padding only"):
-        build_model("qwen3", "veomni_sdpa")(input_ids=ids, attention_mask=mask.flip(1))
+    # Right padding: veomni's kernel; left: transformers' sdpa for the call.
+    for padding in (mask, mask.flip(1)):
+        ref = build_model("qwen3", "sdpa")(input_ids=ids, attention_mask=padding).logits
+        got = build_model("qwen3", "veomni_sdpa")(input_ids=ids, attention_mask=padding).logits
+        keep = padding.bool()
+        torch.testing.assert_close(got[keep], ref[keep], **FP32)
 
 
 # ---------------------------------------------------------------- packed sequences
@@ -422,17 +422,19 @@ def test_kv_cache_decoding_still_matches_hf():
     assert torch.equal(got, ref)
 
 
-def test_a_static_cache_is_refused_not_decoded_wrongly():
+def test_a_static_cache_runs_hf_attention_not_the_decode_path():
     # A StaticCache hands over all its slots (the unwritten ones zero), not past + new: the decode path would take
-    # the queries as the last keys and attend to future prompt tokens and empty slots.
+    # the queries as the last keys and attend to future prompt tokens and empty slots. HF's mask and sdpa run it.
     from transformers import StaticCache
 
     model = build_model("qwen3", "veomni_sdpa").eval()
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    want = model(prompt).logits
     for mask in (None, torch.ones_like(prompt)):
         cache = StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad(), pytest.raises(NotImplementedError, match="16 key slots from 0 for queries at 0..4"):
-            model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        with torch.no_grad():
+            got = model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(got, want.detach(), **FP32)
     # The same numbers from an encoder-decoder's cross-attention mask (no cache) are not a cache.
     from transformers.masking_utils import bidirectional_mask_function
 
@@ -485,11 +487,27 @@ def test_cross_attention_sp2_matches_single_process(dist_pools, attn, sq, sk):
     dist_pools.get(2).run(_sp_cross_case, attn, sq, sk)
 
 
-def test_output_attentions_through_veomni_attention_is_refused_not_a_tuple_of_nones():
+def test_output_attentions_through_veomni_attention_are_hf_eager_ones_not_a_tuple_of_nones():
     ids, positions, _ = doc_batch([10, 6], seed=3)
     model = build_model("qwen3", hf_attention_name("sdpa"))
-    with pytest.raises(ValueError, match="never materialises attention weights.*'eager'"):
-        model(input_ids=ids, output_attentions=True)
+    got = model(input_ids=ids, output_attentions=True)
     assert model(input_ids=ids).logits.shape[:2] == ids.shape  # the default path is untouched
     eager = build_model("qwen3", "eager")
-    assert all(a is not None for a in eager(input_ids=ids, output_attentions=True).attentions)
+    want = eager(input_ids=ids, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions)
+    for a, b in zip(got.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def _sp_fallback_refused(ctx) -> None:
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    register_hf_attention()
+    q = k = v = torch.zeros(1, 4, 3, 8)
+    module = torch.nn.Module()
+    with use_parallel_state(state), pytest.raises(NotImplementedError, match="under Ulysses SP \\(sp=2\\)"):
+        ALL_ATTENTION_FUNCTIONS["veomni_sdpa"](module, q, k, v, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+def test_a_4d_mask_under_ulysses_sp_is_refused_not_routed(dist_pools):
+    # Each rank holds a shard of the sequence, which transformers' attention cannot see whole.
+    dist_pools.get(2).run(_sp_fallback_refused)

@@ -19,10 +19,12 @@ Packed sequences. The batch is treated as packed when HF forwards packing metada
   HF's own flash path; collators should pass ``cu_seq_lens_q``. One segment per row is an ordinary batch.
 
 Padding masks. HF's mask builder is told (via ``AttentionMaskInterface``) to hand over the user's 2-D padding
-mask untouched (no ``[S, S]`` mask is ever built). Causal attention accepts right padding only: padded tail
-tokens never influence the real ones, so they are computed and then ignored. The check runs on device
-(``torch._assert_async``): no host sync on GPUs. Left padding, bidirectional attention with padding and
-pre-built 4-D masks raise. Note: with ``position_ids`` and no mask, HF's ``create_causal_mask`` itself looks
+mask untouched (no ``[S, S]`` mask is ever built). Causal kernels take right padding only: padded tail
+tokens never influence the real ones, so they are computed and then ignored. What the kernels do not take --
+left or gapped padding, a static cache, pre-built 4-D masks, ``output_attentions=True`` -- runs transformers'
+own sdpa (eager for attention weights) for that call, outside Ulysses SP (`veomni.models.hf_attention_fallback`;
+reading whether a 2-D mask is right-padded is one host sync per mask built). Under SP the right-padding check
+runs on device (``torch._assert_async``) and the rest raises; bidirectional attention with padding raises. Note: with ``position_ids`` and no mask, HF's ``create_causal_mask`` itself looks
 for packing once per forward (a host sync in ``find_packed_sequence_indices``), as for its flash path.
 
 Ulysses SP. Inside ``with use_parallel_state(state):`` with ``state.dims.sp > 1`` every call goes through
@@ -68,6 +70,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from veomni.core.sp import sp_cross_attention, ulysses_attention
 from veomni.kernels import KERNELS, detect_hardware
+from veomni.models.hf_attention_fallback import hf_attention, hf_mask, needs_hf_attention
 from veomni.models.hf_attention_inputs import (
     attention_features,
     check_padding_mask,
@@ -206,7 +209,8 @@ def veomni_attention_forward(
     Args:
         query: ``[B, Hq, S, D]``; key, value: ``[B, Hkv, S, D]`` (HF layout; under SP ``S`` is the local
             shard).
-        attention_mask: None, or the bool ``[B, S_kv]`` padding mask (right padding only, causal only).
+        attention_mask: None, or the bool ``[B, S_kv]`` padding mask (right padding only, causal only); a 4-D
+            mask (or ``output_attentions``) runs transformers' attention instead (`hf_attention`).
         scaling: softmax scale (``1/sqrt(D)`` when None). dropout: must be 0 (no backend implements it).
         kwargs: HF's attention kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``,
             ``is_causal`` (overrides ``module.is_causal``), ``is_cross_attention`` (overrides
@@ -225,11 +229,11 @@ def veomni_attention_forward(
         raise ValueError(
             f"{name} has no attention dropout (got dropout={dropout}); set the model's attention_dropout to 0"
         )
-    if attention_weights_requested():
-        raise ValueError(
-            f"{name} never materialises attention weights, but the forward was called with "
-            "output_attentions=True (its outputs would hold None per layer); use attn_implementation 'eager' "
-            "(model.set_attn_implementation('eager')) to get them"
+    if attention_weights_requested() or (attention_mask is not None and attention_mask.dim() == 4):
+        # Not the training shape (a prepared mask: left padding, a static cache, a user's own 4-D mask; or weights
+        # asked for): transformers' own attention for this call (veomni.models.hf_attention_fallback).
+        return hf_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, name=name, **kwargs
         )
     features = attention_features(kwargs)
     is_causal = kwargs.get("is_causal")
@@ -394,16 +398,26 @@ def padding_mask_passthrough(
 
     Causality and packing are the kernels' business (``causal`` / ``cu_seqlens``), so no ``[S, S]`` mask is
     built; HF's packing-derived ``mask_function`` is ignored because the attention function reads the same
-    packing from its kwargs.
+    packing from its kwargs. Outside Ulysses SP, a static cache (keys not ending at the queries), a left or gapped
+    padding mask and ``output_attentions`` get transformers' 4-D sdpa mask instead, which routes the attention
+    calls to transformers' own implementation (`veomni.models.hf_attention_fallback`).
     """
     cross = mask_function is bidirectional_mask_function  # an encoder-decoder's cross-attention mask: no cache
-    if not cross and q_length != kv_length and int(q_offset) + q_length != int(kv_offset) + kv_length:
-        # The decode path takes the queries as the last keys (a dynamic cache's past + new). A preallocated cache
-        # (StaticCache, generate(cache_implementation="static")) hands over every slot, the unwritten ones too.
+    # The decode path takes the queries as the last keys (a dynamic cache's past + new). A preallocated cache
+    # (StaticCache, generate(cache_implementation="static")) hands over every slot, the unwritten ones too: that,
+    # left or gapped padding and output_attentions get transformers' 4-D mask, and the attention function then
+    # runs transformers' attention for them (veomni.models.hf_attention_fallback).
+    static = not cross and q_length != kv_length and int(q_offset) + q_length != int(kv_offset) + kv_length
+    if (static and current_sp_state() is None) or needs_hf_attention(attention_mask):
+        device = kwargs.get("device", "cpu" if attention_mask is None else attention_mask.device)
+        return hf_mask(
+            batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device,
+            use_vmap=kwargs.get("use_vmap", False),
+        )  # fmt: skip
+    if static:
         raise NotImplementedError(
-            f"veomni attention decodes with a cache whose keys end at the queries; this one has {kv_length} key "
-            f"slots from {int(kv_offset)} for queries at {int(q_offset)}..{int(q_offset) + q_length - 1} (a static "
-            "cache?): use a dynamic cache, or an HF attention implementation for generation"
+            f"veomni attention under Ulysses SP decodes with no cache; this one has {kv_length} key slots from "
+            f"{int(kv_offset)} for queries at {int(q_offset)}..{int(q_offset) + q_length - 1} (a static cache?)"
         )
     if attention_mask is None:
         return None

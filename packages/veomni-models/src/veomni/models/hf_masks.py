@@ -6,7 +6,8 @@ device tensor: one host sync per forward). With a ``veomni_*`` implementation th
 the registered mask function (`veomni.models.hf_attention.padding_mask_passthrough`) returns only the 2-D
 padding mask, and the kernels read causality, windows and packing from the module and the packing kwargs. So
 the patched modeling files import these two functions instead (patchgen: `use_veomni_masks`); for any other
-implementation, a KV cache or a prepared 4-D mask they call HF's unchanged.
+implementation, a KV cache, a prepared 4-D mask, a left- or gap-padded mask or ``output_attentions`` they call HF's
+unchanged (the last two then get transformers' attention: `veomni.models.hf_attention_fallback`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers import masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from veomni.models.hf_attention import padding_mask_passthrough
+from veomni.models.hf_attention_fallback import needs_hf_attention
 
 __all__ = ["create_causal_mask", "create_sliding_window_causal_mask", "use_veomni_masks"]
 
@@ -30,6 +32,9 @@ def _veomni_padding_mask(
     if ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(implementation) is not padding_mask_passthrough:
         return False, None
     if past_key_values is not None or (attention_mask is not None and attention_mask.dim() != 2):
+        return False, None
+    # Left / gapped padding, output_attentions: HF's mask, then HF's attention.
+    if needs_hf_attention(attention_mask):
         return False, None
     if attention_mask is None:
         return True, None

@@ -7,9 +7,11 @@ process use different kernels.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +36,10 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
     chosen attention backend lacking a feature the model uses (`attention_capabilities_needed`: sinks, sliding
     windows, soft-cap), naming the backends that have it; a *defaulted* one is swapped for a capable one
     (`OpsConfig.with_capabilities`, logged).
+
+    The config ``model`` was built from is left untouched: before the attention and experts implementations are
+    set, ``model`` and its submodules get their own copy of it (`own_config`), so a second model built from or
+    sharing the same config object (a frozen reference model beside the trained one) keeps its own choices.
 
     Returns:
         the `Kernels` now attached to every submodule.
@@ -75,6 +81,7 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
             )
         return kernels
     register_hf_attention([ops.attention])
+    own_config(model)
     set_impl(hf_attention_name(ops.attention))
     _guard_sp_positions(model)
     if experts:
@@ -82,6 +89,44 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
 
         model.set_experts_implementation(register_hf_experts())
     return kernels
+
+
+def own_config(model: nn.Module) -> Any:
+    """Give ``model`` a private deep copy of its HF config, swapped in wherever its submodules hold it.
+
+    HF modules keep references to the config they were built with (``self.config`` on the model, the attention
+    modules, the rotary embeddings, ...; composite models to sub-configs of it), and ``set_attn_implementation`` /
+    ``set_experts_implementation`` write into those objects. Every reference in ``model.modules()`` to the config
+    or to one of its sub-configs (at any depth) is replaced by the matching object of the copy, so afterwards no
+    config object is shared with anything outside ``model``.
+
+    Returns:
+        the new ``model.config``.
+    Raises:
+        TypeError: ``model`` has no ``config`` with ``sub_configs`` (not an HF ``PreTrainedModel``).
+    """
+    config = getattr(model, "config", None)
+    if not hasattr(config, "sub_configs"):
+        raise TypeError(
+            f"own_config expects an HF PreTrainedModel (a .config with sub_configs), got {type(model).__name__} "
+            f"with config {type(config).__name__}"
+        )
+    fresh = copy.deepcopy(config)
+    # id(old config or sub-config) -> its counterpart in the copy, walking both trees in step.
+    swap: dict[int, Any] = {}
+    pending = [(config, fresh)]
+    while pending:
+        old, new = pending.pop()
+        swap[id(old)] = new
+        for key in getattr(old, "sub_configs", {}):
+            old_sub, new_sub = getattr(old, key, None), getattr(new, key, None)
+            if old_sub is not None and new_sub is not None and id(old_sub) not in swap:
+                pending.append((old_sub, new_sub))
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if id(value) in swap and value is not None:
+                object.__setattr__(module, name, swap[id(value)])
+    return fresh
 
 
 _SP_POSITIONS_GUARD = "_veomni_sp_positions_guard"

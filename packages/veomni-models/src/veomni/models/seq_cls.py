@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 LOSS_DISPATCHERS = ("lm_logits_and_loss", "sequence_classification_forward")
 """Helpers through which a patched forward sends its loss to the ``cross_entropy`` kernel."""
+UPSTREAM_LOSS_HELPERS = ("token_classification_forward", "question_answering_forward")
+"""Helpers of patched forwards (`veomni.models.token_heads`) that compute their loss upstream's way."""
 
 
 def last_non_pad_index(
@@ -206,7 +208,7 @@ def loss_dispatch(model: nn.Module) -> str:
     names = _forward_names(type(model))
     if names & set(LOSS_DISPATCHERS):
         return "veomni"
-    return "upstream" if "loss_function" in names else "none"
+    return "upstream" if "loss_function" in names or names & set(UPSTREAM_LOSS_HELPERS) else "none"
 
 
 def check_loss_dispatch(model: nn.Module, ops: OpsConfig) -> OpsConfig:

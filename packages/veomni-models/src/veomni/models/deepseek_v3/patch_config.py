@@ -54,7 +54,13 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, mlp_forward, rms_norm_forward, seq_cls_init
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_INIT,
+    add_token_heads,
+    mlp_forward,
+    rms_norm_forward,
+    seq_cls_init,
+)
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -244,3 +250,6 @@ config.override_method(
     "DeepseekV3ForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
+
+# Token classification: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "DeepseekV3", question_answering=False)

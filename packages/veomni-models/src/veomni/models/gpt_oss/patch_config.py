@@ -37,7 +37,7 @@ from veomni.models.gpt_oss.experts import reject_quantized
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, seq_cls_init
+from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, add_token_heads, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.seq_cls import seq_cls_forward
 
@@ -181,3 +181,6 @@ config.override_method(
     "GptOssForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
+
+# Token classification: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "GptOss", question_answering=False)

@@ -24,6 +24,7 @@ from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
+    add_token_heads,
     causal_lm_forward,
     mlp_forward,
     rms_norm_forward,
@@ -103,3 +104,6 @@ config.override_method(
     "LlamaForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
+
+# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "Llama")

@@ -31,6 +31,12 @@ from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
 from veomni.models.seq_cls import init_sequence_classifier, seq_cls_forward
+from veomni.models.token_heads import (
+    init_question_answering,
+    init_token_classifier,
+    qa_forward,
+    token_cls_forward,
+)
 
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
@@ -185,3 +191,54 @@ def seq_cls_init(self, config: Qwen3Config) -> None:
 
 
 config.override_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+
+
+# Token classification and question answering: the decoder inside is this module's patched Qwen3Model (upstream's
+# __init__ builds transformers' own through AutoModel); the forwards are upstream's, with Ulysses SP
+# (veomni.models.token_heads). Other families call add_token_heads with their class prefix.
+TOKEN_HEADS_INIT = SEQ_CLS_INIT
+
+
+def token_cls_init(self, config: Qwen3Config) -> None:
+    init_token_classifier(self, config, Qwen3Model)
+
+
+def qa_init(self, config: Qwen3Config) -> None:
+    init_question_answering(self, config, Qwen3Model)
+
+
+def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answering: bool = True) -> None:
+    """Patch ``<prefix>ForTokenClassification`` (and ``<prefix>ForQuestionAnswering``) of a family's config.
+
+    Args:
+        patch_config: the family's ``PatchConfig``.
+        prefix: the family's class prefix (``"Llama"``, ``"Qwen3Moe"``, ...); ``Qwen3`` in the injected code is
+            renamed to it.
+        question_answering: whether the family has a question-answering head upstream.
+    """
+    names = None if prefix == "Qwen3" else {"Qwen3": prefix}
+    patch_config.add_import("from veomni.models.token_heads import init_token_classifier")
+    patch_config.add_import("from veomni.models.token_heads import token_classification_forward")
+    patch_config.add_import("from transformers.modeling_outputs import TokenClassifierOutput")
+    patch_config.override_method(
+        f"{prefix}ForTokenClassification.__init__", description=TOKEN_HEADS_INIT, name_map=names
+    )(token_cls_init)
+    patch_config.override_method(
+        f"{prefix}ForTokenClassification.forward",
+        description="upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens",
+    )(token_cls_forward)
+    if not question_answering:
+        return
+    patch_config.add_import("from veomni.models.token_heads import init_question_answering")
+    patch_config.add_import("from veomni.models.token_heads import question_answering_forward")
+    patch_config.add_import("from transformers.modeling_outputs import QuestionAnsweringModelOutput")
+    patch_config.override_method(
+        f"{prefix}ForQuestionAnswering.__init__", description=TOKEN_HEADS_INIT, name_map=names
+    )(qa_init)
+    patch_config.override_method(
+        f"{prefix}ForQuestionAnswering.forward",
+        description="upstream's forward; under Ulysses SP the span logits gathered over the SP group",
+    )(qa_forward)
+
+
+add_token_heads(config, "Qwen3")

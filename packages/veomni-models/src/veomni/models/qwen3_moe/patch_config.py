@@ -29,6 +29,7 @@ from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
+    add_token_heads,
     attention_forward,
     mlp_forward,
     rms_norm_forward,
@@ -136,3 +137,6 @@ config.override_method(
     "Qwen3MoeForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
+
+# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "Qwen3Moe")

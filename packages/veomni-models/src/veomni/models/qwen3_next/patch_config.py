@@ -45,7 +45,13 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from veomni.core.ep import ExpertPlan
 from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, mlp_forward, seq_cls_init
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_FORWARD,
+    SEQ_CLS_INIT,
+    add_token_heads,
+    mlp_forward,
+    seq_cls_init,
+)
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
 from veomni.models.qwen3_next.decoder import run_decoder_layers
 from veomni.models.qwen3_next.gdn import (
@@ -273,3 +279,6 @@ config.override_method(
     "Qwen3NextForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
+
+# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "Qwen3Next")

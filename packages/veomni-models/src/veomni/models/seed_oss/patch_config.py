@@ -27,7 +27,13 @@ from transformers.models.seed_oss.modeling_seed_oss import (
 from veomni.models.hf_masks import use_veomni_masks
 from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.kernel_hooks import apply_rope
-from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, causal_lm_forward, rms_norm_forward, seq_cls_init
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_INIT,
+    add_token_heads,
+    causal_lm_forward,
+    rms_norm_forward,
+    seq_cls_init,
+)
 from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
@@ -119,3 +125,6 @@ config.override_method(
     "SeedOssForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
+
+# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+add_token_heads(config, "SeedOss")

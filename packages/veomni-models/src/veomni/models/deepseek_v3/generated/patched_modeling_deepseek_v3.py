@@ -17,6 +17,8 @@
 #   - override_method DeepseekV3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method DeepseekV3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - override_method DeepseekV3ForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
+#   - override_method DeepseekV3ForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method DeepseekV3ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - add_helper apply_mla_rope: MLA RoPE on the qk_rope_head_dim sub-dimension through the rope kernel, rope_interleave included
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
@@ -26,6 +28,9 @@
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier
+#   - add_import: from veomni.models.token_heads import init_token_classifier
+#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -67,6 +72,9 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from veomni.models.seq_cls import init_sequence_classifier
+from veomni.models.token_heads import init_token_classifier
+from veomni.models.token_heads import token_classification_forward
+from transformers.modeling_outputs import TokenClassifierOutput
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -822,6 +830,29 @@ class DeepseekV3ForSequenceClassification(GenericForSequenceClassification, Deep
 
 class DeepseekV3ForTokenClassification(GenericForTokenClassification, DeepseekV3PreTrainedModel):
     pass
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: DeepseekV3Config) -> None:
+        init_token_classifier(self, config, DeepseekV3Model)
+
+    # [PATCHED] upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        # Injected by patchgen as every registered family's *ForTokenClassification.forward.
+        return token_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 __all__ = [

@@ -16,6 +16,8 @@
 #   - override_method GptOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method GptOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - override_method GptOssForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
+#   - override_method GptOssForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method GptOssForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
@@ -28,6 +30,9 @@
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier
+#   - add_import: from veomni.models.token_heads import init_token_classifier
+#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -86,6 +91,9 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from veomni.models.seq_cls import init_sequence_classifier
+from veomni.models.token_heads import init_token_classifier
+from veomni.models.token_heads import token_classification_forward
+from transformers.modeling_outputs import TokenClassifierOutput
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -779,6 +787,29 @@ class GptOssForSequenceClassification(GenericForSequenceClassification, GptOssPr
 
 class GptOssForTokenClassification(GenericForTokenClassification, GptOssPreTrainedModel):
     pass
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: GptOssConfig) -> None:
+        init_token_classifier(self, config, GptOssModel)
+
+    # [PATCHED] upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        # Injected by patchgen as every registered family's *ForTokenClassification.forward.
+        return token_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
 
 
 __all__ = [

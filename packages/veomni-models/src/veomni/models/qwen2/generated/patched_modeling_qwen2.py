@@ -14,6 +14,10 @@
 #   - override_method Qwen2Attention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen2ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen2ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - override_method Qwen2ForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method Qwen2ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - override_method Qwen2ForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - override_method Qwen2ForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
@@ -22,6 +26,12 @@
 #   - add_import: from veomni.models.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 #   - add_import: from veomni.models.seq_cls import init_sequence_classifier
+#   - add_import: from veomni.models.token_heads import init_token_classifier
+#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
+#   - add_import: from veomni.models.token_heads import init_question_answering
+#   - add_import: from veomni.models.token_heads import question_answering_forward
+#   - add_import: from transformers.modeling_outputs import QuestionAnsweringModelOutput
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -61,6 +71,12 @@ from veomni.models.causal_lm import lm_logits_and_loss
 from veomni.models.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from veomni.models.seq_cls import init_sequence_classifier
+from veomni.models.token_heads import init_token_classifier
+from veomni.models.token_heads import token_classification_forward
+from transformers.modeling_outputs import TokenClassifierOutput
+from veomni.models.token_heads import init_question_answering
+from veomni.models.token_heads import question_answering_forward
+from transformers.modeling_outputs import QuestionAnsweringModelOutput
 
 
 class Qwen2MLP(nn.Module):
@@ -538,9 +554,55 @@ class Qwen2ForSequenceClassification(GenericForSequenceClassification, Qwen2PreT
 class Qwen2ForTokenClassification(GenericForTokenClassification, Qwen2PreTrainedModel):
     pass
 
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen2Config) -> None:
+        init_token_classifier(self, config, Qwen2Model)
+
+    # [PATCHED] upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        # Injected by patchgen as every registered family's *ForTokenClassification.forward.
+        return token_classification_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
+
 
 class Qwen2ForQuestionAnswering(GenericForQuestionAnswering, Qwen2PreTrainedModel):
     base_model_prefix = "transformer"  # For BC, where `transformer` was used instead of `model`
+
+    # [PATCHED] build this module's patched base model (upstream's AutoModel.from_config builds transformers' own) (injected: not in upstream)
+    def __init__(self, config: Qwen2Config) -> None:
+        init_question_answering(self, config, Qwen2Model)
+
+    # [PATCHED] upstream's forward; under Ulysses SP the span logits gathered over the SP group (injected: not in upstream)
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        # Injected by patchgen as every registered family's *ForQuestionAnswering.forward.
+        return question_answering_forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, start_positions=start_positions, end_positions=end_positions, **kwargs,
+        )  # fmt: skip
 
 
 __all__ = [
