@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,6 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from veomni.core.master_weights import MasterWeights, master_weights_of
-from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
 from veomni.models.expert_load import attach_expert_load_counters
@@ -41,6 +39,7 @@ from veomni.train.data import (
     load_tokenizer,
     total_steps,
 )
+from veomni.train.dist_setup import parallel_dims, setup_distributed
 from veomni.train.dit_setup import dit_setup
 from veomni.train.flops import flops_per_token, query_width
 from veomni.train.hub import fetch_hub_sources
@@ -96,56 +95,6 @@ log = logging.getLogger("veomni.train")
 __all__ = ["Run", "build_recipe_model", "build_run", "evaluate", "flops_per_token", "meta_instance",
            "model_config", "one_rank_path", "parallel_dims", "query_width", "setup_distributed", "train",
            "train_step"]  # fmt: skip
-
-
-# ---------------------------------------------------------------- distributed setup
-
-
-def setup_distributed(device_pref: str) -> torch.device:
-    """Initialise the default process group (torchrun's env, or a one-process group) and pick this rank's device.
-
-    Args:
-        device_pref: ``auto`` (CUDA when available), ``cuda`` or ``cpu``.
-    """
-    if device_pref == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but torch sees no CUDA device")
-    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        # torchrun names the GPU; a caller that initialised the group itself has already picked one.
-        local = os.environ.get("LOCAL_RANK")
-        device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, device_id=device if use_cuda else None)
-        else:
-            # A single process still gets a real (one-rank) group, so that one code path serves every size.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return device
-
-
-def parallel_dims(recipe: Recipe, world_size: int) -> ParallelDims:
-    """The recipe's degrees on ``world_size`` ranks (``dp_shard`` None: whatever the others leave).
-
-    Raises:
-        PreflightError: degrees that do not fit ``world_size`` (bad input the CLI reports without a traceback).
-    """
-    p = recipe.parallel
-    try:
-        dims = ParallelDims.for_world(world_size, dp_replicate=p.dp_replicate, sp=p.sp, ep=p.ep)
-    except ValueError as err:
-        # ParallelDims names its own class; the user wrote the recipe's parallel section.
-        message = str(err).removeprefix("ParallelDims.for_world: ").removeprefix("ParallelDims: ")
-        raise PreflightError(f"parallel: {message}") from None
-    if p.dp_shard is not None and p.dp_shard != dims.dp_shard:
-        raise PreflightError(
-            f"parallel.dp_shard={p.dp_shard} but {world_size} ranks / (dp_replicate={p.dp_replicate} * sp={p.sp}) "
-            f"= {dims.dp_shard}; leave it null or launch a matching number of ranks"
-        )
-    return dims
 
 
 # ---------------------------------------------------------------- the run
