@@ -37,9 +37,12 @@ def test_the_first_signal_only_asks_and_the_same_one_again_interrupts():
 
 def _start(run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "veomni.train.cli", *LONG_RUN, f"--checkpoint.dir={run_dir}", *extra]
+    # SIGINT back to its default: a test run started in the background of a shell inherits it ignored, and
+    # Python then never raises KeyboardInterrupt.
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def _wait_for_trained_steps(run_dir: Path, procs: list[subprocess.Popen], steps: int) -> None:
