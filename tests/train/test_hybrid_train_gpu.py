@@ -81,6 +81,14 @@ class _References(dict):
 
 @pytest.fixture(scope="module")
 def fla_references(dist_pools, tmp_path_factory) -> _References:
+    from veomni.kernels import KERNELS
+    from veomni.kernels.hardware import detect_hardware
+
+    # Where the registry refuses fla's gated delta rule (Hopper with a Triton that computes wrong gradients, fla
+    # issue #640) the CUDA defaults are not fla's: there is nothing to compare.
+    problem = KERNELS.backend_problem("gated_delta_rule", "fla", detect_hardware())
+    if problem is not None:
+        pytest.skip(problem)
     return _References(dist_pools, tmp_path_factory)
 
 
