@@ -89,6 +89,14 @@ def test_model_weights_by_hub_id_come_from_the_hub_cache(tmp_path):
     # The saved recipe names the id, not the cache directory it resolved to.
     assert "weights: veomni-test/tiny-qwen3" in (tmp_path / "run" / "recipe.yaml").read_text()
 
+    preview = subprocess.run(
+        [sys.executable, "-m", "veomni.train.data.preview", "quickstart", "--model.weights=veomni-test/tiny-qwen3",
+         "--model.config=null", "--model.tokenizer=null", "--n", "1"],
+        capture_output=True, text=True, env={**os.environ, **env},
+    )  # fmt: skip
+    assert preview.returncode == 0, preview.stderr[-2000:]
+    assert "tokenizer: " in preview.stdout and "models--veomni-test--tiny-qwen3" in preview.stdout
+
     missing = _run_cli(
         "quickstart", "--model.weights=veomni-test/not-cached", "--model.config=null", "--model.tokenizer=null",
         f"--checkpoint.dir={tmp_path / 'run2'}", *SHORT, env=env,

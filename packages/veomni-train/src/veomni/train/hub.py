@@ -34,9 +34,11 @@ def hub_id(value: Any) -> tuple[str, str | None] | None:
     return None if match is None else (match["repo"], match["revision"])
 
 
-def fetch_hub_sources(recipe: Recipe) -> Recipe:
+def fetch_hub_sources(recipe: Recipe, *, weights: bool = True) -> Recipe:
     """The recipe with each Hub id in ``model.weights`` / ``model.config`` / ``model.tokenizer`` replaced by the
     local snapshot directory (downloaded once, then read from the cache). Unchanged when none is an id.
+    ``weights=False`` fetches the configs and tokenizer files of ``model.weights`` but not its safetensors
+    (`veomni-data-preview` needs only the tokenizer).
 
     Raises:
         PreflightError: one line naming the field, the id and why it could not be fetched (offline and not
@@ -47,7 +49,8 @@ def fetch_hub_sources(recipe: Recipe) -> Recipe:
     for field in ("weights", "config", "tokenizer"):
         found = hub_id(getattr(model, field))
         if found is not None:
-            changes[field] = _snapshot(f"model.{field}", getattr(model, field), *found, PATTERNS[field])
+            patterns = PATTERNS[field] if field != "weights" or weights else TOKENIZER_FILES
+            changes[field] = _snapshot(f"model.{field}", getattr(model, field), *found, patterns)
     return recipe if not changes else attrs.evolve(recipe, model=attrs.evolve(model, **changes))
 
 

@@ -19,6 +19,8 @@ from veomni.train.data.encode import load_tokenizer
 from veomni.train.data.loader import DataTopology
 from veomni.train.data.packing import unpack
 from veomni.train.data.sources import DataError
+from veomni.train.hub import fetch_hub_sources
+from veomni.train.preflight import PreflightError
 from veomni.train.recipe import RecipeError, load_recipe, recipe_help
 
 USAGE = """usage: veomni-data-preview RECIPE [--section.field=value ...] [options]
@@ -166,7 +168,8 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
         out.write(USAGE + "\n" + recipe_help())
         return
     source_name, overrides, opts = parse_args(argv)
-    recipe = load_recipe(source_name, overrides)
+    # Hub ids are fetched (configs and tokenizer files only) as the trainer would; a bad one is one line.
+    recipe = fetch_hub_sources(load_recipe(source_name, overrides), weights=False)
     tokenizer = load_tokenizer(recipe.model.tokenizer_path, recipe.data.chat_template)
     topology = DataTopology(dp_rank=opts["--dp-rank"], dp_size=opts["--dp-size"])
     budget = recipe.train.tokens_per_micro_batch
@@ -236,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; user errors print one message and exit with status 2."""
     try:
         preview(sys.argv[1:] if argv is None else list(argv))
-    except (RecipeError, DataError) as err:
+    except (RecipeError, DataError, PreflightError) as err:
         print(f"veomni-data-preview: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # piped into head
