@@ -13,7 +13,7 @@ from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_e
 
 from veomni.models.qwen2_5_omni.generated import patched_modeling_qwen2_5_omni as ours
 from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio
-from veomni.train.data.sources import DataError, RowRef
+from veomni.train.data.sources import DataError, RowRef, bad_row_kind
 
 # soundfile comes with the [audio] extra (in the dev group): without it these tests skip instead of failing collection.
 soundfile = pytest.importorskip("soundfile")
@@ -91,3 +91,30 @@ def test_a_row_with_audio_changes_the_thinker_loss(tmp_path):
         labels = ids.masked_fill(ids >= AUDIO, -100)
         losses.append(model(input_ids=ids, labels=labels, **batch).loss)
     assert not torch.allclose(losses[0], losses[1])
+
+
+def test_a_missing_audio_file_is_named_not_a_system_error(tmp_path):
+    gone = str(tmp_path / "gone.wav")
+    with pytest.raises(DataError, match=f"^rows.jsonl line 4: audio 2: no such audio file: {gone}$") as info:
+        load_audio(gone, RATE, REF, 2)
+    assert bad_row_kind(str(info.value)) == "missing audio file"
+
+
+def test_non_finite_samples_are_a_bad_row_naming_the_file(tmp_path):
+    wave = np.full(800, 0.25, dtype=np.float32)
+    wave[17], wave[40] = np.nan, np.inf
+    path = tmp_path / "nan.wav"
+    soundfile.write(str(path), wave, RATE, subtype="FLOAT")
+    pattern = rf"rows.jsonl line 4: audio 0 \({path}\): 2 of its 800 samples are not finite \(NaN or Inf\)"
+    with pytest.raises(DataError, match=pattern) as info:
+        load_audio(str(path), RATE, REF, 0)
+    assert bad_row_kind(str(info.value)) == "non-finite media values"
+
+
+def test_inline_audio_bytes_decode_as_the_file_does(tmp_path):
+    path = tone(tmp_path / "c.wav", 330.0, 0.3, 8000)
+    data = (tmp_path / "c.wav").read_bytes()
+    assert audio_path(data, None, REF, 0) == data
+    np.testing.assert_array_equal(load_audio(data, RATE, REF, 0), load_audio(path, RATE, REF, 0))
+    with pytest.raises(DataError, match=r"audio 0 \(inline bytes \(3 B\)\) cannot be decoded"):
+        load_audio(b"abc", RATE, REF, 0)

@@ -21,7 +21,7 @@ from test_multimodal_data import image_row, make_processor_dir, png
 
 from veomni.train.data import DataError, DataTopology, EvalData, TrainData, build_encoder, index_dataset
 from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
-from veomni.train.data.sources import OverlongError, RowSource
+from veomni.train.data.sources import OverlongError, RowSource, bad_row_kind
 from veomni.train.recipe import RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
 
 BAD_AT = (3, 7)  # where the bad rows go among the good ones
@@ -118,7 +118,7 @@ def parquet_row(image: bytes, k: int) -> dict:
 
 
 def index(path: str, encoder, **kwargs):
-    source = RowSource([path], "auto", encoder.columns)
+    source = RowSource([path], "auto", encoder.columns, encoder.optional_columns)
     kwargs = {"max_seq_len": 256, "overlong": "error", **kwargs}
     return source, index_dataset(source, encoder, **kwargs)
 
@@ -393,3 +393,87 @@ def test_two_ranks_train_through_bad_rows(dist_pools, tmp_path, processor_dir):
         "step": 0, "bad_rows": {"train_files": {"total": 1, "by_kind": {"missing image file": 1}}},
     }  # fmt: skip
     assert records[-1] == {"step": 2, "bad_rows_replaced": {"train_files": 1}}
+
+
+# --- non-finite media, missing audio, nothing but end-of-turn tokens ---------------------------------------------
+
+
+def test_non_finite_pixel_values_are_a_bad_row_naming_the_file(tmp_path):
+    """An image processor whose normalisation divides by zero (image_std 0) gives inf/nan pixels: found in the data
+    path, naming row and file, not as a diverged step 1."""
+    processor = Path(make_processor_dir(tmp_path / "processor"))
+    config = json.loads((processor / "preprocessor_config.json").read_text())
+    (processor / "preprocessor_config.json").write_text(json.dumps({**config, "image_std": [0.0, 0.0, 0.0]}))
+    rows = mm_good_rows(tmp_path, 4)
+    encoder = mm_encoder(str(processor), str(tmp_path))
+    source, idx = index(write(tmp_path / "rows.jsonl", rows), encoder, max_seq_len=128)
+    args = dict(max_seq_len=128, overlong="error", patches_per_micro_batch=200, shuffle=False)
+    with pytest.raises(
+        DataError,
+        match=r"rows.jsonl line \d: the images \(.*\d.png\): \d+ of its \d+ pixel values are not finite",
+    ) as info:
+        for _ in make_train(source, encoder, idx, **{**args, "on_bad_row": "error"}):
+            pass
+    assert bad_row_kind(str(info.value)) == "non-finite media values"
+
+
+def test_missing_and_non_finite_audio_are_bad_rows_of_the_index(tmp_path):
+    soundfile = pytest.importorskip("soundfile")
+    from test_omni_train import make_omni_dir, row, thinker_config, tone
+
+    from veomni.train.data.build import encoder_for
+    from veomni.train.recipe import DataSection
+
+    media = tmp_path / "media"
+    media.mkdir()
+    wave = np.full(2000, 0.1, dtype=np.float32)
+    wave[5] = np.nan
+    soundfile.write(str(media / "nan.wav"), wave, 8000, subtype="FLOAT")
+    good = [row({"type": "audio", "audio": tone(media / f"t{k}.wav", 200.0 + 50 * k)}) for k in range(10)]
+    rows = [*good[:3], row({"type": "audio", "audio": "gone.wav"}), *good[3:7], row({"type": "audio", "audio": "nan.wav"}),
+            *good[7:]]  # fmt: skip
+    path = write(tmp_path / "rows.jsonl", rows)
+    section = DataSection(train_files=[path], kind="multimodal", media_root=str(media), num_workers=0)
+    processor = make_omni_dir(tmp_path / "processor")
+    encoder = encoder_for(section, tokenizer_for(processor), thinker_config=thinker_config())
+    with pytest.raises(
+        DataError, match=rf"{re.escape(path)} line 4: audio 0: no such audio file: {media}/gone.wav"
+    ):
+        index(path, encoder, max_seq_len=512)
+    _, idx = index(path, encoder, max_seq_len=512, on_bad_row="skip", max_bad_fraction=0.2)
+    assert idx.bad.rows.tolist() == [3, 8]
+    assert idx.bad.counts() == {"missing audio file": 1, "non-finite media values": 1}
+    assert re.search(
+        r"line 9: audio 0 \(.*nan.wav\): 1 of its 2000 samples are not finite", idx.bad.examples[1][1]
+    )
+
+
+def _empty_answers(n: int) -> list[dict]:
+    return [chat(f"question {k}", "") for k in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["conversation", "multimodal"])
+def test_data_training_only_end_of_turn_tokens_is_refused(kind, tmp_path, processor_dir):
+    from veomni.train.data.build import check_trained_tokens
+
+    if kind == "conversation":
+        encoder, rows = build_encoder(tokenizer(), "conversation"), _empty_answers(20)
+    else:
+        encoder = mm_encoder(processor_dir, str(tmp_path))
+        rows = [image_row(f"{k % 4}.png", answer="") for k, _ in enumerate(mm_good_rows(tmp_path, 20))]
+    path = write(tmp_path / "rows.jsonl", rows)
+    source, idx = index(path, encoder)
+    assert idx.total_trained_tokens > 0  # <|im_end|> and the newline after it: the old check passed
+    check_trained_tokens(source, idx, [path], "data.train_files")
+    with pytest.raises(
+        DataError, match=rf"data.train_files: the {idx.total_trained_tokens} trained tokens of \['{re.escape(path)}'\] "
+        r"\(20 rows\) are all the chat template's end-of-turn or special tokens, no content: every trained message",
+    ):  # fmt: skip
+        check_trained_tokens(source, idx, [path], "data.train_files", encoder)
+    # One answer with content anywhere (also outside the first rows looked at) is enough.
+    rows[13] = (
+        chat("question", "an answer") if kind == "conversation" else image_row("1.png", answer="an answer")
+    )
+    some = write(tmp_path / "some.jsonl", rows)
+    source, idx = index(some, encoder)
+    check_trained_tokens(source, idx, [some], "data.train_files", encoder)

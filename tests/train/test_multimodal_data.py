@@ -399,7 +399,7 @@ def test_parquet_rows_with_inline_image_bytes(processor_dir, tmp_path):
     ]
     pq.write_table(pa.table({"messages": messages}), tmp_path / "rows.parquet")
     enc = _cached_encoder(processor_dir)
-    source = RowSource([str(tmp_path / "rows.parquet")], "auto", enc.columns)
+    source = RowSource([str(tmp_path / "rows.parquet")], "auto", enc.columns, enc.optional_columns)
     for k in range(3):
         length, trained, patches = enc.measure(source[k], source.ref(k))
         ids, mask, media = enc(source[k], source.ref(k))

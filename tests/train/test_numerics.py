@@ -13,10 +13,12 @@ import pytest
 import torch
 from test_loop import DENSE, tiny_recipe
 
-from veomni.train.numerics import DynamicLossScale, TrainingDivergedError, check_finite
+from veomni.train.numerics import DynamicLossScale, TrainingDivergedError, check_finite, local_weights_finite
 from veomni.train.recipe import RecipeError, recipe_from_dict
 
-SMALL = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+SMALL = dict(
+    num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1
+)
 
 
 def test_the_scale_halves_on_overflow_doubles_after_the_interval_and_resumes_exactly():
@@ -45,14 +47,40 @@ def test_overflow_without_any_scaling_left_is_an_error():
 
 def test_check_finite_names_the_step_the_values_and_the_checkpoint():
     check_finite(3, {"loss": 1.0, "grad_norm": 2.0}, None)
-    with pytest.raises(TrainingDivergedError, match=r"step 7 diverged: loss nan, gradient norm inf.*out/step_5"):
+    with pytest.raises(
+        TrainingDivergedError, match=r"step 7 diverged: loss nan, gradient norm inf.*out/step_5"
+    ):
         check_finite(7, {"loss": math.nan, "grad_norm": math.inf}, "out/step_5")
+
+
+def test_the_divergence_message_says_what_was_found_in_the_weights():
+    stats = {"loss": 2.0, "grad_norm": math.inf}
+    # An inf norm clipped to a zero coefficient can leave the weights finite: the message must not claim otherwise.
+    with pytest.raises(TrainingDivergedError) as info:
+        check_finite(4, stats, None, weights_finite=True, last_step=4)
+    assert "the weights in memory are still finite" in str(info.value)
+    assert "written" not in str(info.value) and "non-finite values" not in str(info.value)
+    with pytest.raises(TrainingDivergedError, match=r"steps 5..8, run before its numbers were read\), and the "
+                       r"weights in memory now hold non-finite values"):  # fmt: skip
+        check_finite(4, stats, None, weights_finite=False, last_step=8)
+    with pytest.raises(TrainingDivergedError, match="the weights in memory were not checked"):
+        check_finite(4, stats, None)
+
+
+def test_local_weights_finite_reads_every_parameter():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    assert local_weights_finite(module)
+    with torch.no_grad():
+        module[1].bias[0] = math.nan
+    assert not local_weights_finite(module)
 
 
 def test_fp16_compute_needs_fp32_parameters(tmp_path):
     raw = tiny_recipe(str(tmp_path), DENSE)
     raw["model"].update({"dtype": "float16", "param_dtype": "float16"})
-    with pytest.raises(RecipeError, match="model.param_dtype: model.dtype float16 trains over float32 parameters"):
+    with pytest.raises(
+        RecipeError, match="model.param_dtype: model.dtype float16 trains over float32 parameters"
+    ):
         recipe_from_dict(raw)
 
 
@@ -67,7 +95,9 @@ def _overflowing_steps(ctx, raw: dict, start_scale: float, n: int) -> list[dict]
         params = [p.detach().clone() for p in run.trained.parameters()]
         epoch = run.scheduler.last_epoch
         stats = train_step(run, next(it))
-        changed = any(not torch.equal(a, b.detach()) for a, b in zip(params, run.trained.parameters(), strict=True))
+        changed = any(
+            not torch.equal(a, b.detach()) for a, b in zip(params, run.trained.parameters(), strict=True)
+        )
         out.append({
             "stats": stats, "scale": run.loss_scale.value, "params_changed": changed,
             "schedule_stepped": run.scheduler.last_epoch != epoch, "overflow_steps": run.overflow_steps,
@@ -76,7 +106,9 @@ def _overflowing_steps(ctx, raw: dict, start_scale: float, n: int) -> list[dict]
     return out
 
 
-@pytest.mark.parametrize("world, force_fsdp2", [(1, False), (1, True), (2, True)], ids=["masters", "fsdp2", "fsdp2x2"])
+@pytest.mark.parametrize(
+    "world, force_fsdp2", [(1, False), (1, True), (2, True)], ids=["masters", "fsdp2", "fsdp2x2"]
+)
 def test_an_fp16_overflow_skips_the_step_and_halves_the_scale(dist_pools, tmp_path, world, force_fsdp2):
     raw = tiny_recipe(str(tmp_path), DENSE, steps=6, tokens_per_step=512, tokens_per_micro_batch=256)
     raw["model"]["dtype"] = "float16"
@@ -95,7 +127,9 @@ def test_an_fp16_overflow_skips_the_step_and_halves_the_scale(dist_pools, tmp_pa
     for i, s in enumerate(steps):
         if overflowed[i]:
             assert math.isnan(s["stats"]["loss"]) and not s["params_changed"] and not s["schedule_stepped"]
-            assert s["scale"] == start / 2 ** (i + 1) and s["grads"] == 0  # gradients dropped, not carried over
+            assert (
+                s["scale"] == start / 2 ** (i + 1) and s["grads"] == 0
+            )  # gradients dropped, not carried over
         else:
             assert math.isfinite(s["stats"]["grad_norm"]) and s["params_changed"] and s["schedule_stepped"]
             assert s["scale"] == steps[first_trained - 1]["scale"]
@@ -142,7 +176,10 @@ def _save_then_resume(ctx, raw: dict) -> tuple[dict, dict]:
     _save(run)
     run.checkpoints.wait()
     again = build_run(recipe_from_dict({**raw, "checkpoint": {**raw["checkpoint"], "resume": "auto"}}))
-    return run.loss_scale.state_dict(), {**again.loss_scale.state_dict(), "overflow_steps": again.overflow_steps}
+    return run.loss_scale.state_dict(), {
+        **again.loss_scale.state_dict(),
+        "overflow_steps": again.overflow_steps,
+    }
 
 
 def test_the_loss_scale_resumes_from_the_checkpoint(dist_pools, tmp_path):
@@ -170,6 +207,7 @@ def test_a_diverged_step_stops_the_run_before_anything_is_saved(dist_pools, tmp_
     raw["train"]["log_interval"] = 4  # the check runs when the numbers are read, before any save
     message = dist_pools.get(1, "gloo").run(_train_diverging, raw)[0]
     assert "step 2 diverged:" in message and "gradient norm nan" in message and "step_00000001" in message
+    assert "the weights in memory now hold non-finite values" in message
     assert sorted(p.name for p in (tmp_path / "job").glob("step_*")) == ["step_00000001"]
     records = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 2 and records[-1]["diverged"] is True
@@ -189,7 +227,9 @@ def _gpu_fp16_steps(tmp_path, name: str, graphs: bool, ops: dict) -> tuple[list[
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("ops", [{"attention": "sdpa", "compile": "off"}, {}], ids=["eager-blocks", "defaults"])
+@pytest.mark.parametrize(
+    "ops", [{"attention": "sdpa", "compile": "off"}, {}], ids=["eager-blocks", "defaults"]
+)
 def test_gpu_fp16_loss_scaling_with_and_without_cuda_graphs(tmp_path, ops):
     # The captured graphs multiply by the scale tensor they were captured with: its in-place updates must reach
     # the replays, so graphed steps skip and train exactly as eager ones.

@@ -52,7 +52,7 @@ from veomni.train.model_setup import (
     model_config,
     one_rank_path,
 )
-from veomni.train.numerics import DynamicLossScale, check_finite
+from veomni.train.numerics import DynamicLossScale, check_finite, local_weights_finite
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
 from veomni.train.preflight import (
     PreflightError,
@@ -362,7 +362,10 @@ def train(
                     append_jsonl(metrics_file, {"step": number, **stats, "diverged": True})
                 run.checkpoints.wait()  # a save in flight holds a state from before this step: let it finish
                 newest = latest_complete(recipe.checkpoint.dir)
-                check_finite(number, stats, None if newest is None else str(newest))
+                check_finite(
+                    number, stats, None if newest is None else str(newest),
+                    weights_finite=local_weights_finite(run.trained), last_step=run.step,
+                )  # fmt: skip
             window.append((stats, per_step, t_data, tokens, flops, skipped))
             if skipped:
                 history["skipped"].append(number)

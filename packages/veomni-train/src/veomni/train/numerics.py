@@ -12,7 +12,10 @@ are checkpointed, so a resumed run scales as the uninterrupted one would.
 Without loss scaling (bf16, fp32) a non-finite loss or gradient norm is not a recoverable event: clipping cannot
 repair it, and AdamW writes the nan into every weight. `check_finite` stops the run with `TrainingDivergedError`
 when the trainer reads a step's numbers, which it always does before a checkpoint is written, so no diverged state
-is saved and keep-last pruning never removes a good checkpoint for a diverged one.
+is saved and keep-last pruning never removes a good checkpoint for a diverged one. The optimizer has applied the
+step's update by then (the numbers are read after the step, without a host sync): the message says whether the
+weights in memory turned non-finite (`local_weights_finite`), as an inf gradient norm clipped to zero can leave them
+finite.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ class DynamicLossScale:
     """
 
     def __init__(
-        self, device: torch.device, init_scale: float = FP16_INIT_SCALE, growth_interval: int = GROWTH_INTERVAL
+        self,
+        device: torch.device,
+        init_scale: float = FP16_INIT_SCALE,
+        growth_interval: int = GROWTH_INTERVAL,
     ) -> None:
         if not (math.isfinite(init_scale) and init_scale > 0) or growth_interval < 1:
             raise ValueError(
@@ -94,24 +100,61 @@ class DynamicLossScale:
         self.finite_steps = int(state["finite_steps"])
 
 
-def check_finite(step: int, stats: Mapping[str, float], last_checkpoint: str | None) -> None:
+def local_weights_finite(module: torch.nn.Module) -> bool:
+    """Whether this rank's part of ``module``'s parameters (a DTensor's local shard) is all finite. Rank-local, no
+    collective: it runs on an error path that ranks may reach at different times."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return all(
+            bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+            for p in module.parameters()
+        )
+
+
+def check_finite(
+    step: int,
+    stats: Mapping[str, float],
+    last_checkpoint: str | None,
+    *,
+    weights_finite: bool | None = None,
+    last_step: int | None = None,
+) -> None:
     """Raise unless a trained step's ``loss`` and ``grad_norm`` (host floats) are finite.
 
     Args:
         step: the step's number (1-based, as logged).
         stats: the step's numbers as `veomni.train.step.read_stats` returns them.
         last_checkpoint: the newest complete checkpoint, named in the message (None: there is none).
+        weights_finite: whether the weights in memory were found finite after the update (`local_weights_finite`;
+            None: not checked); the message says what was found, never more.
+        last_step: the newest step run when the numbers were read (steps run ahead of the read, without a host
+            sync); named when it is past ``step``.
 
     Raises:
-        TrainingDivergedError: naming the step, the values and where to resume from.
+        TrainingDivergedError: naming the step, the values, the state of the weights and where to resume from.
     """
     loss, grad_norm = stats["loss"], stats["grad_norm"]
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    where = f"the newest checkpoint, {last_checkpoint}, is from before it" if last_checkpoint else "no checkpoint"
+    where = (
+        f"the newest checkpoint, {last_checkpoint}, is from before it" if last_checkpoint else "no checkpoint"
+    )
+    ahead = f" (and those of steps {step + 1}..{last_step}, run before its numbers were read)"
+    applied = "The optimizer applied its update" + (
+        ahead if last_step is not None and last_step > step else ""
+    )
+    if weights_finite is None:
+        state = f"{applied}; the weights in memory were not checked"
+    elif weights_finite:
+        state = (
+            f"{applied}; the weights in memory are still finite, but come from a step with non-finite numbers"
+        )
+    else:
+        state = f"{applied}, and the weights in memory now hold non-finite values"
     raise TrainingDivergedError(
-        f"step {step} diverged: loss {loss}, gradient norm {grad_norm}. Its update has already written non-finite "
-        f"values into the weights, so the run stops here and saves nothing more ({where}). Resume from a "
-        "checkpoint with a lower --optim.lr and --optim.on_resume=recipe (without it a resume keeps the saved lr), "
-        "a longer warmup or a lower optim.max_grad_norm, or look for bad data at this step (veomni-data-preview)"
+        f"step {step} diverged: loss {loss}, gradient norm {grad_norm}. {state}. The run stops here and saves "
+        f"nothing more ({where}). Resume from a checkpoint with a lower --optim.lr and "
+        "--optim.on_resume=recipe (without it a resume keeps the saved lr), a longer warmup or a lower "
+        "optim.max_grad_norm, or look for bad data at this step (veomni-data-preview)"
     )

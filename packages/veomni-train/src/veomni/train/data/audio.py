@@ -21,6 +21,7 @@ and the model runs its audio tower's dummy forward instead (never a silently ski
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Sequence
@@ -30,13 +31,17 @@ import numpy as np
 import torch
 from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
 
+from veomni.train.data.media import check_finite_values
 from veomni.train.data.sources import DataError, RowRef
 
 
-def audio_path(value: Any, media_root: str | None, ref: RowRef, number: int) -> str:
-    """The absolute path of audio part ``number`` of row ``ref`` (relative paths are joined to ``media_root``)."""
+def audio_path(value: Any, media_root: str | None, ref: RowRef, number: int) -> str | bytes:
+    """Audio part ``number`` of row ``ref``: its absolute path (relative paths are joined to ``media_root``), or
+    its inline bytes (an encoded file, e.g. an OpenAI ``input_audio`` part's decoded base64)."""
+    if isinstance(value, bytes | bytearray) and value:
+        return bytes(value)
     if not isinstance(value, str) or not value:
-        raise DataError(f"{ref}: audio {number} must be a file path (str), found {value!r:.80}")
+        raise DataError(f"{ref}: audio {number} must be a file path (str) or bytes, found {value!r:.80}")
     if os.path.isabs(value):
         return value
     if media_root is None:
@@ -46,32 +51,46 @@ def audio_path(value: Any, media_root: str | None, ref: RowRef, number: int) -> 
     return os.path.join(media_root, value)
 
 
-def load_audio(path: str, sampling_rate: int, ref: RowRef, number: int) -> np.ndarray:
-    """Decode ``path`` to mono float32 samples at ``sampling_rate`` Hz.
+def audio_name(source: str | bytes) -> str:
+    """How messages name an audio part's source: its path, or ``inline bytes (N B)``."""
+    return source if isinstance(source, str) else f"inline bytes ({len(source)} B)"
+
+
+def load_audio(source: str | bytes, sampling_rate: int, ref: RowRef, number: int) -> np.ndarray:
+    """Decode ``source`` to mono float32 samples at ``sampling_rate`` Hz.
 
     Args:
-        path: an audio file soundfile can read (wav, flac, ogg, ...).
+        source: an audio file soundfile can read (wav, flac, ogg, ...), as a path or its bytes.
         sampling_rate: the feature extractor's rate; other rates are resampled (polyphase, scipy).
         ref, number: the row and the part's index among the row's audio parts (for errors).
     Returns:
         float32 ``[samples]``.
+    Raises:
+        DataError: naming the row and the file: a missing file, one that does not decode, or samples that are
+            not finite (NaN or Inf, which would reach the loss as a diverged step naming no file).
     """
+    name = audio_name(source)
     try:
         import soundfile
         from scipy.signal import resample_poly
     except ImportError as err:
         raise DataError(
-            f"{ref}: audio {number} ({path}) needs the audio extra (pip install 'veomni-train[audio]'): {err}"
+            f"{ref}: audio {number} ({name}) needs the audio extra (pip install 'veomni-train[audio]'): {err}"
         ) from None
+    if isinstance(source, str) and not os.path.isfile(source):
+        raise DataError(f"{ref}: audio {number}: no such audio file: {source}")
     try:
-        samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
+        samples, rate = soundfile.read(
+            source if isinstance(source, str) else io.BytesIO(source), dtype="float32", always_2d=True
+        )
     except (OSError, RuntimeError, soundfile.LibsndfileError) as err:
-        raise DataError(f"{ref}: audio {number} ({path}) cannot be decoded: {err}") from None
-    return _mono_at(samples, int(rate), sampling_rate, resample_poly, f"{ref}: audio {number} ({path})")
+        raise DataError(f"{ref}: audio {number} ({name}) cannot be decoded: {err}") from None
+    return _mono_at(samples, int(rate), sampling_rate, resample_poly, f"{ref}: audio {number} ({name})")
 
 
 def _mono_at(samples: np.ndarray, rate: int, sampling_rate: int, resample_poly: Any, what: str) -> np.ndarray:
     """float32 ``[samples]``: ``samples`` ``[n, channels]`` averaged to mono and resampled to ``sampling_rate``."""
+    check_finite_values(samples, what, "samples")
     mono = samples.mean(axis=1)
     if rate != sampling_rate:
         # Exact rational ratio (44100 -> 16000 is 160/441): no drift in length, anti-aliased by the filter.
@@ -116,9 +135,7 @@ def load_video_audio(path: str, sampling_rate: int, what: str) -> np.ndarray:
             # Planar float, [channels, n] per frame: the decoder's own samples, converted only to float32.
             resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=rate)
             chunks = [
-                out.to_ndarray()
-                for frame in container.decode(stream)
-                for out in resampler.resample(frame)
+                out.to_ndarray() for frame in container.decode(stream) for out in resampler.resample(frame)
             ]
             chunks += [out.to_ndarray() for out in resampler.resample(None)]
     except (av.FFmpegError, OSError) as err:
@@ -159,6 +176,9 @@ def audio_features(
             return_tensors="np",
         )
         frames = int(out["attention_mask"][0].sum())
+        check_finite_values(
+            out["input_features"][0, :, :frames], f"{ref}: audio {number} ({path})", "features"
+        )
         features.append(np.asarray(out["input_features"][0, :, :frames], dtype=np.float32))
         tokens.append(int(_get_feat_extract_output_lengths(frames)))
     return features, tokens

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from veomni.train.data.encode import Encoder, build_encoder
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
 from veomni.train.data.plan import DatasetIndex, index_dataset
+from veomni.train.data.row_formats import check_some_media
 from veomni.train.data.sources import DataError, RowSource
 from veomni.train.recipe import DataSection, Recipe
 
@@ -108,7 +109,7 @@ def index_files(
     """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
     ``data.on_bad_row`` and, when skipped, are logged per kind, and rows that ``data.overlong`` left out or cut are
     counted in a warning (``what`` names the file list)."""
-    source = RowSource(files, data.format, encoder.columns)
+    source = RowSource(files, data.format, encoder.columns, encoder.optional_columns)
     index = index_dataset(
         source,
         encoder,
@@ -119,6 +120,9 @@ def index_files(
         on_bad_row=data.on_bad_row,
         max_bad_fraction=data.max_bad_fraction,
     )
+    if data.kind == "multimodal":
+        good = np.setdiff1d(np.arange(index.num_rows), index.bad.rows)
+        check_some_media(source, data.messages_field, good, what)
     rank0 = group is None or dist.get_rank(group) == 0
     # The training data's counts are also in the run's start-up summary; the evaluation data's only here.
     over = index.dropped or index.truncated
@@ -138,9 +142,12 @@ def index_files(
     return source, index
 
 
-def check_trained_tokens(source: RowSource, index: DatasetIndex, files: Sequence[str], what: str) -> None:
+def check_trained_tokens(
+    source: RowSource, index: DatasetIndex, files: Sequence[str], what: str, encoder: Encoder | None = None
+) -> None:
     """Data whose every label is masked trains nothing: a `DataError` naming the files. Files holding no row or
-    no trained token beside others that do are named in a warning."""
+    no trained token beside others that do are named in a warning. With ``encoder``, trained tokens must also
+    include content (`check_content_tokens`), not only the template's end-of-turn and special tokens."""
     starts = np.cumsum([0] + [len(f) for f in source.files]).tolist()
     spans = list(zip(starts[:-1], starts[1:], strict=True))
     per_file = [int(index.trained[a:b].sum()) for a, b in spans]
@@ -154,6 +161,48 @@ def check_trained_tokens(source: RowSource, index: DatasetIndex, files: Sequence
             log.warning("%s: %s holds no row", what, path)
         elif trained == 0:
             log.warning("%s: %s holds %d rows but no trained token (every label masked)", what, path, b - a)
+    if encoder is not None:
+        check_content_tokens(source, index, encoder, files, what)
+
+
+# Rows re-tokenised first, spread over the data; the rest only when none of them has content.
+CONTENT_SAMPLE = 64
+
+
+def check_content_tokens(
+    source: RowSource, index: DatasetIndex, encoder: Encoder, files: Sequence[str], what: str
+) -> None:
+    """Refuse data whose trained tokens are all the chat template's own (end-of-turn and other special tokens,
+    whitespace after them): with every assistant turn empty it would train the model to end its turns at once.
+
+    Rows with trained tokens are tokenised again (text only, no pixel decoded): `CONTENT_SAMPLE` spread over the
+    data first, all of them only when none of those holds a content token (a non-special token that decodes to
+    more than whitespace). Raises a `DataError` naming the files when there is none."""
+    rows = np.flatnonzero(index.trained > 0)
+    if not rows.size:
+        return
+    spread = np.unique(np.linspace(0, rows.size - 1, min(CONTENT_SAMPLE, rows.size)).round().astype(np.int64))
+    order = [*rows[spread].tolist(), *np.delete(rows, spread).tolist()]
+    tokenizer = encoder.tokenizer
+    special = set(tokenizer.all_special_ids)
+    blank: dict[int, bool] = {}
+    tokens = getattr(encoder, "text_tokens", encoder)  # multimodal encoders: the text without the pixels
+    for row in order:
+        try:
+            ids, trained = tokens(source[row], source.ref(row))[:2]
+        except DataError:
+            continue  # bad rows are the index's business (data.on_bad_row)
+        for token in set(ids[trained].tolist()) - special:
+            if token not in blank:
+                blank[token] = not tokenizer.decode([token]).strip()
+            if not blank[token]:
+                return
+    raise DataError(
+        f"{what}: the {index.total_trained_tokens} trained tokens of {list(files)} ({rows.size} rows) are all the "
+        "chat template's end-of-turn or special tokens, no content: every trained message (the assistant turns, "
+        "with data.assistant_only_loss) is empty. Training would only teach the model to end its turns at once; "
+        "check the rows' assistant turns (their field names: docs/train.md, Row formats)"
+    )
 
 
 def check_task_and_kind(recipe: Recipe) -> None:
@@ -185,7 +234,7 @@ def build_train_data(
     source, index = index_files(
         recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
     )
-    check_trained_tokens(source, index, recipe.data.train_files, "data.train_files")
+    check_trained_tokens(source, index, recipe.data.train_files, "data.train_files", encoder)
     return TrainData(
         source,
         encoder,
@@ -224,7 +273,7 @@ def build_eval_data(
     source, index = index_files(
         recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
     )
-    check_trained_tokens(source, index, recipe.data.eval_files, "data.eval_files")
+    check_trained_tokens(source, index, recipe.data.eval_files, "data.eval_files", encoder)
     return EvalData(
         source,
         encoder,

@@ -26,6 +26,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from veomni.train.data.chat_template import resolve_chat_template
+from veomni.train.data.row_formats import MEDIA_COLUMNS, refuse_media
 from veomni.train.data.sources import DataError, OverlongError, RowRef, RowSource
 
 
@@ -79,6 +80,8 @@ class TextEncoder:
     its EOS token ends the text (appended unless the post-processor put it there).
     """
 
+    optional_columns: tuple[str, ...] = ()  # fields a parquet file may lack (`RowSource`)
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, field: str, add_eos: bool) -> None:
         if add_eos and tokenizer.eos_token_id is None:
             raise DataError("data.add_eos is true but the tokenizer has no eos_token; set data.add_eos=false")
@@ -107,8 +110,12 @@ class ConversationEncoder:
     """``row[field]`` is a list of ``{"role", "content", ...}`` messages rendered by the tokenizer's chat template.
 
     Which messages are trained: ``message[loss_mask_field]`` (0/1 or bool) when present, else assistant messages
-    only (``assistant_only``) or every message.
+    only (``assistant_only``) or every message. A row carrying media (top-level ``images`` and the like, or
+    non-text parts) is refused: this data trains text only (`veomni.train.data.row_formats.refuse_media`).
     """
+
+    columns: tuple[str, ...]
+    optional_columns: tuple[str, ...] = MEDIA_COLUMNS  # read where a parquet file has them, to refuse media
 
     def __init__(
         self,
@@ -171,6 +178,7 @@ class ConversationEncoder:
         return messages, flags
 
     def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray]:
+        refuse_media(row, self.field, ref)
         messages, flags = self._messages(row, ref)
         return self._tokens(messages, flags, ref)
 

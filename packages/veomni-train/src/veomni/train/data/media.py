@@ -40,6 +40,17 @@ class ImageRef:
         return f"{self.row}: {self.what} {self.number} ({where})"
 
 
+def check_finite_values(values: np.ndarray, what: str, name: str) -> None:
+    """Raise a `DataError` naming ``what`` (the row and file) when ``values`` hold NaN or Inf, which would reach
+    the loss as a diverged step naming no file; ``name`` says what the values are (``pixel values``, ...)."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        raise DataError(
+            f"{what}: {values.size - int(finite.sum())} of its {values.size} {name} are not finite (NaN or Inf); "
+            "fix or leave out the file"
+        )
+
+
 def _media_path(value: Any, media_root: str | None, row: RowRef, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise DataError(

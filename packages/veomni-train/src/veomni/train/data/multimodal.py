@@ -46,6 +46,7 @@ from veomni.train.data.encode import ConversationEncoder
 from veomni.train.data.media import (
     ImageRef,
     VideoRef,
+    check_finite_values,
     image_ref,
     image_size,
     load_image,
@@ -54,6 +55,7 @@ from veomni.train.data.media import (
     video_ref,
 )
 from veomni.train.data.multimodal_batch import MediaSample, collate_multimodal, empty_rows
+from veomni.train.data.row_formats import CONVERSATIONS, MEDIA_COLUMNS, native_row
 from veomni.train.data.sources import DataError, RowRef
 
 # collate_multimodal stays importable from here for tools/bench, written against this module.
@@ -123,6 +125,8 @@ class MultimodalEncoder(ConversationEncoder):
         vision_metadata: Callable[[torch.Tensor], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(tokenizer, field, loss_mask_field, assistant_only)
+        # Every row shape of `veomni.train.data.row_formats` reads from these (parquet: the ones the file has).
+        self.columns, self.optional_columns = (), (field, CONVERSATIONS, *MEDIA_COLUMNS)
         self.vision_metadata = vision_metadata
         # The processors read the tokenizer's declared image token (Qwen2.5-Omni's is <|IMAGE|>); <|image_pad|>,
         # the Qwen-VL name, where it declares none.
@@ -177,7 +181,9 @@ class MultimodalEncoder(ConversationEncoder):
         self, row: dict[str, Any], ref: RowRef
     ) -> tuple[list[dict[str, Any]], list[bool], list[ImageRef], list[VideoRef]]:
         """Messages for the template (media parts without payload), their loss flags, the row's images and
-        videos; parts of `extra_parts` go to `_extra_part` (in order) and reach the template without payload."""
+        videos; parts of `extra_parts` go to `_extra_part` (in order) and reach the template without payload.
+        LLaVA / ShareGPT and OpenAI-style rows are converted first (`veomni.train.data.row_formats`)."""
+        row = native_row(row, self.field, ref)
         messages, flags = self._messages(_text_only(row, self.field), ref)
         raw = row[self.field]
         images: list[ImageRef] = []
@@ -242,6 +248,11 @@ class MultimodalEncoder(ConversationEncoder):
                 )
             trained &= ids != token_id
         return ids, trained, images, videos
+
+    def text_tokens(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, trained)`` of the row's rendered conversation, placeholders not expanded and no media decoded."""
+        ids, trained, _, _ = self._text(row, ref)
+        return ids, trained
 
     def _check_patches(
         self, ref: RowRef, patches: Sequence[int], media: Sequence[ImageRef | VideoRef]
@@ -344,6 +355,8 @@ class MultimodalEncoder(ConversationEncoder):
         except Exception as err:  # the processor rejects odd images (aspect ratio > 200, ...)
             raise DataError(f"{ref}: the image processor failed: {err}") from None
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        names = ", ".join(i.path or f"inline bytes ({len(i.data or b'')} B)" for i in images)
+        check_finite_values(pixels, f"{ref}: the images ({names})", "pixel values")
         return pixels, np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
 
     def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, MediaSample]:
@@ -356,6 +369,7 @@ class MultimodalEncoder(ConversationEncoder):
             plans.append((video, header, indices))
             assert self.video_rule is not None
             rows, got = self.video_rule.pixel_rows(load_video_frames(video, indices, header))
+            check_finite_values(np.asarray(rows), str(video), "pixel values")
             if got != grid:  # the plan and the processing share one rule; a mismatch is a bug, not bad data
                 raise RuntimeError(f"{video}: processed grid {got} differs from the planned grid {grid}")
             video_pixels.append(rows)

@@ -51,8 +51,15 @@ from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
 from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens
 from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
 from veomni.models.qwen3_omni_moe.video import Qwen3OmniMoeVideoRule
-from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio, load_video_audio
-from veomni.train.data.media import ImageRef, VideoRef, load_video_frames
+from veomni.train.data.audio import (
+    audio_features,
+    audio_name,
+    audio_path,
+    collate_audio,
+    load_audio,
+    load_video_audio,
+)
+from veomni.train.data.media import ImageRef, VideoRef, check_finite_values, load_video_frames
 from veomni.train.data.multimodal import MediaSample, MultimodalEncoder, _expand
 from veomni.train.data.sources import DataError, RowRef
 
@@ -80,7 +87,9 @@ def thinker_positions(thinker_config: Any, *, use_audio_in_video: bool = False) 
     """The position-id function of the thinker ``thinker_config`` describes (an error lists the known ones)."""
     model_type = getattr(thinker_config, "model_type", None)
     if model_type not in POSITIONS:
-        raise DataError(f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}")
+        raise DataError(
+            f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}"
+        )
     return POSITIONS[model_type](thinker_config, use_audio_in_video=use_audio_in_video)
 
 
@@ -193,7 +202,10 @@ class OmniEncoder(MultimodalEncoder):
         # Qwen2.5-Omni's name where the tokenizer declares none.
         self.audio_token = str(getattr(tokenizer, "audio_token", None) or AUDIO_TOKEN)
         self.audio_token_id = self._token_id(self.audio_token, "model.task is omni")
-        for name, token_id in (("audio_token_id", self.audio_token_id), ("image_token_id", self.image_token_id)):
+        for name, token_id in (
+            ("audio_token_id", self.audio_token_id),
+            ("image_token_id", self.image_token_id),
+        ):
             if getattr(thinker_config, name) != token_id:
                 raise DataError(
                     f"the thinker config's {name} is {getattr(thinker_config, name)} but the tokenizer gives "
@@ -206,7 +218,7 @@ class OmniEncoder(MultimodalEncoder):
         self.audio_layout = None if layout is None else layout.from_config(thinker_config.audio_config)
         # The audio paths of the row being parsed: `_parse` collects them through `_extra_part` (one row at a
         # time; an encoder is used by one worker thread).
-        self._audio_paths: list[str] = []
+        self._audio_paths: list[str | bytes] = []
         # Placeholders are counted by the config's video token (the tokenizer may call it <|VIDEO|>).
         self.video_token_id = int(thinker_config.video_token_id)
         self.thinker_config = thinker_config
@@ -273,7 +285,7 @@ class OmniEncoder(MultimodalEncoder):
         for _, kind, k in sources:
             if kind == "audio":
                 clips.append(load_audio(paths[k], rate, ref, k))
-                names.append(paths[k])
+                names.append(audio_name(paths[k]))
             else:
                 clips.append(self._video_audio(videos[k], rate))
                 names.append(f"the audio track of video {k} ({videos[k].path})")
@@ -340,6 +352,7 @@ class OmniEncoder(MultimodalEncoder):
         for video, (header, indices, grid) in zip(layout.videos, layout.plans, strict=True):
             assert self.video_rule is not None
             rows, got = self.video_rule.pixel_rows(load_video_frames(video, indices, header))
+            check_finite_values(np.asarray(rows), str(video), "pixel values")
             if got != grid:  # the plan and the processing share one rule; a mismatch is a bug, not bad data
                 raise RuntimeError(f"{video}: processed grid {got} differs from the planned grid {grid}")
             video_rows.append(rows)

@@ -55,11 +55,17 @@ class OverlongError(DataError):
 BAD_ROW_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unreadable row", ("not valid JSON", "expected a JSON object")),
     ("missing image file", ("no such image file",)),
+    ("missing audio file", ("no such audio file",)),
+    ("non-finite media values", ("are not finite (NaN or Inf)",)),
     (
         "unreadable image",
         ("not a readable image", "corrupt or truncated", "the image is empty", "image processor"),
     ),
-    ("placeholder/image count mismatch", ("placeholder(s) in the rendered conversation",)),
+    (
+        "placeholder/image count mismatch",
+        ("placeholder(s) in the rendered conversation", "placeholder(s) or payload-free"),
+    ),
+    ("media in text data", ("but data.kind is conversation",)),
     ("image over the patch budget", ("data.patches_per_micro_batch",)),
     ("empty row", ("produced no tokens", "rendered to no tokens")),
     ("chat template failure", ("the chat template failed", "not prefix-stable")),
