@@ -144,6 +144,12 @@ def recipes(draw: st.DrawFn) -> dict:
         raw["data"]["use_audio_in_video"] = False  # videos (and their audio tracks) are multimodal data
         for name in MEDIA_FIELDS:
             raw["data"][name] = None  # read by the multimodal pipeline only
+    # A chat template is a built-in name or an existing file, for conversations only.
+    raw["data"]["chat_template"] = (
+        None if raw["data"]["kind"] == "text" else draw(st.sampled_from([None, "chatml", "qwen3"]))
+    )
+    first = draw(st.integers(1, 50))
+    raw["log"]["profile_steps"] = draw(st.sampled_from([None, [first, first + draw(st.integers(0, 5))]]))
     if raw["data"]["video_frame_pixels"] is not None:
         raw["data"]["video_frame_pixels"] = sorted(raw["data"]["video_frame_pixels"])  # [min, max]
     raw["data"] = {k: list(v) if isinstance(v, tuple) else v for k, v in raw["data"].items()}
