@@ -28,11 +28,27 @@ def _quickstart_rows_as_parquet(tmp_path):
     return write_parquet(tmp_path / "train.parquet", rows[:64])
 
 
-def test_the_quickstart_trains_on_a_parquet_file_given_on_the_command_line(tmp_path, capsys):
-    data = _quickstart_rows_as_parquet(tmp_path)
-    code = main(["quickstart", f"--data.train_files=[{data}]", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])
+def test_a_parquet_run_with_a_log_file_and_a_profiled_step(tmp_path, capsys):
+    # One short quickstart run (each costs ~40 s on 2 cores) holds three first-contact paths: the user's parquet
+    # file on the command line (data.format: auto), log.file, and log.profile_steps.
+    data, out, log_file = _quickstart_rows_as_parquet(tmp_path), tmp_path / "run", tmp_path / "logs" / "train.log"
+    code = main([
+        "quickstart", f"--data.train_files=[{data}]", f"--log.file={log_file}", "--train.log_interval=1",
+        "--log.profile_steps=[2,2]", f"--checkpoint.dir={out}", *SHORT,
+    ])  # fmt: skip
     assert code == 0, capsys.readouterr().err[-2000:]
     assert "done: 2 steps" in capsys.readouterr().out
+
+    text = log_file.read_text()
+    assert "rank0] INFO veomni.train: training 2 steps" in text
+    assert "rank0] INFO veomni.train.console: step 2/2 | loss " in text and "| eta " in text
+    assert "\r" not in text
+
+    trace = json.loads((out / "profile" / "trace_rank_0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names  # the step's matmuls are in the window
+    table = (out / "profile" / "top_ops.txt").read_text()
+    assert table.startswith("steps 2..2, sorted by self_cpu_time_total") and "Self CPU" in table
 
 
 def test_a_parquet_file_read_as_jsonl_is_one_line_about_the_file(tmp_path, capsys):
@@ -139,28 +155,6 @@ def test_a_sink_whose_extra_is_missing_is_one_line_before_the_build(tmp_path, ca
     assert "log.tensorboard_dir is set but tensorboard is not installed" in err
     assert "uv sync --all-packages --extra tensorboard" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran
-
-
-def test_log_file_holds_the_console_lines_and_the_log(tmp_path, capsys):
-    log_file = tmp_path / "logs" / "train.log"
-    code = main(["quickstart", f"--log.file={log_file}", "--train.log_interval=1",
-                 f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])  # fmt: skip
-    assert code == 0, capsys.readouterr().err[-2000:]
-    text = log_file.read_text()
-    assert "rank0] INFO veomni.train: training 2 steps" in text
-    assert "rank0] INFO veomni.train.console: step 2/2 | loss " in text and "| eta " in text
-    assert "\r" not in text
-
-
-def test_profile_steps_write_a_trace_and_a_top_ops_table(tmp_path, capsys):
-    out = tmp_path / "run"
-    code = main(["quickstart", "--log.profile_steps=[2,2]", f"--checkpoint.dir={out}", *SHORT])
-    assert code == 0, capsys.readouterr().err[-2000:]
-    trace = json.loads((out / "profile" / "trace_rank_0.json").read_text())
-    names = {event.get("name") for event in trace["traceEvents"]}
-    assert "aten::mm" in names or "aten::addmm" in names  # the step's matmuls are in the window
-    table = (out / "profile" / "top_ops.txt").read_text()
-    assert table.startswith("steps 2..2, sorted by self_cpu_time_total") and "Self CPU" in table
 
 
 def test_profile_steps_must_be_an_ordered_window(tmp_path, capsys):
