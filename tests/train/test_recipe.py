@@ -193,7 +193,7 @@ COUPLED = [
     {"parallel.activation_checkpointing", "parallel.ac_keep_attention"},
     {"parallel.sp", "parallel.async_ulysses"},
     {"model.config", "model.config_overrides", "model.weights", "model.tokenizer"},
-    {"data.kind", "data.use_audio_in_video", *(f"data.{name}" for name in MEDIA_FIELDS)},
+    {"data.kind", "data.use_audio_in_video", "data.chat_template", *(f"data.{name}" for name in MEDIA_FIELDS)},
 ]
 
 
