@@ -213,7 +213,7 @@ def test_flops_match_torch_flop_counter():
     patch convolution, attention), up to the biases and norms neither counts the same way."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from veomni.train.dit_task import DitFlops
+    from veomni.train.tasks.dit import DitFlops
 
     config = WanTransformer3DModel.load_config(QUICKSTART / "transformer")
     torch.manual_seed(0)

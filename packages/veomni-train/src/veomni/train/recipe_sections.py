@@ -52,9 +52,9 @@ class ModelSection:
     tokenizer: str | None = _field(
         None, "directory or Hub id for transformers.AutoTokenizer (None: model.weights)", path="hub"
     )
-    task: Literal["text", "vlm", "dit", "omni"] = _field(
+    task: str = _field(
         "text",
-        "training task: text (causal language modelling on packed documents), vlm (image-text-to-text on "
+        "training task, a registered name or a task class as 'package.module:Class' (docs/guides): text (causal language modelling on packed documents), vlm (image-text-to-text on "
         "data.kind=multimodal), omni (an omni thinker on data.kind=multimodal rows that may hold audio parts) or dit (a diffusers diffusion transformer trained by flow matching on "
         "data.kind=dit, conditioned by the frozen models in dit.condition); it decides the model class, the "
         "inputs, the loss, the FLOPs and the export",
@@ -81,6 +81,12 @@ class ModelSection:
     )
 
     def __attrs_post_init__(self) -> None:
+        from veomni.train.tasks import task_class
+
+        try:  # a registered name or an importable task class (a user's module): checked with the recipe
+            task_class(self.task)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
         if self.config is None and self.weights is None:
             raise RecipeError(
                 "model: give model.config (path or inline mapping) or model.weights; both are null"

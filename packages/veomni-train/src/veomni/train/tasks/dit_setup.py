@@ -1,5 +1,5 @@
 """What the dit task prepares before the model is built (`veomni.train.loop.SETUPS`): the diffusers transformer
-config and its meta probe, the condition side, the data, the `veomni.train.dit_task.DitTask`.
+config and its meta probe, the condition side, the data, the `veomni.train.tasks.dit.DitTask`.
 
 Online (``data.kind: dit``) the frozen condition models are loaded on the compute device. Offline
 (``data.kind: dit_latents``, files written by ``veomni-dit-embed``) only the condition directory's configs are
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from veomni.core.parallel_state import ParallelState
 from veomni.train.data import DataTopology
 from veomni.train.data.sources import RowSource
-from veomni.train.dit_task import DitFlops, DitTask
 from veomni.train.model_setup import _hardware
 from veomni.train.preflight import PreflightError, check_ops_backend, check_parallel_fit, check_trainable
 from veomni.train.recipe import Recipe
+from veomni.train.tasks.dit import DitFlops, DitTask
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +206,11 @@ def _probe(recipe: Recipe, config: Any, sp: int) -> torch.nn.Module:
 
 
 def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any:
-    """The dit task's `veomni.train.loop.TaskSetup`: the tokenizer (the condition's UMT5; None offline), the
+    """The dit task's `veomni.train.tasks.TaskSetup`: the tokenizer (the condition's UMT5; None offline), the
     diffusers config, a meta probe, the task with its condition side, and the training data."""
     from veomni.train.data.dit import MEDIA_COLUMNS, DitData
     from veomni.train.dit_embed import check_latents, load_empty_prompt
-    from veomni.train.loop import TaskSetup
+    from veomni.train.tasks import TaskSetup
 
     # veomni's RMSNorm / rotary / attention kernels bound to diffusers' Wan attention (veomni.models.wan_kernels),
     # blocks compiled per ops.compile; validated for the training device like the text tasks' ops. backend=hf

@@ -119,6 +119,14 @@ class DitTask:
     name: ClassVar[str] = "dit"
     model_task: ClassVar[str] = "diffusion_transformer"
     aux_loss_coef: ClassVar[float] = 0.0
+    data_kinds: ClassVar[tuple[str, ...]] = ("dit", "dit_latents")
+
+    @classmethod
+    def prepare(cls, recipe: Any, state: Any, device: torch.device) -> Any:
+        """The run's `veomni.train.tasks.TaskSetup` (`veomni.train.tasks.dit_setup.dit_setup`)."""
+        from veomni.train.tasks.dit_setup import dit_setup
+
+        return dit_setup(recipe, state, device)
 
     def _inputs(self, batch: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
         generator = torch.Generator().manual_seed(int(batch["noise_seed"]))
