@@ -119,8 +119,11 @@ MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*$", flags=re.MULTILINE)
 FENCE = re.compile(r"^```.*?^```", flags=re.MULTILINE | re.DOTALL)
 # A path into the repository written in prose or code spans (`docs/train.md`, tests/train/test_loop.py). A path
-# followed by `*` or `{` is a pattern, not a file.
-REPO_PATH = re.compile(r"(?<![\w./-])((?:docs|notebook|tools|tests|packages)/[\w./-]*[\w/])(?![*{\w])")
+# containing `*`, `{` or `<` is a pattern, not a file, and is not matched at all (no shorter prefix of it either); a
+# full stop after a path ends the sentence.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:docs|notebook|tools|tests|packages)/[\w./-]*[\w/])(?![*{<\w/-]|\.[\w*{<])"
+)
 
 
 def heading_anchor(heading: str) -> str:
@@ -200,3 +203,13 @@ def test_benchmarks_page_is_the_current_table_not_a_logbook():
     assert len(text.splitlines()) <= 120, (
         "docs/benchmarks.md grew past 120 lines: keep it the table of latest figures"
     )
+
+
+def test_repository_path_pattern_skips_globs_and_placeholders():
+    """A named path is matched whole (a sentence's full stop excluded); a glob or a ``<placeholder>`` path is not
+    matched at all, not even a prefix of it, so the path check neither misses real paths nor flags patterns."""
+    text = (
+        "see docs/train.md. Then tests/train/test_loop.py), `notebook/runs/2026-11-25-e2e-t1-*.json`, "
+        "`packages/veomni-models/src/veomni/models/*/generated/` and notebook/runs/<date>-x.json"
+    )
+    assert REPO_PATH.findall(text) == ["docs/train.md", "tests/train/test_loop.py"]
