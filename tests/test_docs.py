@@ -22,6 +22,12 @@ USER_DOCS = [
     "docs/models.md",
     "docs/core.md",
     "docs/kernels.md",
+    "docs/architecture.md",
+    "docs/benchmarks.md",
+    "docs/guides/add-a-model-family.md",
+    "docs/guides/add-a-kernel-backend.md",
+    "docs/guides/add-a-data-format-or-task.md",
+    "CONTRIBUTING.md",
 ]
 
 
