@@ -128,7 +128,7 @@ FENCE = re.compile(r"^```.*?^```", flags=re.MULTILINE | re.DOTALL)
 # containing `*`, `{` or `<` is a pattern, not a file, and is not matched at all (no shorter prefix of it either); a
 # full stop after a path ends the sentence.
 REPO_PATH = re.compile(
-    r"(?<![\w./-])((?:docs|notebook|tools|tests|packages)/[\w./-]*[\w/])(?![*{<\w/-]|\.[\w*{<])"
+    r"(?<![\w./-])((?:docs|notebook|tools|tests|packages|examples)/[\w./-]*[\w/])(?![*{<\w/-]|\.[\w*{<])"
 )
 
 
