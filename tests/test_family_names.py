@@ -10,6 +10,7 @@ not import a VLM, omni or DiT module (the family folders are imported only for t
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -74,9 +75,10 @@ def mentions(source: str, names: set[str], filename: str = "<src>") -> list[str]
             word = word.lower().strip(".:")
             if word in lowered:
                 return True
-            if word.startswith(("veomni.models.", "transformers.models.")):
-                if any(segment in lowered for segment in re.split(r"[.:]", word)):
-                    return True
+            if word.startswith(("veomni.models.", "transformers.models.")) and any(
+                segment in lowered for segment in re.split(r"[.:]", word)
+            ):
+                return True
         return False
 
     found = []
@@ -144,16 +146,17 @@ z = "see qwen2_vl's rule"
 
 def test_a_text_run_imports_no_multimodal_or_dit_code():
     script = """
-import sys
+import json, sys
 import veomni.train.loop, veomni.train.step, veomni.train.cli
 from veomni.train.tasks import task_class
 task_class("text")
 from veomni.models.registry import MODELS
-families = {"%s"}
+families = set(json.loads(sys.argv[1]))
 loaded = sorted(m for m in sys.modules if m.startswith("veomni.models.") and m.split(".")[2] in families
                 and not m.endswith(".family") and m.count(".") > 2 or m.startswith("veomni.train.tasks.") and
                 m.split(".")[3] in ("vision", "dit", "dit_setup") or m.startswith("diffusers"))
 print("\\n".join(loaded))
-""" % '", "'.join(sorted(FAMILY_FOLDERS))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+"""
+    folders = json.dumps(sorted(FAMILY_FOLDERS))
+    out = subprocess.run([sys.executable, "-c", script, folders], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"a text run imported:\n{out}"

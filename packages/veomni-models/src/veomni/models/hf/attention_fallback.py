@@ -7,8 +7,8 @@ left), a static cache (every preallocated slot handed over, the unwritten ones t
 transformers' ``sdpa`` (``eager`` for ``output_attentions``, sinks or a soft-cap, which transformers' sdpa does not
 implement: the model's own ``eager_attention_forward``), exactly as upstream would:
 
-* the mask builder (`veomni.models.hf_attention.padding_mask_passthrough`, and the host-sync-free builders of
-  `veomni.models.hf_masks`) builds transformers' 4-D ``sdpa`` mask instead of passing the 2-D padding mask on
+* the mask builder (`veomni.models.hf.attention.padding_mask_passthrough`, and the host-sync-free builders of
+  `veomni.models.hf.masks`) builds transformers' 4-D ``sdpa`` mask instead of passing the 2-D padding mask on
   when `needs_hf_attention` (or the cache is static, `hf_mask`);
 * the attention function, given a 4-D mask or asked for weights, calls `hf_attention` instead of a kernel.
 
@@ -34,8 +34,8 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from veomni.models.hf_attention_inputs import current_sp_state
-from veomni.models.hf_output_capture import attention_weights_requested
+from veomni.models.hf.attention_inputs import current_sp_state
+from veomni.models.hf.output_capture import attention_weights_requested
 
 __all__ = ["hf_attention", "hf_mask", "is_right_padded", "needs_hf_attention"]
 

@@ -18,7 +18,7 @@ from torch import nn
 from veomni.core.sp import ulysses_attention
 from veomni.kernels import KERNELS
 from veomni.kernels.attention import encoder_varlen_attention
-from veomni.models.hf_attention import OP, hf_attention_name
+from veomni.models.hf.attention import OP, hf_attention_name
 
 
 def encoder_attention(

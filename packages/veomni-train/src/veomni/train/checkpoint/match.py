@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from veomni.models.export_files import config_differences, flatten_mapping
+from veomni.models.export.files import config_differences, flatten_mapping
 
 log = logging.getLogger(__name__)
 

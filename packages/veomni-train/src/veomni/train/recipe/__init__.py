@@ -1,7 +1,7 @@
 """Training recipes: a strict attrs schema loaded from YAML with ``--section.field=value`` overrides.
 
 A recipe has nine sections (model, data, parallel, ops, optim, train, checkpoint, log, dit; their classes are in
-`veomni.train.recipe_sections`); every field is typed and documented in its metadata, which `recipe_help` turns
+`veomni.train.recipe.sections`); every field is typed and documented in its metadata, which `recipe_help` turns
 into the ``--help`` text. Loading is strict: an unknown key
 (in the YAML or an override) is an error with a did-you-mean, a value of the wrong type is an error naming the
 field, the expected type and what was found, and every problem of a file is reported at once.
@@ -34,16 +34,16 @@ import yaml
 from veomni.core import ParallelDims
 from veomni.kernels import KERNELS
 from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
-from veomni.train import recipe_parse
-from veomni.train.recipe_parse import RecipeError
-from veomni.train.recipe_run_sections import (
+from veomni.train.recipe import parse as recipe_parse
+from veomni.train.recipe.parse import RecipeError
+from veomni.train.recipe.run_sections import (
     CheckpointSection,
     DitSection,
     LogSection,
     OptimSection,
     TrainSection,
 )
-from veomni.train.recipe_sections import (
+from veomni.train.recipe.sections import (
     DataSection,
     ModelSection,
     OpsSection,
@@ -52,8 +52,8 @@ from veomni.train.recipe_sections import (
     _required,
 )
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 BUILTIN_PREFIX = "builtin://"
 
 
@@ -199,7 +199,7 @@ def load_recipe(source: str | os.PathLike, overrides: Sequence[str] = ()) -> Rec
         source: a YAML path, or a name of `builtin_recipes` (e.g. ``"quickstart"``; ``-`` may stand for ``_``,
             as in ``"quickstart-vlm"``).
         overrides: command-line items: ``--a.b=value`` or the two items ``--a.b``, ``value``. Values are parsed
-            by the field's type (`veomni.train.recipe_parse.parse_cli_value`): ``null`` for None,
+            by the field's type (`veomni.train.recipe.parse.parse_cli_value`): ``null`` for None,
             ``true``/``false``, ``a,b`` or ``[a, b]`` for lists, flow mappings for dict fields.
     Returns:
         the validated `Recipe`, paths absolute.

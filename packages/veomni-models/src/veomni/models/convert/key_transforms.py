@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from veomni.models.converters import CheckpointConverter, Converted, UnsupportedRecipeError
+from veomni.models.convert.converters import CheckpointConverter, Converted, UnsupportedRecipeError
 
 if TYPE_CHECKING:
-    from veomni.models.converters import _Buffering
+    from veomni.models.convert.converters import _Buffering
     from veomni.models.loading.lazy import TensorLike
 
 

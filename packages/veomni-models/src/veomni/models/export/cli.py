@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The export logs where its config and tokenizer files come from (the checkpoint's own, or --config's).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from veomni.models.export import export_dcp_to_hf
+    from veomni.models.export.hf import export_dcp_to_hf
 
     try:
         report = export_dcp_to_hf(

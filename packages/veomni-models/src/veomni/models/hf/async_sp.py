@@ -4,7 +4,7 @@ HF's attention function receives Q, K and V already projected, too late to overl
 patched attention ``forward`` (Qwen3's, see its patch config) asks `async_ulysses_active` and, when true, hands
 this module a generator that projects V, then Q and K (norms, RoPE on local positions) and yields each as
 soon as it exists (`veomni.core.sp.async_ulysses_attention` starts its all-to-all at once). Everything else is
-what the synchronous path does (`veomni.models.hf_attention.veomni_attention_forward`): the same kernel, packing,
+what the synchronous path does (`veomni.models.hf.attention.veomni_attention_forward`): the same kernel, packing,
 features and checks.
 """
 
@@ -18,8 +18,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from veomni.core.sp import async_ulysses_attention
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_attention_inputs import (
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.attention_inputs import (
     attention_features,
     check_padding_mask,
     current_sp_state,

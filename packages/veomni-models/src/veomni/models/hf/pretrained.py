@@ -39,7 +39,7 @@ __all__ = [
 _SHOWN = 8
 
 
-# Injected into the family's PreTrainedModel base (veomni.models.hf_pretrained): a generated class is upstream's
+# Injected into the family's PreTrainedModel base (veomni.models.hf.pretrained): a generated class is upstream's
 # modeling, so transformers applies upstream's checkpoint conversion recipes to it on load and save.
 @classmethod
 def is_custom_code(cls) -> bool:
@@ -47,7 +47,7 @@ def is_custom_code(cls) -> bool:
     return cls.is_remote_code()
 
 
-# Injected into the family's PreTrainedModel base (veomni.models.hf_pretrained): refuses a checkpoint that leaves
+# Injected into the family's PreTrainedModel base (veomni.models.hf.pretrained): refuses a checkpoint that leaves
 # backbone weights uninitialised instead of returning a partly random model.
 @classmethod
 def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -110,15 +110,15 @@ def upstream_checkpoint_io(patch_config: Any, *base_classes: str) -> None:
         raise ValueError(
             f"upstream_checkpoint_io: expected the module's ...PreTrainedModel base classes, got {list(base_classes)}"
         )
-    patch_config.add_import("from veomni.models.hf_pretrained import check_backbone_loaded")
+    patch_config.add_import("from veomni.models.hf.pretrained import check_backbone_loaded")
     for name in base_classes:
         patch_config.override_method(
             f"{name}.is_custom_code",
-            description="not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint "
+            description="not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint "
             "conversion recipes on from_pretrained and reverts them on save_pretrained",
         )(is_custom_code)
         patch_config.override_method(
             f"{name}.from_pretrained",
             description="transformers' from_pretrained, refusing a checkpoint that leaves backbone weights "
-            "uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)",
+            "uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)",
         )(from_pretrained)

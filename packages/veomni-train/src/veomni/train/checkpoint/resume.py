@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from veomni.train.checkpoint import latest_complete, read_trainer_state, step_dir
-from veomni.train.checkpoint_match import check_resumable, config_dict
+from veomni.train.checkpoint.match import check_resumable, config_dict
 from veomni.train.optim import load_scheduler_state, take_recipe_hyperparameters
 from veomni.train.preflight import PreflightError
 from veomni.train.recipe import Recipe, recipe_to_dict
@@ -39,7 +39,7 @@ def resume_run(run: Run, path: Path | None) -> None:
     it.
 
     Raises:
-        CheckpointMismatchError: another model's checkpoint (`veomni.train.checkpoint_match`).
+        CheckpointMismatchError: another model's checkpoint (`veomni.train.checkpoint.match`).
         PreflightError: a ``train.epochs`` run resumed with another step size.
     """
     if path is None:

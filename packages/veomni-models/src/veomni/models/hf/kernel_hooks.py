@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
     """Bind ``ops`` to ``model``: attach its resolved kernel set, route attention through ``ops.attention`` and,
-    for MoE models, the experts through veomni's experts implementation (`veomni.models.hf_experts`).
+    for MoE models, the experts through veomni's experts implementation (`veomni.models.hf.experts`).
 
     The attention backend is registered in HF's attention interface under `hf_attention_name` and set as the
     model's ``attn_implementation`` (packed sequences and Ulysses SP work through it). A model that is not an HF
@@ -32,7 +32,7 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
 
     An HF experts module that the ``moe_experts`` backend does not implement exactly (a bias, a transposed or
     interleaved layout, no gate, a custom gate or activation, a clamp) is refused with a ValueError naming the
-    flag, before anything is attached (`veomni.models.hf_experts.check_experts_modules`), and so is an explicitly
+    flag, before anything is attached (`veomni.models.hf.experts.check_experts_modules`), and so is an explicitly
     chosen attention backend lacking a feature the model uses (`attention_capabilities_needed`: sinks, sliding
     windows, soft-cap), naming the backends that have it; a *defaulted* one is swapped for a capable one
     (`OpsConfig.with_capabilities`, logged).
@@ -44,8 +44,8 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
     Returns:
         the `Kernels` now attached to every submodule.
     """
-    from veomni.models.hf_attention import hf_attention_name, register_hf_attention
-    from veomni.models.seq_cls import check_loss_dispatch
+    from veomni.models.heads.seq_cls import check_loss_dispatch
+    from veomni.models.hf.attention import hf_attention_name, register_hf_attention
 
     # A fused cross-entropy only acts through a patched forward: refused (explicit) or made eager (defaulted).
     ops = check_loss_dispatch(model, ops)
@@ -61,13 +61,13 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
         ops = adapted
     experts = _has_hf_experts(model)
     if experts:
-        from veomni.models.hf_experts import fit_experts_backend
+        from veomni.models.hf.experts import fit_experts_backend
 
         # A backend without the variants this model's experts use (gpt-oss's clamped_*): refused or eager.
         ops = fit_experts_backend(model, ops)
     resolved = resolve_kernels(ops)
     if experts:
-        from veomni.models.hf_experts import check_experts_modules
+        from veomni.models.hf.experts import check_experts_modules
 
         # Before anything is attached: a refused model is left as it was.
         check_experts_modules(model, resolved.config.moe_experts)
@@ -85,7 +85,7 @@ def apply_ops(model: nn.Module, ops: OpsConfig) -> Kernels:
     set_impl(hf_attention_name(ops.attention))
     _guard_sp_positions(model)
     if experts:
-        from veomni.models.hf_experts import register_hf_experts
+        from veomni.models.hf.experts import register_hf_experts
 
         model.set_experts_implementation(register_hf_experts())
     return kernels
@@ -151,7 +151,7 @@ def _guard_sp_positions(model: nn.Module) -> None:
     signature = inspect.signature(model.forward)
 
     def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        from veomni.models.hf_attention_inputs import current_sp_state
+        from veomni.models.hf.attention_inputs import current_sp_state
 
         if current_sp_state() is None:
             return

@@ -13,7 +13,7 @@ None when ``name`` is not one of the converter's outputs.
 Tensors may be real tensors or lazy ones (`veomni.models.loading.lazy`): merging lazily lets each rank read
 only its own slice of the merged parameter.
 
-The three MoE layouts, and the converters `veomni.models.conversion_recipes.select_converters` chooses for them from transformers' own
+The three MoE layouts, and the converters `veomni.models.convert.recipes.select_converters` chooses for them from transformers' own
 conversion recipe (``transformers.conversion_mapping``; never from the model's family name):
 
 * per-expert keys ``...mlp.experts.{e}.gate_proj.weight`` (recipe ``MergeModulelist`` [+ ``Concatenate``]):
@@ -330,7 +330,7 @@ class FusedTransposeConverter:
 
 @runtime_checkable
 class KeyTransform(Protocol):
-    """A key-only transform (`veomni.models.key_transforms.KeyRename`): renames checkpoint keys on load and
+    """A key-only transform (`veomni.models.convert.key_transforms.KeyRename`): renames checkpoint keys on load and
     model keys back on export; no tensor is touched."""
 
     def apply(self, key: str) -> str:

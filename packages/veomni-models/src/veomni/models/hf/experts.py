@@ -33,7 +33,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_
 from veomni.core.ep import combine_tokens, dispatch_tokens, expert_shards
 from veomni.core.parallel_state import current_parallel_state
 from veomni.kernels import OpsConfig
-from veomni.models.kernel_hooks import ATTR
+from veomni.models.hf.kernel_hooks import ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def veomni_experts_forward(
     if kernels is None:
         raise RuntimeError(
             f"{type(self).__name__} uses experts_implementation={EXPERTS_IMPLEMENTATION!r} but has no veomni "
-            "kernels attached; bind them with veomni.models.kernel_hooks.apply_ops(model, ops)"
+            "kernels attached; bind them with veomni.models.hf.kernel_hooks.apply_ops(model, ops)"
         )
     backend = kernels.config.moe_experts
     claim = claim_of(self)

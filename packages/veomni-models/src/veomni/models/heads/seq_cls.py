@@ -34,15 +34,15 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from veomni.kernels import OpsConfig
-from veomni.models.hf_attention_inputs import current_sp_state
-from veomni.models.kernel_hooks import ATTR
+from veomni.models.hf.attention_inputs import current_sp_state
+from veomni.models.hf.kernel_hooks import ATTR
 
 logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 LOSS_DISPATCHERS = ("lm_logits_and_loss", "sequence_classification_forward")
 """Helpers through which a patched forward sends its loss to the ``cross_entropy`` kernel."""
 UPSTREAM_LOSS_HELPERS = ("token_classification_forward", "question_answering_forward")
-"""Helpers of patched forwards (`veomni.models.token_heads`) that compute their loss upstream's way."""
+"""Helpers of patched forwards (`veomni.models.heads.token_heads`) that compute their loss upstream's way."""
 
 
 def last_non_pad_index(

@@ -23,7 +23,7 @@ incomplete directory that is ignored (and pruned by the next successful save, as
 ``step_N.abandoned``), and the previous checkpoint stays loadable; a re-save of a step killed between its two
 renames resumes from its complete new copy. Keep-last-K pruning runs only after the new checkpoint is complete.
 
-What goes into ``dcp/`` (expert-parallel views, optimizer state as it is) is `veomni.train.checkpoint_state`.
+What goes into ``dcp/`` (expert-parallel views, optimizer state as it is) is `veomni.train.checkpoint.state`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict
 
 from veomni.core.parallel_state import ParallelState
-from veomni.models.export_files import CHECKPOINT_FILES_DIR
-from veomni.train.checkpoint_match import check_payload_matches, saved_param_group_slots
-from veomni.train.checkpoint_state import checkpoint_view, load_optimizer, state_dicts
+from veomni.models.export.files import CHECKPOINT_FILES_DIR
+from veomni.train.checkpoint.match import check_payload_matches, saved_param_group_slots
+from veomni.train.checkpoint.state import checkpoint_view, load_optimizer, state_dicts
 
 log = logging.getLogger(__name__)
 

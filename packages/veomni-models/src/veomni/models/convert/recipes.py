@@ -7,7 +7,7 @@ renames ``visual.`` / ``model.`` to ``model.visual.`` / ``model.language_model.`
 the family name. For a composite model, `model_converters` walks every ``PreTrainedModel`` sub-module as
 ``get_model_conversion_mapping`` does and scopes each sub-model's recipe to its prefix.
 
-Key renames (``WeightRenaming``, ``PrefixChange``) become `veomni.models.key_transforms.KeyRename`s; expert
+Key renames (``WeightRenaming``, ``PrefixChange``) become `veomni.models.convert.key_transforms.KeyRename`s; expert
 merges and transposes our lazy converters. Transforms we do not implement (other tensor ops) become guards: a
 checkpoint key they would apply to is an error naming the transform, while a checkpoint already in the
 model's layout (which they would not touch) still loads.
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from veomni.models.converters import (
+from veomni.models.convert.converters import (
     CheckpointConverter,
     Converted,
     ExpertMergeConverter,
@@ -30,7 +30,7 @@ from veomni.models.converters import (
     plain_pattern,
     suffix_regex,
 )
-from veomni.models.key_transforms import KeyRename, ScopedConverter, describe, scope_prefixes
+from veomni.models.convert.key_transforms import KeyRename, ScopedConverter, describe, scope_prefixes
 
 
 def _recipe(names: Sequence[str | None]) -> tuple[str, list] | None:

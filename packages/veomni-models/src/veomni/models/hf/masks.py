@@ -3,11 +3,11 @@
 transformers' ``create_causal_mask`` / ``create_sliding_window_causal_mask`` look for packed sequences in
 ``position_ids`` whenever no padding mask is given (``find_packed_sequence_indices`` ends in ``.all()`` on a
 device tensor: one host sync per forward). With a ``veomni_*`` implementation the mask they build is thrown away:
-the registered mask function (`veomni.models.hf_attention.padding_mask_passthrough`) returns only the 2-D
+the registered mask function (`veomni.models.hf.attention.padding_mask_passthrough`) returns only the 2-D
 padding mask, and the kernels read causality, windows and packing from the module and the packing kwargs. So
 the patched modeling files import these two functions instead (patchgen: `use_veomni_masks`); for any other
 implementation, a KV cache, a prepared 4-D mask, a left- or gap-padded mask or ``output_attentions`` they call HF's
-unchanged (the last two then get transformers' attention: `veomni.models.hf_attention_fallback`).
+unchanged (the last two then get transformers' attention: `veomni.models.hf.attention_fallback`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from transformers import masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from veomni.models.hf_attention import padding_mask_passthrough
-from veomni.models.hf_attention_fallback import needs_hf_attention
+from veomni.models.hf.attention import padding_mask_passthrough
+from veomni.models.hf.attention_fallback import needs_hf_attention
 
 __all__ = ["create_causal_mask", "create_sliding_window_causal_mask", "use_veomni_masks"]
 
@@ -94,4 +94,4 @@ def use_veomni_masks(patch_config: Any, *names: str) -> None:
     if unknown or not names:
         raise ValueError(f"use_veomni_masks: expected names among {__all__[:2]}, got {list(names)}")
     patch_config.drop_import_names(*names)
-    patch_config.add_import(f"from veomni.models.hf_masks import {', '.join(names)}")
+    patch_config.add_import(f"from veomni.models.hf.masks import {', '.join(names)}")

@@ -1,5 +1,5 @@
 """The sections of a training recipe that say how the run goes: optim, train, checkpoint, log and dit (see
-`veomni.train.recipe_sections` for the conventions and the model, data, parallel and ops sections).
+`veomni.train.recipe.sections` for the conventions and the model, data, parallel and ops sections).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Literal
 
 import attrs
 
-from veomni.train.recipe_parse import RecipeError
-from veomni.train.recipe_sections import _field
+from veomni.train.recipe.parse import RecipeError
+from veomni.train.recipe.sections import _field
 
 
 @attrs.frozen(kw_only=True)

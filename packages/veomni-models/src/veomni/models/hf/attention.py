@@ -22,7 +22,7 @@ Padding masks. HF's mask builder is told (via ``AttentionMaskInterface``) to han
 mask untouched (no ``[S, S]`` mask is ever built). Causal kernels take right padding only: padded tail
 tokens never influence the real ones, so they are computed and then ignored. What the kernels do not take --
 left or gapped padding, a static cache, pre-built 4-D masks, ``output_attentions=True`` -- runs transformers'
-own sdpa (eager for attention weights) for that call, outside Ulysses SP (`veomni.models.hf_attention_fallback`;
+own sdpa (eager for attention weights) for that call, outside Ulysses SP (`veomni.models.hf.attention_fallback`;
 reading whether a 2-D mask is right-padded is one host sync per mask built). Under SP the right-padding check
 runs on device (``torch._assert_async``) and the rest raises; bidirectional attention with padding raises. Note: with ``position_ids`` and no mask, HF's ``create_causal_mask`` itself looks
 for packing once per forward (a host sync in ``find_packed_sequence_indices``), as for its flash path.
@@ -47,13 +47,13 @@ Keys of another length than the queries. Two cases, told apart explicitly:
 
 Encoder towers. HF's vision towers pass their packing to the attention function only when the implementation
 name contains "flash", so with ``veomni_*`` they loop over images with a host sync per layer, and under SP each
-per-image call would be taken for a sequence shard. `veomni.models.hf_encoder_attention.encoder_attention` is the explicit entry a tower's
+per-image call would be taken for a sequence shard. `veomni.models.hf.encoder_attention.encoder_attention` is the explicit entry a tower's
 attention calls instead (a model adapter's job): packed ``[T, H, D]`` tokens, the tower's own ``cu_seqlens``,
 the backend of the tower config's implementation, and no ``**kwargs``, so the language model's packing kwargs
-cannot reach it (`veomni.models.hf_encoder_attention`).
+cannot reach it (`veomni.models.hf.encoder_attention`).
 
 Reading HF's kwargs (packing, the padding-mask check, features, the SP state) and the kernel call itself live in
-`veomni.models.hf_attention_inputs`, shared with the async Ulysses path (`veomni.models.hf_async_sp`);
+`veomni.models.hf.attention_inputs`, shared with the async Ulysses path (`veomni.models.hf.async_sp`);
 `packed_kwargs` is re-exported here, where collators and tests have always imported it.
 """
 
@@ -70,8 +70,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from veomni.core.sp import sp_cross_attention, ulysses_attention
 from veomni.kernels import KERNELS, detect_hardware
-from veomni.models.hf_attention_fallback import hf_attention, hf_mask, needs_hf_attention
-from veomni.models.hf_attention_inputs import (
+from veomni.models.hf.attention_fallback import hf_attention, hf_mask, needs_hf_attention
+from veomni.models.hf.attention_inputs import (
     attention_features,
     check_padding_mask,
     current_sp_state,
@@ -80,7 +80,7 @@ from veomni.models.hf_attention_inputs import (
     run_kernel,
     sp_kernel_kwargs,
 )
-from veomni.models.hf_output_capture import attention_weights_requested
+from veomni.models.hf.output_capture import attention_weights_requested
 
 PREFIX = "veomni_"
 OP, VARIANT = "attention", "default"
@@ -182,7 +182,7 @@ def hf_attention_function(backend: str) -> HFAttentionFn:
             **kwargs,
         )
 
-    attention.resolve_kernel = resolve  # type: ignore[attr-defined]  # for veomni.models.hf_async_sp
+    attention.resolve_kernel = resolve  # type: ignore[attr-defined]  # for veomni.models.hf.async_sp
     attention.__name__ = attention.__qualname__ = f"{hf_attention_name(backend)}_attention"
     attention.__doc__ = (
         f"HF attention function running veomni's {backend!r} kernel; see veomni_attention_forward."
@@ -216,7 +216,7 @@ def veomni_attention_forward(
             ``is_causal`` (overrides ``module.is_causal``), ``is_cross_attention`` (overrides
             ``module.is_cross_attention``), ``sp_unpadded_len``; ``sliding_window``, ``s_aux`` (sinks ``[Hq]``)
             and ``softcap`` go to the kernel as ``window`` / ``sinks`` / ``softcap`` (a kernel lacking one
-            raises; `veomni.models.kernel_hooks.apply_ops` refuses such a backend at build time); under SP the
+            raises; `veomni.models.hf.kernel_hooks.apply_ops` refuses such a backend at build time); under SP the
             sinks are cut to the rank's heads and the window applies to global positions. Unrelated kwargs
             are ignored. Cross-attention: key, value ``[B, Hkv, S_kv, D]``
             with any ``S_kv``, replicated across SP ranks.
@@ -231,7 +231,7 @@ def veomni_attention_forward(
         )
     if attention_weights_requested() or (attention_mask is not None and attention_mask.dim() == 4):
         # Not the training shape (a prepared mask: left padding, a static cache, a user's own 4-D mask; or weights
-        # asked for): transformers' own attention for this call (veomni.models.hf_attention_fallback).
+        # asked for): transformers' own attention for this call (veomni.models.hf.attention_fallback).
         return hf_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, name=name, **kwargs
         )
@@ -400,13 +400,13 @@ def padding_mask_passthrough(
     built; HF's packing-derived ``mask_function`` is ignored because the attention function reads the same
     packing from its kwargs. Outside Ulysses SP, a static cache (keys not ending at the queries), a left or gapped
     padding mask and ``output_attentions`` get transformers' 4-D sdpa mask instead, which routes the attention
-    calls to transformers' own implementation (`veomni.models.hf_attention_fallback`).
+    calls to transformers' own implementation (`veomni.models.hf.attention_fallback`).
     """
     cross = mask_function is bidirectional_mask_function  # an encoder-decoder's cross-attention mask: no cache
     # The decode path takes the queries as the last keys (a dynamic cache's past + new). A preallocated cache
     # (StaticCache, generate(cache_implementation="static")) hands over every slot, the unwritten ones too: that,
     # left or gapped padding and output_attentions get transformers' 4-D mask, and the attention function then
-    # runs transformers' attention for them (veomni.models.hf_attention_fallback).
+    # runs transformers' attention for them (veomni.models.hf.attention_fallback).
     static = not cross and q_length != kv_length and int(q_offset) + q_length != int(kv_offset) + kv_length
     if (static and current_sp_state() is None) or needs_hf_attention(attention_mask):
         device = kwargs.get("device", "cpu" if attention_mask is None else attention_mask.device)

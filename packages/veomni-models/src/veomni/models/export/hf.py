@@ -25,16 +25,16 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
-from veomni.models.converters import CheckpointConverter, KeyTransform, split_transforms
-from veomni.models.export_dcp import dcp_directory, dcp_fetcher, dcp_model
-from veomni.models.export_files import (
+from veomni.models.convert.converters import CheckpointConverter, KeyTransform, split_transforms
+from veomni.models.convert.key_transforms import unrename_key
+from veomni.models.export.dcp import dcp_directory, dcp_fetcher, dcp_model
+from veomni.models.export.files import (
     copy_side_files,
     export_sources,
     save_config,
     save_model_files,
     warn_config_differs,
 )
-from veomni.models.key_transforms import unrename_key
 from veomni.models.loading.loader import converters_for
 from veomni.models.loading.safetensors_io import SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
@@ -361,7 +361,7 @@ def export_dcp_to_hf(
     Config, generation config and tokenizer / processor files: a training checkpoint's own
     (``step_N/hf_files/`` beside ``step_N/dcp/``, what the in-loop export writes beside its weights), so the
     export is the in-loop one; else ``config`` and the tokenizer / processor files beside it
-    (`veomni.models.export_files.export_sources`, which logs where they came from). A diffusers config (a DiT's
+    (`veomni.models.export.files.export_sources`, which logs where they came from). A diffusers config (a DiT's
     checkpoint) is exported in diffusers' format instead (`veomni.models.export_diffusers.export_dcp_to_diffusers`).
 
     Args:

@@ -1,7 +1,7 @@
 """The sections of a training recipe (`veomni.train.recipe.Recipe`): one attrs class per YAML section, every field
 typed and documented in its metadata (``help``: the ``--help`` text; ``path``: resolved when loaded;
 ``required``). Validation that needs one section only lives here; what spans sections is in ``recipe.py``.
-This module holds what is trained on what (model, data, parallel, ops); `veomni.train.recipe_run_sections` how
+This module holds what is trained on what (model, data, parallel, ops); `veomni.train.recipe.run_sections` how
 the run goes (optim, train, checkpoint, log, dit).
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Literal
 import attrs
 
 from veomni.kernels import OpsConfig
-from veomni.train.recipe_parse import RecipeError
+from veomni.train.recipe.parse import RecipeError
 
 
 def _field(

@@ -23,8 +23,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from veomni.core.fsdp import forward_through
 from veomni.core.sp.real_tokens import real_token_mask
 from veomni.kernels.moe_loss import load_balancing_loss_global
-from veomni.models.hf_attention_inputs import current_sp_state
-from veomni.models.kernel_hooks import ATTR
+from veomni.models.hf.attention_inputs import current_sp_state
+from veomni.models.hf.kernel_hooks import ATTR
 
 IGNORE_INDEX = -100
 

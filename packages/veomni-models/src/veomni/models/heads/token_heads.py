@@ -38,7 +38,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from veomni.core.sp import gather_sequence
-from veomni.models.hf_attention_inputs import current_sp_state
+from veomni.models.hf.attention_inputs import current_sp_state
 
 IGNORE_INDEX = -100
 __all__ = [

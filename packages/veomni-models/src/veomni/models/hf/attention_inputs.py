@@ -1,7 +1,7 @@
 """What veomni's HF attention functions read from HF's call before a kernel runs, and the kernel call itself.
 
-Shared by the synchronous functions (`veomni.models.hf_attention`) and the async Ulysses path
-(`veomni.models.hf_async_sp`), and by the LM heads that must know whether Ulysses SP is on (`current_sp_state`):
+Shared by the synchronous functions (`veomni.models.hf.attention`) and the async Ulysses path
+(`veomni.models.hf.async_sp`), and by the LM heads that must know whether Ulysses SP is on (`current_sp_state`):
 
 * packing: ``cu_seq_lens_q`` (no host sync) or segments found in ``position_ids`` (one host sync), all-gathered
   over the SP group when the positions are a shard (`packing_metadata`, `packed_kwargs` for collators);
@@ -125,7 +125,7 @@ def sp_kernel_kwargs(
     local_len: int,
     query_heads: int,
 ) -> dict[str, Any]:
-    """What a Ulysses call needs besides q/k/v (shared with `veomni.models.hf_async_sp`): ``unpadded_len``, the
+    """What a Ulysses call needs besides q/k/v (shared with `veomni.models.hf.async_sp`): ``unpadded_len``, the
     full-sequence ``cu_seqlens`` / ``max_seqlen`` and the features, sinks cut to this rank's heads."""
     group = state.sp_group
     padded_len = local_len * dist.get_world_size(group)
