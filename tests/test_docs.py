@@ -4,6 +4,7 @@ its parallel layout."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -219,3 +220,52 @@ def test_repository_path_pattern_skips_globs_and_placeholders():
         "`packages/veomni-models/src/veomni/models/*/generated/` and notebook/runs/<date>-x.json"
     )
     assert REPO_PATH.findall(text) == ["docs/train.md", "tests/train/test_loop.py"]
+
+
+# The contributor docs name real modules and functions; a module moved or renamed must take its citations along.
+CONTRIBUTOR_DOCS = [
+    "CONTRIBUTING.md",
+    "docs/architecture.md",
+    *sorted(p.name for p in (ROOT / "docs/guides").glob("*.md")),
+]
+DOTTED_NAME = re.compile(r"`((?:veomni|patchgen)(?:\.[A-Za-z_]\w*)+)`")
+NOT_PYTHON_NAMES = {
+    "veomni.tasks"
+}  # the entry-point group of users' tasks (veomni.train.tasks.ENTRY_POINT_GROUP)
+
+
+def unresolved_names(text: str) -> list[str]:
+    """The backticked ``veomni.*`` / ``patchgen.*`` dotted names in ``text`` that are neither a module nor an
+    attribute path from one (``veomni.train.loop.build_run``, ``veomni.kernels.OpsConfig``)."""
+    missing = []
+    for dotted in sorted(set(DOTTED_NAME.findall(text)) - NOT_PYTHON_NAMES):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: object = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attribute in parts[cut:]:
+                found = getattr(found, attribute, _MISSING)
+            if found is _MISSING:
+                missing.append(dotted)
+            break
+        else:
+            missing.append(dotted)
+    return missing
+
+
+_MISSING = object()
+
+
+@pytest.mark.parametrize("doc", CONTRIBUTOR_DOCS)
+def test_names_the_contributor_docs_cite_exist(doc):
+    path = ROOT / doc if (ROOT / doc).exists() else ROOT / "docs/guides" / doc
+    assert unresolved_names(path.read_text()) == [], f"{doc} cites names that do not exist"
+
+
+def test_name_checker_reports_missing_modules_and_attributes():
+    text = (
+        "`veomni.kernels.OpsConfig`, `veomni.kernels.NoSuchThing`, `veomni.no_such_module.f`, `veomni.tasks`"
+    )
+    assert unresolved_names(text) == ["veomni.kernels.NoSuchThing", "veomni.no_such_module.f"]
