@@ -54,7 +54,9 @@ def _float_dtype_or_none(instance: object, attribute: attrs.Attribute[Any], valu
         raise ValueError(f"FSDPPolicy.{attribute.name} must be a floating torch.dtype or None, got {value!r}")
 
 
-def _check_block_patterns(instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:
+def _check_block_patterns(
+    instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]
+) -> None:
     if not value:
         raise ValueError("FSDPPolicy.block_patterns must name at least one block, e.g. ('layers.*',), got ()")
     for pattern in value:
@@ -367,7 +369,11 @@ def apply_fsdp2(
     # fused linear-cross-entropy kernels save the head weight for backward: resharding it would free that
     # storage.
     fully_shard(
-        model, mesh=state.fsdp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy
+        model,
+        mesh=state.fsdp_mesh,
+        reshard_after_forward=False,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
     )
     if expert_fqns:
         _set_prefetch(model, owned, head)

@@ -134,8 +134,8 @@ class OpsConfig:
         """This config with ``changes`` (field -> value) applied. ``defaulted`` and ``fallbacks`` are kept: they
         record how the user's config was completed, which a derived config (an adapted backend) does not change;
         a plain ``attrs.evolve`` would see every field as explicit and lose both."""
-        # As a dict of Any: the attrs plugin types evolve's keywords per field, and a **dict[str, str] would have
-        # to fit the hardware and registry fields too.
+        # As a dict of Any: the attrs plugin types evolve's keywords per field, and a **dict[str, str] would
+        # have to fit the hardware and registry fields too.
         fields: dict[str, Any] = dict(changes)
         changed = attrs.evolve(self, **fields)
         object.__setattr__(changed, "defaulted", self.defaulted)

@@ -80,7 +80,9 @@ def _linear_ce(
         )
     flat = labels.reshape(-1)
     x = hidden.reshape(-1, hidden.shape[-1])
-    loss: torch.Tensor = chunked_linear_cross_entropy(x, weight, flat, ignore_index=ignore_index, reduction="sum")
+    loss: torch.Tensor = chunked_linear_cross_entropy(
+        x, weight, flat, ignore_index=ignore_index, reduction="sum"
+    )
     return loss.float(), (flat != ignore_index).sum()
 
 

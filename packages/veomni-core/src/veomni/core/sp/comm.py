@@ -33,7 +33,8 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gat
         )
     # Chunk p (destination rank p) becomes row p of a contiguous send buffer. Contiguity before allocating the
     # receive buffer matters: NCCL rejects buffers that inherit odd strides.
-    send = torch.unflatten(x, scatter_dim, (world, x.shape[scatter_dim] // world)).movedim(scatter_dim, 0).contiguous()
+    send = torch.unflatten(x, scatter_dim, (world, x.shape[scatter_dim] // world))
+    send = send.movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # Row p of recv came from rank p and holds that rank's part of the gathered dim, in rank order.
@@ -197,7 +198,9 @@ def _gather_padded(x: torch.Tensor, group: dist.ProcessGroup, dim: int, sizes: l
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
         rank = dist.get_rank(group)
         ctx.group, ctx.dim = group, dim
         ctx.offset, ctx.size = sum(sizes[:rank]), sizes[rank]

@@ -151,7 +151,9 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> 
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
+def _backward(
+    ctx: Any, dout: Tensor, _dlse: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = sdpa_segments_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None

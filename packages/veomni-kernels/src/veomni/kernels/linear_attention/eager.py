@@ -110,8 +110,8 @@ def _prepare(
 
 def _tokens(tensors: _Prepared, start: int, end: int) -> _Prepared:
     """Tokens ``[start, end)`` of each prepared tensor (dim 2 is T)."""
-    q, k, v, g, beta = tensors
-    return q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], g[:, :, start:end], beta[:, :, start:end]
+    q, k, v, g, beta = (x[:, :, start:end] for x in tensors)
+    return q, k, v, g, beta
 
 
 def _chunked_one(

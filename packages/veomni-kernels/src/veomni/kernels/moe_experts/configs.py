@@ -51,7 +51,9 @@ SM90_HALF: dict[str, KernelConfig] = {
     "wgrad_down": _cfg(128, 128, 32, 4, 5),
     "wgrad_gate_up": _cfg(128, 128, 32, 4, 5),
 }
-GENERIC_HALF: dict[str, KernelConfig] = {kind: _cfg(128, 64, 32, 4, 3, split=kind == "down_dgrad") for kind in KINDS}
+GENERIC_HALF: dict[str, KernelConfig] = {
+    kind: _cfg(128, 64, 32, 4, 3, split=kind == "down_dgrad") for kind in KINDS
+}
 FP32: dict[str, KernelConfig] = {kind: _cfg(64, 64, 32, 4, 2) for kind in KINDS}
 INTERPRETER: dict[str, KernelConfig] = {kind: _cfg(32, 32, 32, 4, 1) for kind in KINDS}
 

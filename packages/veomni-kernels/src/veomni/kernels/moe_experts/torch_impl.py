@@ -33,7 +33,8 @@ from veomni.kernels.moe_experts.common import (
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
-# A differentiable grouped GEMM ``mm(x [N, K], ends [E] int32, w [E, n_out, K]) -> [N, n_out]`` (see `_GroupedMM`).
+# A differentiable grouped GEMM ``mm(x [N, K], ends [E] int32, w [E, n_out, K]) -> [N, n_out]``
+# (see `_GroupedMM`).
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -141,7 +142,9 @@ class _GatherRows(torch.autograd.Function):
     """``x[index]``; backward gathers through ``inverse`` and sums each run of ``fold`` rows (no atomics)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fold: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fold: int
+    ) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.fold, ctx.rows = fold, x.shape[0]
         return x.index_select(0, index)

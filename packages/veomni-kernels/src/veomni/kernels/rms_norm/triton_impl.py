@@ -296,7 +296,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
 @overload
 def _apply(
-    x: torch.Tensor, weight: torch.Tensor | None, residual: None, eps: float, mode: int, cfg: LaunchConfig | None
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual: None,
+    eps: float,
+    mode: int,
+    cfg: LaunchConfig | None,
 ) -> torch.Tensor: ...
 
 

@@ -125,7 +125,8 @@ def _launch(
     # A missing operand is replaced by the present one; its block count is 0, so it is never touched.
     qx, qo = (q, q_out) if q is not None else (k, k_out)
     kx, ko = (k, k_out) if k is not None else (q, q_out)
-    assert qx is not None and kx is not None and qo is not None and ko is not None  # ref exists, so both pairs do
+    # ref is given, so both pairs are tensors.
+    assert qx is not None and kx is not None and qo is not None and ko is not None
     _rope_kernel[(b * s, n_q_blocks + n_k_blocks)](
         qx, kx, qo, ko, cos, sin,
         s, hq, hk, n_q_blocks,
