@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -60,19 +61,19 @@ HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", 
 FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS}
 
 
-def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"OpsConfig.{attribute.name} must be a backend name (str) or None, got {value!r}")
 
 
-def _backend_field() -> object:
+def _backend_field() -> Any:
     return attrs.field(default=None, validator=_optional_str)
 
 
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
-def _compile_choice(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _compile_choice(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value not in COMPILE_CHOICES:
         raise ValueError(f"OpsConfig.compile must be one of {COMPILE_CHOICES}, got {value!r}")
 
@@ -133,7 +134,10 @@ class OpsConfig:
         """This config with ``changes`` (field -> value) applied. ``defaulted`` and ``fallbacks`` are kept: they
         record how the user's config was completed, which a derived config (an adapted backend) does not change;
         a plain ``attrs.evolve`` would see every field as explicit and lose both."""
-        changed = attrs.evolve(self, **changes)
+        # As a dict of Any: the attrs plugin types evolve's keywords per field, and a **dict[str, str] would
+        # have to fit the hardware and registry fields too.
+        fields: dict[str, Any] = dict(changes)
+        changed = attrs.evolve(self, **fields)
         object.__setattr__(changed, "defaulted", self.defaulted)
         object.__setattr__(changed, "fallbacks", self.fallbacks)
         return changed
