@@ -2,7 +2,7 @@
 
 On one rank FSDP2 has nothing to shard, yet with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` it
 still re-casts every block's parameters and runs its per-block hooks in every forward and backward (Qwen3-1.7B on
-one H100: half the throughput of the same module in pure bf16, docs/benchmarks.md). `apply_master_weights` gives
+one H100: half the throughput of the same module in pure bf16, notebook/benchmarks-log.md). `apply_master_weights` gives
 the same arithmetic with one cast per optimizer step:
 
 - the module's floating parameters become bf16 (``compute_dtype``) tensors, each the rounding of its fp32 master;

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # default that the hardware cannot run (a missing package, say) falls back to `FALLBACK_BACKENDS` (attention:
 # sdpa) or "eager", the reference. CUDA attention defaults to varlen (torch's flash varlen kernel): packed rows
 # and vision towers attend per document/image instead of through an [S, S] mask (1.9x a Qwen3-VL step, see
-# docs/benchmarks.md); it runs bf16/fp16 only, so `OpsConfig.for_compute_dtype` makes an fp32 model use sdpa.
+# notebook/benchmarks-log.md); it runs bf16/fp16 only, so `OpsConfig.for_compute_dtype` makes an fp32 model use sdpa.
 # NPU column = the reference's Ascend table: torch_npu kernels where one exists, the portable chunk_loss CE, and an
 # explicit eager pin for SwiGLU and the load-balancing loss (no NPU kernel; eager is what the reference runs).
 DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
@@ -49,7 +49,7 @@ MODEL_SPECIFIC_OPS = frozenset({"gated_delta_rule", "causal_conv1d", "rms_norm_g
 # Inside torch.compile'd blocks inductor fuses these ops' eager formulas into the kernels around them, which beats
 # calling our Triton kernels there: each custom-op call costs 0.2-0.5 ms of host time (Triton's Python launcher)
 # and the compiled step is host-bound (T1, Qwen3-1.7B on an H100: 33.1k tok/s with these eager vs 17.8k with
-# ours, docs/benchmarks.md 2026-11-25). Eager mode keeps the Triton kernels (fewer launches than eager PyTorch).
+# ours, notebook/benchmarks-log.md 2026-11-25). Eager mode keeps the Triton kernels (fewer launches than eager PyTorch).
 # The ViT towers' rope_vision likewise: inductor's fusion of the eager formula times 0.535 ms vs our kernel's 0.533
 # (Qwen2.5-VL-7B tower shape; eager PyTorch 2.33 ms), so compiled vision blocks take the formula too.
 COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {

@@ -172,7 +172,7 @@ def varlen_attention(
     if window is None and (cu_seqlens is None or cu_seqlens.numel() == 2):
         # Every row is one segment (unpacked rows, or one long document per sequence / Ulysses group): SDPA's
         # unmasked causal kernels (cuDNN / flash) ran the Qwen3-8B SP4 step 1.29x (32k) and 1.50x (128k) faster
-        # than varlen_attn on H200 (docs/benchmarks.md, 2026-11-22 and 2026-11-27). Same maths, no mask.
+        # than varlen_attn on H200 (notebook/benchmarks-log.md, 2026-11-22 and 2026-11-27). Same maths, no mask.
         return sdpa_attention(q, k, v, causal=causal, scale=scale)
     from torch.nn.attention import varlen
 

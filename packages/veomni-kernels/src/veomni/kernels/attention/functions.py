@@ -182,7 +182,7 @@ def _sdpa_kv_heads(
     would therefore run SDPA's math backend (an ``[S, S]`` score matrix per head, and no op that keep-attention
     checkpointing can keep): there the KV heads are repeated (``[B, S, Hq, D]``) so the efficient kernel runs.
     bf16/fp16 calls keep ``enable_gqa``: cuDNN takes it with a mask too (torch 2.11 on an H200: the same kernel and
-    time as with repeated heads, docs/benchmarks.md)."""
+    time as with repeated heads, notebook/benchmarks-log.md)."""
     if q.shape[2] == k.shape[2]:
         return k, v, {}
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):

@@ -76,7 +76,7 @@ LOGITS_BUDGET_BYTES = 640 * 2**20
 
 
 def default_config(n_tokens: int, vocab: int, itemsize: int) -> LaunchConfig:
-    """The chunking used unless a caller passes its own (see docs/benchmarks.md for the measurements)."""
+    """The chunking used unless a caller passes its own (see notebook/benchmarks-log.md for the measurements)."""
     rows = max(128, min(MAX_CHUNK_TOKENS, LOGITS_BUDGET_BYTES // max(1, vocab * itemsize)) // 128 * 128)
     block_v = min(8192, triton.next_power_of_2(max(vocab, 16)))
     warps = max(1, min(16, block_v // 256))
@@ -149,7 +149,7 @@ def _ce_rows_kernel(Z, LABELS, LOSS, z_stride, n_rows, n_cols, ignore_index, sof
     # fmt: on
     # A program walks rows pid, pid + programs, ... With programs_per_sm > 0 the grid is small, meant to keep the
     # rows in flight within L2 for pass 2; on an H100 that measured no faster than a program per row (the
-    # default; docs/benchmarks.md 2026-11-21).
+    # default; notebook/benchmarks-log.md 2026-11-21).
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for i in range(0, tl.cdiv(n_rows - pid, programs)):
         row64 = (pid + i * programs).to(tl.int64)

@@ -13,7 +13,7 @@ Kinds (one per GEMM of the fwd+bwd):
 
 The sm_90 bf16/fp16 rows were chosen by ``tools/bench/bench_moe.py --tune`` on an H100 (torch 2.11, Triton
 3.6) at the Qwen3-30B-A3B shape (E=128, k=8, H=2048, I=768, 16k tokens; 74 candidates, the fastest per kernel;
-docs/benchmarks.md, 2026-11-21). Every shape uses the same tiles: the sweep over E in {8..256} and 4k-32k tokens
+notebook/benchmarks-log.md, 2026-11-21). Every shape uses the same tiles: the sweep over E in {8..256} and 4k-32k tokens
 in that entry ran with them. No autotuning happens at run time, so the first call compiles exactly six GEMM
 kernels (plus two small ones) and timings never depend on what ran first. Other GPUs get an untuned generic
 table; fp32 uses small tiles (its dots run in IEEE fp32, not on the tensor cores); Triton's CPU interpreter gets

@@ -139,7 +139,7 @@ def _sm_count(device: torch.device) -> int:
 def default_config(hidden: int) -> LaunchConfig:
     """The launch shape used for rows of ``hidden`` columns (whole row in registers, 16-byte accesses).
 
-    Tuned on one H200 (docs/benchmarks.md, 2026-11-21): 8 warps for forward tiles up to 4096 elements (16
+    Tuned on one H200 (notebook/benchmarks-log.md, 2026-11-21): 8 warps for forward tiles up to 4096 elements (16
     was 7% slower at H=4096); two rows per backward iteration at H=8192 (11% faster than one).
     """
     block_h = triton.next_power_of_2(hidden)
