@@ -20,7 +20,7 @@ from veomni.core.master_weights import apply_master_weights
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
-from veomni.models.diffusers_build import is_diffusers_model
+from veomni.models.diffusers.build import is_diffusers_model
 from veomni.models.hf.async_sp import enable_async_ulysses
 from veomni.models.registry import MODELS
 from veomni.train.preflight import PreflightError
