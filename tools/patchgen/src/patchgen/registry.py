@@ -18,6 +18,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.gpt_oss.patch_config",
     "veomni.models.seed_oss.patch_config",
     "veomni.models.deepseek_v3.patch_config",
+    "veomni.models.glm4_moe.patch_config",
     "veomni.models.qwen2_5_omni.patch_config",
     "veomni.models.qwen3_next.patch_config",
     "veomni.models.qwen3_5.patch_config",

@@ -75,6 +75,14 @@ def register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # GLM-4.5 MoE: transformers has only the causal LM and the base model for it.
+    glm4_moe = "veomni.models.glm4_moe.generated.patched_modeling_glm4_moe"
+    registry.register_config("glm4_moe", "transformers.models.glm4_moe.configuration_glm4_moe:Glm4MoeConfig")
+    registry.register_model(
+        "glm4_moe",
+        {"causal_lm": f"{glm4_moe}:Glm4MoeForCausalLM", "base": f"{glm4_moe}:Glm4MoeModel"},
+        fast_paths={"sp", "ep", "fused_kernels"},
+    )
     # GPT-OSS: no question-answering head upstream; sinks and sliding windows need a capable attention backend
     # (checked at build time), the experts run the moe_experts clamped_* kernels.
     gpt_oss = "veomni.models.gpt_oss.generated.patched_modeling_gpt_oss"
