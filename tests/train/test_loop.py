@@ -1,5 +1,5 @@
 """The training loop on real gloo ranks: every (dp, sp, ep) layout gives the single-process loss and grad norm per
-step (dense, Qwen3-MoE and gpt-oss), resume is exact, and the quickstart trains, saves and exports a model plain transformers generates from."""
+step (dense, Qwen3-MoE, gpt-oss and GLM-4.5 MoE), resume is exact, and the quickstart trains, saves and exports a model plain transformers generates from."""
 
 from __future__ import annotations
 
@@ -35,7 +35,16 @@ GPT_OSS = {
     "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
     "router_aux_loss_coef": 0.01, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }  # fmt: skip
-MODELS = {"dense": DENSE, "moe": MOE, "gpt_oss": GPT_OSS}
+# GLM-4.5 MoE: partial RoPE on an explicit head_dim, q/k norm, attention biases, a sigmoid router with groups (2 of
+# 4 experts each, 1 kept), a shared expert, layer 0 dense.
+GLM4_MOE = {
+    "model_type": "glm4_moe", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+    "attention_bias": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+MODELS = {"dense": DENSE, "moe": MOE, "gpt_oss": GPT_OSS, "glm4_moe": GLM4_MOE}
 
 
 def initial_weights(model: dict, out: str) -> str:
@@ -147,7 +156,9 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
             raw["parallel"]["ac_keep_attention"] = ac == "keep"
             for rank_result, block_runs in pool.run(_recomputed_steps, raw, STEPS):
                 layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep} activation_checkpointing={ac}"
-                if backend == "gloo":  # CUDA compiles the blocks: a Python hook inside one is not a reliable counter
+                if (
+                    backend == "gloo"
+                ):  # CUDA compiles the blocks: a Python hook inside one is not a reliable counter
                     assert block_runs == (2 if ac else 1), layout
                 for got, want in zip(rank_result, reference, strict=True):
                     assert got["loss"] == pytest.approx(want["loss"], rel=tol["loss"]), layout
@@ -328,7 +339,9 @@ def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_sav
     raw = tiny_recipe(str(tmp_path), DENSE)
     raw["optim"].update({"lr": saved["optim"]["lr"] * 2, "warmup_steps": 3})
     with caplog.at_level("WARNING", logger="veomni.train"):
-        check_resumable(tmp_path, {"recipe": saved}, model_config={}, recipe=recipe_to_dict(recipe_from_dict(raw)))
+        check_resumable(
+            tmp_path, {"recipe": saved}, model_config={}, recipe=recipe_to_dict(recipe_from_dict(raw))
+        )
     (message,) = [r.getMessage() for r in caplog.records if "optimizer and schedule state" in r.getMessage()]
     assert f"optim.lr: saved {saved['optim']['lr']!r}, recipe {raw['optim']['lr']!r}" in message
     assert (

@@ -56,9 +56,9 @@ upstream_checkpoint_io(config, "Glm4MoePreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
 config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
-config.override_method("Glm4MoeRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")(
-    rms_norm_forward
-)
+config.override_method(
+    "Glm4MoeRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
+)(rms_norm_forward)
 config.override_method(
     "Glm4MoeMLP.forward",
     description="SwiGLU via kernels.get('swiglu', 'standard') (dense layers and shared experts)",
