@@ -156,9 +156,7 @@ def test_every_layout_matches_one_process(dist_pools, references, tmp_path, worl
             raw["parallel"]["ac_keep_attention"] = ac == "keep"
             for rank_result, block_runs in pool.run(_recomputed_steps, raw, STEPS):
                 layout = f"dp_replicate={dp_replicate} sp={sp} ep={ep} activation_checkpointing={ac}"
-                if (
-                    backend == "gloo"
-                ):  # CUDA compiles the blocks: a Python hook inside one is not a reliable counter
+                if backend == "gloo":  # CUDA compiles the blocks: a Python hook inside one is not a reliable counter
                     assert block_runs == (2 if ac else 1), layout
                 for got, want in zip(rank_result, reference, strict=True):
                     assert got["loss"] == pytest.approx(want["loss"], rel=tol["loss"]), layout
@@ -339,9 +337,7 @@ def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_sav
     raw = tiny_recipe(str(tmp_path), DENSE)
     raw["optim"].update({"lr": saved["optim"]["lr"] * 2, "warmup_steps": 3})
     with caplog.at_level("WARNING", logger="veomni.train"):
-        check_resumable(
-            tmp_path, {"recipe": saved}, model_config={}, recipe=recipe_to_dict(recipe_from_dict(raw))
-        )
+        check_resumable(tmp_path, {"recipe": saved}, model_config={}, recipe=recipe_to_dict(recipe_from_dict(raw)))
     (message,) = [r.getMessage() for r in caplog.records if "optimizer and schedule state" in r.getMessage()]
     assert f"optim.lr: saved {saved['optim']['lr']!r}, recipe {raw['optim']['lr']!r}" in message
     assert (
