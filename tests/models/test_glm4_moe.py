@@ -22,11 +22,11 @@ from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import OpsConfig, resolve_kernels
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
+from veomni.models.export.hf import export_hf
 from veomni.models.glm4_moe.generated.patched_modeling_glm4_moe import Glm4MoeForCausalLM, Glm4MoeModel
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.hf_experts import register_hf_experts
-from veomni.models.kernel_hooks import apply_ops, attach_kernels
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.experts import register_hf_experts
+from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.loading.loader import CheckpointMismatchError
 from veomni.models.registry import MODELS
 
@@ -240,9 +240,14 @@ def test_registry_and_parallel_plan():
     assert all(s.start == 6 and s.stop == 8 for s in shards.values())
 
 
-def test_balance_helpers_count_this_routers_choices():
-    from veomni.models.glm4_moe.balance import LOAD, attach_load_counters, update_correction_biases
+def test_the_family_hook_counts_this_routers_choices_for_aux_free_balancing():
+    """The family's ``balanced_routers`` hook (what the trainer calls for ``optim.moe_bias_update_speed``) finds the
+    MoE layers' routers and counts their top-k picks; the sign rule then moves the bias."""
+    from veomni.models.families import training_hooks
+    from veomni.models.family import resolve
+    from veomni.models.moe.aux_free_balance import LOAD, update_correction_biases
 
+    attach_load_counters = resolve(training_hooks("glm4_moe").balanced_routers)
     _, ours = build_pair()
     routers = attach_load_counters(ours)
     assert len(routers) == 2  # the two MoE layers' routers, not the dense layer
@@ -269,7 +274,7 @@ GLM_4_5_AIR = dict(
 def test_glm4_5_air_recipe_parameter_counts():
     """The figures in the glm4_5_air recipe's memory notes (billions): total, routed experts, active per token,
     matmul parameters per token as MFU counts them, and one MoE layer's non-expert part (millions)."""
-    from veomni.train.tasks import TextTask
+    from veomni.train.tasks.text import TextTask
 
     config = Glm4MoeConfig(**GLM_4_5_AIR)
     with torch.device("meta"):

@@ -1,2 +1,1 @@
-"""GLM-4.5-style MoE adapter (``model_type`` ``glm4_moe``): the patch config, its generated modeling file and the
-family's training helpers."""
+"""GLM-4.5-style MoE adapter (``model_type`` ``glm4_moe``): its declaration, patch config and generated modeling."""

@@ -13,10 +13,11 @@ What runs where:
 - The router (``Glm4MoeTopkRouter``) is upstream's, untouched: fp32 sigmoid scores, ``e_score_correction_bias``
   added for the choice only, group-limited top-k (``n_group`` groups scored by their top-2 sum, ``topk_group``
   kept), weights from the unbiased scores, ``norm_topk_prob`` and ``routed_scaling_factor``. Upstream already
-  creates the bias as an fp32 buffer (no update rule: aux-loss-free balancing is `veomni.models.glm4_moe.balance`,
-  applied by the trainer outside the gradient).
+  creates the bias as an fp32 buffer. transformers defines no update rule for it: aux-loss-free balancing is
+  `veomni.models.moe.aux_free_balance` (DeepSeek-V3's sign rule), which the trainer applies outside the gradient
+  through the family's ``TrainingHooks.balanced_routers`` when ``optim.moe_bias_update_speed`` > 0.
 - The routed experts (``Glm4MoeExperts``: fused ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) are not
-  patched: they dispatch through HF's experts interface to ``"veomni"`` (`veomni.models.hf_experts`: the
+  patched: they dispatch through HF's experts interface to ``"veomni"`` (`veomni.models.hf.experts`: the
   ``moe_experts`` kernels, EP dispatch/combine when sharded).
 - The causal-LM forward computes the LM head + loss through `lm_logits_and_loss` (DeepSeek-V3's function: the
   same output type and no auxiliary loss, as upstream; router logits are still recorded on request).
@@ -41,8 +42,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (
 )
 
 from veomni.models.deepseek_v3.patch_config import causal_lm_forward, get_parallel_plan
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
 
 config = PatchConfig(
@@ -54,7 +55,7 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Glm4MoePreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method(
     "Glm4MoeRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"

@@ -6,17 +6,17 @@
 # Regenerate: patchgen veomni.models.glm4_moe.patch_config
 # Description: GLM-4.5 MoE (partial RoPE, optional q/k norm, group-limited sigmoid router, shared experts) with RMSNorm, SwiGLU, RoPE and the LM loss dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Glm4MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Glm4MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Glm4MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Glm4MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Glm4MoeRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Glm4MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers and shared experts)
 #   - override_method Glm4MoeAttention.forward: partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial'); q/k norm and biases as upstream
 #   - override_method Glm4MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
 #   - override_method Glm4MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
 #   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
 # ====================================================================================================
 
@@ -61,9 +61,9 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
 
 
@@ -518,13 +518,13 @@ class Glm4MoePreTrainedModel(PreTrainedModel):
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
