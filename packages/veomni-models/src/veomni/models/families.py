@@ -29,6 +29,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "veomni.models.qwen3_5.family",
     "veomni.models.qwen3_5_moe.family",
     "veomni.models.qwen3_omni_moe.family",
+    "veomni.models.wan.family",
 )
 
 

@@ -276,11 +276,11 @@ def export_hf(
     Returns:
         an `ExportReport`.
     """
-    from veomni.models.diffusers_build import is_diffusers_model
+    from veomni.models.diffusers.build import is_diffusers_model
 
     if is_diffusers_model(model):
         # One export entry point for every model the loop trains: diffusers models leave in their own format.
-        from veomni.models.export_diffusers import export_diffusers
+        from veomni.models.diffusers.export import export_diffusers
 
         return export_diffusers(
             model, out_dir, parallel_state=parallel_state, dtype=dtype, max_shard_bytes=max_shard_bytes
@@ -362,7 +362,7 @@ def export_dcp_to_hf(
     (``step_N/hf_files/`` beside ``step_N/dcp/``, what the in-loop export writes beside its weights), so the
     export is the in-loop one; else ``config`` and the tokenizer / processor files beside it
     (`veomni.models.export.files.export_sources`, which logs where they came from). A diffusers config (a DiT's
-    checkpoint) is exported in diffusers' format instead (`veomni.models.export_diffusers.export_dcp_to_diffusers`).
+    checkpoint) is exported in diffusers' format instead (`veomni.models.diffusers.export.export_dcp_to_diffusers`).
 
     Args:
         dcp_dir: the ``torch.distributed.checkpoint`` directory.
@@ -388,7 +388,7 @@ def export_dcp_to_hf(
     sources = export_sources(dcp_path, config)
     cfg = registry.load_config(sources.config)  # type: ignore[attr-defined]
     if isinstance(cfg, DiffusersConfig):  # a DiT's checkpoint: written as diffusers' save_pretrained writes it
-        from veomni.models.export_diffusers import export_dcp_to_diffusers
+        from veomni.models.diffusers.export import export_dcp_to_diffusers
 
         if task not in (None, DIFFUSERS_TASK):
             raise ValueError(

@@ -1,5 +1,5 @@
 """The Wan2.1 diffusers pipeline directory the frozen condition models load from
-(`veomni.models.dit_condition.WanConditionModel.from_pretrained`): its layout, its weight files, and the
+(`veomni.models.wan.condition.WanConditionModel.from_pretrained`): its layout, its weight files, and the
 random-weight builds used by toy runs.
 
 Layout read (the one ``WanPipeline`` / ``WanImageToVideoPipeline`` load)::

@@ -2,7 +2,7 @@
 the flow-matching training inputs built from their outputs.
 
 The pipeline directory's layout, its checks (`locate_wan_components`, raising `ConditionCheckpointError`) and the
-random-weight builds for toy runs are in `veomni.models.wan_pipeline_dir`.
+random-weight builds for toy runs are in `veomni.models.wan.pipeline_dir`.
 
 The models are plain modules on one device: frozen (``requires_grad_(False)``, ``eval()``), run under
 ``torch.no_grad``, never handed to FSDP. Every encoding equals the pipeline's: prompts as
@@ -23,14 +23,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-from veomni.models.flow_matching import (
+from veomni.models.diffusers.flow_matching import (
     FlowMatchingSchedule,
     add_noise,
     flow_matching_target,
     sample_timesteps,
     schedule_from_scheduler_config,
 )
-from veomni.models.wan_pipeline_dir import (
+from veomni.models.wan.pipeline_dir import (
     ConditionCheckpointError,
     check_weight_files,
     locate_wan_components,
@@ -133,7 +133,7 @@ def flow_matching_inputs(
             ``image_condition`` ``[1, 4 + z_dim, F, H, W]`` and optionally ``image_embeds`` ``[1, T, D_img]``.
         vae_config: the VAE config, for ``latents_mean`` / ``latents_std``.
         schedule: the timestep table.
-        generator: the DP-rank generator (`veomni.models.flow_matching.dp_generator`).
+        generator: the DP-rank generator (`veomni.models.diffusers.flow_matching.dp_generator`).
         prompt_dropout_prob: probability of using ``empty_prompt_embeds`` ``[1, L, D]`` instead of the prompt.
     Returns:
         lists, one tensor per sample, keyed by the ``WanTransformer3DModel.forward`` argument they feed:

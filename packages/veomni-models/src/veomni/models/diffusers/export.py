@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.core.parallel_state import ParallelState
-from veomni.models.diffusers_build import DIFFUSERS_WEIGHTS_STEM, is_diffusers_model
-from veomni.models.export.files import ExportSources
+from veomni.models.diffusers.build import DIFFUSERS_WEIGHTS_STEM, is_diffusers_model
 from veomni.models.export.hf import (
     DEFAULT_MAX_SHARD_BYTES,
     ExportReport,

@@ -40,7 +40,7 @@ from veomni.core.parallel_state import ParallelState
 from veomni.core.sp import gather_sequence, slice_sequence, sp_cross_attention, ulysses_attention, unpad
 from veomni.core.sp.attention import kv_repeats_for_sp
 from veomni.models.loading.targets import unwrapped_class
-from veomni.models.wan_kernels import (  # noqa: F401 - WAN_TEXT_CONTEXT_LEN is part of this module's interface
+from veomni.models.wan.kernels import (  # noqa: F401 - WAN_TEXT_CONTEXT_LEN is part of this module's interface
     DIFFUSERS_OPS,
     WAN_TEXT_CONTEXT_LEN,
     WanKernelAttnProcessor,
@@ -74,7 +74,7 @@ class _SPContext:
 
 class WanUlyssesAttnProcessor(WanKernelAttnProcessor):
     """A `WanKernelAttnProcessor` for sequence-sharded hidden states (set by `apply_dit_sp`), with the `WanOps` of
-    the kernels bound to the model (`veomni.models.wan_kernels.bind_wan_kernels`; diffusers' own code without).
+    the kernels bound to the model (`veomni.models.wan.kernels.bind_wan_kernels`; diffusers' own code without).
 
     ``hidden_states`` is ``[B, ceil(S/P), C]`` (this rank's shard, tail-padded on the last ranks),
     ``encoder_hidden_states`` ``[B, L, C]`` replicated (None for self-attention; for I2V ``[B, L_img + 512, C]``)

@@ -2,6 +2,10 @@
 FSDP2 per transformer block, each rank allocating only its shards, weights streamed from
 ``diffusion_pytorch_model*.safetensors`` by veomni's loader (or diffusers' own init, with a warning).
 
+veomni's kernels and Ulysses SP are the model's family's (`veomni.models.family.DiffusionRules`, found by the
+config's ``_class_name``: `veomni.models.diffusers.rules`); a diffusers model no family declares builds with
+diffusers' own code, and ``ops`` or ``sp > 1`` are refused for it.
+
 The model *is* the diffusers class, unwrapped: no ``PreTrainedModel`` shell, no config swapping. Its
 ``config`` stays diffusers' ``FrozenDict``, so ``save_config`` / ``from_pretrained`` / pipelines see exactly
 what diffusers would (docs/models.md, "Diffusers models", says why).
@@ -30,11 +34,11 @@ from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig, op_fields
+from veomni.models.diffusers.rules import diffusion_models, find_diffusion_rules, resolve_rule
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.safetensors_io import resolve_checkpoint
 from veomni.models.loading.targets import unwrapped_class
 from veomni.models.registry import DiffusersConfig
-from veomni.models.wan_sp import apply_dit_sp, check_dit_sp_supported
 
 logger = logging.getLogger(__name__)
 
@@ -252,19 +256,32 @@ def dit_ops(ops: OpsConfig) -> OpsConfig:
     return ops.replace(attention="sdpa")
 
 
-def _bind_kernels(model: nn.Module, ops: OpsConfig) -> bool:
-    """Bind ``ops``'s kernels (`veomni.models.wan_kernels.bind_wan_kernels`); return whether the blocks compile.
+def _supporting(rule: str) -> list[str]:
+    return sorted(
+        name for name in diffusion_models() if getattr(find_diffusion_rules(name), rule) is not None
+    )
+
+
+def _bind_kernels(model: nn.Module, ops: OpsConfig, class_name: str | None = None) -> bool:
+    """Bind ``ops``'s kernels with the family's `DiffusionRules.bind_kernels` (Wan:
+    `veomni.models.wan.kernels.bind_wan_kernels`); return whether the blocks compile. ``class_name``: the config's
+    ``_class_name`` (default: the model's class name).
 
     Blocks compile only with ``compile: on``: ``auto`` stays eager for DiTs, whose compiled blocks measured 0.80x
     eager under whole-block checkpointing (the recompute reruns the compiled graph; T9, docs/benchmarks.md).
     Compiled blocks take the eager formulas of the defaulted ``COMPILED_BLOCK_DEFAULTS`` fields (rms_norm, rope:
     inductor fuses them with the adaLN and LayerNorm chains around them; `OpsConfig.for_compiled_blocks`).
     """
-    from veomni.models.wan_kernels import bind_wan_kernels
-
     if not isinstance(ops, OpsConfig):
         raise TypeError(
             f"build_model: ops must be a veomni.kernels.OpsConfig or None, got {type(ops).__name__}"
+        )
+    name = unwrapped_class(model).__name__ if class_name is None else class_name
+    rules = find_diffusion_rules(name)
+    if rules is None or rules.bind_kernels is None:
+        raise ValueError(
+            f"build_model: veomni's kernels are bound to the diffusers models {_supporting('bind_kernels')} only, "
+            f"not to {name}; build it with ops=None"
         )
     ops = dit_ops(ops)
     compiling = ops.compile == "on"
@@ -276,7 +293,7 @@ def _bind_kernels(model: nn.Module, ops: OpsConfig) -> bool:
                 "choose", sorted(f for f in op_fields() if getattr(adapted, f) != getattr(ops, f)),
             )  # fmt: skip
         ops = adapted
-    bind_wan_kernels(model, ops)
+    resolve_rule(rules, "bind_kernels")(model, ops)
     return compiling
 
 
@@ -304,10 +321,12 @@ def build_diffusers_model(
     converters). Without: diffusers' own ``__init__`` runs on every rank (its parameters drawn on the GPU when
     they fit there, else on the CPU), rank 0's values are broadcast, then FSDP2 shards them (the full model is
     held on each rank once; warned). With
-    ``parallel_state.dims.sp > 1``: `veomni.models.wan_sp.apply_dit_sp` (Wan only; other classes refused).
+    ``parallel_state.dims.sp > 1``: the family's `DiffusionRules.sequence_parallel` (Wan:
+    `veomni.models.wan.sp.apply_dit_sp`; a model without one refused).
 
     ``ops`` None keeps diffusers' own attention code. An `OpsConfig` binds veomni's RMSNorm / rotary / attention
-    kernels to every ``WanAttention`` (`veomni.models.wan_kernels.bind_wan_kernels`; Wan only) and, when
+    kernels with the family's `DiffusionRules.bind_kernels` (Wan: `veomni.models.wan.kernels.bind_wan_kernels`,
+    to every ``WanAttention``; a model without one refused) and, when
     ``ops.compile == "on"`` (not ``auto``: see `_bind_kernels`), compiles every block (`veomni.core.compile.compile_blocks`) before FSDP2, so that
     FSDP2 and activation checkpointing wrap the compiled forwards. Parameters and buffers are the same either
     way, so the diffusers export is too.
@@ -317,8 +336,12 @@ def build_diffusers_model(
     name = cls.__name__
     _refuse(parallel_state, expert_plan, name)
     sp = parallel_state is not None and parallel_state.sp_enabled
-    if sp:
-        check_dit_sp_supported(cls, parallel_state.dims.sp)
+    rules = find_diffusion_rules(config.class_name)
+    if sp and (rules is None or rules.sequence_parallel is None):
+        raise ValueError(
+            f"build_model: Ulysses sequence parallelism (sp={parallel_state.dims.sp}) is implemented for the "
+            f"diffusers models {_supporting('sequence_parallel')} only, not for {name}; use sp=1"
+        )
     if weights is not None and not from_checkpoint:
         check_checkpoint_kind(weights, "diffusers", f"diffusers {name}")
         _check_class_name(weights, config.class_name)
@@ -337,11 +360,11 @@ def build_diffusers_model(
             name, list(model._keep_in_fp32_modules), dtype,
         )  # fmt: skip
     _cast(model, dtype, keep_fp32=keep_fp32)
-    compiling = ops is not None and _bind_kernels(model, ops)
+    compiling = ops is not None and _bind_kernels(model, ops, config.class_name)
     if sp:
-        # Explicit: Ulysses SP is attention processors + sequence hooks (veomni.models.wan_sp), installed
+        # Explicit: Ulysses SP is attention processors + sequence hooks (Wan: veomni.models.wan.sp), installed
         # while the parameters are still on meta, so a head count SP cannot split fails before allocation.
-        apply_dit_sp(model, parallel_state)
+        resolve_rule(rules, "sequence_parallel")(model, parallel_state)
     if fresh:
         _broadcast_from_rank0(model)
     if freeze:

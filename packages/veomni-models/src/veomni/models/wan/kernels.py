@@ -14,8 +14,8 @@ one processor class, `WanKernelAttnProcessor`, reads which functions to call fro
 ``eager`` in the `OpsConfig` keeps diffusers' own code for that op (as ``eager`` does in the transformers
 adapters); the attention field always names one of our attention kernels. Everything else of the block (FP32
 LayerNorms, adaLN scale/shift chains, GELU-tanh FFN) stays diffusers' code and is fused by ``torch.compile`` of
-the blocks (`veomni.models.diffusers_build`). Parameters, buffers, FQNs and ``config`` are untouched, so the
-diffusers export is unchanged. Ulysses SP (`veomni.models.wan_sp`) subclasses the processor and keeps the ops.
+the blocks (`veomni.models.diffusers.build`). Parameters, buffers, FQNs and ``config`` are untouched, so the
+diffusers export is unchanged. Ulysses SP (`veomni.models.wan.sp`) subclasses the processor and keeps the ops.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class WanKernelAttnProcessor:
     ``hidden_states`` ``[B, S, C]``; ``encoder_hidden_states`` None for self-attention, ``[B, L, C]`` for the text
     cross-attention (I2V: ``[B, L_img + 512, C]``); ``rotary_emb`` ``(cos, sin)`` ``[1, S, 1, D]`` (float64 in
     diffusers) or None. Returns ``[B, S, C]`` in the query projection's dtype. Subclasses change how the heads
-    attend (`_attend_self`, `_attend_cross`): Ulysses SP in `veomni.models.wan_sp`.
+    attend (`_attend_self`, `_attend_cross`): Ulysses SP in `veomni.models.wan.sp`.
     """
 
     # diffusers' set_attention_backend writes these on every processor; only used with WanOps.attention None.
