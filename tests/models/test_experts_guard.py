@@ -153,6 +153,7 @@ def test_each_difference_is_named(edit, expected):
         ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeExperts", []),
         ("mixtral", "MixtralConfig", "MixtralExperts", []),
         ("deepseek_v3", "DeepseekV3Config", "DeepseekV3Experts", []),
+        ("glm4_moe", "Glm4MoeConfig", "Glm4MoeExperts", []),
         ("gpt_oss", "GptOssConfig", "GptOssExperts", ["is_concatenated", "is_transposed", "has_bias", "_apply_gate"]),
         ("nemotron_h", "NemotronHConfig", "NemotronHExperts", ["has_gate", "act_fn", "parameters"]),
         ("deepseek_v4", "DeepseekV4Config", "DeepseekV4Experts", ["_apply_gate", "limit"]),

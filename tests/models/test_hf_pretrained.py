@@ -26,6 +26,7 @@ import torch
 from patchgen.registry import registered_configs
 from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import tiny_config as deepseek_v3_config
+from test_glm4_moe import tiny_config as glm4_moe_config
 from test_moe_adapter import tiny_config as qwen3_moe_config
 from test_qwen2_5_omni import tiny_config as qwen2_5_omni_config
 from test_qwen2_vl import tiny_config as qwen2_vl_config
@@ -76,6 +77,7 @@ def _sdpa(config):
 CASES = [
     Case("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM", qwen3_moe_config),
     Case("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM", deepseek_v3_config),
+    Case("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeForCausalLM", glm4_moe_config),
     Case("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextForCausalLM", qwen3_next_config),
     Case(
         "qwen3_vl_moe",
