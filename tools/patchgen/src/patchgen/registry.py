@@ -17,6 +17,7 @@ CONFIG_MODULES: list[str] = [
     "veomni.models.qwen2_5_vl.patch_config",
     "veomni.models.gpt_oss.patch_config",
     "veomni.models.seed_oss.patch_config",
+    "veomni.models.gemma3.patch_config",
     "veomni.models.deepseek_v3.patch_config",
     "veomni.models.qwen2_5_omni.patch_config",
     "veomni.models.qwen3_next.patch_config",

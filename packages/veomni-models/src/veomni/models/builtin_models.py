@@ -75,6 +75,21 @@ def register_builtin(registry: ModelRegistry) -> None:
         },
         fast_paths={"sp", "ep", "fused_kernels"},
     )
+    # Gemma 3 text model (gemma3_text): sliding-window + global layers, (1 + w) RMSNorm, GELU-tanh MLP; transformers
+    # has no token-classification or question-answering head for it.
+    gemma3 = "veomni.models.gemma3.generated.patched_modeling_gemma3"
+    registry.register_config(
+        "gemma3_text", "transformers.models.gemma3.configuration_gemma3:Gemma3TextConfig"
+    )
+    registry.register_model(
+        "gemma3_text",
+        {
+            "causal_lm": f"{gemma3}:Gemma3ForCausalLM",
+            "base": f"{gemma3}:Gemma3TextModel",
+            "sequence_classification": f"{gemma3}:Gemma3TextForSequenceClassification",
+        },
+        fast_paths={"sp", "fused_kernels"},
+    )
     # GPT-OSS: no question-answering head upstream; sinks and sliding windows need a capable attention backend
     # (checked at build time), the experts run the moe_experts clamped_* kernels.
     gpt_oss = "veomni.models.gpt_oss.generated.patched_modeling_gpt_oss"
