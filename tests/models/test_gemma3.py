@@ -19,7 +19,7 @@ from test_dense_adapters import (
 from veomni.kernels import Hardware, OpsConfig, resolve_kernels
 from veomni.models.gemma3.generated.patched_modeling_gemma3 import Gemma3ForCausalLM
 from veomni.models.gemma3.guards import check_swiglu_choice
-from veomni.models.kernel_hooks import attach_kernels
+from veomni.models.hf.kernel_hooks import attach_kernels
 
 
 def test_attention_softcap_is_refused_because_upstream_ignores_it():

@@ -322,7 +322,7 @@ def test_step_flops_count_the_attention_of_every_dp_rank(dist_pools, tmp_path):
 
 
 def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_saved_values(tmp_path, caplog):
-    from veomni.train.checkpoint_match import check_resumable
+    from veomni.train.checkpoint.match import check_resumable
 
     saved = recipe_to_dict(recipe_from_dict(tiny_recipe(str(tmp_path), DENSE)))
     raw = tiny_recipe(str(tmp_path), DENSE)
@@ -340,7 +340,7 @@ BF16_LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1)
 # bf16 tolerances against the one-GPU bf16 run. Step 0 sees identical weights, so only the order of bf16/fp32
 # reductions differs (sharded gradient sums, SP attention heads, EP token groupings); later steps also carry
 # AdamW's amplification of those rounding differences (near-zero gradients give sign-like updates). Measured on
-# 4 x H200 (docs/runs/2026-11-22-bf16-grid-4xh200.txt): at most 9.7e-7 / 4.2e-5 / 9.3e-4; about 10x margin here.
+# 4 x H200 (notebook/runs/2026-11-22-bf16-grid-4xh200.txt): at most 9.7e-7 / 4.2e-5 / 9.3e-4; about 10x margin here.
 BF16_TOL = {"loss0": 1e-4, "loss": 1e-3, "grad_norm": 1e-2}
 
 

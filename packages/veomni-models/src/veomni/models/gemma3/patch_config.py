@@ -16,7 +16,7 @@ What is Gemma-specific, and how each piece is routed (transformers 5.23's ``mode
   chosen ``swiglu`` kernel is refused (`veomni.models.gemma3.guards.check_swiglu_choice`), a defaulted one unused.
 - The embedding's ``sqrt(hidden_size)`` scale is upstream's ``Gemma3TextScaledWordEmbedding`` (a non-persistent
   buffer, recomputed by the model's init on a meta build like the rotary tables).
-- ``Gemma3ForCausalLM.forward``: Qwen3's, through `veomni.models.causal_lm.lm_logits_and_loss`, which applies
+- ``Gemma3ForCausalLM.forward``: Qwen3's, through `veomni.models.heads.causal_lm.lm_logits_and_loss`, which applies
   ``final_logit_softcapping`` on both paths (the fused cross-entropy kernels take it as ``logit_softcap``).
 - ``Gemma3TextForSequenceClassification``: the patched ``Gemma3TextModel`` inside and the classification CE
   through the kernel registry, as every family. transformers has no token-classification or QA head for Gemma 3.
@@ -41,12 +41,12 @@ from transformers.models.gemma3.modeling_gemma3 import (
 )
 
 from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, causal_lm_forward, seq_cls_init
 from veomni.models.qwen3_next.patch_config import offset_rms_norm_forward
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.gemma3.modeling_gemma3",
@@ -56,8 +56,8 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Gemma3PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice")
 
 
@@ -147,7 +147,7 @@ config.override_method(
 
 # Sequence classification: this module's patched Gemma3TextModel inside, the CE through the kernel registry.
 config.add_import(
-    "from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward"
+    "from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward"
 )
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.override_method(

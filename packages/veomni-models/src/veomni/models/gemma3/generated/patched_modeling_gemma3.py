@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.gemma3.patch_config
 # Description: Gemma 3 (text) with its (1 + weight) RMSNorm, RoPE and LM loss dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method Gemma3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Gemma3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Gemma3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Gemma3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Gemma3PreTrainedModel.__init__: refuse a config setting attn_logit_softcapping (upstream never applies it), before any weight is allocated
 #   - override_method Gemma3RMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
 #   - override_method Gemma3MLP.forward: upstream's GELU-tanh gated MLP; an explicitly chosen swiglu kernel (silu) is refused
@@ -16,12 +16,12 @@
 #   - override_method Gemma3TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Gemma3TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
@@ -85,12 +85,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.auto import AutoModel
 from transformers.models.gemma3.configuration_gemma3 import Gemma3Config, Gemma3TextConfig
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-from veomni.models.kernel_hooks import apply_rope
-from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
-from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
@@ -502,13 +502,13 @@ class Gemma3PreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), curr_inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), curr_inv_freq)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
