@@ -1,5 +1,6 @@
-"""The generated dense adapters (Llama, Qwen2, Qwen3, Seed-OSS) equal upstream transformers: bitwise in eager mode, within
-fp32 tolerance with veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and grad norm."""
+"""The generated dense adapters (Llama, Qwen2, Qwen3, Seed-OSS, Gemma 3) equal upstream transformers: bitwise in eager
+mode, within fp32 tolerance with veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and grad
+norm; a packed row equals its documents run separately; Ulysses SP equals one process; checkpoints load and export."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
+from safetensors import safe_open
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    SeedOssConfig,
+)
+from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM as UpstreamGemma3
 from transformers.models.llama.modeling_llama import LlamaForCausalLM as UpstreamLlama
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM as UpstreamQwen2
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as UpstreamQwen3
@@ -20,6 +30,7 @@ from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import OpsConfig, resolve_kernels
 from veomni.models.build import build_model
 from veomni.models.export.hf import export_hf
+from veomni.models.gemma3.generated.patched_modeling_gemma3 import Gemma3ForCausalLM
 from veomni.models.hf.attention import packed_kwargs
 from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalLM
@@ -40,13 +51,28 @@ MODELS = {
     "qwen2": (Qwen2Config, UpstreamQwen2, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, UpstreamQwen3, Qwen3ForCausalLM),
     "seed_oss": (SeedOssConfig, UpstreamSeedOss, SeedOssForCausalLM),
+    "gemma3": (Gemma3TextConfig, UpstreamGemma3, Gemma3ForCausalLM),
 }
 
 # Per-family odd shapes: Seed-OSS with every bias on (q/k/v, o_proj, MLP) and head_dim 24 != hidden / heads = 16,
 # so a kernel that assumed either would show. Its dropouts keep the upstream default (0.1); eval() turns them off.
+# Gemma 3: a sliding layer (window 5, shorter than the 24-token rows) then a global one, each with its own RoPE base,
+# a softmax scale from query_pre_attn_scalar (24, not head_dim), and a final logit soft-cap small enough to bite on
+# these logits (|z| ~ 0.6); the attention soft-cap stays null (upstream never applies it: test_gemma3.py).
 FAMILY_OVERRIDES = {
     "seed_oss": dict(head_dim=24, attention_bias=True, attention_out_bias=True, mlp_bias=True),
-}
+    "gemma3": dict(
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        final_logit_softcapping=0.5, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        },
+    ),
+}  # fmt: skip
+# Families whose RMSNorm scales by (1 + weight) with zero-initialised weights: random ones exercise the weight path.
+OFFSET_NORMS = {"gemma3"}
+# Families whose MLP is not SwiGLU (Gemma 3: GELU-tanh gated): an explicit swiglu kernel is refused.
+NO_SWIGLU = {"gemma3"}
 
 
 def tiny_config(model: str, **overrides):
@@ -68,10 +94,19 @@ def build_pair(attn: str, model: str = "qwen3", **overrides) -> tuple[torch.nn.M
     upstream = (
         MODELS[model][1](copy.deepcopy(config)).eval().to(DEVICE)
     )  # apply_ops edits the config it is given
+    if model in OFFSET_NORMS:
+        randomise_norms(upstream)
     ours = MODELS[model][2](config).eval().to(DEVICE)
     missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
     assert not missing and not unexpected
     return upstream, ours
+
+
+def randomise_norms(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.1)
 
 
 def batch(seed: int = 1) -> dict[str, torch.Tensor]:
@@ -116,6 +151,12 @@ def test_eager_paths_are_bitwise_upstream(model, attn, kernels):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_kernel_combinations_match_upstream(model, ops):
     upstream, ours = build_pair("sdpa", model)
+    if model in NO_SWIGLU and "swiglu" in ops:
+        # Refused at the first forward, naming the activation; the rest of the combination is checked without it.
+        attach_kernels(ours, resolve_kernels(OpsConfig(**{**EAGER_OPS, **ops})))
+        with pytest.raises(ValueError, match=r"silu\(gate\) \* up, but Gemma 3's MLP is gelu_pytorch_tanh"):
+            ours(**batch(2))
+        ops = {k: v for k, v in ops.items() if k != "swiglu"}
     attach_kernels(ours, resolve_kernels(OpsConfig(**{**EAGER_OPS, **ops})))  # unnamed ops stay eager
     ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch(2))
     logits, loss, norm = loss_and_grad_norm(ours, batch(2))
@@ -199,58 +240,123 @@ def test_seed_oss_kernels_keep_the_residual_dropout():
     assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
-# ---------------------------------------------------------------- Seed-OSS: registry, export, Ulysses SP
+# ---------------------------------------------------------------- registry, export, packing, Ulysses SP
+
+# family -> (config overrides for a checkpoint, a key its checkpoint must hold). Seed-OSS: every bias; Gemma 3: tied
+# embeddings (as its released checkpoints: no lm_head.weight on disk) and its q/k norms.
+EXPORT_CASES = {
+    "seed_oss": (dict(attention_dropout=0.0, residual_dropout=0.0), "model.layers.0.self_attn.o_proj.bias"),
+    "gemma3": (dict(tie_word_embeddings=True), "model.layers.1.self_attn.k_norm.weight"),
+}
 
 
-def test_seed_oss_builds_from_a_checkpoint_and_exports_to_plain_transformers(tmp_path):
+def safetensors_keys(directory) -> set[str]:
+    keys: set[str] = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+@pytest.mark.parametrize("model", sorted(EXPORT_CASES))
+def test_builds_from_a_checkpoint_and_exports_to_plain_transformers(tmp_path, model):
     src, out = tmp_path / "src", tmp_path / "out"
-    config = tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0)
+    overrides, key = EXPORT_CASES[model]
+    config = tiny_config(model, **overrides)
+    upstream_cls, ours_cls = MODELS[model][1], MODELS[model][2]
     torch.manual_seed(3)
-    UpstreamSeedOss(config).save_pretrained(src)
+    upstream = upstream_cls(config)
+    if model in OFFSET_NORMS:
+        randomise_norms(upstream)
+    upstream.save_pretrained(src)
     resolved = REGISTRY.model_class(config, "causal_lm")
-    assert resolved.cls is SeedOssForCausalLM and resolved.fast_paths == {"sp", "fused_kernels"}
+    assert resolved.cls is ours_cls and resolved.fast_paths == {"sp", "fused_kernels"}
     eager = OpsConfig(**EAGER_OPS, attention="eager")
-    model = build_model(str(src), weights=str(src), ops=eager).eval()
-    assert type(model) is SeedOssForCausalLM
-    export_hf(model, out)
+    built = build_model(str(src), weights=str(src), ops=eager).eval()
+    assert type(built) is ours_cls
+    export_hf(built, out)
+    assert safetensors_keys(out) == safetensors_keys(src) and key in safetensors_keys(src)
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded) is UpstreamSeedOss
-    src_keys = set(UpstreamSeedOss.from_pretrained(src).state_dict())
-    assert set(reloaded.state_dict()) == src_keys and "model.layers.0.self_attn.o_proj.bias" in src_keys
+    assert type(reloaded) is upstream_cls
+    src_state = upstream_cls.from_pretrained(src).state_dict()
+    assert reloaded.state_dict().keys() == src_state.keys()
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in src_state.items())
     prompt = batch()["input_ids"][:1, :7].cpu()
     settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.cpu().generate(prompt, **settings), reloaded.generate(prompt, **settings))
+    assert torch.equal(built.cpu().generate(prompt, **settings), reloaded.generate(prompt, **settings))
 
 
-def _seed_oss_sp_case(ctx) -> dict[str, float]:
-    # One packed row of three documents through our adapter with veomni_sdpa, whole vs sliced over SP=2 ranks.
-    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    group = state.sp_group
-    torch.manual_seed(0)
-    model = SeedOssForCausalLM(tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0))
-    apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))
-    lengths = [5, 1, 7]
-    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
+def packed_row(lengths: list[int], seed: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row ``(input_ids, position_ids, labels)``, each ``[1, sum(lengths)]``; labels stay in documents."""
+    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(seed))
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     labels = torch.cat(
         [torch.cat([ids[0, s + 1 : s + n], torch.tensor([-100])]) for s, n in _starts(lengths)]
     )[None]
+    return ids, positions, labels
 
-    def summed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+def summed_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_packed_row_equals_documents_run_separately(model):
+    # veomni attention over one packed row (cu_seqlens from the positions) against upstream on each document alone.
+    # Gemma 3's window (5) is shorter than two of the documents, so a window leaking across a boundary would show.
+    upstream, ours = build_pair("sdpa", model)
+    apply_ops(ours, OpsConfig(**EAGER_OPS, attention="sdpa"))
+    lengths = [7, 2, 9]
+    ids, positions, labels = packed_row(lengths)
+    ids, positions, labels = ids.to(DEVICE), positions.to(DEVICE), labels.to(DEVICE)
+    packed = ours(input_ids=ids, position_ids=positions, **packed_kwargs(positions)).logits
+    summed_ce(packed, labels).backward()
+    separate = []
+    for start, n in _starts(lengths):
+        logits = upstream(input_ids=ids[:, start : start + n]).logits
+        summed_ce(logits, labels[:, start : start + n]).backward()
+        separate.append(logits.detach())
+    torch.testing.assert_close(packed.detach(), torch.cat(separate, dim=1), rtol=1e-5, atol=1e-5)
+    want = dict(upstream.named_parameters())
+    for name, p in ours.named_parameters():
+        ref = want[name].grad
+        tol = 1e-5 * float(ref.abs().max()) + 1e-7
+        torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=tol, msg=name)
+
+
+# Ulysses SP: dropouts off (Seed-OSS defaults them to 0.1); Gemma 3 with a window of 3 inside the 5- and 7-token
+# documents, which under SP applies to global positions across the ranks' shards.
+SP_OVERRIDES = {
+    "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),
+    "gemma3": dict(sliding_window=3),
+}
+
+
+def _sp_case(ctx, model_name: str, mode: str, extra: dict) -> dict[str, float]:
+    # One packed row of three documents through our adapter with veomni_sdpa, whole vs sliced over the SP ranks.
+    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
+    group = state.sp_group
+    torch.manual_seed(0)
+    model = MODELS[model_name][2](tiny_config(model_name, **SP_OVERRIDES[model_name], **extra))
+    if model_name in OFFSET_NORMS:
+        randomise_norms(model)
+    apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))
+    ids, positions, labels = packed_row([5, 1, 7])
 
     ref = model(input_ids=ids, position_ids=positions, **packed_kwargs(positions)).logits
-    summed(ref, labels).backward()
+    summed_ce(ref, labels).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    # cu_unpadded: the packing's cu_seqlens and the true length; positions: the ranks derive the packing from the
+    # gathered position_ids.
+    kwargs = {**packed_kwargs(positions), "sp_unpadded_len": ids.shape[1]} if mode == "cu_unpadded" else {}
     with use_parallel_state(state):
-        kwargs = {**packed_kwargs(positions), "sp_unpadded_len": ids.shape[1]}
         local = model(
             input_ids=slice_sequence(ids, 1, group),
             position_ids=slice_sequence(positions, 1, group),
             **kwargs,
         ).logits
-    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
+    summed_ce(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
     full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
     worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0}
     for name, p in model.named_parameters():
@@ -290,6 +396,17 @@ def test_a_text_model_under_sp_refuses_inputs_without_position_ids(dist_pools):
     assert all("slice_sequence" in message for message in dist_pools.get(2).run(_sp_without_positions))
 
 
-def test_seed_oss_ulysses_sp2_matches_single_process(dist_pools):
-    for worst in dist_pools.get(2).run(_seed_oss_sp_case):
+@pytest.mark.parametrize(
+    "model, mode, extra",
+    [
+        ("seed_oss", "cu_unpadded", {}),
+        ("gemma3", "cu_unpadded", {}),
+        ("gemma3", "positions", {}),
+        ("gemma3", "cu_unpadded", {"num_key_value_heads": 1}),  # fewer KV heads than SP ranks
+        ("gemma3", "cu_unpadded", {"tie_word_embeddings": True}),  # the LM head is the embedding's weight
+    ],
+    ids=["seed_oss", "gemma3", "gemma3-positions", "gemma3-kv1", "gemma3-tied"],
+)
+def test_ulysses_sp2_matches_single_process(dist_pools, model, mode, extra):
+    for worst in dist_pools.get(2).run(_sp_case, model, mode, extra):
         assert worst["logits"] < 1e-5 and worst["grad"] <= 1.0, worst

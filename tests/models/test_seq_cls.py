@@ -39,6 +39,7 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss", "GptOss", dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention"],
     )),
+    "gemma3_text": ("gemma3", "Gemma3Text", dict(sliding_window=4, layer_types=["sliding_attention"])),
 }  # fmt: skip
 
 

@@ -22,6 +22,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "veomni.models.qwen2_5_vl.family",
     "veomni.models.gpt_oss.family",
     "veomni.models.seed_oss.family",
+    "veomni.models.gemma3.family",
     "veomni.models.deepseek_v3.family",
     "veomni.models.glm4_moe.family",
     "veomni.models.qwen2_5_omni.family",

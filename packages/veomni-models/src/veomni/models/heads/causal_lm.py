@@ -2,7 +2,8 @@
 
 With ``cross_entropy`` set to a non-eager backend, the hidden states and the LM-head weight go straight to the
 kernel (a fused linear cross-entropy never materialises ``[T, V]`` logits) and the output carries no logits.
-Otherwise (no kernels attached, or ``eager``) the upstream code runs unchanged: LM head, then HF's loss function.
+Otherwise (no kernels attached, or ``eager``) the upstream code runs unchanged: LM head, the config's final logit
+soft-cap where it sets one (``final_logit_softcapping``, as Gemma's forwards apply it), then HF's loss function.
 
 Normalisation follows HF's convention so trainers need no special case: the loss is the token-loss sum divided
 by ``num_items_in_batch`` when given (a trainer passes the global valid-token count of the whole optimizer step,
@@ -73,6 +74,10 @@ def lm_logits_and_loss(
         )
         return None, loss
     logits = model.lm_head(hidden_states)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    if softcap is not None:
+        # Upstream's order (Gemma 2/3): divide, tanh, multiply; the fused branch passes the same cap to its kernel.
+        logits = torch.tanh(logits / softcap) * softcap
     loss = None
     if wants_loss:
         target = labels if labels is not None else shift_labels

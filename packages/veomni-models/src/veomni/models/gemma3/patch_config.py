@@ -1,0 +1,158 @@
+"""Patches Gemma 3's upstream modeling (the text model, ``model_type: gemma3_text``): norms, RoPE and the LM loss
+through the instance's kernels.
+
+What is Gemma-specific, and how each piece is routed (transformers 5.23's ``modeling_gemma3``):
+
+- ``Gemma3RMSNorm`` scales by ``1 + weight`` in fp32 (weights zero-initialised): the ``rms_norm/offset`` kernel,
+  whose eager oracle is exactly upstream's maths (never the ``standard`` ``weight * x`` variant). The same forward
+  serves the four per-layer norms, the final norm and the q/k norms.
+- ``Gemma3Attention``: q/k norms (after the head transpose, as upstream), RoPE via ``rope/full`` on the tables of
+  the layer's type (``rope_parameters["sliding_attention"]`` / ``["full_attention"]``, the local and global
+  bases, which upstream's rotary module already selects per layer), softmax scale ``query_pre_attn_scalar**-0.5``
+  and the per-layer ``sliding_window`` handed to the attention function, as upstream does. A config setting
+  ``attn_logit_softcapping`` is refused at construction (`veomni.models.gemma3.guards.check_attention_softcap`):
+  upstream ignores the field, so no backend choice could be both faithful to it and to upstream.
+- ``Gemma3MLP`` is GELU-tanh gated (``hidden_activation``), not SwiGLU: it runs upstream's maths; an explicitly
+  chosen ``swiglu`` kernel is refused (`veomni.models.gemma3.guards.check_swiglu_choice`), a defaulted one unused.
+- The embedding's ``sqrt(hidden_size)`` scale is upstream's ``Gemma3TextScaledWordEmbedding`` (a non-persistent
+  buffer, recomputed by the model's init on a meta build like the rotary tables).
+- ``Gemma3ForCausalLM.forward``: Qwen3's, through `veomni.models.heads.causal_lm.lm_logits_and_loss`, which applies
+  ``final_logit_softcapping`` on both paths (the fused cross-entropy kernels take it as ``logit_softcap``).
+- ``Gemma3TextForSequenceClassification``: the patched ``Gemma3TextModel`` inside and the classification CE
+  through the kernel registry, as every family. transformers has no token-classification or QA head for Gemma 3.
+
+The multimodal classes of the same upstream module (``Gemma3ForConditionalGeneration`` ...) are carried along
+unpatched and not registered. Regenerate with ``uv run patchgen veomni.models.gemma3.patch_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from patchgen.config import PatchConfig
+from transformers.models.gemma3.modeling_gemma3 import (
+    ALL_ATTENTION_FUNCTIONS,
+    Cache,
+    TransformersKwargs,
+    Unpack,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
+from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, causal_lm_forward, seq_cls_init
+from veomni.models.qwen3_next.patch_config import offset_rms_norm_forward
+
+config = PatchConfig(
+    source_module="transformers.models.gemma3.modeling_gemma3",
+    target_file="patched_modeling_gemma3.py",
+    description="Gemma 3 (text) with its (1 + weight) RMSNorm, RoPE and LM loss dispatched through veomni's "
+    "per-instance kernel set",
+)
+upstream_checkpoint_io(config, "Gemma3PreTrainedModel")
+use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice")
+
+
+@config.override_method(
+    "Gemma3PreTrainedModel",
+    "__init__",
+    description="refuse a config setting attn_logit_softcapping (upstream never applies it), before any weight "
+    "is allocated",
+)
+def __init__(self, config, *inputs, **kwargs) -> None:
+    check_attention_softcap(config)
+    super().__init__(config, *inputs, **kwargs)
+
+
+config.override_method(
+    "Gemma3RMSNorm.forward", description="(1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')"
+)(offset_rms_norm_forward)
+
+
+@config.override_method(
+    "Gemma3MLP.forward",
+    description="upstream's GELU-tanh gated MLP; an explicitly chosen swiglu kernel (silu) is refused",
+)
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernels = getattr(self, "veomni_kernels", None)
+    if kernels is not None:
+        check_swiglu_choice(kernels, self.config.hidden_activation)
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+@config.override_method(
+    "Gemma3Attention.forward",
+    description="RoPE via kernels.get('rope', 'full') on the layer type's tables; q/k norms, scale and window as "
+    "upstream",
+)
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: torch.Tensor = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    query_states = self.q_norm(query_states)
+    key_states = self.k_norm(key_states)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling,
+        sliding_window=self.sliding_window,
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+config.override_method(
+    "Gemma3ForCausalLM.forward",
+    description="LM head, final logit soft-cap and loss via lm_logits_and_loss (a fused linear cross-entropy gets "
+    "the hidden states, the LM-head weight and the soft-cap; no [T, V] logits)",
+)(causal_lm_forward)
+
+# Sequence classification: this module's patched Gemma3TextModel inside, the CE through the kernel registry.
+config.add_import(
+    "from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward"
+)
+config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
+config.override_method(
+    "Gemma3TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Gemma3Text"}
+)(seq_cls_init)
+config.override_method("Gemma3TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(
+    seq_cls_forward
+)
