@@ -37,7 +37,7 @@ def test_header_lists_patches_and_transformers_version(full: Generated) -> None:
     for line in (
         "replace_class FakeMLP: MLP that halves after scaling",
         "override_method FakeModel.forward: forward doubles the last value",
-        "override_method FakeModel.describe: a method upstream lacks",
+        "add_method FakeModel.describe: a method upstream lacks",
         "modify_init FakeModel.__init__: __init__ records that it is patched",
         "replace_function fake_helper: the helper adds ten",
         "external FakeModel.greet: greet comes from another module",

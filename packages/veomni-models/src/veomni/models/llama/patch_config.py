@@ -97,10 +97,10 @@ def attention_forward(
 config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
-config.override_method(
+config.add_method(
     "LlamaForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Llama"}
 )(seq_cls_init)
-config.override_method(
+config.add_method(
     "LlamaForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)

@@ -185,12 +185,12 @@ SEQ_CLS_INIT = "build this module's patched base model (upstream's AutoModel.fro
 SEQ_CLS_FORWARD = "classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states"
 
 
-@config.override_method("Qwen3ForSequenceClassification.__init__", description=SEQ_CLS_INIT)
+@config.add_method("Qwen3ForSequenceClassification.__init__", description=SEQ_CLS_INIT)
 def seq_cls_init(self, config: Qwen3Config) -> None:
     init_sequence_classifier(self, config, Qwen3Model)
 
 
-config.override_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.add_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
 
 
 # Token classification and question answering: the decoder inside is this module's patched Qwen3Model (upstream's
@@ -220,10 +220,10 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
     patch_config.add_import("from veomni.models.token_heads import init_token_classifier")
     patch_config.add_import("from veomni.models.token_heads import token_classification_forward")
     patch_config.add_import("from transformers.modeling_outputs import TokenClassifierOutput")
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForTokenClassification.__init__", description=TOKEN_HEADS_INIT, name_map=names
     )(token_cls_init)
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForTokenClassification.forward",
         description="upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens",
     )(token_cls_forward)
@@ -232,10 +232,10 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
     patch_config.add_import("from veomni.models.token_heads import init_question_answering")
     patch_config.add_import("from veomni.models.token_heads import question_answering_forward")
     patch_config.add_import("from transformers.modeling_outputs import QuestionAnsweringModelOutput")
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForQuestionAnswering.__init__", description=TOKEN_HEADS_INIT, name_map=names
     )(qa_init)
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForQuestionAnswering.forward",
         description="upstream's forward; under Ulysses SP the span logits gathered over the SP group",
     )(qa_forward)

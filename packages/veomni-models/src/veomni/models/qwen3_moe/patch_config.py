@@ -111,7 +111,7 @@ def moe_causal_lm_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3MoeForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",
 )
@@ -126,14 +126,14 @@ def get_parallel_plan(self) -> ExpertPlan:
 config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
-config.override_method(
+config.add_method(
     "Qwen3MoeForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Moe"}
 )(seq_cls_init)
-config.override_method(
+config.add_method(
     "Qwen3MoeForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
-config.override_method(
+config.add_method(
     "Qwen3MoeForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)

@@ -187,7 +187,7 @@ config.override_method(
     "read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its "
     "patch slice and the merged and deepstack features are gathered once",
 )(vision_forward)
-config.override_method(
+config.add_method(
     "Qwen3VLVisionModel.dummy_forward",
     description="injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or "
     "video (FSDP collectives must match across ranks)",

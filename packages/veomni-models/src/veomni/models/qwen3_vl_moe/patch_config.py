@@ -72,7 +72,9 @@ _REUSED = (
      "language model's MoE output (router_logits included) unchanged"),
 )  # fmt: skip
 for target, function, description in _REUSED:
-    config.override_method(target, description=f"{description} (Qwen3-VL adapter, renamed)")(function)
+    # The dummy forward is a method upstream lacks; the rest replace upstream's.
+    register = config.add_method if target.endswith(".dummy_forward") else config.override_method
+    register(target, description=f"{description} (Qwen3-VL adapter, renamed)")(function)
 
 
 @config.override_method(
@@ -155,7 +157,7 @@ def conditional_generation_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3VLMoeForConditionalGeneration.get_parallel_plan",
     description="expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)",
 )
@@ -169,7 +171,7 @@ def get_parallel_plan(self) -> ExpertPlan:
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3VLMoeModel.get_parallel_plan",
     description="expert parallelism for the base model: the language model's fused expert tensors on dim 0",
 )

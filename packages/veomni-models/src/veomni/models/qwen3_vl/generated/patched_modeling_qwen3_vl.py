@@ -6,15 +6,15 @@
 # Regenerate: patchgen veomni.models.qwen3_vl.patch_config
 # Description: Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, a dummy tower forward for ranks without images, and the fused LM loss
 # Patches applied:
-#   - override_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - add_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3VLTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3VLTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
 #   - override_method Qwen3VLTextModel._deepstack_process: deepstack add as a gather + where (no boolean indexing: no host sync); also takes features already laid out over all B*S positions
 #   - override_method Qwen3VLVisionAttention.forward: veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens (no per-image split, no host sync, no outer kwargs); HF implementations: upstream code
 #   - override_method Qwen3VLVisionModel.forward: rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its patch slice and the merged and deepstack features are gathered once
-#   - override_method Qwen3VLVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
+#   - add_method Qwen3VLVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
 #   - override_method Qwen3VLModel.__init__: build the patched vision and text sub-models (upstream's AutoModel.from_config would build transformers' own, unpatched classes)
 #   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
 #   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
