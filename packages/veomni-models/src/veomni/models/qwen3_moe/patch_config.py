@@ -30,8 +30,8 @@ from veomni.models.hf_pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
     add_token_heads,
-    attention_forward,
     mlp_forward,
+    qwen3_attention,
     rms_norm_forward,
     seq_cls_init,
 )
@@ -55,9 +55,7 @@ config.override_method(
 config.override_method("Qwen3MoeMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
     mlp_forward
 )
-config.override_method("Qwen3MoeAttention.forward", description="RoPE via kernels.get('rope', 'full')")(
-    attention_forward
-)
+qwen3_attention(config, "Qwen3MoeAttention")
 
 
 @config.override_method(
