@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from veomni.models.expert_load import attach_expert_load_counters, load_summary, read_expert_loads
+from veomni.models.moe.expert_load import attach_expert_load_counters, load_summary, read_expert_loads
 
 
 def tiny_moe():

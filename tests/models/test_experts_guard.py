@@ -13,8 +13,8 @@ from transformers.activations import GELUActivation
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from veomni.kernels import OpsConfig, resolve_kernels
-from veomni.models.hf_experts import experts_mismatches, register_hf_experts
-from veomni.models.kernel_hooks import ATTR, apply_ops, attach_kernels
+from veomni.models.hf.experts import experts_mismatches, register_hf_experts
+from veomni.models.hf.kernel_hooks import ATTR, apply_ops, attach_kernels
 from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
 
 EAGER = dict(
@@ -85,7 +85,7 @@ def test_experts_reached_without_apply_ops_are_checked_in_the_forward():
 def test_accepted_experts_reached_without_apply_ops_are_inspected_once(monkeypatch):
     from test_moe_adapter import tiny_config
 
-    import veomni.models.hf_experts as hf_experts
+    import veomni.models.hf.experts as hf_experts
 
     model = Qwen3MoeForCausalLM(tiny_config())
     attach_kernels(model, resolve_kernels(OpsConfig(**EAGER, moe_experts="torch")))

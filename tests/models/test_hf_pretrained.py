@@ -10,7 +10,7 @@ tiny random configs on CPU, what transformers' own model tests check on these pa
   initialise them randomly and only log a report), while a missing task head is still allowed;
 - greedy generation with a KV cache (sdpa) equals upstream's.
 
-Before `veomni.models.hf_pretrained`, transformers took our classes for custom code and skipped the recipes:
+Before `veomni.models.hf.pretrained`, transformers took our classes for custom code and skipped the recipes:
 MoE experts stayed random, Qwen2-VL's whole language model stayed random, Qwen3-VL-MoE failed on shapes.
 """
 
@@ -36,8 +36,8 @@ from test_qwen3_vl_moe import tiny_config as qwen3_vl_moe_config
 from transformers import PreTrainedModel, Qwen3MoeConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 
-from veomni.models.hf_pretrained import CheckpointMismatchError
-from veomni.models.key_transforms import describe
+from veomni.models.convert.key_transforms import describe
+from veomni.models.hf.pretrained import CheckpointMismatchError
 
 # Plain ids of every tiny vocabulary (the multimodal placeholders are 100 and up).
 PROMPT = torch.tensor([[5, 17, 42, 8, 63, 21, 9], [33, 2, 71, 14, 50, 88, 6]])

@@ -180,7 +180,7 @@ def test_bias_update_without_such_routers_is_refused(dist_pools, tmp_path):
 
 
 def _overflow_loads(ctx, raw: dict) -> list[float]:
-    from veomni.models.deepseek_v3.aux_free_balance import LOAD
+    from veomni.models.moe.aux_free_balance import LOAD
     from veomni.train.loop import build_run, train_step
 
     run = build_run(recipe_from_dict(raw))

@@ -53,8 +53,8 @@ def test_i2v_prompt_length_must_be_the_one_wan_splits_at(tmp_path, length):
     # CLIP tokens: another prompt length would route tokens through the wrong projections without an error.
     from models.test_dit_condition import write_wan_dir
 
-    from veomni.train.dit_setup import check_compatible, condition_configs, transformer_config
     from veomni.train.preflight import PreflightError
+    from veomni.train.tasks.dit_setup import check_compatible, condition_configs, transformer_config
 
     condition = write_wan_dir(tmp_path / "wan_i2v", i2v=True)
     (tmp_path / "transformer").mkdir()

@@ -182,7 +182,7 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     # included) taken from the checkpoint itself.
     from safetensors.torch import load_file
 
-    from veomni.models.export_cli import main as export_cli
+    from veomni.models.export.cli import main as export_cli
 
     raw = dit_recipe(str(tmp_path / "run"))
     raw["model"]["config_overrides"] = {"rope_max_seq_len": 64}
@@ -200,7 +200,7 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     loaded = WanTransformer3DModel.from_pretrained(offline)
     assert loaded.config.rope_max_seq_len == 64
     # A text task named for a DiT checkpoint is refused, not silently ignored.
-    from veomni.models.export import export_dcp_to_hf
+    from veomni.models.export.hf import export_dcp_to_hf
 
     with pytest.raises(
         ValueError, match=r"is a diffusers config \(WanTransformer3DModel\).*found task='causal_lm'"
@@ -213,7 +213,7 @@ def test_flops_match_torch_flop_counter():
     patch convolution, attention), up to the biases and norms neither counts the same way."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from veomni.train.dit_task import DitFlops
+    from veomni.train.tasks.dit import DitFlops
 
     config = WanTransformer3DModel.load_config(QUICKSTART / "transformer")
     torch.manual_seed(0)

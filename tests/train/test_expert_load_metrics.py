@@ -1,4 +1,4 @@
-"""The trainer reports how evenly MoE routers spread tokens (veomni.models.expert_load): one record per log window
+"""The trainer reports how evenly MoE routers spread tokens (veomni.models.moe.expert_load): one record per log window
 in metrics.jsonl and the worst layer's max/mean load on the console line."""
 
 from __future__ import annotations

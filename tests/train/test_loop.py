@@ -322,7 +322,7 @@ def test_step_flops_count_the_attention_of_every_dp_rank(dist_pools, tmp_path):
 
 
 def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_saved_values(tmp_path, caplog):
-    from veomni.train.checkpoint_match import check_resumable
+    from veomni.train.checkpoint.match import check_resumable
 
     saved = recipe_to_dict(recipe_from_dict(tiny_recipe(str(tmp_path), DENSE)))
     raw = tiny_recipe(str(tmp_path), DENSE)

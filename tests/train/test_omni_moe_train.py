@@ -103,7 +103,7 @@ def test_audio_expands_to_qwen3s_token_rule_and_changes_the_loss(assets):
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
     from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
-    from veomni.train.tasks import OmniTask
+    from veomni.train.tasks.vision import OmniTask
 
     enc = encoder(assets)
     long = row({"type": "audio", "audio": "t7.wav"}, {"type": "image", "image": "a.png"})

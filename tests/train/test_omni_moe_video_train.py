@@ -157,7 +157,7 @@ def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
     from veomni.models.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe import (
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
-    from veomni.train.tasks import OmniTask
+    from veomni.train.tasks.vision import OmniTask
 
     torch.manual_seed(0)
     model = Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config()).eval()

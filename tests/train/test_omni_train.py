@@ -207,7 +207,7 @@ def test_a_rows_audio_changes_the_loss(assets):
     from veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni import (
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
-    from veomni.train.tasks import OmniTask
+    from veomni.train.tasks.vision import OmniTask
 
     torch.manual_seed(0)
     model = Qwen2_5OmniThinkerForConditionalGeneration(thinker_config()).eval()

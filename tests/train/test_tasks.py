@@ -18,7 +18,8 @@ from veomni.train.flops import query_width
 from veomni.train.optim import lr_multiplier, param_groups
 from veomni.train.preflight import PreflightError, check_trainable
 from veomni.train.recipe import RecipeError, recipe_from_dict
-from veomni.train.tasks import TextTask, build_task
+from veomni.train.tasks import build_task
+from veomni.train.tasks.text import TextTask
 
 FROZEN = ["model.embed_tokens", "model.layers.0.self_attn"]
 SCALED = {"model.layers.1": 0.5}
@@ -174,7 +175,9 @@ def test_text_task_reads_the_language_model_config_of_a_composite():
     moe = build_task("text", meta_instance(_meta_model(MOE).config))
     assert moe.aux_loss_coef == 0.01
     with pytest.raises(
-        ValueError, match=r"model.task: expected one of \['dit', 'omni', 'text', 'vlm'\], found 'tts'"
+        ValueError,
+        match=r"model.task: expected one of \['dit', 'omni', 'text', 'vlm'\] or a task class as "
+        r"'package.module:Class', found 'tts'",
     ):
         build_task("tts", probe)
 

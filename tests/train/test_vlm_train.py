@@ -210,7 +210,8 @@ def test_vlm_flops_split_language_model_and_tower():
 
     from veomni.train.data import Step
     from veomni.train.loop import meta_instance
-    from veomni.train.tasks import VlmTask, build_task
+    from veomni.train.tasks import build_task
+    from veomni.train.tasks.vision import VlmTask
 
     config = AutoConfig.for_model("qwen3_vl", **tiny_config())
     probe = meta_instance(config, "image_text_to_text")

@@ -11,7 +11,7 @@ saved with ``save_pretrained`` to a temporary directory and loaded by every cont
 Data (seeded; the same tensors for every contender): per sample a VAE posterior ``[1, 32, 21, 60, 104]`` (480x832,
 81 frames; mean = Wan's ``latents_mean + latents_std * N(0, 1)``, log-variance -8) and prompt embeddings
 ``[1, 512, 4096]`` (N(0, 1)), turned into the transformer's inputs by `veomni.models.dit_condition.
-flow_matching_inputs`, the function `veomni.train.dit_task.DitTask` calls on stored conditions (posterior sample,
+flow_matching_inputs`, the function `veomni.train.tasks.dit.DitTask` calls on stored conditions (posterior sample,
 normalisation, timestep from the shifted flow-matching table, noising, velocity target; shift 3.0 as Wan2.1's
 480p scheduler). Inputs are built before any contender runs and are not timed. 21 x 30 x 52 = 32,760 tokens/sample.
 
@@ -55,9 +55,9 @@ import torch.distributed as dist
 
 from veomni.models.dit_condition import flow_matching_inputs
 from veomni.models.flow_matching import FlowMatchingSchedule
-from veomni.train.dit_task import DitFlops
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
+from veomni.train.tasks.dit import DitFlops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers and contenders live beside this
 from bench_common import worst  # noqa: E402
@@ -386,7 +386,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                  "timesteps": [s["timestep"].tolist() for s in steps]},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "diffusers_attn_backend_env": os.environ.get("DIFFUSERS_ATTN_BACKEND"),
-        "flops": {"per_sample": flops.sample(tokens), "formula": "veomni.train.dit_task.DitFlops (6 x matmuls + "
+        "flops": {"per_sample": flops.sample(tokens), "formula": "veomni.train.tasks.dit.DitFlops (6 x matmuls + "
                   "12 x layers x width x S x (S + text_len)); recomputation not counted", "peak_flops": peak_flops(device)},
         "contenders": {},
     }  # fmt: skip

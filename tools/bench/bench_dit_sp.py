@@ -10,7 +10,7 @@ degree by `veomni.models.build.build_model` as the trainer builds a DiT: FSDP2 p
 (dp_shard = world / sp; bf16 compute over fp32 masters, fp32 reduce), activation checkpointing, the device's
 ``OpsConfig`` defaults (veomni's RMSNorm / rotary / attention kernels bound to Wan, `veomni.models.wan_kernels`),
 Ulysses SP (`veomni.models.wan_sp`) for sp > 1. Optimizer: `veomni.train.optim.build_adamw`; clipping:
-`veomni.core.clip.clip_grad_norm`; loss: `veomni.train.dit_task.DitTask`'s per-sample MSE divided by the SP
+`veomni.core.clip.clip_grad_norm`; loss: `veomni.train.tasks.dit.DitTask`'s per-sample MSE divided by the SP
 degree (each SP rank computes the whole gathered loss).
 
 Data: per step each SP group trains one 480x832, 81-frame sample (latents ``[C, 21, 60, 104]``: 32,760 tokens),
@@ -45,10 +45,10 @@ from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.diffusers_build import dit_ops
-from veomni.train.dit_task import DitFlops
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 from veomni.train.optim import build_adamw
+from veomni.train.tasks.dit import DitFlops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers live beside this
 from bench_common import max_over_ranks, release, sync  # noqa: E402

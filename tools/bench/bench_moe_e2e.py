@@ -64,7 +64,7 @@ from veomni.train.data import Step
 from veomni.train.metrics import active_matmul_params, attention_flops, peak_flops
 from veomni.train.optim import Schedule, build_adamw, build_scheduler, param_groups
 from veomni.train.recipe import Recipe, recipe_from_dict
-from veomni.train.tasks import TextTask
+from veomni.train.tasks.text import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
 from bench_common import profile_calls  # noqa: E402

@@ -64,7 +64,7 @@ from veomni.train.data import Sample, Step, collate
 from veomni.train.flops import attention_layers
 from veomni.train.metrics import attention_flops, peak_flops
 from veomni.train.optim import Schedule, build_adamw, build_scheduler
-from veomni.train.tasks import TextTask
+from veomni.train.tasks.text import TextTask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e lives beside this script
 from bench_common import max_over_ranks  # noqa: E402

@@ -73,7 +73,7 @@ from veomni.train.data.encode import Sample
 from veomni.train.data.multimodal import MediaSample, collate_multimodal
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import attention_flops, peak_flops
-from veomni.train.tasks import VlmTask
+from veomni.train.tasks.vision import VlmTask
 
 sys.path.insert(
     0, os.path.dirname(os.path.abspath(__file__))

@@ -194,7 +194,7 @@ def _ops(s: DitSettings, compile_setting: str, attention: str | None = None) -> 
 class Veomni(DitContender):
     """veomni-train's one-rank path (see the module docstring). ``kernels`` False builds with ``ops=None``
     (diffusers' own attention code inside veomni's build, checkpointing, optimizer and loss: the baseline of the
-    binding); True with the device's ``OpsConfig`` defaults, as `veomni.train.dit_setup` passes them
+    binding); True with the device's ``OpsConfig`` defaults, as `veomni.train.tasks.dit_setup` passes them
     (`veomni.models.wan_kernels`: veomni's RMSNorm, interleaved rotary and attention kernels). ``compiled`` is
     ``OpsConfig(compile="on")``: ``build_model`` compiles every block (inductor) before checkpointing."""
 

@@ -1,29 +1,15 @@
-"""The explicit list of patch-config modules that ``patchgen --list/--all/--check`` know about.
+"""The patch-config modules that ``patchgen --list/--all/--check`` know about.
 
-Adapters append their config module names here (one line each) when they add a generated file. Keeping
-the list explicit means ``--check`` in CI covers exactly what is checked in, with no filesystem scan.
+They come from veomni's family list (`veomni.models.families.FAMILY_MODULES`: each family declares its
+``patch_configs``), so a family is added in one place. The list is explicit -- no filesystem scan -- so ``--check``
+in CI covers exactly what the families declare; a stray patch config on disk is reported by the test suite.
 """
 
 from __future__ import annotations
 
-CONFIG_MODULES: list[str] = [
-    "veomni.models.llama.patch_config",
-    "veomni.models.qwen2.patch_config",
-    "veomni.models.qwen3.patch_config",
-    "veomni.models.qwen3_moe.patch_config",
-    "veomni.models.qwen3_vl.patch_config",
-    "veomni.models.qwen3_vl_moe.patch_config",
-    "veomni.models.qwen2_vl.patch_config",
-    "veomni.models.qwen2_5_vl.patch_config",
-    "veomni.models.gpt_oss.patch_config",
-    "veomni.models.seed_oss.patch_config",
-    "veomni.models.deepseek_v3.patch_config",
-    "veomni.models.qwen2_5_omni.patch_config",
-    "veomni.models.qwen3_next.patch_config",
-    "veomni.models.qwen3_5.patch_config",
-    "veomni.models.qwen3_5_moe.patch_config",
-    "veomni.models.qwen3_omni_moe.patch_config",
-]
+from veomni.models.families import patch_config_modules
+
+CONFIG_MODULES: list[str] = patch_config_modules()
 
 
 def registered_configs() -> list[str]:

@@ -22,13 +22,13 @@ from torch import nn
 
 from veomni.core.parallel_state import ParallelState
 from veomni.models.diffusers_build import DIFFUSERS_WEIGHTS_STEM, is_diffusers_model
-from veomni.models.export import (
+from veomni.models.export.files import ExportSources
+from veomni.models.export.hf import (
     DEFAULT_MAX_SHARD_BYTES,
     ExportReport,
     _out_dtype,
     write_gathered,
 )
-from veomni.models.export_files import ExportSources
 from veomni.models.loading.targets import model_targets, unwrapped_class
 from veomni.models.registry import DiffusersConfig
 
@@ -125,16 +125,16 @@ def export_dcp_to_diffusers(
         out_dir: the output directory.
         config: the diffusers config to build the model with (the checkpoint's ``hf_files/config.json``, which the
             trainer writes with the run's config overrides, else the caller's).
-        sources: where ``config`` came from (`veomni.models.export_files.export_sources`).
+        sources: where ``config`` came from (`veomni.models.export.files.export_sources`).
         given: the config the caller passed, compared with the checkpoint's own when both exist (differences are
             logged, the checkpoint's is used).
         prefix, dtype, max_shard_bytes, registry: as `veomni.models.export.export_dcp_to_hf`.
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    from veomni.models.export import plan_layout, write_checkpoint
-    from veomni.models.export_dcp import dcp_accounting, dcp_fetcher
-    from veomni.models.export_files import config_differences
+    from veomni.models.export.dcp import dcp_accounting, dcp_fetcher
+    from veomni.models.export.files import config_differences
+    from veomni.models.export.hf import plan_layout, write_checkpoint
     from veomni.models.registry import MODELS
 
     registry = MODELS if registry is None else registry

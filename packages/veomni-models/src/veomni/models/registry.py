@@ -16,7 +16,7 @@ Diffusers models have no ``model_type``: their ``config.json`` names the class i
 `DiffusersConfig` for such a file (plain JSON, no diffusers import) and `ModelRegistry.model_class` resolves it,
 with an error naming the missing package when diffusers is not installed.
 
-`MODELS` is the registry `build_model` uses by default; its built-in entries are at the bottom of this file.
+`MODELS` is the registry `build_model` uses by default, built from the families (`veomni.models.families`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from veomni.models import config_keys
 from veomni.models.config_keys import apply_config_overrides
+from veomni.models.family import ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -452,11 +453,32 @@ def check_config_keys(
     config_keys.check_config_keys(config, keys, where, stage=stage)
 
 
-from veomni.models.builtin_models import register_builtin  # noqa: E402  (the table needs nothing from here)
+def register_family(registry: ModelRegistry, family: ModelFamily) -> None:
+    """Register every model type of ``family`` (`veomni.models.family.ModelFamily`) in ``registry``."""
+    for spec in family.model_types:
+        if spec.library == "diffusers":
+            (task, target), = spec.classes.items()
+            if task != DIFFUSERS_TASK:
+                raise ValueError(f"diffusers model {spec.model_type!r}: its one task is {DIFFUSERS_TASK!r}, not {task!r}")
+            registry.register_diffusers(spec.model_type, target, fast_paths=spec.fast_paths)
+            continue
+        assert spec.config is not None  # checked by ModelTypeSpec
+        registry.register_config(spec.model_type, spec.config)
+        if spec.classes:
+            registry.register_model(spec.model_type, spec.classes, fast_paths=spec.fast_paths)
 
-MODELS = ModelRegistry()
-"""The default registry, filled with veomni's adapters at import (`veomni.models.builtin_models`)."""
-register_builtin(MODELS)
+
+def _builtin_registry() -> ModelRegistry:
+    from veomni.models.families import FAMILIES
+
+    registry = ModelRegistry()
+    for family in FAMILIES:
+        register_family(registry, family)
+    return registry
+
+
+MODELS = _builtin_registry()
+"""The default registry, filled at import from veomni's families (`veomni.models.families.FAMILY_MODULES`)."""
 
 
 def config_for_class(config: PretrainedConfig, cls: type) -> PretrainedConfig:

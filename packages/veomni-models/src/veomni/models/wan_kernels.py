@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from veomni.kernels import Kernels, OpsConfig, resolve_kernels
-from veomni.models.kernel_hooks import attach_kernels
+from veomni.models.hf.kernel_hooks import attach_kernels
 from veomni.models.loading.targets import unwrapped_class
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def bind_wan_kernels(model: nn.Module, ops: OpsConfig) -> WanOps:
     ``ops``'s kernels; return the bound `WanOps` (also ``model._veomni_wan_ops``).
 
     The model's ``veomni_kernels`` attribute (every submodule) holds the resolved kernel set, as for transformers
-    models (`veomni.models.kernel_hooks.attach_kernels`). A processor `apply_dit_sp` installed keeps its SP
+    models (`veomni.models.hf.kernel_hooks.attach_kernels`). A processor `apply_dit_sp` installed keeps its SP
     context and takes the new ops; diffusers' own ``WanAttnProcessor`` is replaced.
 
     Raises:

@@ -14,7 +14,7 @@ Written to DIR::
 Resume: a shard is written to a temporary name and renamed, so an interrupted run leaves only whole shards; run
 the same command again and it encodes only the missing ones (``embed.json`` must match, else an error). Train on
 the result with ``--data.kind=dit_latents --data.train_files=[DIR/latents.jsonl]``: the noise, timesteps, prompt
-dropout and posterior sampling stay per step (`veomni.train.dit_task.DitTask`), so an offline run with the same
+dropout and posterior sampling stay per step (`veomni.train.tasks.dit.DitTask`), so an offline run with the same
 seed trains on the same inputs as an online one.
 """
 
@@ -95,14 +95,14 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
 
     from veomni.train.data.dit import MEDIA_COLUMNS, index_dit, load_clip, row_root, sample_frames
     from veomni.train.data.sources import RowSource
-    from veomni.train.dit_setup import (
+    from veomni.train.loop import setup_distributed
+    from veomni.train.tasks.dit_setup import (
         check_compatible,
         condition_configs,
         load_condition,
         shape_rule,
         transformer_config,
     )
-    from veomni.train.loop import setup_distributed
 
     if recipe.model.task != "dit" or recipe.data.kind != "dit":
         raise PreflightError(

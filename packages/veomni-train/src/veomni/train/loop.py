@@ -24,28 +24,23 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from veomni.core.master_weights import MasterWeights, master_weights_of
 from veomni.core.parallel_state import ParallelState, build_parallel_state
-from veomni.models.deepseek_v3.aux_free_balance import attach_load_counters
-from veomni.models.expert_load import attach_expert_load_counters
-from veomni.models.registry import MODELS
+from veomni.models.families import training_hooks
+from veomni.models.family import resolve
+from veomni.models.moe.expert_load import attach_expert_load_counters
 from veomni.train.checkpoint import CheckpointManager, latest_complete
-from veomni.train.checkpoint_match import config_dict
+from veomni.train.checkpoint.match import config_dict
+from veomni.train.checkpoint.resume import resume_path, resume_run
 from veomni.train.cuda_graphs import MicroBatchGraphs
 from veomni.train.data import (
-    DataTopology,
     EvalData,
     TrainData,
-    build_eval_data,
-    build_train_data,
-    load_tokenizer,
     total_steps,
 )
 from veomni.train.dist_setup import parallel_dims, setup_distributed
-from veomni.train.dit_setup import dit_setup
 from veomni.train.flops import flops_per_token, query_width
 from veomni.train.hub import fetch_hub_sources
 from veomni.train.metrics import Sinks, peak_flops
 from veomni.train.model_setup import (
-    _hardware,
     build_recipe_model,
     hand_aux_loss_to_loop,
     meta_instance,
@@ -59,17 +54,11 @@ from veomni.train.preflight import (
     check_grad_accum,
     check_log_sinks,
     check_model_sources,
-    check_ops_backend,
-    check_parallel_fit,
     check_resume_path,
-    check_sp_heads,
-    check_trainable,
-    check_vocab,
     check_warmup,
 )
 from veomni.train.profiling import StepProfiler, dump_oom_snapshot
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
-from veomni.train.resume import resume_path, resume_run
 from veomni.train.run_log import (
     RunClock,
     append_jsonl,
@@ -88,7 +77,7 @@ from veomni.train.step import (
     train_step_on_device,
 )
 from veomni.train.stop_signals import StopRequests, TrainingStopped, cpu_group
-from veomni.train.tasks import TASKS, OmniTask, Task, VlmTask, build_task
+from veomni.train.tasks import Task, task_class
 
 log = logging.getLogger("veomni.train")
 # Public names that moved to their own modules; kept importable from here.
@@ -136,67 +125,22 @@ class Run:
         return self.model if self.masters is None else self.masters.module
 
 
-@attrs.frozen(kw_only=True)
-class TaskSetup:
-    """What a task brings to `build_run` before the model is built, everything checkable already checked.
-
-    Attributes:
-        tokenizer: saved with exports (text, vlm) or the condition model's (dit).
-        config: the model config (transformers ``PretrainedConfig`` or a diffusers `DiffusersConfig`).
-        probe: a meta instance of the model class (block patterns, FLOPs, freeze checks).
-        ops: the validated `OpsConfig`, or None where no kernels are bound (diffusers models).
-        task: the run's `Task`.
-        train_data, eval_data: the data iterators (eval None when there is none).
-    """
-
-    tokenizer: Any
-    config: Any
-    probe: nn.Module
-    ops: Any
-    task: Task
-    train_data: Any
-    eval_data: Any
-
-
-def text_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> TaskSetup:
-    """`TaskSetup` of the transformers tasks (text, vlm): tokenizer, config and kernel checks, packed data."""
-    tokenizer = load_tokenizer(recipe.model.tokenizer_path, recipe.data.chat_template)
-    config = model_config(recipe)
-    check_vocab(tokenizer, config, recipe.model.tokenizer_path)
-    check_sp_heads(config, state.dims.sp)
-    check_ops_backend(recipe)
-    ops = recipe.ops.to_ops_config(hardware=_hardware(device))
-    model_task = TASKS[recipe.model.task].model_task
-    probe = meta_instance(config, model_task)
-    check_trainable(probe, recipe.model.freeze, recipe.optim.lr_multipliers)
-    fast_paths = MODELS.model_class(MODELS.load_config(config), model_task).fast_paths
-    check_parallel_fit(probe, fast_paths, backend=recipe.model.backend, sp=state.dims.sp, ep=state.dims.ep)
-    task = build_task(recipe.model.task, probe)
-    topology = DataTopology.from_parallel_state(state)
-    # Tokenising the index is split over all ranks (each then holds the whole index).
-    group = dist.group.WORLD if dist.get_world_size() > 1 else None
-    # The model's host-side vision layout (Qwen2.5-VL's windows) runs in the collator, not in every forward; a model
-    # whose video placeholders the data pipeline cannot write refuses video rows.
-    vision = {}
-    if isinstance(task, VlmTask):
-        vision = {"vision_metadata": task.collate_metadata, "no_video": task.no_video}
-        if task.positions is not None:  # the Qwen2-VL family's layout and position rule
-            vision["positions"] = task.positions
-    if isinstance(task, OmniTask):  # audio parts: the thinker's token ids and position rule
-        vision["thinker_config"] = task.thinker_config
-    pin = device.type == "cuda"
-    train_data = build_train_data(recipe, tokenizer, topology, group=group, pin_memory=pin, **vision)
-    eval_data = build_eval_data(recipe, tokenizer, topology, group=group, pin_memory=pin, **vision)
-    return TaskSetup(
-        tokenizer=tokenizer, config=config, probe=probe, ops=ops, task=task, train_data=train_data,
-        eval_data=eval_data,
-    )  # fmt: skip
-
-
-SETUPS: dict[str, Callable[[Recipe, ParallelState, torch.device], TaskSetup]] = {
-    "text": text_setup, "vlm": text_setup, "dit": dit_setup, "omni": text_setup,
-}  # fmt: skip
-"""Recipe ``model.task`` -> the function preparing its `TaskSetup`."""
+def balanced_routers(recipe: Recipe, config: Any, model: nn.Module) -> list[nn.Module]:
+    """The routers whose auxiliary-loss-free correction bias moves after each step (``optim.moe_bias_update_speed``
+    > 0), with their load counters attached by the model family's hook (`veomni.models.family.TrainingHooks`);
+    [] when the speed is 0. A family without such routers, or a model with none, is a `PreflightError`."""
+    speed = recipe.optim.moe_bias_update_speed
+    if speed <= 0:
+        return []
+    hooks = training_hooks(config.model_type)
+    routers = [] if hooks.balanced_routers is None else resolve(hooks.balanced_routers)(model)
+    if not routers:
+        raise PreflightError(
+            f"optim.moe_bias_update_speed={speed} moves routers' e_score_correction_bias (auxiliary-loss-free "
+            f"balancing), but {type(model).__name__} (model_type {config.model_type!r}) has no such router; set "
+            "it to 0"
+        )
+    return routers
 
 
 def build_run(recipe: Recipe) -> Run:
@@ -212,7 +156,7 @@ def build_run(recipe: Recipe) -> Run:
     check_grad_accum(recipe, state.dims.dp)
     if recipe.train.cuda_graphs:
         check_cuda_graphs(recipe, dist.get_world_size(), device)
-    setup = SETUPS[recipe.model.task](recipe, state, device)
+    setup = task_class(recipe.model.task).prepare(recipe, state, device)
     config, probe, ops, task = setup.config, setup.probe, setup.ops, setup.task
     tokenizer, train_data, eval_data = setup.tokenizer, setup.train_data, setup.eval_data
     steps = total_steps(recipe, train_data)
@@ -229,15 +173,7 @@ def build_run(recipe: Recipe) -> Run:
         recipe, config, probe, ops, state, device, from_checkpoint=resume_from is not None
     )
     hand_aux_loss_to_loop(model)
-    routers: list[nn.Module] = []
-    if recipe.optim.moe_bias_update_speed > 0:
-        routers = attach_load_counters(model)
-        if not routers:
-            raise PreflightError(
-                f"optim.moe_bias_update_speed={recipe.optim.moe_bias_update_speed} moves routers' "
-                f"e_score_correction_bias (DeepSeek-V3's auxiliary-loss-free balancing), but {type(model).__name__} "
-                "has none; set it to 0"
-            )
+    routers = balanced_routers(recipe, config, model)
     masters = master_weights_of(model)
     # On the one-rank master-weights path AdamW steps the fp32 masters (same names, so the same groups).
     optimizer = build_adamw(

@@ -143,7 +143,7 @@ class StepMetrics:
     skipped: int = 0
     elapsed_s: float | None = None
     eta_s: float | None = None
-    moe_imbalance: float | None = None  # the largest max/mean expert load of any MoE layer (veomni.models.expert_load)
+    moe_imbalance: float | None = None  # the largest max/mean expert load of any MoE layer (veomni.models.moe.expert_load)
 
 
 def format_duration(seconds: float) -> str:

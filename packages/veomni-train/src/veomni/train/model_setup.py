@@ -21,11 +21,11 @@ from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.diffusers_build import is_diffusers_model
-from veomni.models.hf_async_sp import enable_async_ulysses
+from veomni.models.hf.async_sp import enable_async_ulysses
 from veomni.models.registry import MODELS
 from veomni.train.preflight import PreflightError
 from veomni.train.recipe import Recipe
-from veomni.train.tasks import TASKS
+from veomni.train.tasks import task_class
 
 log = logging.getLogger("veomni.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,7 +166,7 @@ def _build_args(recipe: Recipe, ops: Any) -> dict[str, Any]:
     hf = recipe.model.backend == "hf"
     return {
         "weights": recipe.model.weights, "ops": None if hf else ops, "backend": recipe.model.backend,
-        "task": TASKS[recipe.model.task].model_task, "freeze": recipe.model.freeze,
+        "task": task_class(recipe.model.task).model_task, "freeze": recipe.model.freeze,
     }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch.distributed as dist
 
-from veomni.models.expert_load import load_summary, read_expert_loads
+from veomni.models.moe.expert_load import load_summary, read_expert_loads
 from veomni.train.metrics import Sinks, StepMetrics, console_line, window_peak_memory_gib
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from veomni.core.fsdp import set_grad_sync
 from veomni.core.parallel_state import use_parallel_state
 from veomni.core.sp.real_tokens import use_real_length
-from veomni.models.deepseek_v3.aux_free_balance import reset_load_counters, update_correction_biases
+from veomni.models.moe.aux_free_balance import reset_load_counters, update_correction_biases
 from veomni.train.cuda_graphs import MicroBatchGraphs, static_packing
 from veomni.train.data import Step
 from veomni.train.numerics import TrainingDivergedError

@@ -19,16 +19,16 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Unpack,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.seq_cls import init_sequence_classifier, seq_cls_forward
-from veomni.models.token_heads import (
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.heads.seq_cls import init_sequence_classifier, seq_cls_forward
+from veomni.models.heads.token_heads import (
     init_question_answering,
     init_token_classifier,
     qa_forward,
     token_cls_forward,
 )
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
@@ -37,9 +37,9 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Qwen3PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
-config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 
 
 @config.override_method("Qwen3RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")
@@ -74,7 +74,7 @@ ROPE = "RoPE via kernels.get('rope', 'full')"
 def rope_via_kernels(patch_config: PatchConfig, attention: str, description: str = ROPE) -> None:
     """Route the one ``apply_rotary_pos_emb`` call of upstream's ``<attention>.forward`` through ``apply_rope``
     (the instance's ``rope/full`` kernel; upstream's function is the eager fallback)."""
-    patch_config.add_import("from veomni.models.kernel_hooks import apply_rope")
+    patch_config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
     patch_config.replace_call(
         f"{attention}.forward",
         "apply_rotary_pos_emb",
@@ -106,15 +106,15 @@ if async_ulysses_active(self, past_key_values):
 
 def qwen3_attention(patch_config: PatchConfig, attention: str) -> None:
     """Qwen3-style attention (q/k norms): RoPE via the kernel set, and under ``parallel.async_ulysses`` the
-    projections overlapping the Ulysses exchange (veomni.models.hf_async_sp)."""
+    projections overlapping the Ulysses exchange (veomni.models.hf.async_sp)."""
     rope_via_kernels(patch_config, attention)
-    patch_config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
+    patch_config.add_import("from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active")
     patch_config.insert_before(
         f"{attention}.forward",
         "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
         ASYNC_ULYSSES,
         description="under parallel.async_ulysses the projections overlap the Ulysses exchange "
-        "(veomni.models.hf_async_sp)",
+        "(veomni.models.hf.async_sp)",
     )
 
 
@@ -160,9 +160,9 @@ def causal_lm_forward(
 
 # Sequence classification. The decoder inside the classifier is this module's patched Qwen3Model (upstream's
 # __init__ builds transformers' own through AutoModel, which no kernel, SP or EP path reaches); the classification
-# CE goes through the kernel registry (veomni.models.seq_cls). Other families reuse both functions, the __init__
+# CE goes through the kernel registry (veomni.models.heads.seq_cls). Other families reuse both functions, the __init__
 # with name_map={"Qwen3": "<Prefix>"}.
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 SEQ_CLS_INIT = "build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)"
 SEQ_CLS_FORWARD = "classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states"
@@ -178,7 +178,7 @@ config.add_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_
 
 # Token classification and question answering: the decoder inside is this module's patched Qwen3Model (upstream's
 # __init__ builds transformers' own through AutoModel); the forwards are upstream's, with Ulysses SP
-# (veomni.models.token_heads). Other families call add_token_heads with their class prefix.
+# (veomni.models.heads.token_heads). Other families call add_token_heads with their class prefix.
 TOKEN_HEADS_INIT = SEQ_CLS_INIT
 
 
@@ -200,8 +200,8 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
         question_answering: whether the family has a question-answering head upstream.
     """
     names = None if prefix == "Qwen3" else {"Qwen3": prefix}
-    patch_config.add_import("from veomni.models.token_heads import init_token_classifier")
-    patch_config.add_import("from veomni.models.token_heads import token_classification_forward")
+    patch_config.add_import("from veomni.models.heads.token_heads import init_token_classifier")
+    patch_config.add_import("from veomni.models.heads.token_heads import token_classification_forward")
     patch_config.add_import("from transformers.modeling_outputs import TokenClassifierOutput")
     patch_config.add_method(
         f"{prefix}ForTokenClassification.__init__", description=TOKEN_HEADS_INIT, name_map=names
@@ -212,8 +212,8 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
     )(token_cls_forward)
     if not question_answering:
         return
-    patch_config.add_import("from veomni.models.token_heads import init_question_answering")
-    patch_config.add_import("from veomni.models.token_heads import question_answering_forward")
+    patch_config.add_import("from veomni.models.heads.token_heads import init_question_answering")
+    patch_config.add_import("from veomni.models.heads.token_heads import question_answering_forward")
     patch_config.add_import("from transformers.modeling_outputs import QuestionAnsweringModelOutput")
     patch_config.add_method(
         f"{prefix}ForQuestionAnswering.__init__", description=TOKEN_HEADS_INIT, name_map=names

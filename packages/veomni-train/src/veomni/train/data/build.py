@@ -206,12 +206,13 @@ def check_content_tokens(
 
 
 def check_task_and_kind(recipe: Recipe) -> None:
-    """``model.task=vlm`` / ``omni`` train on ``data.kind=multimodal`` and nothing else does (a `DataError`
-    otherwise)."""
-    if (recipe.model.task in ("vlm", "omni")) != (recipe.data.kind == "multimodal"):
+    """``data.kind`` is one the task trains on (its ``data_kinds``; a `DataError` otherwise)."""
+    from veomni.train.tasks import task_class
+
+    kinds = task_class(recipe.model.task).data_kinds
+    if recipe.data.kind not in kinds:
         raise DataError(
-            f"model.task={recipe.model.task!r} with data.kind={recipe.data.kind!r}: the vlm task trains on "
-            "multimodal data (so does omni) and multimodal data needs the vlm or omni task"
+            f"model.task={recipe.model.task!r} trains on data.kind in {list(kinds)}, found {recipe.data.kind!r}"
         )
 
 

@@ -1,0 +1,148 @@
+"""The declaration of a model family: one frozen object per family folder says everything about the family.
+
+A family folder (``veomni/models/<family>/``) holds its patch configs, generated modeling and helpers, and a
+``family.py`` whose ``FAMILY`` is a `ModelFamily`. Everything outside the folder asks that object: the model registry
+(config class and ``{task: class}`` per ``model_type``, fast paths), ``patchgen --list/--check`` (patch configs), the
+data pipeline (`DataRules`: how rows are laid out for the model) and the trainer (`TrainingHooks`). The list of
+family modules is `veomni.models.families.FAMILY_MODULES`.
+
+Every reference is a ``"package.module:attribute"`` string, resolved on first use: declaring a family imports
+nothing but this module, so a text run never imports a VLM's or a DiT's code, and a broken adapter only fails the
+model that uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+
+def _target(value: str, where: str) -> str:
+    if not isinstance(value, str) or value.count(":") != 1 or not all(value.split(":")):
+        raise ValueError(f"{where}: expected a 'package.module:attribute' string, got {value!r}")
+    return value
+
+
+def _optional_target(where: str):
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if value is not None:
+            _target(value, f"{where}.{attribute.name}")  # type: ignore[arg-type]
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class DataRules:
+    """How the data pipeline lays out rows for one multimodal ``model_type``.
+
+    Attributes:
+        encoder: the data encoder kind (`veomni.train.data.encoders`): ``"vision"`` (images and videos, Qwen3-VL's
+            timestamped video layout), ``"vision_untimed_video"`` (one placeholder run per video, positions from the
+            model's own rule), ``"audio_visual"`` (an omni thinker: images, videos, audio).
+        positions: ``"module:callable"``: ``callable(config)`` returns the picklable mrope position rule the data
+            pipeline uses for this model (``config`` the model's config).
+        video_rule: ``"module:callable"``: ``callable(path, config, fps=, max_frames=, frame_pixels=)`` returns the
+            model's video sampling rule from the processor files at ``path``; None: videos are not supported.
+        no_video: why rows with a video are refused, where ``video_rule`` is None.
+    """
+
+    encoder: str
+    positions: str | None = attrs.field(default=None, validator=_optional_target("DataRules"))
+    video_rule: str | None = attrs.field(default=None, validator=_optional_target("DataRules"))
+    no_video: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TrainingHooks:
+    """What the trainer calls on a family's model beyond the task's forward and loss.
+
+    Attributes:
+        balanced_routers: ``"module:callable"``: ``callable(model) -> list[nn.Module]`` attaches a load counter to
+            every router with an auxiliary-loss-free correction bias and returns those routers
+            (`veomni.models.moe.aux_free_balance`); None: the family has no such routers, and
+            ``optim.moe_bias_update_speed`` is refused for it.
+    """
+
+    balanced_routers: str | None = attrs.field(default=None, validator=_optional_target("TrainingHooks"))
+
+
+@attrs.frozen(kw_only=True)
+class ModelTypeSpec:
+    """One HF ``model_type`` (or a diffusers ``_class_name``) of a family.
+
+    Attributes:
+        model_type: the ``model_type`` of ``config.json`` (diffusers: its ``_class_name``).
+        config: ``"module:Class"`` of the config class (None for a diffusers model: its config is plain JSON).
+        classes: ``{task: "module:Class"}`` (tasks: `veomni.models.registry.TASKS`); empty for a config-only alias
+            (a full omni checkpoint whose thinker another ``model_type`` builds).
+        fast_paths: the `veomni.models.registry.FAST_PATHS` the classes support.
+        data: the data pipeline's rules for a multimodal model; None for text-only models.
+        library: ``"transformers"`` or ``"diffusers"``.
+    """
+
+    model_type: str
+    config: str | None = attrs.field(default=None, validator=_optional_target("ModelTypeSpec"))
+    classes: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    fast_paths: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    data: DataRules | None = None
+    library: str = "transformers"
+
+    def __attrs_post_init__(self) -> None:
+        for task, target in self.classes.items():
+            _target(target, f"model_type {self.model_type!r} / {task}")
+        if self.library not in ("transformers", "diffusers"):
+            raise ValueError(
+                f"model_type {self.model_type!r}: library must be 'transformers' or 'diffusers', got {self.library!r}"
+            )
+        if (self.config is None) != (self.library == "diffusers"):
+            raise ValueError(
+                f"model_type {self.model_type!r}: a transformers model names its config class, a diffusers one none"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class ModelFamily:
+    """A model family: its model types and everything the rest of veomni asks about them (module docstring).
+
+    Attributes:
+        name: the family folder's name (``veomni.models.<name>``).
+        model_types: its `ModelTypeSpec` entries.
+        patch_configs: the patch-config modules patchgen generates this family's modeling from.
+        hooks: the trainer's hooks (`TrainingHooks`).
+    """
+
+    name: str
+    model_types: tuple[ModelTypeSpec, ...] = attrs.field(converter=tuple)
+    patch_configs: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    hooks: TrainingHooks = TrainingHooks()
+
+    def __attrs_post_init__(self) -> None:
+        if not self.model_types:
+            raise ValueError(f"family {self.name!r}: declare at least one model type")
+        seen = [spec.model_type for spec in self.model_types]
+        duplicated = sorted({t for t in seen if seen.count(t) > 1})
+        if duplicated:
+            raise ValueError(f"family {self.name!r} declares model types {duplicated} twice")
+
+    def spec(self, model_type: str) -> ModelTypeSpec | None:
+        """The entry of ``model_type``, or None when this family does not declare it."""
+        return next((spec for spec in self.model_types if spec.model_type == model_type), None)
+
+
+def resolve(target: str) -> Any:
+    """Import ``"package.module:attribute"`` (dotted attributes allowed: ``Class.from_config``) and return it."""
+    import importlib
+
+    module_name, attribute = _target(target, "resolve").split(":")
+    try:
+        value: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ImportError(f"cannot import {module_name!r} (family entry {target!r}): {err}") from err
+    for part in attribute.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError as err:
+            raise ImportError(f"{target!r}: {module_name} has no attribute {attribute!r}") from err
+    return value

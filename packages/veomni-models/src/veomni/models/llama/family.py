@@ -1,0 +1,26 @@
+"""The llama family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.llama.generated.patched_modeling_llama"
+
+FAMILY = ModelFamily(
+    name="llama",
+    model_types=(
+        ModelTypeSpec(
+            model_type="llama",
+            config="transformers.models.llama.configuration_llama:LlamaConfig",
+            classes={
+                "causal_lm": f"{_MODULE}:LlamaForCausalLM",
+                "base": f"{_MODULE}:LlamaModel",
+                "sequence_classification": f"{_MODULE}:LlamaForSequenceClassification",
+                "token_classification": f"{_MODULE}:LlamaForTokenClassification",
+                "question_answering": f"{_MODULE}:LlamaForQuestionAnswering",
+            },
+            fast_paths={"sp", "fused_kernels"},
+        ),
+    ),
+    patch_configs=("veomni.models.llama.patch_config",),
+)

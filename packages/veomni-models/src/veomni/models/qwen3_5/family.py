@@ -1,0 +1,42 @@
+"""The qwen3_5 family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.qwen3_5.generated.patched_modeling_qwen3_5"
+
+DATA_VISION = DataRules(
+    encoder="vision",
+    positions="veomni.models.qwen3_vl.data_rules:positions",
+    video_rule="veomni.models.qwen3_vl.data_rules:video_rule",
+)
+"""How the data pipeline lays out this family's multimodal rows."""
+
+FAMILY = ModelFamily(
+    name="qwen3_5",
+    model_types=(
+        ModelTypeSpec(
+            model_type="qwen3_5_text",
+            config="transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5TextConfig",
+            classes={
+                "causal_lm": f"{_MODULE}:Qwen3_5ForCausalLM",
+                "base": f"{_MODULE}:Qwen3_5TextModel",
+                "sequence_classification": f"{_MODULE}:Qwen3_5TextForSequenceClassification",
+            },
+            fast_paths={"sp", "fused_kernels"},
+        ),
+        ModelTypeSpec(
+            model_type="qwen3_5",
+            config="transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5Config",
+            classes={
+                "image_text_to_text": f"{_MODULE}:Qwen3_5ForConditionalGeneration",
+                "base": f"{_MODULE}:Qwen3_5Model",
+                "causal_lm": f"{_MODULE}:Qwen3_5ForCausalLM",
+            },
+            fast_paths={"sp", "fused_kernels"},
+            data=DATA_VISION,
+        ),
+    ),
+    patch_configs=("veomni.models.qwen3_5.patch_config",),
+)

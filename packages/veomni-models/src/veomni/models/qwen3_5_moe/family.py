@@ -1,0 +1,41 @@
+"""The qwen3_5_moe family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe"
+
+DATA_VISION = DataRules(
+    encoder="vision",
+    positions="veomni.models.qwen3_vl.data_rules:positions",
+    video_rule="veomni.models.qwen3_vl.data_rules:video_rule",
+)
+"""How the data pipeline lays out this family's multimodal rows."""
+
+FAMILY = ModelFamily(
+    name="qwen3_5_moe",
+    model_types=(
+        ModelTypeSpec(
+            model_type="qwen3_5_moe_text",
+            config="transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeTextConfig",
+            classes={
+                "causal_lm": f"{_MODULE}:Qwen3_5MoeForCausalLM",
+                "base": f"{_MODULE}:Qwen3_5MoeTextModel",
+            },
+            fast_paths={"sp", "ep", "fused_kernels"},
+        ),
+        ModelTypeSpec(
+            model_type="qwen3_5_moe",
+            config="transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeConfig",
+            classes={
+                "image_text_to_text": f"{_MODULE}:Qwen3_5MoeForConditionalGeneration",
+                "base": f"{_MODULE}:Qwen3_5MoeModel",
+                "causal_lm": f"{_MODULE}:Qwen3_5MoeForCausalLM",
+            },
+            fast_paths={"sp", "ep", "fused_kernels"},
+            data=DATA_VISION,
+        ),
+    ),
+    patch_configs=("veomni.models.qwen3_5_moe.patch_config",),
+)

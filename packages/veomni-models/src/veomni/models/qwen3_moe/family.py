@@ -1,0 +1,26 @@
+"""The qwen3_moe family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe"
+
+FAMILY = ModelFamily(
+    name="qwen3_moe",
+    model_types=(
+        ModelTypeSpec(
+            model_type="qwen3_moe",
+            config="transformers.models.qwen3_moe.configuration_qwen3_moe:Qwen3MoeConfig",
+            classes={
+                "causal_lm": f"{_MODULE}:Qwen3MoeForCausalLM",
+                "base": f"{_MODULE}:Qwen3MoeModel",
+                "sequence_classification": f"{_MODULE}:Qwen3MoeForSequenceClassification",
+                "token_classification": f"{_MODULE}:Qwen3MoeForTokenClassification",
+                "question_answering": f"{_MODULE}:Qwen3MoeForQuestionAnswering",
+            },
+            fast_paths={"sp", "ep", "fused_kernels"},
+        ),
+    ),
+    patch_configs=("veomni.models.qwen3_moe.patch_config",),
+)

@@ -1,0 +1,26 @@
+"""The qwen3_next family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.qwen3_next.generated.patched_modeling_qwen3_next"
+
+FAMILY = ModelFamily(
+    name="qwen3_next",
+    model_types=(
+        ModelTypeSpec(
+            model_type="qwen3_next",
+            config="transformers.models.qwen3_next.configuration_qwen3_next:Qwen3NextConfig",
+            classes={
+                "causal_lm": f"{_MODULE}:Qwen3NextForCausalLM",
+                "base": f"{_MODULE}:Qwen3NextModel",
+                "sequence_classification": f"{_MODULE}:Qwen3NextForSequenceClassification",
+                "token_classification": f"{_MODULE}:Qwen3NextForTokenClassification",
+                "question_answering": f"{_MODULE}:Qwen3NextForQuestionAnswering",
+            },
+            fast_paths={"sp", "ep", "fused_kernels"},
+        ),
+    ),
+    patch_configs=("veomni.models.qwen3_next.patch_config",),
+)

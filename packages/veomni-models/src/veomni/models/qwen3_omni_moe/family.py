@@ -1,0 +1,34 @@
+"""The qwen3_omni_moe family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe"
+
+DATA_OMNI = DataRules(
+    encoder="audio_visual",
+    positions="veomni.models.qwen3_omni_moe.data_rules:positions",
+    video_rule="veomni.models.qwen3_omni_moe.data_rules:video_rule",
+)
+"""How the data pipeline lays out this family's multimodal rows."""
+
+FAMILY = ModelFamily(
+    name="qwen3_omni_moe",
+    model_types=(
+        ModelTypeSpec(
+            model_type="qwen3_omni_moe_thinker",
+            config="transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe:Qwen3OmniMoeThinkerConfig",
+            classes={
+                "any_to_any": f"{_MODULE}:Qwen3OmniMoeThinkerForConditionalGeneration",
+            },
+            fast_paths={"sp", "ep", "fused_kernels"},
+            data=DATA_OMNI,
+        ),
+        ModelTypeSpec(
+            model_type="qwen3_omni_moe",
+            config="transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe:Qwen3OmniMoeThinkerConfig",
+        ),
+    ),
+    patch_configs=("veomni.models.qwen3_omni_moe.patch_config",),
+)

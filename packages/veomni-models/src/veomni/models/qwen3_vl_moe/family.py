@@ -1,0 +1,31 @@
+"""The qwen3_vl_moe family's declaration (`veomni.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+
+_MODULE = "veomni.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe"
+
+DATA_VISION = DataRules(
+    encoder="vision",
+    positions="veomni.models.qwen3_vl.data_rules:positions",
+    video_rule="veomni.models.qwen3_vl.data_rules:video_rule",
+)
+"""How the data pipeline lays out this family's multimodal rows."""
+
+FAMILY = ModelFamily(
+    name="qwen3_vl_moe",
+    model_types=(
+        ModelTypeSpec(
+            model_type="qwen3_vl_moe",
+            config="transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe:Qwen3VLMoeConfig",
+            classes={
+                "image_text_to_text": f"{_MODULE}:Qwen3VLMoeForConditionalGeneration",
+                "base": f"{_MODULE}:Qwen3VLMoeModel",
+            },
+            fast_paths={"sp", "ep", "fused_kernels"},
+            data=DATA_VISION,
+        ),
+    ),
+    patch_configs=("veomni.models.qwen3_vl_moe.patch_config",),
+)
