@@ -244,3 +244,15 @@ def test_a_count_mismatch_always_fails_and_a_match_always_applies(present: int, 
     assert "g(" not in code
     assert [f"a{i} = h({i}, 1)" in code for i in range(present)] == [True] * present
     assert code.count("# [PATCHED] g to h") == present
+
+
+def test_add_import_skips_names_an_earlier_import_already_binds() -> None:
+    # A shared helper (rope_via_kernels) declares the import its edit needs; a config that already imports
+    # that name on a broader line must not get a second, redundant import statement.
+    cfg = _config()
+    cfg.add_import("from json import dumps, loads")
+    cfg.add_import("from json import dumps")
+    cfg.add_import("from json import dumps as d")
+    cfg.add_import("import json")
+    cfg.add_import("import json")
+    assert cfg.imports == ["from json import dumps, loads", "from json import dumps as d", "import json"]

@@ -4,10 +4,16 @@ A config module is plain Python: replacement bodies are real functions and class
 decorators that register them, so editors, linters and type checkers see them. Registration returns the
 decorated object unchanged, which is what lets a sibling config import and re-register the same function
 (``npu_config.override_method("Qwen3Model", "forward", description=...)(gpu_forward)``).
+
+Besides whole definitions, a config can edit inside an upstream function or method (`PatchConfig.replace_call`,
+``replace_expression``, ``insert_before``/``insert_after``, ``replace_statement``, ``wrap_statement``): each edit's
+anchor must match a stated number of times, so a config states only its delta and an upstream change that moves
+the anchor fails generation. The vocabulary is tabled in ``tools/patchgen/README.md``; edits.py applies them.
 """
 
 from __future__ import annotations
 
+import ast
 import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -107,6 +113,16 @@ class Edit:
     def label(self) -> str:
         """A human-readable target: ``func`` or ``Cls.method``."""
         return f"{self.target}.{self.method}" if self.method else self.target
+
+
+def _import_bindings(statement: str) -> set[tuple[str, str, str]]:
+    """(module, name, bound as) for each name one import statement binds."""
+    node = ast.parse(statement).body[0]
+    if isinstance(node, ast.ImportFrom):
+        module = "." * node.level + (node.module or "")
+        return {(module, a.name, a.asname or a.name) for a in node.names}
+    assert isinstance(node, ast.Import)
+    return {(a.name, "", a.asname or a.name) for a in node.names}
 
 
 def _require_description(description: str | None, what: str) -> str:
@@ -287,11 +303,15 @@ class PatchConfig:
         self._add(Patch("external", cls, method or None, desc, None, name_map, True, module, ext_name))
 
     def add_import(self, statement: str) -> None:
-        """Add one import statement (``"from veomni.kernels import OpSlot"``) after upstream's imports."""
+        """Add one import statement (``"from veomni.kernels import OpSlot"``) after upstream's imports.
+
+        A statement whose names an earlier one already imports the same way is dropped, so shared helpers can
+        declare what their code needs without duplicating a config's own, broader import line.
+        """
         text = statement.strip()
         if not text.startswith(("import ", "from ")) or "\n" in text:
             raise PatchConfigError(f"add_import expects one import statement, got {statement!r}")
-        if text not in self.imports:
+        if not _import_bindings(text) <= {b for i in self.imports for b in _import_bindings(i)}:
             self.imports.append(text)
 
     def drop_import_names(self, *names: str) -> None:

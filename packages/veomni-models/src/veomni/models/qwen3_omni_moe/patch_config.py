@@ -53,6 +53,7 @@ from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_omni import patch_config as omni25
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count
+from veomni.models.qwen3.patch_config import rope_via_kernels
 from veomni.models.qwen3_omni_moe import audio_patches
 from veomni.models.qwen3_vl import patch_config as vl
 from veomni.models.qwen3_vl.sp import (
@@ -124,8 +125,6 @@ _REUSED = (
      "(the text model's final norm)"),
     ("Qwen3OmniMoeThinkerTextMLP.forward", vl.mlp_forward, "SwiGLU via kernels.get('swiglu', 'standard') (dense "
      "layers)"),
-    ("Qwen3OmniMoeThinkerTextAttention.forward", vl.text_attention_forward, "RoPE via kernels.get('rope', 'full') "
-     "(the interleaved mrope is folded into cos/sin; sliding_window is None in this model)"),
     ("Qwen3OmniMoeThinkerTextModel._deepstack_process", vl.deepstack_process, "deepstack add as a gather + where"),
     ("Qwen3OmniMoeVisionAttention.forward", vl.vision_attention_forward,
      "veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens"),
@@ -138,6 +137,11 @@ for target, function, description in _REUSED:
     # The dummy forward is a method upstream lacks; the rest replace upstream's.
     register = config.add_method if target.endswith(".dummy_forward") else config.override_method
     register(target, description=f"{description} (Qwen3-VL adapter)")(function)
+rope_via_kernels(
+    config,
+    "Qwen3OmniMoeThinkerTextAttention",
+    description="RoPE via kernels.get('rope', 'full') (the interleaved mrope is folded into cos/sin)",
+)
 
 _REUSED_OMNI = (
     ("Qwen3OmniMoeThinkerForConditionalGeneration.enable_talker", omni25.enable_talker,
