@@ -286,7 +286,7 @@ def test_bad_bindings_are_refused(wan):
 
 
 def test_dit_defaults_take_sdpa_and_eager_blocks(wan):
-    # Measured on an H100 (docs/benchmarks.md 2026-11-25): varlen attention 1.5x slower than SDPA on one unpacked
+    # Measured on an H100 (notebook/benchmarks-log.md 2026-11-25): varlen attention 1.5x slower than SDPA on one unpacked
     # 32k sequence, compiled blocks 0.80x eager under checkpointing. Explicit choices are the user's.
     path, _ = wan
     gpu = Hardware(device_type="cuda", capability=(9, 0))

@@ -340,7 +340,7 @@ BF16_LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1)
 # bf16 tolerances against the one-GPU bf16 run. Step 0 sees identical weights, so only the order of bf16/fp32
 # reductions differs (sharded gradient sums, SP attention heads, EP token groupings); later steps also carry
 # AdamW's amplification of those rounding differences (near-zero gradients give sign-like updates). Measured on
-# 4 x H200 (docs/runs/2026-11-22-bf16-grid-4xh200.txt): at most 9.7e-7 / 4.2e-5 / 9.3e-4; about 10x margin here.
+# 4 x H200 (notebook/runs/2026-11-22-bf16-grid-4xh200.txt): at most 9.7e-7 / 4.2e-5 / 9.3e-4; about 10x margin here.
 BF16_TOL = {"loss0": 1e-4, "loss": 1e-3, "grad_norm": 1e-2}
 
 
