@@ -216,7 +216,7 @@ class _StatementEdit(cst.CSTTransformer):
         for stmt in updated.body:
             key = _candidate_key(stmt, self.header)
             if key == self.want:
-                self.found.append(node_code(stmt).strip().splitlines()[0])
+                self.found.append(node_code(stmt.with_changes(leading_lines=[])).strip().splitlines()[0])
                 body += self._rewrite(stmt)
             else:
                 self.seen.append(node_code(stmt.with_changes(leading_lines=[])).strip().splitlines()[0])
