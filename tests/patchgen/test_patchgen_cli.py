@@ -61,7 +61,7 @@ def test_check_catches_hand_edit_and_fix_repairs_it(
 
             config = PatchConfig("fakeup.modeling_fake", "patched_check.py", "check test")
             config.modify_init("FakeModel", description="reused init")(model_init)
-            config.override_method("FakeModel", "describe", description="reused method")(describe)
+            config.add_method("FakeModel", "describe", description="reused method")(describe)
             """
         )
     )

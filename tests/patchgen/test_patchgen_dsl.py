@@ -37,7 +37,7 @@ def test_header_lists_patches_and_transformers_version(full: Generated) -> None:
     for line in (
         "replace_class FakeMLP: MLP that halves after scaling",
         "override_method FakeModel.forward: forward doubles the last value",
-        "override_method FakeModel.describe: a method upstream lacks",
+        "add_method FakeModel.describe: a method upstream lacks",
         "modify_init FakeModel.__init__: __init__ records that it is patched",
         "replace_function fake_helper: the helper adds ten",
         "external FakeModel.greet: greet comes from another module",
@@ -200,7 +200,9 @@ def test_modify_init_without_upstream_init_is_an_error() -> None:
         self.x = 1
 
     cfg.modify_init("Talker", description="no init upstream")(init)
-    with pytest.raises(PatchgenError, match="no __init__ upstream"):
+    with pytest.raises(
+        PatchgenError, match=r"modify_init Talker\.__init__: .* defines no method '__init__'.*add_method"
+    ):
         generate(cfg)
 
 

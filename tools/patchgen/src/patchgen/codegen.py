@@ -20,7 +20,8 @@ from pathlib import Path
 import libcst as cst
 
 from . import normalize, signatures
-from .config import Helper, Patch, PatchConfig
+from .config import Edit, Helper, Patch, PatchConfig
+from .edits import edit_definition
 from .source import (
     PatchgenError,
     RenamedCall,
@@ -80,10 +81,19 @@ def _header(config: PatchConfig, config_module: str | None) -> list[cst.EmptyLin
     if config_module:
         lines += [f"# Patch config: {config_module}", f"# Regenerate: patchgen {config_module}"]
     lines.append(f"# Description: {config.description}")
-    if config.patches or config.helpers or config.excluded or config.imports or config.post_import_blocks:
+    if (
+        config.patches
+        or config.edits
+        or config.helpers
+        or config.excluded
+        or config.imports
+        or config.post_import_blocks
+    ):
         lines.append("# Patches applied:")
     for p in config.patches:
         lines.append(f"#   - {p.kind} {p.label}: {p.description}")
+    for e in config.edits:
+        lines.append(f"#   - {e.kind} {e.label}: {e.description}")
     for h in config.helpers:
         lines.append(f"#   - add_helper {_helper_label(h)}: {h.description}")
     if config.excluded:
@@ -141,10 +151,11 @@ class _Assembler:
             else:
                 if not isinstance(node, cst.FunctionDef):
                     raise PatchgenError(f"{patch.kind} {patch.label}: the replacement must be a function")
-                mp = MethodPatch(
-                    patch.method, node, patch.description, patch.keep_decorators, patch.kind == "modify_init"
-                )
+                mp = MethodPatch(patch.method, node, patch.description, patch.keep_decorators, patch.kind)
                 self.methods.setdefault(patch.target, []).append(mp)
+        self.edits: dict[str, list[Edit]] = {}
+        for edit in config.edits:
+            self.edits.setdefault(edit.target, []).append(edit)
         self.helpers_front: list[cst.BaseStatement] = []
         self.helpers_after: dict[str, list[cst.BaseStatement]] = {}
         self.helper_names: list[str] = []
@@ -180,7 +191,7 @@ class _Assembler:
         excluded = set(self.config.excluded)
         # An excluded definition is skipped before any patch is looked at: a patch on it would vanish while the
         # header still lists it as applied.
-        dead = [p for p in self.config.patches if p.target in excluded]
+        dead = [p for p in [*self.config.patches, *self.config.edits] if p.target in excluded]
         if dead:
             raise PatchgenError(
                 f"{self.config.target_file}: {sorted({p.target for p in dead})} are in exclude_from_output but "
@@ -198,10 +209,14 @@ class _Assembler:
             elif name in self.whole:
                 body.append(self._replace_whole(stmt, name))
                 found.add(name)
-            elif name in self.methods:
-                if not isinstance(stmt, cst.ClassDef):
-                    raise PatchgenError(f"override_method on {name!r}: upstream {name!r} is not a class")
-                body.append(patch_class(stmt, self.methods[name]))
+            elif name in self.methods or name in self.edits:
+                if name in self.methods:
+                    if not isinstance(stmt, cst.ClassDef):
+                        raise PatchgenError(f"override_method on {name!r}: upstream {name!r} is not a class")
+                    stmt = patch_class(stmt, self.methods[name])
+                if name in self.edits:
+                    stmt = edit_definition(stmt, self.edits[name])
+                body.append(stmt)
                 found.add(name)
             elif name == "__all__" and excluded:
                 assert isinstance(stmt, cst.SimpleStatementLine)
@@ -213,7 +228,7 @@ class _Assembler:
                 found.add(name)
             if i + 1 == insert_at:
                 body += self._front_block()
-        wanted = excluded | set(self.whole) | set(self.methods) | set(self.helpers_after)
+        wanted = excluded | set(self.whole) | set(self.methods) | set(self.edits) | set(self.helpers_after)
         missing = sorted(wanted - found)
         if missing:
             names = sorted(n for n in (defined_name(s) for s in module.body) if n)

@@ -6,6 +6,7 @@ patches do not touch survive verbatim.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -168,7 +169,7 @@ class MethodPatch:
     node: cst.FunctionDef
     description: str
     keep_decorators: bool
-    must_exist: bool
+    kind: str
 
 
 def _merge_decorators(old: Iterable[cst.Decorator], new: Iterable[cst.Decorator]) -> list[cst.Decorator]:
@@ -178,8 +179,30 @@ def _merge_decorators(old: Iterable[cst.Decorator], new: Iterable[cst.Decorator]
     return merged
 
 
+def class_methods(cls: cst.ClassDef) -> list[str]:
+    """Names of the methods defined in ``cls``'s own body, in order."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else []
+    return [s.name.value for s in body if isinstance(s, cst.FunctionDef)]
+
+
+def no_such_method(kind: str, cls: cst.ClassDef, method: str) -> PatchgenError:
+    """The error for a patch or edit naming a method that ``cls`` does not define upstream."""
+    names = class_methods(cls)
+    close = difflib.get_close_matches(method, names, n=3)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    add = (
+        " To add a method upstream lacks, use add_method."
+        if kind in ("override_method", "modify_init")
+        else ""
+    )
+    return PatchgenError(
+        f"{kind} {cls.name.value}.{method}: upstream class {cls.name.value!r} defines no method {method!r} "
+        f"(it defines {names}).{hint}{add}"
+    )
+
+
 def patch_class(cls: cst.ClassDef, patches: Sequence[MethodPatch]) -> cst.ClassDef:
-    """Replace (in place) or append the given methods of one class."""
+    """Replace (in place) the given methods of one class, or append those patched with ``add_method``."""
     body = cls.body
     if isinstance(body, cst.SimpleStatementSuite):
         body = cst.IndentedBlock(body=[cst.SimpleStatementLine(body=list(body.body))])
@@ -189,14 +212,16 @@ def patch_class(cls: cst.ClassDef, patches: Sequence[MethodPatch]) -> cst.ClassD
             (i for i, s in enumerate(stmts) if isinstance(s, cst.FunctionDef) and s.name.value == p.method),
             None,
         )
-        if index is None:
-            if p.must_exist:
+        if p.kind == "add_method":
+            if index is not None:
                 raise PatchgenError(
-                    f"modify_init: class {cls.name.value!r} has no __init__ upstream; "
-                    "use override_method(..., '__init__') to inject one"
+                    f"add_method {cls.name.value}.{p.method}: upstream class {cls.name.value!r} already defines "
+                    f"{p.method!r}; replace it with override_method (or pick a new name)"
                 )
             stmts.append(with_marker(p.node, f"{p.description} (injected: not in upstream)"))
             continue
+        if index is None:
+            raise no_such_method(p.kind, cls, p.method)
         old = stmts[index]
         assert isinstance(old, cst.FunctionDef)
         decorators = (

@@ -223,7 +223,7 @@ def causal_lm_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "DeepseekV3ForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; "
     "shared experts, dense layers and the router stay replicated",
@@ -239,14 +239,14 @@ def get_parallel_plan(self) -> ExpertPlan:
 config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
-config.override_method(
+config.add_method(
     "DeepseekV3ForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "DeepseekV3"}
 )(seq_cls_init)
-config.override_method(
+config.add_method(
     "DeepseekV3ForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
-config.override_method(
+config.add_method(
     "DeepseekV3ForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)

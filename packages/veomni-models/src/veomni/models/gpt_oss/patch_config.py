@@ -66,7 +66,7 @@ config.override_method(
 )(moe_causal_lm_forward)
 
 
-@config.override_method(
+@config.add_method(
     "GptOssPreTrainedModel",
     "__init__",
     description="refuse quantized (MXFP4) configs with the conversion recipe, before any weight is allocated",
@@ -76,7 +76,7 @@ def __init__(self, config, *inputs, **kwargs) -> None:
     super().__init__(config, *inputs, **kwargs)
 
 
-@config.override_method(
+@config.add_method(
     "GptOssPreTrainedModel",
     "get_correct_attn_implementation",
     description="veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF "
@@ -148,7 +148,7 @@ def attention_forward(
     return attn_output, attn_weights
 
 
-@config.override_method(
+@config.add_method(
     "GptOssForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the four [E, ...] expert tensors (weights and biases) on dim 0",
 )
@@ -170,14 +170,14 @@ __all__ = ["config", "reject_quantized"]
 config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
-config.override_method(
+config.add_method(
     "GptOssForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "GptOss"}
 )(seq_cls_init)
-config.override_method(
+config.add_method(
     "GptOssForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
-config.override_method(
+config.add_method(
     "GptOssForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)

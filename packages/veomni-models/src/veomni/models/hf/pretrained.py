@@ -112,12 +112,12 @@ def upstream_checkpoint_io(patch_config: Any, *base_classes: str) -> None:
         )
     patch_config.add_import("from veomni.models.hf.pretrained import check_backbone_loaded")
     for name in base_classes:
-        patch_config.override_method(
+        patch_config.add_method(
             f"{name}.is_custom_code",
             description="not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint "
             "conversion recipes on from_pretrained and reverts them on save_pretrained",
         )(is_custom_code)
-        patch_config.override_method(
+        patch_config.add_method(
             f"{name}.from_pretrained",
             description="transformers' from_pretrained, refusing a checkpoint that leaves backbone weights "
             "uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)",

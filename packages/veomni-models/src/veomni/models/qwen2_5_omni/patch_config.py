@@ -210,7 +210,7 @@ config.override_method(
     "post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling",
 )(tower_patches.audio_encoder_forward)
 
-config.override_method(
+config.add_method(
     "Qwen2_5OmniAudioEncoder.dummy_forward",
     description="injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio",
 )(tower_patches.audio_dummy_forward)
@@ -220,6 +220,10 @@ _VISION_REUSED = (
     ("Qwen2_5OmniVisionEncoder.forward", qwen2_5_vl.vision_forward,
      "Qwen2.5-VL's windowed tower forward (the same tower): window layout and segment tables from the collator's "
      "vision_metadata (host fallback), max_seqlen read once per forward, SP slicing of the patches"),
+)  # fmt: skip
+for _target, _function, _description in _VISION_REUSED:
+    config.override_method(_target, description=f"{_description} (reused)")(_function)
+_VISION_ADDED = (
     ("Qwen2_5OmniVisionEncoder.vision_layout", qwen2_5_vl.vision_layout,
      "injected: the tower's picklable host-side layout (WindowIndex)"),
     ("Qwen2_5OmniVisionEncoder.dummy_forward", qwen2_vl.vision_dummy_forward,
@@ -227,8 +231,8 @@ _VISION_REUSED = (
     ("Qwen2_5OmniThinkerForConditionalGeneration.vision_collate_metadata", qwen2_vl.vision_collate_metadata,
      "injected: the tower's layout function (WindowIndex) the trainer's collator runs per micro-batch"),
 )  # fmt: skip
-for _target, _function, _description in _VISION_REUSED:
-    config.override_method(_target, description=f"{_description} (reused)")(_function)
+for _target, _function, _description in _VISION_ADDED:
+    config.add_method(_target, description=f"{_description} (reused)")(_function)
 
 
 # ------------------------------------------------------------------------------------------------ thinker
@@ -491,7 +495,7 @@ def thinker_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen2_5OmniThinkerForConditionalGeneration.enable_talker",
     description="injected: a clear error (the talker is not part of veomni's thinker)",
 )
@@ -500,7 +504,7 @@ def enable_talker(self) -> None:
     raise NotImplementedError(TALKER_REFUSAL)
 
 
-@config.override_method(
+@config.add_method(
     "Qwen2_5OmniThinkerForConditionalGeneration.generate",
     description="injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, "
     "talker_*) raise instead of being ignored",

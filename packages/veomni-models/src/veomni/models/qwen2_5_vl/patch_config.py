@@ -68,13 +68,17 @@ _REUSED = (
      "RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin)"),
     ("Qwen2_5_VLVisionAttention.forward", qwen3_vl.vision_attention_forward,
      "veomni_* implementations and SP: encoder_attention on the packed tokens and cu_seqlens"),
+)  # fmt: skip
+for target, function, description in _REUSED:
+    config.override_method(target, description=f"{description} (reused)", name_map=_VISION)(function)
+_ADDED = (
     ("Qwen2_5_VisionTransformerPretrainedModel.dummy_forward", qwen2_vl.vision_dummy_forward,
      "injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media"),
     ("Qwen2_5_VLForConditionalGeneration.vision_collate_metadata", qwen2_vl.vision_collate_metadata,
      "injected: the tower's picklable layout function (WindowIndex) the trainer's collator runs per micro-batch"),
 )  # fmt: skip
-for target, function, description in _REUSED:
-    config.override_method(target, description=f"{description} (reused)", name_map=_VISION)(function)
+for target, function, description in _ADDED:
+    config.add_method(target, description=f"{description} (reused)", name_map=_VISION)(function)
 
 
 @config.override_method(
@@ -280,7 +284,7 @@ def conditional_generation_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen2_5_VisionTransformerPretrainedModel.vision_layout",
     description="injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)",
 )

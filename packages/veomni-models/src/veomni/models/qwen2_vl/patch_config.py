@@ -197,7 +197,7 @@ def vision_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen2VisionTransformerPretrainedModel.dummy_forward",
     description="injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or "
     "video (FSDP collectives must match across ranks)",
@@ -218,7 +218,7 @@ def vision_dummy_forward(self) -> torch.Tensor:
     return self(pixels, grid_thw=grid, return_dict=True, **tables).pooler_output.sum() * 0.0
 
 
-@config.override_method(
+@config.add_method(
     "Qwen2VisionTransformerPretrainedModel.vision_layout",
     description="injected: the tower's picklable host-side segment table (FrameSegments: one segment per frame)",
 )
@@ -343,7 +343,7 @@ def conditional_generation_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen2VLForConditionalGeneration.vision_collate_metadata",
     description="injected: the tower's picklable layout function (vision_layout) the trainer's collator runs per "
     "micro-batch, so the tower never reads grid_thw back from the device",

@@ -7,22 +7,16 @@ with an op set to ``eager``) computes exactly what transformers computes. Regene
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from patchgen.config import PatchConfig
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import (
-    ALL_ATTENTION_FUNCTIONS,
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
-    FlashAttentionKwargs,
     Qwen3Config,
     Qwen3Model,
     TransformersKwargs,
     Unpack,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
 )
 
 from veomni.models.heads.causal_lm import lm_logits_and_loss
@@ -33,8 +27,6 @@ from veomni.models.heads.token_heads import (
     qa_forward,
     token_cls_forward,
 )
-from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
-from veomni.models.hf.kernel_hooks import apply_rope
 from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
 
@@ -76,66 +68,57 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-@config.override_method(
-    "Qwen3Attention.forward",
-    description="RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the "
-    "Ulysses exchange (veomni.models.hf.async_sp)",
-)
-def attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
+ROPE = "RoPE via kernels.get('rope', 'full')"
 
-    if async_ulysses_active(self, past_key_values):
-        # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
-        def project(x):
-            yield "v", self.v_proj(x).view(hidden_shape)
-            q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
-            k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
-            q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
-            yield "q", q.transpose(1, 2)
-            yield "k", k.transpose(1, 2)
 
-        attn_output = async_sp_attention(
-            self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
-            scaling=self.scaling, sliding_window=self.sliding_window,
-            dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
-        )  # fmt: skip
-        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
-
-    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
-
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward
+def rope_via_kernels(patch_config: PatchConfig, attention: str, description: str = ROPE) -> None:
+    """Route the one ``apply_rotary_pos_emb`` call of upstream's ``<attention>.forward`` through ``apply_rope``
+    (the instance's ``rope/full`` kernel; upstream's function is the eager fallback)."""
+    patch_config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+    patch_config.replace_call(
+        f"{attention}.forward",
+        "apply_rotary_pos_emb",
+        "apply_rope(self, __args__, apply_rotary_pos_emb)",
+        description=description,
     )
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        sliding_window=self.sliding_window,
-        **kwargs,
+
+
+# parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+ASYNC_ULYSSES = """
+if async_ulysses_active(self, past_key_values):
+    # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+    def project(x):
+        yield "v", self.v_proj(x).view(hidden_shape)
+        q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
+        q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
+        yield "q", q.transpose(1, 2)
+        yield "k", k.transpose(1, 2)
+
+    attn_output = async_sp_attention(
+        self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
+        scaling=self.scaling, sliding_window=self.sliding_window,
+        dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+    )  # fmt: skip
+    return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
+"""
+
+
+def qwen3_attention(patch_config: PatchConfig, attention: str) -> None:
+    """Qwen3-style attention (q/k norms): RoPE via the kernel set, and under ``parallel.async_ulysses`` the
+    projections overlapping the Ulysses exchange (veomni.models.hf.async_sp)."""
+    rope_via_kernels(patch_config, attention)
+    patch_config.add_import("from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active")
+    patch_config.insert_before(
+        f"{attention}.forward",
+        "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
+        ASYNC_ULYSSES,
+        description="under parallel.async_ulysses the projections overlap the Ulysses exchange "
+        "(veomni.models.hf.async_sp)",
     )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
+
+
+qwen3_attention(config, "Qwen3Attention")
 
 
 @config.override_method(
@@ -185,12 +168,12 @@ SEQ_CLS_INIT = "build this module's patched base model (upstream's AutoModel.fro
 SEQ_CLS_FORWARD = "classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states"
 
 
-@config.override_method("Qwen3ForSequenceClassification.__init__", description=SEQ_CLS_INIT)
+@config.add_method("Qwen3ForSequenceClassification.__init__", description=SEQ_CLS_INIT)
 def seq_cls_init(self, config: Qwen3Config) -> None:
     init_sequence_classifier(self, config, Qwen3Model)
 
 
-config.override_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.add_method("Qwen3ForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
 
 
 # Token classification and question answering: the decoder inside is this module's patched Qwen3Model (upstream's
@@ -220,10 +203,10 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
     patch_config.add_import("from veomni.models.heads.token_heads import init_token_classifier")
     patch_config.add_import("from veomni.models.heads.token_heads import token_classification_forward")
     patch_config.add_import("from transformers.modeling_outputs import TokenClassifierOutput")
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForTokenClassification.__init__", description=TOKEN_HEADS_INIT, name_map=names
     )(token_cls_init)
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForTokenClassification.forward",
         description="upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens",
     )(token_cls_forward)
@@ -232,10 +215,10 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
     patch_config.add_import("from veomni.models.heads.token_heads import init_question_answering")
     patch_config.add_import("from veomni.models.heads.token_heads import question_answering_forward")
     patch_config.add_import("from transformers.modeling_outputs import QuestionAnsweringModelOutput")
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForQuestionAnswering.__init__", description=TOKEN_HEADS_INIT, name_map=names
     )(qa_init)
-    patch_config.override_method(
+    patch_config.add_method(
         f"{prefix}ForQuestionAnswering.forward",
         description="upstream's forward; under Ulysses SP the span logits gathered over the SP group",
     )(qa_forward)

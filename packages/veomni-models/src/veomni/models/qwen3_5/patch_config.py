@@ -187,9 +187,11 @@ def add_vision_patches(config: PatchConfig, prefix: str) -> None:
         ("Model.__init__", qwen3_vl.model_init, "build the patched vision and text sub-models"),
     )  # fmt: skip
     for target, function, description in reused:
-        config.override_method(
-            f"{prefix}{target}", description=f"{description} (Qwen3-VL adapter, renamed)", name_map=renamed
-        )(function)
+        # The dummy forward is a method upstream lacks; the rest replace upstream's.
+        register = config.add_method if target == "VisionModel.dummy_forward" else config.override_method
+        register(f"{prefix}{target}", description=f"{description} (Qwen3-VL adapter, renamed)", name_map=renamed)(
+            function
+        )
     config.override_method(
         f"{prefix}Model.forward",
         description="one tower pass over all images and videos, features placed without host syncs, dummy tower "
@@ -211,7 +213,7 @@ config.override_method(
 # seq_cls_init) and the classification CE through the kernel registry (veomni.models.heads.seq_cls).
 config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.override_method(
+config.add_method(
     "Qwen3_5TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3Model": "Qwen3_5TextModel", "Qwen3Config": "Qwen3_5TextConfig"}
 )(seq_cls_init)
-config.override_method("Qwen3_5TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.add_method("Qwen3_5TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)

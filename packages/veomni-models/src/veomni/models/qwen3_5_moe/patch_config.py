@@ -101,7 +101,7 @@ config.override_method(
     "visits the parameter-less sparse block upstream draws it from)",
     name_map={"Qwen3Next": "Qwen3_5Moe"},
 )(init_weights)
-config.override_method(
+config.add_method(
     "Qwen3_5MoeForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",
 )(get_parallel_plan)
@@ -123,6 +123,8 @@ _MOE_HEAD = (
 # The only renamed call (Qwen3VLMoeModel(config) in __init__) is checked against Qwen3-VL-MoE's module.
 config.name_map({}, origin_module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
 for target, function, description in _MOE_HEAD:
-    config.override_method(
+    # get_parallel_plan is a method upstream lacks; the rest replace upstream's.
+    register = config.add_method if target.endswith(".get_parallel_plan") else config.override_method
+    register(
         target, description=f"{description} (Qwen3-VL-MoE adapter, renamed)", name_map={"Qwen3VLMoe": "Qwen3_5Moe"}
     )(function)

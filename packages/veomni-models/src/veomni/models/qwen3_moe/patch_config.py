@@ -31,8 +31,8 @@ from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
     add_token_heads,
-    attention_forward,
     mlp_forward,
+    qwen3_attention,
     rms_norm_forward,
     seq_cls_init,
 )
@@ -55,9 +55,7 @@ config.override_method(
 config.override_method("Qwen3MoeMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
     mlp_forward
 )
-config.override_method("Qwen3MoeAttention.forward", description="RoPE via kernels.get('rope', 'full')")(
-    attention_forward
-)
+qwen3_attention(config, "Qwen3MoeAttention")
 
 
 @config.override_method(
@@ -111,7 +109,7 @@ def moe_causal_lm_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3MoeForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",
 )
@@ -126,14 +124,14 @@ def get_parallel_plan(self) -> ExpertPlan:
 config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
-config.override_method(
+config.add_method(
     "Qwen3MoeForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Moe"}
 )(seq_cls_init)
-config.override_method(
+config.add_method(
     "Qwen3MoeForSequenceClassification.forward",
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
-config.override_method(
+config.add_method(
     "Qwen3MoeForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)

@@ -256,7 +256,7 @@ def gated_delta_net_forward(
     return gated_delta_net_train(self, kernels, mixed_qkv, z, b, a, kwargs)
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3NextForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group",
 )
@@ -271,11 +271,11 @@ def get_parallel_plan(self) -> ExpertPlan:
 # seq_cls_init) and the classification CE through the kernel registry (veomni.models.heads.seq_cls).
 config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.override_method(
+config.add_method(
     "Qwen3NextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Next"}
 )(seq_cls_init)
-config.override_method("Qwen3NextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
-config.override_method(
+config.add_method("Qwen3NextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.add_method(
     "Qwen3NextForSequenceClassification.get_parallel_plan",
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)

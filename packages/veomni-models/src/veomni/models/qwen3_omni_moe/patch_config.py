@@ -53,6 +53,7 @@ from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_omni import patch_config as omni25
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count
+from veomni.models.qwen3.patch_config import rope_via_kernels
 from veomni.models.qwen3_omni_moe import audio_patches
 from veomni.models.qwen3_vl import patch_config as vl
 from veomni.models.qwen3_vl.sp import (
@@ -124,8 +125,6 @@ _REUSED = (
      "(the text model's final norm)"),
     ("Qwen3OmniMoeThinkerTextMLP.forward", vl.mlp_forward, "SwiGLU via kernels.get('swiglu', 'standard') (dense "
      "layers)"),
-    ("Qwen3OmniMoeThinkerTextAttention.forward", vl.text_attention_forward, "RoPE via kernels.get('rope', 'full') "
-     "(the interleaved mrope is folded into cos/sin; sliding_window is None in this model)"),
     ("Qwen3OmniMoeThinkerTextModel._deepstack_process", vl.deepstack_process, "deepstack add as a gather + where"),
     ("Qwen3OmniMoeVisionAttention.forward", vl.vision_attention_forward,
      "veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens"),
@@ -135,7 +134,14 @@ _REUSED = (
      "injected: the tower on one all-zero merged token, for ranks without image or video"),
 )  # fmt: skip
 for target, function, description in _REUSED:
-    config.override_method(target, description=f"{description} (Qwen3-VL adapter)")(function)
+    # The dummy forward is a method upstream lacks; the rest replace upstream's.
+    register = config.add_method if target.endswith(".dummy_forward") else config.override_method
+    register(target, description=f"{description} (Qwen3-VL adapter)")(function)
+rope_via_kernels(
+    config,
+    "Qwen3OmniMoeThinkerTextAttention",
+    description="RoPE via kernels.get('rope', 'full') (the interleaved mrope is folded into cos/sin)",
+)
 
 _REUSED_OMNI = (
     ("Qwen3OmniMoeThinkerForConditionalGeneration.enable_talker", omni25.enable_talker,
@@ -144,14 +150,14 @@ _REUSED_OMNI = (
      "injected: text generation as GenerationMixin.generate; speech arguments raise"),
 )  # fmt: skip
 for target, function, description in _REUSED_OMNI:
-    config.override_method(target, description=f"{description} (Qwen2.5-Omni adapter)")(function)
+    config.add_method(target, description=f"{description} (Qwen2.5-Omni adapter)")(function)
 
 for target in ("Qwen3OmniMoeThinkerForConditionalGeneration.get_parallel_plan",):
-    config.override_method(
+    config.add_method(
         target, description="expert parallelism: the language model's fused expert tensors, sharded on dim 0 "
         "(Qwen3-VL-MoE adapter)",
     )(vl_moe.get_parallel_plan)  # fmt: skip
-config.override_method(
+config.add_method(
     "Qwen3OmniMoeThinkerModel.get_parallel_plan",
     description="expert parallelism for the base model: the language model's expert tensors on dim 0 (Qwen3-VL-MoE "
     "adapter)",
@@ -195,7 +201,7 @@ config.override_method(
     "checked; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (the padding "
     "a cu_seqlens segment of its own) and the frames are gathered once before the output projection",
 )(audio_patches.audio_encoder_forward)
-config.override_method(
+config.add_method(
     "Qwen3OmniMoeAudioEncoder.dummy_forward",
     description="injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio",
 )(audio_patches.audio_dummy_forward)

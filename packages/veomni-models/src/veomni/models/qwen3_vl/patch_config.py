@@ -25,30 +25,24 @@ Regenerate with ``uv run patchgen veomni.models.qwen3_vl.patch_config``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from patchgen.config import PatchConfig
 from transformers.cache_utils import Cache
 from transformers.models.qwen3_vl.modeling_qwen3_vl import (
-    ALL_ATTENTION_FUNCTIONS,
     BaseModelOutputWithPast,
     BaseModelOutputWithPooling,
     CausalLMOutputWithPast,
-    FlashAttentionKwargs,
     Qwen3VLConfig,
     Qwen3VLTextModel,
     Qwen3VLVisionModel,
     TransformersKwargs,
     Unpack,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
 )
 
 from veomni.models.heads.causal_lm import lm_logits_and_loss
-from veomni.models.hf.kernel_hooks import apply_rope
 from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
+from veomni.models.qwen3.patch_config import rope_via_kernels
 from veomni.models.qwen3_vl.sp import check_sp_inputs, scatter_visual_sp, sp_group_or_none
 from veomni.models.qwen3_vl.vision import parallel_world_size, scatter_visual
 from veomni.models.qwen3_vl.vision_patches import (
@@ -110,47 +104,11 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-@config.override_method(
-    "Qwen3VLTextAttention.forward",
+rope_via_kernels(
+    config,
+    "Qwen3VLTextAttention",
     description="RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)",
 )
-def text_attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-
-    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
-
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward
-    )
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        **kwargs,
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
 
 
 @config.override_method(
@@ -187,7 +145,7 @@ config.override_method(
     "read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its "
     "patch slice and the merged and deepstack features are gathered once",
 )(vision_forward)
-config.override_method(
+config.add_method(
     "Qwen3VLVisionModel.dummy_forward",
     description="injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or "
     "video (FSDP collectives must match across ranks)",

@@ -38,6 +38,7 @@ from veomni.core.ep import ExpertPlan
 from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
+from veomni.models.qwen3.patch_config import rope_via_kernels
 from veomni.models.qwen3_vl import patch_config as dense
 
 config = PatchConfig(
@@ -58,7 +59,6 @@ config.add_import("from veomni.core.ep import ExpertPlan")
 _REUSED = (
     ("Qwen3VLMoeTextRMSNorm.forward", dense.rms_norm_forward, "RMSNorm via kernels.get('rms_norm', 'standard')"),
     ("Qwen3VLMoeTextMLP.forward", dense.mlp_forward, "SwiGLU via kernels.get('swiglu', 'standard') (dense layers)"),
-    ("Qwen3VLMoeTextAttention.forward", dense.text_attention_forward, "RoPE via kernels.get('rope', 'full')"),
     ("Qwen3VLMoeTextModel._deepstack_process", dense.deepstack_process, "deepstack add as a gather + where"),
     ("Qwen3VLMoeVisionAttention.forward", dense.vision_attention_forward,
      "veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens"),
@@ -72,7 +72,10 @@ _REUSED = (
      "language model's MoE output (router_logits included) unchanged"),
 )  # fmt: skip
 for target, function, description in _REUSED:
-    config.override_method(target, description=f"{description} (Qwen3-VL adapter, renamed)")(function)
+    # The dummy forward is a method upstream lacks; the rest replace upstream's.
+    register = config.add_method if target.endswith(".dummy_forward") else config.override_method
+    register(target, description=f"{description} (Qwen3-VL adapter, renamed)")(function)
+rope_via_kernels(config, "Qwen3VLMoeTextAttention")
 
 
 @config.override_method(
@@ -155,7 +158,7 @@ def conditional_generation_forward(
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3VLMoeForConditionalGeneration.get_parallel_plan",
     description="expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)",
 )
@@ -169,7 +172,7 @@ def get_parallel_plan(self) -> ExpertPlan:
     )
 
 
-@config.override_method(
+@config.add_method(
     "Qwen3VLMoeModel.get_parallel_plan",
     description="expert parallelism for the base model: the language model's fused expert tensors on dim 0",
 )

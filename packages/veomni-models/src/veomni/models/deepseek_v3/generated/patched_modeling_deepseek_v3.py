@@ -6,19 +6,19 @@
 # Regenerate: patchgen veomni.models.deepseek_v3.patch_config
 # Description: DeepSeek-V3 (MLA, group-limited sigmoid router, shared experts) with RMSNorm, SwiGLU, RoPE and the LM loss dispatched through veomni's kernels, an fp32 router bias, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method DeepseekV3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method DeepseekV3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method DeepseekV3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method DeepseekV3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method DeepseekV3RMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method DeepseekV3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers and shared experts)
 #   - modify_init DeepseekV3TopkRouter.__init__: e_score_correction_bias created in fp32 whatever the build dtype (as from_pretrained keeps it via _keep_in_fp32_modules_strict)
 #   - override_method DeepseekV3Attention.forward: RoPE on the rotary sub-dimension via apply_mla_rope (kernels.get('rope', 'full'), rope_interleave handled); attention through the configured interface with v_head_dim != qk_head_dim
 #   - override_method DeepseekV3ForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
-#   - override_method DeepseekV3ForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
-#   - override_method DeepseekV3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method DeepseekV3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method DeepseekV3ForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
-#   - override_method DeepseekV3ForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method DeepseekV3ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method DeepseekV3ForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
+#   - add_method DeepseekV3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method DeepseekV3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method DeepseekV3ForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
+#   - add_method DeepseekV3ForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method DeepseekV3ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - add_helper apply_mla_rope: MLA RoPE on the qk_rope_head_dim sub-dimension through the rope kernel, rope_interleave included
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded

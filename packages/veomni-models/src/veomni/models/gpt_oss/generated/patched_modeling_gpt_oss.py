@@ -6,18 +6,18 @@
 # Regenerate: patchgen veomni.models.gpt_oss.patch_config
 # Description: GPT-OSS with RoPE and the LM / load-balancing losses through veomni's kernels, its experts claimed for the clamped experts kernels, MXFP4 configs refused, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method GptOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method GptOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method GptOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method GptOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method GptOssForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded)
-#   - override_method GptOssPreTrainedModel.__init__: refuse quantized (MXFP4) configs with the conversion recipe, before any weight is allocated
-#   - override_method GptOssPreTrainedModel.get_correct_attn_implementation: veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF reads 'sdpa' in 'veomni_sdpa' as its own SDPA path, which gpt-oss refuses (it would drop the sinks)
+#   - add_method GptOssPreTrainedModel.__init__: refuse quantized (MXFP4) configs with the conversion recipe, before any weight is allocated
+#   - add_method GptOssPreTrainedModel.get_correct_attn_implementation: veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF reads 'sdpa' in 'veomni_sdpa' as its own SDPA path, which gpt-oss refuses (it would drop the sinks)
 #   - override_method GptOssAttention.forward: RoPE via kernels.get('rope', 'full') on the duplicated cos/sin tables; window and sinks passed on
-#   - override_method GptOssForCausalLM.get_parallel_plan: expert parallelism: shard the four [E, ...] expert tensors (weights and biases) on dim 0
-#   - override_method GptOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method GptOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method GptOssForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
-#   - override_method GptOssForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method GptOssForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method GptOssForCausalLM.get_parallel_plan: expert parallelism: shard the four [E, ...] expert tensors (weights and biases) on dim 0
+#   - add_method GptOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method GptOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method GptOssForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
+#   - add_method GptOssForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method GptOssForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded

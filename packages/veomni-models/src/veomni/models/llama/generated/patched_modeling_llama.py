@@ -6,18 +6,18 @@
 # Regenerate: patchgen veomni.models.llama.patch_config
 # Description: Llama with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method LlamaPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method LlamaPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method LlamaPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method LlamaPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method LlamaRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method LlamaMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method LlamaForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
-#   - override_method LlamaAttention.forward: RoPE via kernels.get('rope', 'full')
-#   - override_method LlamaForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method LlamaForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method LlamaForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method LlamaForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
-#   - override_method LlamaForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method LlamaForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - add_method LlamaForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method LlamaForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method LlamaForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method LlamaForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method LlamaForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method LlamaForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - replace_call LlamaAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
@@ -290,7 +290,6 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full')
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -307,6 +306,7 @@ class LlamaAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full')
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -315,6 +315,7 @@ class LlamaAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -325,6 +326,7 @@ class LlamaAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

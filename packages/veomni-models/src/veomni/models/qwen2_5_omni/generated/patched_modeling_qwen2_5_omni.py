@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen2_5_omni.patch_config
 # Description: Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards for ranks without a modality, a checked audio scatter and the fused LM loss
 # Patches applied:
-#   - override_method Qwen2_5OmniPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen2_5OmniPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen2_5OmniPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen2_5OmniPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen2_5OmniRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter; text and vision blocks)
 #   - override_method Qwen2_5OmniAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin; Qwen2-VL adapter)
 #   - override_method Qwen2_5OmniMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (the vision MLP, biased)
@@ -16,16 +16,16 @@
 #   - override_method Qwen2_5OmniAudioAttention.forward: veomni_* implementations: encoder_attention on the packed frames and the tower's chunk cu_seqlens (no per-chunk split, no host sync, no outer kwargs); HF implementations: upstream's forward
 #   - override_method Qwen2_5OmniVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed patches and the tower's (window or full) cu_seqlens; HF implementations: upstream's forward
 #   - override_method Qwen2_5OmniAudioEncoder.forward: upstream's forward; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (padding a cu_seqlens segment of its own) and the frames are gathered once before pooling
-#   - override_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
+#   - add_method Qwen2_5OmniAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen2_5OmniVisionEncoder.forward: Qwen2.5-VL's windowed tower forward (the same tower): window layout and segment tables from the collator's vision_metadata (host fallback), max_seqlen read once per forward, SP slicing of the patches (reused)
-#   - override_method Qwen2_5OmniVisionEncoder.vision_layout: injected: the tower's picklable host-side layout (WindowIndex) (reused)
-#   - override_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused)
-#   - override_method Qwen2_5OmniThinkerForConditionalGeneration.vision_collate_metadata: injected: the tower's layout function (WindowIndex) the trainer's collator runs per micro-batch (reused)
+#   - add_method Qwen2_5OmniVisionEncoder.vision_layout: injected: the tower's picklable host-side layout (WindowIndex) (reused)
+#   - add_method Qwen2_5OmniVisionEncoder.dummy_forward: injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused)
+#   - add_method Qwen2_5OmniThinkerForConditionalGeneration.vision_collate_metadata: injected: the tower's layout function (WindowIndex) the trainer's collator runs per micro-batch (reused)
 #   - override_method Qwen2_5OmniThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen2_5OmniAudioEncoderLayer, Qwen2_5OmniVisionBlock) as blocks, and blocks must not nest
 #   - override_method Qwen2_5OmniThinkerModel.forward: upstream's audio / image / video scatter and mrope positions, plus the audio token count check upstream lacks, one vision tower pass over images and videos together, and dummy tower forwards on ranks without audio or pixels under world > 1
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); eager runs the upstream head and loss; the collator's vision_metadata / audio_metadata passed on
-#   - override_method Qwen2_5OmniThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker)
-#   - override_method Qwen2_5OmniThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, talker_*) raise instead of being ignored
+#   - add_method Qwen2_5OmniThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker)
+#   - add_method Qwen2_5OmniThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, talker_*) raise instead of being ignored
 #   - exclude_from_output: Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniTalkerCausalLMOutputWithPast, Qwen2_5OmniTalkerModel, Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniToken2WavModel, Qwen2_5OmniToken2WavDiTModel, Qwen2_5OmniToken2WavBigVGANModel, Qwen2_5OmniDiTRotaryEmbedding, TimeDelayNetBlock, Res2NetBlock, SqueezeExcitationBlock, AttentiveStatisticsPooling, SqueezeExcitationRes2NetBlock, ECAPA_TimeDelayNet, DiTInputEmbedding, DiTCodecEmbedding, Qwen2_5_OmniAdaLayerNormZero, Qwen2_5_OmniAdaLayerNormZero_Final, DiTMLP, deinterleave_head_dim, DiTAttention, SinusPositionEmbedding, DiTTimestepEmbedding, DiTDecoderLayer, Qwen2_5OmniSnakeBeta, Qwen2_5OmniUpSample1d, Qwen2_5OmniDownSample1d, Qwen2_5OmniAntiAliasedActivation1d, Qwen2_5OmniAMPBlock, Activation1d, UpSample1d, DownSample1d, SnakeBeta, AMPBlock, RungeKutta4ODESolver, kaiser_sinc_filter1d
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded

@@ -6,18 +6,18 @@
 # Regenerate: patchgen veomni.models.qwen2_5_vl.patch_config
 # Description: Qwen2.5-VL: the Qwen2-VL adapter's text kernels, encoder varlen vision attention, ViT SP and dummy forward, plus the windowed tower fed by a host-precomputed window layout
 # Patches applied:
-#   - override_method Qwen2_5_VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen2_5_VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen2_5_VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen2_5_VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen2_5_VLRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (reused)
 #   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (reused)
 #   - override_method Qwen2_5_VLAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin) (reused)
 #   - override_method Qwen2_5_VLVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and cu_seqlens (reused)
-#   - override_method Qwen2_5_VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused)
-#   - override_method Qwen2_5_VLForConditionalGeneration.vision_collate_metadata: injected: the tower's picklable layout function (WindowIndex) the trainer's collator runs per micro-batch (reused)
+#   - add_method Qwen2_5_VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token (tables laid out on the host), for ranks without media (reused)
+#   - add_method Qwen2_5_VLForConditionalGeneration.vision_collate_metadata: injected: the tower's picklable layout function (WindowIndex) the trainer's collator runs per micro-batch (reused)
 #   - override_method Qwen2_5_VisionTransformerPretrainedModel.forward: window layout and segment tables from the collator's keywords (host fallback without them, no per-forward tolist loop on the device); rotary positions without host syncs; under SP the rows are put in window order, each rank embeds and attends its chunk, and the merged tokens are gathered once
 #   - override_method Qwen2_5_VLModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1, the collator's vision_metadata (window layout) passed to the tower; under Ulysses SP the LM inputs are this rank's slice (position_ids required)
 #   - override_method Qwen2_5_VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); vision_metadata passed on
-#   - override_method Qwen2_5_VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)
+#   - add_method Qwen2_5_VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask

@@ -6,18 +6,18 @@
 # Regenerate: patchgen veomni.models.qwen2_vl.patch_config
 # Description: Qwen2-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower (ViT Ulysses SP), a dummy tower forward for ranks without media, and the fused LM loss
 # Patches applied:
-#   - override_method Qwen2VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen2VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen2VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen2VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen2VLRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter)
 #   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (Qwen3-VL adapter)
 #   - override_method VisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens (no per-image split, no host sync); HF implementations: upstream code (Qwen3-VL adapter)
 #   - override_method Qwen2VLAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin)
 #   - override_method Qwen2VisionTransformerPretrainedModel.forward: rotary positions without host syncs; cu_seqlens/max_seqlen from the collator when given; max_seqlen read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its patch slice and the merged tokens are gathered once
-#   - override_method Qwen2VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
-#   - override_method Qwen2VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side segment table (FrameSegments: one segment per frame)
+#   - add_method Qwen2VisionTransformerPretrainedModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
+#   - add_method Qwen2VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side segment table (FrameSegments: one segment per frame)
 #   - override_method Qwen2VLModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1, the collator's vision_metadata passed to the tower; under Ulysses SP the LM inputs are this rank's slice (position_ids required)
 #   - override_method Qwen2VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss; vision_metadata passed on
-#   - override_method Qwen2VLForConditionalGeneration.vision_collate_metadata: injected: the tower's picklable layout function (vision_layout) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device
+#   - add_method Qwen2VLForConditionalGeneration.vision_collate_metadata: injected: the tower's picklable layout function (vision_layout) the trainer's collator runs per micro-batch, so the tower never reads grid_thw back from the device
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask

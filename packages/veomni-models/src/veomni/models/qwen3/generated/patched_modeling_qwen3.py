@@ -6,18 +6,19 @@
 # Regenerate: patchgen veomni.models.qwen3.patch_config
 # Description: Qwen3 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method Qwen3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3RMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
-#   - override_method Qwen3Attention.forward: RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
 #   - override_method Qwen3ForCausalLM.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
-#   - override_method Qwen3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method Qwen3ForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
-#   - override_method Qwen3ForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3ForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - add_method Qwen3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method Qwen3ForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method Qwen3ForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3ForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - replace_call Qwen3Attention.forward: RoPE via kernels.get('rope', 'full')
+#   - insert_before Qwen3Attention.forward: under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
@@ -295,7 +296,6 @@ class Qwen3Attention(nn.Module):
         )  # thus post q_norm does not need reshape
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -306,7 +306,7 @@ class Qwen3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-
+        # [PATCHED] under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
         if async_ulysses_active(self, past_key_values):
             # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
             def project(x):
@@ -329,6 +329,7 @@ class Qwen3Attention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full')
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -337,6 +338,7 @@ class Qwen3Attention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -345,9 +347,10 @@ class Qwen3Attention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window,  # diff with Llama
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

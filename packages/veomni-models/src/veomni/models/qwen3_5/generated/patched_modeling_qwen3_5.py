@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_5.patch_config
 # Description: Qwen3.5 text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLP and LM loss dispatched through veomni's kernels; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) and fused LM loss
 # Patches applied:
-#   - override_method Qwen3_5PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3_5PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3_5PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3_5PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3_5RMSNorm.forward: (1 + weight) RMSNorm via rms_norm/offset
 #   - override_method Qwen3_5RMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
@@ -18,12 +18,12 @@
 #   - override_method Qwen3_5GatedDeltaNet.forward: training: gated_delta_net_train (conv + delta-rule kernels with cu_seq_lens_q, Ulysses SP over heads); generation (a cache) or no kernels: upstream's forward
 #   - override_method Qwen3_5VisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5VisionModel.forward: rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
-#   - override_method Qwen3_5VisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
+#   - add_method Qwen3_5VisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5Model.__init__: build the patched vision and text sub-models (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5Model.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the features land in its token range (Qwen2-VL adapter: no deepstack)
 #   - override_method Qwen3_5ForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits) (Qwen3-VL adapter, renamed)
-#   - override_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss

@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_5_moe.patch_config
 # Description: Qwen3.5-MoE text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) with the Qwen3-VL-MoE adapter's losses and expert plan
 # Patches applied:
-#   - override_method Qwen3_5MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3_5MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3_5MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3_5MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3_5MoeRMSNorm.forward: (1 + weight) RMSNorm via rms_norm/offset
 #   - override_method Qwen3_5MoeRMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
@@ -16,16 +16,16 @@
 #   - override_method Qwen3_5MoeGatedDeltaNet.forward: Qwen3.5's: gated_delta_net_train for training, upstream's forward with a cache
 #   - override_method Qwen3_5MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
 #   - override_method Qwen3_5MoePreTrainedModel._init_weights: upstream's init, the router drawn on its own module (Qwen3-Next's, renamed: transformers never visits the parameter-less sparse block upstream draws it from)
-#   - override_method Qwen3_5MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - add_method Qwen3_5MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
 #   - override_method Qwen3_5MoeVisionAttention.forward: veomni_* implementations and SP: encoder_attention on the packed tokens and the tower's cu_seqlens; HF implementations: upstream code (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5MoeVisionModel.forward: rotary positions and position-embedding taps without host syncs, ViT Ulysses SP (no deepstack taps) (Qwen3-VL adapter, renamed)
-#   - override_method Qwen3_5MoeVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
+#   - add_method Qwen3_5MoeVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5MoeModel.__init__: build the patched vision and text sub-models (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5MoeModel.forward: one tower pass over all images and videos, features placed without host syncs, dummy tower forward on ranks without media under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the features land in its token range (Qwen2-VL adapter: no deepstack)
 #   - override_method Qwen3_5MoeForConditionalGeneration.__init__: the MoE settings of text_config as attributes (router_aux_loss and the trainer read them there) (Qwen3-VL-MoE adapter, renamed)
 #   - override_method Qwen3_5MoeForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss scaled by router_aux_loss_coef (Qwen3-VL-MoE adapter, renamed)
-#   - override_method Qwen3_5MoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts) (Qwen3-VL-MoE adapter, renamed)
-#   - override_method Qwen3_5MoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0 (Qwen3-VL-MoE adapter, renamed)
+#   - add_method Qwen3_5MoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts) (Qwen3-VL-MoE adapter, renamed)
+#   - add_method Qwen3_5MoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0 (Qwen3-VL-MoE adapter, renamed)
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss

@@ -6,20 +6,21 @@
 # Regenerate: patchgen veomni.models.qwen3_moe.patch_config
 # Description: Qwen3-MoE with dense ops, LM loss and load-balancing loss dispatched through veomni's kernels, an aux loss that tolerates missing router logits, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Qwen3MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3MoeRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
-#   - override_method Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - override_method Qwen3MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); aux loss via router_aux_loss: the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded
-#   - override_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
-#   - override_method Qwen3MoeForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method Qwen3MoeForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
-#   - override_method Qwen3MoeForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3MoeForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
-#   - override_method Qwen3MoeForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3MoeForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - add_method Qwen3MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - add_method Qwen3MoeForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3MoeForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method Qwen3MoeForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
+#   - add_method Qwen3MoeForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3MoeForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method Qwen3MoeForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3MoeForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - replace_call Qwen3MoeAttention.forward: RoPE via kernels.get('rope', 'full')
+#   - insert_before Qwen3MoeAttention.forward: under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
@@ -209,7 +210,6 @@ class Qwen3MoeAttention(nn.Module):
         )  # thus post q_norm does not need reshape
         self.sliding_window = getattr(config, "sliding_window", None)
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full')
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -220,7 +220,7 @@ class Qwen3MoeAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-
+        # [PATCHED] under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
         if async_ulysses_active(self, past_key_values):
             # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
             def project(x):
@@ -243,6 +243,7 @@ class Qwen3MoeAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full')
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -251,6 +252,7 @@ class Qwen3MoeAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -259,9 +261,10 @@ class Qwen3MoeAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window,  # diff with Llama
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_next.patch_config
 # Description: Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Qwen3NextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3NextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3NextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3NextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3NextPreTrainedModel._init_weights: upstream's init, with the router initialised on its own module rather than on the sparse block that holds it, and A_log drawn on its own layout (FSDP2-sharded fresh init)
 #   - override_method Qwen3NextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3NextForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
@@ -16,14 +16,14 @@
 #   - override_method Qwen3NextAttention.forward: partial RoPE via kernels.get('rope', 'partial'), output gate
 #   - override_method Qwen3NextModel.forward: upstream's, with cu_seq_lens_q/k derived once from position_ids-only packing (HF's flattening collator) so that the Gated DeltaNet layers, which never see the positions, restart per document; no default cache for a packed or SP forward (it would send them to upstream's generation code)
 #   - override_method Qwen3NextGatedDeltaNet.forward: training: causal_conv1d + gated_delta_rule kernels with cu_seq_lens_q (state reset per packed document) and Ulysses SP over heads; generation (a cache) or no kernels: upstream's forward
-#   - override_method Qwen3NextForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
-#   - override_method Qwen3NextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3NextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method Qwen3NextForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
-#   - override_method Qwen3NextForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3NextForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
-#   - override_method Qwen3NextForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Qwen3NextForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - add_method Qwen3NextForCausalLM.get_parallel_plan: expert parallelism: shard the fused expert tensors on dim 0 (experts) across the EP group
+#   - add_method Qwen3NextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3NextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method Qwen3NextForSequenceClassification.get_parallel_plan: expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)
+#   - add_method Qwen3NextForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3NextForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method Qwen3NextForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Qwen3NextForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss

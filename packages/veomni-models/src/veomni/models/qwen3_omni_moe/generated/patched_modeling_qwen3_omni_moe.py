@@ -6,35 +6,34 @@
 # Regenerate: patchgen veomni.models.qwen3_omni_moe.patch_config
 # Description: Qwen3-Omni-MoE thinker only (talker / code2wav excluded): Qwen3-VL's text kernels, vision tower and ViT SP, routed experts through veomni's experts interface, the audio tower on the encoder varlen entry with SP and dummy forwards, checked scatters, the fused LM loss and the aux loss from text_config
 # Patches applied:
-#   - override_method Qwen3OmniMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3OmniMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
-#   - override_method Qwen3OmniMoeThinkerTextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3OmniMoeThinkerTextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3OmniMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3OmniMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3OmniMoeThinkerTextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3OmniMoeThinkerTextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3OmniMoeThinkerTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (the text model's final norm) (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeThinkerTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers) (Qwen3-VL adapter)
-#   - override_method Qwen3OmniMoeThinkerTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is folded into cos/sin; sliding_window is None in this model) (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeThinkerTextModel._deepstack_process: deepstack add as a gather + where (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeVisionAttention.forward: veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeVisionEncoder.forward: rotary positions and position-embedding taps without host syncs; ViT Ulysses SP (Qwen3-VL adapter)
-#   - override_method Qwen3OmniMoeVisionEncoder.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter)
-#   - override_method Qwen3OmniMoeThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker) (Qwen2.5-Omni adapter)
-#   - override_method Qwen3OmniMoeThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments raise (Qwen2.5-Omni adapter)
-#   - override_method Qwen3OmniMoeThinkerForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (Qwen3-VL-MoE adapter)
-#   - override_method Qwen3OmniMoeThinkerModel.get_parallel_plan: expert parallelism for the base model: the language model's expert tensors on dim 0 (Qwen3-VL-MoE adapter)
+#   - add_method Qwen3OmniMoeVisionEncoder.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter)
+#   - add_method Qwen3OmniMoeThinkerForConditionalGeneration.enable_talker: injected: a clear error (the talker is not part of veomni's thinker) (Qwen2.5-Omni adapter)
+#   - add_method Qwen3OmniMoeThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments raise (Qwen2.5-Omni adapter)
+#   - add_method Qwen3OmniMoeThinkerForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (Qwen3-VL-MoE adapter)
+#   - add_method Qwen3OmniMoeThinkerModel.get_parallel_plan: expert parallelism for the base model: the language model's expert tensors on dim 0 (Qwen3-VL-MoE adapter)
 #   - override_method Qwen3OmniMoeAudioAttention.forward: veomni_* implementations or SP: encoder_attention on the packed frames and the tower's window cu_seqlens (no per-window split, no host sync); HF implementations: upstream's forward
 #   - override_method Qwen3OmniMoePreTrainedModel._init_weights: upstream's init without code2wav's code offsets (that class is excluded); the experts and the router initialised on their own modules, not on the sparse block that holds them
 #   - override_method Qwen3OmniMoeAudioEncoder.forward: upstream's forward (conv front-end per 2*n_window-frame chunk, windowed attention); n_window checked; under Ulysses SP each rank runs the encoder layers on its slice of the post-conv frames (the padding a cu_seqlens segment of its own) and the frames are gathered once before the output projection
-#   - override_method Qwen3OmniMoeAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
+#   - add_method Qwen3OmniMoeAudioEncoder.dummy_forward: injected: the audio tower on one 4-frame zero clip, for ranks whose micro-batch has no audio
 #   - override_method Qwen3OmniMoeThinkerModel.__init__: upstream's init, then the whole towers dropped from _no_split_modules: FSDP2 shards their layers (Qwen3OmniMoeAudioEncoderLayer, Qwen3OmniMoeVisionBlock) as blocks, and blocks must not nest
 #   - override_method Qwen3OmniMoeThinkerModel.forward: audio scatter (count checked, upstream lacks it), one vision-tower pass with deepstack features at the visual positions, dummy tower forwards on ranks without audio or pixels under world > 1, mrope positions also without an attention mask, and under Ulysses SP this rank's slice of the sequence
 #   - override_method Qwen3OmniMoeThinkerForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); aux loss via router_aux_loss (SP-global statistics, None without router logits) scaled by self.router_aux_loss_coef (text_config's, set by upstream's __init__)
+#   - replace_call Qwen3OmniMoeThinkerTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is folded into cos/sin)
 #   - add_helper _vision_features: the thinker's vision features: one tower pass over all images and videos
 #   - exclude_from_output: Qwen3OmniMoeTalkerResizeMLP, Qwen3OmniMoeTalkerCodePredictorOutputWithPast, Qwen3OmniMoeRMSNorm, Qwen3OmniMoeTalkerCodePredictorAttention, Qwen3OmniMoeMLP, Qwen3OmniMoeTalkerCodePredictorDecoderLayer, Qwen3OmniMoeRotaryEmbedding, Qwen3OmniMoeTalkerCodePredictorModel, Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration, Qwen3OmniMoeTalkerOutputWithPast, Qwen3OmniMoeTalkerRotaryEmbedding, Qwen3OmniMoeTalkerTextMLP, Qwen3OmniMoeTalkerTextTopKRouter, Qwen3OmniMoeTalkerTextExperts, Qwen3OmniMoeTalkerTextSparseMoeBlock, Qwen3OmniMoeTalkerDecoderLayer, Qwen3OmniMoeTalkerModel, Qwen3OmniMoeTalkerForConditionalGeneration, Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet, Qwen3OmniMoeConvNeXtBlock, Qwen3OmniMoeCode2WavAttention, Qwen3OmniMoeCode2WavMlp, Qwen3OmniMoeCode2WavRMSNorm, Qwen3OmniMoeCode2WavLayerScale, Qwen3OmniMoeCode2WavTransformerLayer, Qwen3OmniMoeCode2WavTransformerModel, Qwen3OmniMoeSnakeBeta, SnakeBeta, Qwen3OmniMoeCode2WavDecoderResidualUnit, Qwen3OmniMoeCode2WavDecoderBlock, Qwen3OmniMoeCode2Wav, Qwen3OmniMoeForConditionalGeneration
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf.masks import create_causal_mask
 #   - add_import: from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.hf.attention import PREFIX
@@ -117,7 +116,6 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeVisionEncoderConfig,
 )
 from veomni.models.hf.pretrained import check_backbone_loaded
-from veomni.models.hf.masks import create_causal_mask
 from veomni.models.hf.masks import create_causal_mask
 from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
 from veomni.models.heads.causal_lm import lm_logits_and_loss
@@ -1648,7 +1646,6 @@ class Qwen3OmniMoeThinkerTextAttention(nn.Module):
         )  # thus post q_norm does not need reshape
         self.sliding_window = None
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full') (the interleaved mrope is folded into cos/sin; sliding_window is None in this model) (Qwen3-VL adapter)
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -1665,6 +1662,7 @@ class Qwen3OmniMoeThinkerTextAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full') (the interleaved mrope is folded into cos/sin)
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -1673,6 +1671,7 @@ class Qwen3OmniMoeThinkerTextAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -1681,8 +1680,10 @@ class Qwen3OmniMoeThinkerTextAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,  # diff with Llama
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

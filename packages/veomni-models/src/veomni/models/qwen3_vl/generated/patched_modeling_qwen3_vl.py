@@ -6,18 +6,18 @@
 # Regenerate: patchgen veomni.models.qwen3_vl.patch_config
 # Description: Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, a dummy tower forward for ranks without images, and the fused LM loss
 # Patches applied:
-#   - override_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3VLTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
-#   - override_method Qwen3VLTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
 #   - override_method Qwen3VLTextModel._deepstack_process: deepstack add as a gather + where (no boolean indexing: no host sync); also takes features already laid out over all B*S positions
 #   - override_method Qwen3VLVisionAttention.forward: veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens (no per-image split, no host sync, no outer kwargs); HF implementations: upstream code
 #   - override_method Qwen3VLVisionModel.forward: rotary positions and position-embedding taps without host syncs (vision_geometry); max_seqlen read once per forward, only for veomni backends that need it; under SP each rank embeds and attends its patch slice and the merged and deepstack features are gathered once
-#   - override_method Qwen3VLVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
+#   - add_method Qwen3VLVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks whose micro-batch has no image or video (FSDP collectives must match across ranks)
 #   - override_method Qwen3VLModel.__init__: build the patched vision and text sub-models (upstream's AutoModel.from_config would build transformers' own, unpatched classes)
 #   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
 #   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
+#   - replace_call Qwen3VLTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
@@ -582,7 +582,6 @@ class Qwen3VLTextAttention(nn.Module):
             self.head_dim, eps=config.rms_norm_eps
         )  # thus post q_norm does not need reshape
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -599,6 +598,7 @@ class Qwen3VLTextAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -607,6 +607,7 @@ class Qwen3VLTextAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -617,6 +618,7 @@ class Qwen3VLTextAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

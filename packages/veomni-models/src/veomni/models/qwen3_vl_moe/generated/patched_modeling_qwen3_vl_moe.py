@@ -6,21 +6,21 @@
 # Regenerate: patchgen veomni.models.qwen3_vl_moe.patch_config
 # Description: Qwen3-VL-MoE: the Qwen3-VL adapter's text kernels, encoder varlen vision tower, ViT SP and dummy forward (reused via name_map), routed experts through veomni's experts interface, the load-balancing loss from text_config, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Qwen3VLMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3VLMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Qwen3VLMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Qwen3VLMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLMoeTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers) (Qwen3-VL adapter, renamed)
-#   - override_method Qwen3VLMoeTextAttention.forward: RoPE via kernels.get('rope', 'full') (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeTextModel._deepstack_process: deepstack add as a gather + where (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeVisionAttention.forward: veomni_* implementations: encoder_attention on the packed tokens and the tower's cu_seqlens (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeVisionModel.forward: rotary positions and position-embedding taps without host syncs; ViT Ulysses SP (Qwen3-VL adapter, renamed)
-#   - override_method Qwen3VLMoeVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
+#   - add_method Qwen3VLMoeVisionModel.dummy_forward: injected: the tower on one all-zero merged token, for ranks without image or video (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeModel.__init__: build the patched vision and text sub-models (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeModel.forward: one tower pass, features scattered without host syncs, dummy tower forward, Ulysses SP slices; returns the language model's MoE output (router_logits included) unchanged (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeForConditionalGeneration.__init__: the MoE settings of text_config as attributes: router_aux_loss reads num_experts / num_experts_per_tok there, and the trainer zeroes router_aux_loss_coef there to add the aux term itself
 #   - override_method Qwen3VLMoeForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); aux loss via router_aux_loss (load_balancing_loss kernel, SP-global statistics, None without router logits) scaled by self.router_aux_loss_coef
-#   - override_method Qwen3VLMoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)
-#   - override_method Qwen3VLMoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0
+#   - add_method Qwen3VLMoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)
+#   - add_method Qwen3VLMoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0
+#   - replace_call Qwen3VLMoeTextAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
@@ -328,7 +328,6 @@ class Qwen3VLMoeTextAttention(nn.Module):
             self.head_dim, eps=config.rms_norm_eps
         )  # thus post q_norm does not need reshape
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full') (Qwen3-VL adapter, renamed)
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -345,6 +344,7 @@ class Qwen3VLMoeTextAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full')
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -353,6 +353,7 @@ class Qwen3VLMoeTextAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -363,6 +364,7 @@ class Qwen3VLMoeTextAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

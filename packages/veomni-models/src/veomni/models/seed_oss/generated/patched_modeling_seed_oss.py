@@ -6,18 +6,18 @@
 # Regenerate: patchgen veomni.models.seed_oss.patch_config
 # Description: Seed-OSS with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method SeedOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method SeedOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method SeedOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method SeedOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method SeedOssRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method SeedOssForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
 #   - override_method SeedOssMLP.forward: SwiGLU via kernels.get('swiglu', 'standard'); residual dropout kept
-#   - override_method SeedOssAttention.forward: RoPE via kernels.get('rope', 'full')
-#   - override_method SeedOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method SeedOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - override_method SeedOssForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method SeedOssForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
-#   - override_method SeedOssForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method SeedOssForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - add_method SeedOssForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method SeedOssForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method SeedOssForTokenClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method SeedOssForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
+#   - add_method SeedOssForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method SeedOssForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
+#   - replace_call SeedOssAttention.forward: RoPE via kernels.get('rope', 'full')
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
@@ -245,7 +245,6 @@ class SeedOssAttention(nn.Module):
 
         self.residual_dropout = config.residual_dropout
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full')
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -262,6 +261,7 @@ class SeedOssAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full')
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:
@@ -270,6 +270,7 @@ class SeedOssAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -280,9 +281,11 @@ class SeedOssAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         attn_output = nn.functional.dropout(attn_output, p=self.residual_dropout, training=self.training)
+
         return attn_output, attn_weights
 
 
