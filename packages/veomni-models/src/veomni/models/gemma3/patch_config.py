@@ -61,7 +61,7 @@ config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss"
 config.add_import("from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice")
 
 
-@config.override_method(
+@config.add_method(
     "Gemma3PreTrainedModel",
     "__init__",
     description="refuse a config setting attn_logit_softcapping (upstream never applies it), before any weight "
@@ -150,9 +150,9 @@ config.add_import(
     "from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward"
 )
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.override_method(
+config.add_method(
     "Gemma3TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Gemma3Text"}
 )(seq_cls_init)
-config.override_method("Gemma3TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(
+config.add_method("Gemma3TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(
     seq_cls_forward
 )

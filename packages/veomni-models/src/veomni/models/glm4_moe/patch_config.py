@@ -131,7 +131,7 @@ config.override_method(
     description="LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head "
     "weight); no aux loss, as upstream",
 )(causal_lm_forward)
-config.override_method(
+config.add_method(
     "Glm4MoeForCausalLM.get_parallel_plan",
     description="expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; "
     "shared experts, dense layers and the router stay replicated",

@@ -6,15 +6,15 @@
 # Regenerate: patchgen veomni.models.gemma3.patch_config
 # Description: Gemma 3 (text) with its (1 + weight) RMSNorm, RoPE and LM loss dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method Gemma3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Gemma3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
-#   - override_method Gemma3PreTrainedModel.__init__: refuse a config setting attn_logit_softcapping (upstream never applies it), before any weight is allocated
+#   - add_method Gemma3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Gemma3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Gemma3PreTrainedModel.__init__: refuse a config setting attn_logit_softcapping (upstream never applies it), before any weight is allocated
 #   - override_method Gemma3RMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
 #   - override_method Gemma3MLP.forward: upstream's GELU-tanh gated MLP; an explicitly chosen swiglu kernel (silu) is refused
 #   - override_method Gemma3Attention.forward: RoPE via kernels.get('rope', 'full') on the layer type's tables; q/k norms, scale and window as upstream
 #   - override_method Gemma3ForCausalLM.forward: LM head, final logit soft-cap and loss via lm_logits_and_loss (a fused linear cross-entropy gets the hidden states, the LM-head weight and the soft-cap; no [T, V] logits)
-#   - override_method Gemma3TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
-#   - override_method Gemma3TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - add_method Gemma3TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
+#   - add_method Gemma3TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask

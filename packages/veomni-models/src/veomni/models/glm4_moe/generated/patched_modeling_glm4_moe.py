@@ -6,13 +6,13 @@
 # Regenerate: patchgen veomni.models.glm4_moe.patch_config
 # Description: GLM-4.5 MoE (partial RoPE, optional q/k norm, group-limited sigmoid router, shared experts) with RMSNorm, SwiGLU, RoPE and the LM loss dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Glm4MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Glm4MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - add_method Glm4MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - add_method Glm4MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Glm4MoeRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Glm4MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers and shared experts)
 #   - override_method Glm4MoeAttention.forward: partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial'); q/k norm and biases as upstream
 #   - override_method Glm4MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
-#   - override_method Glm4MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
+#   - add_method Glm4MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
