@@ -108,57 +108,56 @@ def _qwen3_5_text(moe: bool) -> dict:
     return dict(HYBRID, rope_parameters=dict(QWEN3_5_ROPE), **(HYBRID_MOE if moe else {}))
 
 
+# Every bias on and head_dim 24 != hidden / heads, so a kernel assuming either shows; no dropout.
+SEED_OSS = dict(DENSE, head_dim=24, attention_bias=True, attention_out_bias=True, mlp_bias=True,
+                attention_dropout=0.0, residual_dropout=0.0)  # fmt: skip
+# Qwen3-30B-A3B's ratios; layer 0 dense (mlp_only_layers) so both MLP kinds run.
+QWEN3_MOE = dict(
+    DENSE, intermediate_size=160, num_hidden_layers=3, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=3,
+    mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.05, norm_topk_prob=True,
+)  # fmt: skip
+# DeepSeek-V3's structure: MLA with q LoRA and every head size different (nope 12, rope 8, v 10), group-limited
+# routing (8 experts in 2 groups, 1 kept, top-3) with a non-zero correction bias, 2 shared experts, layer 0 dense.
+DEEPSEEK_V3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2,
+    first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=2,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
+    qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+    max_position_embeddings=256, tie_word_embeddings=False,
+)  # fmt: skip
+# gpt-oss: odd sizes, sinks, a window of 4 (the sliding layer differs from the full one on these lengths), yarn RoPE
+# scaled down, a low swiglu_limit so the clamps bite.
+GPT_OSS = dict(
+    vocab_size=VOCAB, hidden_size=36, intermediate_size=20, num_local_experts=4, num_experts_per_tok=2,
+    num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+    tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.05, swiglu_limit=1.5,
+    pad_token_id=0, eos_token_id=1, bos_token_id=2,
+)  # fmt: skip
+# Qwen3-Next-80B-A3B's structure: partial RoPE, layer 0 dense, the rest routed + shared experts.
+QWEN3_NEXT = dict(
+    HYBRID, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+    mlp_only_layers=[0], partial_rotary_factor=0.25, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    output_router_logits=True, router_aux_loss_coef=0.05, norm_topk_prob=True,
+)  # fmt: skip
+GDN_SP_OVERRIDES = {f"text_config.{k}": v for k, v in HYBRID_SP.items()}
+
 ROWS: dict[str, Row] = {
     "llama": Row(lambda: LlamaConfig(**DENSE)),
     "qwen2": Row(lambda: Qwen2Config(**DENSE)),
     "qwen3": Row(lambda: Qwen3Config(**DENSE)),
-    # Every bias on and head_dim 24 != hidden / heads, so a kernel assuming either shows; no dropout.
-    "seed_oss": Row(
-        lambda: SeedOssConfig(**dict(DENSE, head_dim=24), attention_bias=True, attention_out_bias=True,
-                              mlp_bias=True, attention_dropout=0.0, residual_dropout=0.0)  # fmt: skip
-    ),
-    # Qwen3-30B-A3B's ratios; layer 0 dense (mlp_only_layers) so both MLP kinds run.
-    "qwen3_moe": Row(
-        lambda: Qwen3MoeConfig(
-            **dict(DENSE, intermediate_size=160, num_hidden_layers=3), moe_intermediate_size=24, num_experts=8,
-            num_experts_per_tok=3, mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.05,
-            norm_topk_prob=True,
-        )  # fmt: skip
-    ),
-    # DeepSeek-V3's structure: MLA with q LoRA and every head size different, group-limited routing with a
-    # non-zero correction bias, shared experts, layer 0 dense.
-    "deepseek_v3": Row(
-        lambda: DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2,
-            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
-            n_shared_experts=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20,
-            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5, norm_topk_prob=True,
-            rope_interleave=True, max_position_embeddings=256, tie_word_embeddings=False,
-        ),  # fmt: skip
-        perturb=redraw("e_score_correction_bias"),
-    ),
-    # gpt-oss: odd sizes, sinks, a window of 4 (the sliding layer differs from the full one on these lengths), yarn
-    # RoPE scaled down, a low swiglu_limit so the clamps bite.
+    "seed_oss": Row(lambda: SeedOssConfig(**SEED_OSS)),
+    "qwen3_moe": Row(lambda: Qwen3MoeConfig(**QWEN3_MOE)),
+    "deepseek_v3": Row(lambda: DeepseekV3Config(**DEEPSEEK_V3), perturb=redraw("e_score_correction_bias")),
     "gpt_oss": Row(
-        lambda: GptOssConfig(
-            vocab_size=VOCAB, hidden_size=36, intermediate_size=20, num_local_experts=4, num_experts_per_tok=2,
-            num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, sliding_window=4,
-            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
-            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0},
-            tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.05, swiglu_limit=1.5,
-            pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        ),  # fmt: skip
+        lambda: GptOssConfig(**GPT_OSS),
         perturb=redraw("bias", "sinks", std=0.5),  # upstream zero-inits them
         skip={"parity_sdpa": "transformers' GptOssForCausalLM refuses sdpa (_supports_sdpa is False: sinks)"},
     ),
-    # Qwen3-Next-80B-A3B's structure: partial RoPE, layer 0 dense, the rest routed + shared experts.
     "qwen3_next": Row(
-        lambda: Qwen3NextConfig(
-            **HYBRID, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8,
-            num_experts_per_tok=2, mlp_only_layers=[0], partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
-            rms_norm_eps=1e-6, output_router_logits=True, router_aux_loss_coef=0.05, norm_topk_prob=True,
-        ),  # fmt: skip
+        lambda: Qwen3NextConfig(**QWEN3_NEXT),
         sp_overrides=HYBRID_SP,
         perturb=OFFSET_NORMS,
         torch_fallback=GDN_FALLBACK,
@@ -179,13 +178,13 @@ ROWS: dict[str, Row] = {
     # the text config (a text-only run of a VLM checkpoint).
     "qwen3_5": Row(
         lambda: Qwen3_5Config(text_config=_qwen3_5_text(moe=False), vision_config=dict(TINY_VISION)),
-        sp_overrides={f"text_config.{k}": v for k, v in HYBRID_SP.items()},
+        sp_overrides=GDN_SP_OVERRIDES,
         perturb=OFFSET_NORMS,
         torch_fallback=GDN_FALLBACK,
     ),
     "qwen3_5_moe": Row(
         lambda: Qwen3_5MoeConfig(text_config=_qwen3_5_text(moe=True), vision_config=dict(TINY_VISION)),
-        sp_overrides={f"text_config.{k}": v for k, v in HYBRID_SP.items()},
+        sp_overrides=GDN_SP_OVERRIDES,
         perturb=OFFSET_NORMS,
         torch_fallback=GDN_FALLBACK,
     ),

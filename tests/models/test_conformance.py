@@ -120,7 +120,9 @@ def no_aux(model: torch.nn.Module) -> dict[str, bool]:
     return {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
 
 
-def run(model: torch.nn.Module, inputs: dict, **extra) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def run(
+    model: torch.nn.Module, inputs: dict, **extra
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Logits ``[B, S, V]``, loss and every parameter's gradient of one forward and backward (no cache)."""
     model.zero_grad(set_to_none=True)
     out = model(**inputs, use_cache=False, **extra)
@@ -293,7 +295,8 @@ def test_export_round_trip_gives_upstreams_weights(model_type, monkeypatch, tmp_
     assert type(reloaded) is type(reference) is upstream_class
     want, got = reference.state_dict(), reloaded.state_dict()
     assert got.keys() == want.keys()
-    assert not [k for k in want if not torch.equal(got[k], want[k])], "exported weights differ from the source's"
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"exported weights differ from the source's: {differ}"
     if not composite:  # the same file layout (e.g. per-expert tensors) as upstream's own save
         assert _tensor_keys(out) == _tensor_keys(src)
     ids = batch(rows=2)["input_ids"]
