@@ -1,5 +1,6 @@
-"""The generated dense adapters (Llama, Qwen2, Qwen3, Seed-OSS) equal upstream transformers: bitwise in eager mode, within
-fp32 tolerance with veomni kernels (Triton runs through the interpreter on CPU), for logits, loss and grad norm."""
+"""The generated dense adapters (Llama, Qwen2, Qwen3, Seed-OSS) with veomni kernels equal upstream transformers:
+bitwise with the eager kernels, within fp32 tolerance with the others (Triton runs through the interpreter on CPU),
+for logits, loss and grad norm. Parity without kernels, packing, SP and export: tests/models/test_conformance.py."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
 from transformers.models.llama.modeling_llama import LlamaForCausalLM as UpstreamLlama
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM as UpstreamQwen2
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as UpstreamQwen3
@@ -16,16 +16,12 @@ from transformers.models.seed_oss.modeling_seed_oss import SeedOssForCausalLM as
 
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
-from veomni.core.sp import gather_sequence, slice_sequence
+from veomni.core.sp import slice_sequence
 from veomni.kernels import OpsConfig, resolve_kernels
-from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.hf_attention import packed_kwargs
 from veomni.models.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalLM
 from veomni.models.qwen2.generated.patched_modeling_qwen2 import Qwen2ForCausalLM
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
-from veomni.models.registry import MODELS as REGISTRY
 from veomni.models.seed_oss.generated.patched_modeling_seed_oss import SeedOssForCausalLM
 
 # On a GPU runner the same checks run on CUDA (Triton compiled); on CPU, Triton runs through its interpreter.
@@ -91,11 +87,10 @@ def loss_and_grad_norm(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("kernels", [None, "eager"], ids=["no-kernels", "eager-kernels"])
-def test_eager_paths_are_bitwise_upstream(model, attn, kernels):
+def test_eager_kernels_are_bitwise_upstream(model, attn):
+    # The adapters without kernels against upstream: tests/models/test_conformance.py (parity).
     upstream, ours = build_pair(attn, model)
-    if kernels:
-        attach_kernels(ours, resolve_kernels(OpsConfig(**EAGER_OPS)))
+    attach_kernels(ours, resolve_kernels(OpsConfig(**EAGER_OPS)))
     ref_logits, ref_loss, ref_norm = loss_and_grad_norm(upstream, batch())
     logits, loss, norm = loss_and_grad_norm(ours, batch())
     assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss) and norm == ref_norm
@@ -199,70 +194,7 @@ def test_seed_oss_kernels_keep_the_residual_dropout():
     assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
-# ---------------------------------------------------------------- Seed-OSS: registry, export, Ulysses SP
-
-
-def test_seed_oss_builds_from_a_checkpoint_and_exports_to_plain_transformers(tmp_path):
-    src, out = tmp_path / "src", tmp_path / "out"
-    config = tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0)
-    torch.manual_seed(3)
-    UpstreamSeedOss(config).save_pretrained(src)
-    resolved = REGISTRY.model_class(config, "causal_lm")
-    assert resolved.cls is SeedOssForCausalLM and resolved.fast_paths == {"sp", "fused_kernels"}
-    eager = OpsConfig(**EAGER_OPS, attention="eager")
-    model = build_model(str(src), weights=str(src), ops=eager).eval()
-    assert type(model) is SeedOssForCausalLM
-    export_hf(model, out)
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded) is UpstreamSeedOss
-    src_keys = set(UpstreamSeedOss.from_pretrained(src).state_dict())
-    assert set(reloaded.state_dict()) == src_keys and "model.layers.0.self_attn.o_proj.bias" in src_keys
-    prompt = batch()["input_ids"][:1, :7].cpu()
-    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.cpu().generate(prompt, **settings), reloaded.generate(prompt, **settings))
-
-
-def _seed_oss_sp_case(ctx) -> dict[str, float]:
-    # One packed row of three documents through our adapter with veomni_sdpa, whole vs sliced over SP=2 ranks.
-    state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    group = state.sp_group
-    torch.manual_seed(0)
-    model = SeedOssForCausalLM(tiny_config("seed_oss", attention_dropout=0.0, residual_dropout=0.0))
-    apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))
-    lengths = [5, 1, 7]
-    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
-    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    labels = torch.cat(
-        [torch.cat([ids[0, s + 1 : s + n], torch.tensor([-100])]) for s, n in _starts(lengths)]
-    )[None]
-
-    def summed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
-    ref = model(input_ids=ids, position_ids=positions, **packed_kwargs(positions)).logits
-    summed(ref, labels).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    with use_parallel_state(state):
-        kwargs = {**packed_kwargs(positions), "sp_unpadded_len": ids.shape[1]}
-        local = model(
-            input_ids=slice_sequence(ids, 1, group),
-            position_ids=slice_sequence(positions, 1, group),
-            **kwargs,
-        ).logits
-    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
-    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
-    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0}
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)
-        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
-        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
-    return worst
-
-
-def _starts(lengths: list[int]) -> list[tuple[int, int]]:
-    return [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
+# ---------------------------------------------------------------- text models under Ulysses SP
 
 
 def _sp_without_positions(ctx) -> str:
@@ -288,8 +220,3 @@ def test_a_text_model_under_sp_refuses_inputs_without_position_ids(dist_pools):
     # HF would number each rank's shard from 0: wrong RoPE and each shard attending only to itself (logits off by
     # 0.43 on 2 gloo ranks), silently.
     assert all("slice_sequence" in message for message in dist_pools.get(2).run(_sp_without_positions))
-
-
-def test_seed_oss_ulysses_sp2_matches_single_process(dist_pools):
-    for worst in dist_pools.get(2).run(_seed_oss_sp_case):
-        assert worst["logits"] < 1e-5 and worst["grad"] <= 1.0, worst
