@@ -1,6 +1,7 @@
-"""The generated Qwen3.5 text adapter (``qwen3_5_text``) against upstream transformers, and packed varlen against
-per-document runs. It reuses Qwen3-Next's patches and Gated DeltaNet training path (`test_qwen3_next` covers SP,
-checkpoints and the kernels); this file proves Qwen3.5's own projections and layer wiring.
+"""The generated Qwen3.5 text adapter (``qwen3_5_text``) with veomni's kernels against upstream transformers, and
+packed varlen (by positions) against per-document runs. It reuses Qwen3-Next's patches and Gated DeltaNet training
+path (`test_qwen3_next` covers SP and the kernels; `test_conformance` bitwise parity, cu_seq_lens packing, SP 2 and
+the export round trip of every Qwen3.5 model type); this file proves Qwen3.5's own projections and layer wiring.
 """
 
 from __future__ import annotations
