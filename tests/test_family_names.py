@@ -10,6 +10,7 @@ not import a VLM, omni or DiT module (the family folders are imported only for t
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -31,8 +32,14 @@ def family_names() -> set[str]:
     return names | {spec.model_type for family in FAMILIES for spec in family.model_types}
 
 
-def _flat(name: str) -> str:
-    return name.lower().replace("_", "")
+def _tokens(name: str) -> list[str]:
+    """Lower-case words of a name, split at ``_ . :`` and at case and digit boundaries: ``Qwen2VLEncoder`` ->
+    ``qwen 2 vl encoder``, like ``qwen2_vl`` -> ``qwen 2 vl`` (``wanted`` is one word, not ``wan``)."""
+    return [
+        word.lower()
+        for part in re.split(r"[_.:,]", name)
+        for word in re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", part)
+    ]
 
 
 def _docstring_nodes(tree: ast.AST) -> set[int]:
@@ -51,21 +58,20 @@ def _docstring_nodes(tree: ast.AST) -> set[int]:
 def mentions(source: str, names: set[str], filename: str = "<src>") -> list[str]:
     """``line: what`` for every import, identifier or non-docstring string constant naming a family.
 
-    Identifiers and import paths match a name case-insensitively without underscores, also as a prefix
-    (``Qwen2VLPositions`` names ``qwen2_vl``). A string constant matches where one of its words is a name or a
+    Identifiers and import paths match where a name's words appear in a row among theirs (`_tokens`:
+    ``Qwen2VLPositions`` names ``qwen2_vl``, ``wanted`` does not name ``wan``). A string constant matches where one of its words is a name or a
     ``veomni.models.*`` / ``transformers.models.*`` path through a family's folder; a message citing a model by its
     human name ("Qwen2.5-VL") is documentation, like a docstring: strings with whitespace are not read."""
     tree = ast.parse(source, filename=filename)
     docs = _docstring_nodes(tree)
-    flat = {_flat(name) for name in names}
+    sequences = {tuple(_tokens(name)) for name in names}
     lowered = {name.lower() for name in names}
 
     def identifier(text: str) -> bool:
-        for part in re.split(r"[.:,]", text):
-            word = _flat(part)
-            if any(word == t or (word.startswith(t) and not word[len(t) : len(t) + 1].isdigit()) for t in flat):
-                return True
-        return False
+        tokens = _tokens(text)
+        return any(
+            tuple(tokens[i : i + len(seq)]) == seq for seq in sequences for i in range(len(tokens) - len(seq) + 1)
+        )
 
     def literal(text: str) -> bool:
         if any(c.isspace() for c in text):
@@ -74,9 +80,10 @@ def mentions(source: str, names: set[str], filename: str = "<src>") -> list[str]
             word = word.lower().strip(".:")
             if word in lowered:
                 return True
-            if word.startswith(("veomni.models.", "transformers.models.")):
-                if any(segment in lowered for segment in re.split(r"[.:]", word)):
-                    return True
+            if word.startswith(("veomni.models.", "transformers.models.")) and any(
+                segment in lowered for segment in re.split(r"[.:]", word)
+            ):
+                return True
         return False
 
     found = []
@@ -136,6 +143,7 @@ def f(llama_config):
     return {"model_type": "qwen2_vl"}
 x = "veomni.models.qwen2_vl.video:Rule"
 y = "qwen22"
+wanted = 1
 z = "see qwen2_vl's rule"
 '''
     hits = mentions(source, names)
@@ -144,16 +152,17 @@ z = "see qwen2_vl's rule"
 
 def test_a_text_run_imports_no_multimodal_or_dit_code():
     script = """
-import sys
+import json, sys
 import veomni.train.loop, veomni.train.step, veomni.train.cli
 from veomni.train.tasks import task_class
 task_class("text")
 from veomni.models.registry import MODELS
-families = {"%s"}
+families = set(json.loads(sys.argv[1]))
 loaded = sorted(m for m in sys.modules if m.startswith("veomni.models.") and m.split(".")[2] in families
                 and not m.endswith(".family") and m.count(".") > 2 or m.startswith("veomni.train.tasks.") and
                 m.split(".")[3] in ("vision", "dit", "dit_setup") or m.startswith("diffusers"))
 print("\\n".join(loaded))
-""" % '", "'.join(sorted(FAMILY_FOLDERS))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+"""
+    folders = json.dumps(sorted(FAMILY_FOLDERS))
+    out = subprocess.run([sys.executable, "-c", script, folders], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"a text run imported:\n{out}"

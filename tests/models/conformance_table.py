@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import (
     DeepseekV3Config,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -142,6 +143,15 @@ QWEN3_NEXT = dict(
     mlp_only_layers=[0], partial_rotary_factor=0.25, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
     output_router_logits=True, router_aux_loss_coef=0.05, norm_topk_prob=True,
 )  # fmt: skip
+# GLM-4.5's structure: head_dim 24 with partial RoPE (half rotates), GQA 4:2, q/k norm and attention biases, 8 experts
+# in 2 groups (1 kept, top-3) with a correction bias, 2 shared experts, layer 0 dense.
+GLM4_MOE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=3,
+    first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=24, partial_rotary_factor=0.5, use_qk_norm=True,
+    attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
 GDN_SP_OVERRIDES = {f"text_config.{k}": v for k, v in HYBRID_SP.items()}
 
 ROWS: dict[str, Row] = {
@@ -151,6 +161,9 @@ ROWS: dict[str, Row] = {
     "seed_oss": Row(lambda: SeedOssConfig(**SEED_OSS)),
     "qwen3_moe": Row(lambda: Qwen3MoeConfig(**QWEN3_MOE)),
     "deepseek_v3": Row(lambda: DeepseekV3Config(**DEEPSEEK_V3), perturb=redraw("e_score_correction_bias")),
+    "glm4_moe": Row(
+        lambda: Glm4MoeConfig(**GLM4_MOE), perturb=redraw("e_score_correction_bias", "proj.bias")
+    ),
     "gpt_oss": Row(
         lambda: GptOssConfig(**GPT_OSS),
         perturb=redraw("bias", "sinks", std=0.5),  # upstream zero-inits them

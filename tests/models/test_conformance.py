@@ -36,9 +36,9 @@ from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.export.hf import export_hf
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.registry import MODELS, config_for_class
 
 MODEL_TYPES = sorted(

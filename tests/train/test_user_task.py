@@ -72,7 +72,7 @@ def test_register_task_refuses_taken_names_and_mismatched_names():
 
 
 def test_recipe_error_type_for_bad_tasks():
-    from veomni.train.recipe_sections import ModelSection
+    from veomni.train.recipe.sections import ModelSection
 
     with pytest.raises(RecipeError, match="model.task: expected one of"):
         ModelSection(weights="x", task="nope")

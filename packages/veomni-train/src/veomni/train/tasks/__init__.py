@@ -105,7 +105,7 @@ class Task(Protocol):
 
     def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
         """Write into ``out`` what `export` writes beside the weights (config, generation config, tokenizer,
-        processor files), for a checkpoint's ``hf_files/`` (`veomni.models.export_files`); called on one rank,
+        processor files), for a checkpoint's ``hf_files/`` (`veomni.models.export.files`); called on one rank,
         so no collectives. Nothing where the offline export does not read them."""
         ...
 
