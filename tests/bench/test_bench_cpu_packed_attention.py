@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from bench_loader import load_bench
 
@@ -18,6 +19,7 @@ def test_documents_fill_the_row_exactly():
         assert sum(lengths) == seq and min(lengths) >= 1 and max(lengths) <= 2 * mean - 1
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_tiny_contenders_agree_and_report_every_field(tmp_path):
     out = tmp_path / "attn.json"
     bench.main(["--out", str(out), "--tiny"])

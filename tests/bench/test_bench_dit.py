@@ -142,6 +142,7 @@ def test_compiled_contenders_trace_whole_blocks_and_match_eager(tmp_path):
     )
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_time_budget_skips_the_contenders_left_and_still_writes_json(tmp_path):
     out = tmp_path / "b.json"
     bench.main([*SMOKE, "--contenders", "diffusers,veomni", "--time-budget-s", "0", "--out", str(out)])

@@ -31,6 +31,7 @@ def _bench_task(ctx, argv: list[str]) -> dict:
     return load_bench("bench_dit_sp.py").main(argv)
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_tiny_i2v_sp2_and_sp1_start_from_the_same_loss(dist_pools, tmp_path):
     out = tmp_path / "dit_sp.json"
     argv = ["--out", str(out), "--size", "tiny", "--device", "cpu", "--sp", "2,1", "--steps", "1", "--warmup", "1",

@@ -28,6 +28,7 @@ def tiny(tmp_path_factory) -> dict:
     return result
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 @pytest.mark.parametrize("block", bench.BLOCKS)
 def test_tiny_blocks_match_hf_and_report_every_field(tiny, block):
     section = tiny["blocks"][block]
@@ -60,6 +61,7 @@ def _param_names(block: str) -> list[str]:
     return [n for n, _ in bench.build_hf(block, bench.SHAPES["tiny"][block], "eager").named_parameters()]
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_triton_backend_matches_hf_in_the_interpreter_or_is_skipped(tmp_path):
     args = [
         "--size",
@@ -80,6 +82,7 @@ def test_triton_backend_matches_hf_in_the_interpreter_or_is_skipped(tmp_path):
     assert row["errors"]["d_params_max_rel"] < 1e-5 and row["ops"]["moe_experts"] == "triton"
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_a_wrong_veomni_block_is_flagged(tmp_path, monkeypatch):
     # A veomni block clamping at 0.5 instead of gpt-oss's 7.0 must fail the parity check.
     build = bench.build_veomni

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_loader import load_bench
 
 bench = load_bench("bench_grouped_gemm.py")
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_every_gemm_runs_and_matches_the_loop(tmp_path):
     out = tmp_path / "gg.json"
     bench.main(["--out", str(out), "--device", "cpu", "--tiny", "--dtype", "float32", "--warmup", "0", "--reps", "1"])

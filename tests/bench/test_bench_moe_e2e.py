@@ -94,6 +94,7 @@ def test_smoke_two_gloo_ranks_veomni_and_hf_start_equal(tmp_path):
     )
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_one_rank_bf16_veomni_trains_the_master_weights(tmp_path):
     # One process in bf16 takes the trainer's master-weights path: the optimizer must step the fp32 masters (as
     # build_run builds it); an optimizer over the bf16 module was refused by build_adamw.

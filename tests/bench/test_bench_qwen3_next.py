@@ -15,6 +15,7 @@ from bench_loader import load_bench
 bench = load_bench("bench_qwen3_next.py")
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_tiny_stack_matches_transformers(tmp_path, family):
     out = tmp_path / "q3n.json"

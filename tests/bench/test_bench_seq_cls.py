@@ -15,6 +15,7 @@ from bench_loader import load_bench
 bench = load_bench("bench_seq_cls.py")
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_tiny_run_matches_hf_and_reports_every_field(tmp_path):
     out = tmp_path / "seq_cls.json"
     returned = bench.main(
@@ -44,6 +45,7 @@ def test_unknown_contender_is_an_error(tmp_path):
         bench.parse_args(["--size", "tiny", "--contenders", "hf,liger", "--out", str(tmp_path / "x.json")])
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_contenders_without_hf_run_against_the_first_one(tmp_path):
     # Without hf in --contenders, the first contender is the reference and no speed-up against HF is reported
     # (this used to index the empty row list before the first row was appended).

@@ -25,6 +25,7 @@ def tiny(tmp_path_factory) -> dict:
     return result
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_tiny_backends_match_hf_eager(tiny):
     configs = tiny["configs"]
     assert [(c["layer"], c["packed"]) for c in configs] == [

@@ -144,6 +144,7 @@ def test_same_data_sp2_matches_sp1_step_for_step(dist_pools, tmp_path, ac):
         assert merged["earlier_commands"] == [results[0]["command"]] and merged["longest_sp1_fit"] == 256
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_hybrid_model_sp2_matches_sp1_and_counts_attention_layers_only(dist_pools, tmp_path):
     # --model qwen3_5_9b --tiny: Gated DeltaNet layers under Ulysses SP (heads split, recurrence whole) through the
     # benchmark's own trainer path; the quadratic FLOPs term counts the one full-attention layer of the four.
@@ -160,6 +161,7 @@ def test_hybrid_model_sp2_matches_sp1_and_counts_attention_layers_only(dist_pool
     assert sp2["flops_per_step"] - attention == pytest.approx(256 * sp2["flops_per_token_matmul"])
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_one_rank_bf16_trains_the_master_weights(tmp_path):
     # One process in bf16 takes the trainer's master-weights path (a bf16 module over fp32 masters): the optimizer
     # must step the masters, as build_run builds it (an optimizer over the bf16 module was refused by build_adamw).

@@ -12,6 +12,7 @@ pytest.importorskip("diffusers")
 bench = load_bench("bench_wan_ops.py")
 
 
+@pytest.mark.slow  # slow tier: runs a bench script end to end
 def test_rows_run_and_match_diffusers(tmp_path):
     out = tmp_path / "wan_ops.json"
     bench.main(["--out", str(out), "--device", "cpu", "--tokens", "24", "--heads", "2", "--dtype", "fp32",

@@ -1,5 +1,7 @@
-"""The generated Qwen3-Next adapter against upstream transformers; packed varlen equals per-document runs (the
-Gated DeltaNet state resets per document); Ulysses SP and EP on real gloo ranks equal one process.
+"""The generated Qwen3-Next adapter against upstream transformers with veomni's kernels; packed varlen (by positions)
+equals per-document runs (the Gated DeltaNet state resets per document); Ulysses SP (4 ranks, positions only) and EP
+on real gloo ranks equal one process. Bitwise parity, packing with cu_seq_lens, SP 2 and the per-expert checkpoint's
+export round trip: tests/models/test_conformance.py.
 
 Upstream's Gated DeltaNet dispatches to flash-linear-attention whenever it is installed, and fla's kernels are
 CUDA-only; the upstream models here run on CPU tensors, so the `torch_fallback` fixture points upstream's module
@@ -128,14 +130,6 @@ def test_fresh_init_draws_every_weight_as_upstream_does():
     assert_fresh_init_like_upstream(upstream_modeling.Qwen3NextForCausalLM, Qwen3NextForCausalLM, tiny_config())
 
 
-def test_without_kernels_is_bitwise_upstream():
-    upstream, ours = build_pair()
-    inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}  # two unpacked rows
-    want, got = run(upstream, inputs), run(ours, inputs)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert all(torch.equal(got[2][n], g) for n, g in want[2].items())
-
-
 def test_eager_kernels_match_upstream():
     upstream, ours = build_pair()
     apply_ops(ours, OpsConfig(**EAGER_OPS))
@@ -144,7 +138,8 @@ def test_eager_kernels_match_upstream():
     assert_match(run(ours, inputs), run(upstream, inputs), 2e-5)
 
 
-@pytest.mark.parametrize("packing", ["cu_seq_lens_q", "position_ids"])
+# With veomni's cu_seq_lens_q kwargs: tests/models/test_conformance.py (packed).
+@pytest.mark.parametrize("packing", ["position_ids"])
 def test_packed_row_equals_documents_run_alone(packing):
     # position_ids alone is HF's DataCollatorWithFlattening packing: every layer, Gated DeltaNet too, must honour it.
     _, ours = build_pair()
@@ -245,8 +240,12 @@ def _sp_case(ctx, lengths: tuple[int, ...], by_positions: bool = False) -> dict[
     return worst
 
 
-@pytest.mark.parametrize("by_positions", [False, True], ids=["cu_seq_lens_q", "position_ids"])
-@pytest.mark.parametrize("world", [2, 4])
+# SP 2 with the cu_seq_lens_q kwargs: tests/models/test_conformance.py (sp).
+@pytest.mark.parametrize(
+    "world, by_positions",
+    [(2, True), (4, False), (4, True)],
+    ids=["2-position_ids", "4-cu_seq_lens_q", "4-position_ids"],
+)
 def test_sp_equals_single_process(dist_pools, world, by_positions):
     # 25 tokens: not divisible by 2 or 4, so the SP padding path runs too.
     for worst in dist_pools.get(world).run(_sp_case, (7, 13, 5), by_positions):
@@ -307,37 +306,6 @@ def test_sp_refuses_a_padding_mask_that_is_not_the_ranks_shard(dist_pools, mask_
     for worst in dist_pools.get(2).run(_sp_padding_mask_case, "qwen3_next", 16, mask_form):
         assert worst["error"] is not None, worst
         assert "[2, 8]" in worst["error"] and "Ulysses SP" in worst["error"], worst
-
-
-def test_per_expert_checkpoint_builds_and_exports_to_plain_transformers(tmp_path):
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    from veomni.models.build import build_model
-    from veomni.models.export.hf import export_hf
-    from veomni.models.registry import MODELS
-
-    src, out = tmp_path / "src", tmp_path / "out"
-    upstream, _ = build_pair()
-    upstream.save_pretrained(src)
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        src_keys = set(f.keys())
-    # transformers saves Qwen3-Next in its original per-expert layout: loading must merge it (qwen2_moe recipe).
-    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in src_keys
-    assert MODELS.model_class(upstream.config, "causal_lm").cls is Qwen3NextForCausalLM
-    model = build_model(str(src), weights=str(src), ops=OpsConfig(**EAGER_OPS))
-    assert type(model) is Qwen3NextForCausalLM
-    inputs = {k: v for k, v in batch(rows=2).items() if k != "position_ids"}
-    assert_match(run(model, inputs), run(upstream, inputs), 2e-5)
-    export_hf(model, out)
-    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
-        assert set(f.keys()) == src_keys  # back in the upstream layout, nothing missing or extra
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded) is upstream_modeling.Qwen3NextForCausalLM
-    prompt = inputs["input_ids"][:1, :6]
-    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.eval().generate(prompt, **settings), reloaded.generate(prompt, **settings))
-    assert torch.equal(upstream.eval().generate(prompt, **settings), reloaded.generate(prompt, **settings))
 
 
 def _ep_step(ctx) -> dict:

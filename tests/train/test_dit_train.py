@@ -376,6 +376,7 @@ def test_dit_recipe_rules():
 # ---------------------------------------------------------------- quickstart
 
 
+@pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_quickstart_dit_trains_and_exports_for_diffusers(tmp_path):
     out = tmp_path / "qs"
     cmd = [sys.executable, "-m", "veomni.train.cli", "quickstart-dit", f"--checkpoint.dir={out}"]

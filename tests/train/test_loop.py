@@ -193,6 +193,7 @@ def test_resume_is_exact(dist_pools, tmp_path, world_size, backend):
         assert got == want  # bitwise: same data, same RNG, same optimizer state
 
 
+@pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_quickstart_trains_saves_and_exports(tmp_path):
     import subprocess
     import sys

@@ -47,6 +47,7 @@ def _answer_logprob(model, encoder, row: dict, answer: str) -> float:
     return float(torch.log_softmax(logits[keep], -1).gather(-1, labels[keep, None]).sum())
 
 
+@pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_export_names_the_pitch_of_unheard_tones(exported):
     from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
 

@@ -49,6 +49,7 @@ def run(tmp_path_factory) -> dict:
     return {"out": out, "stdout": result.stdout}
 
 
+@pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_quickstart_vlm_trains_to_its_golden_curve(run):
     first, last = (
         float(x) for x in re.search(r"done: \d+ steps, loss (\S+) -> (\S+)", run["stdout"]).groups()
@@ -108,6 +109,7 @@ def ask(exported: dict, picture: str, question: str) -> str:
     return tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+@pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_export_loads_in_plain_transformers_and_answers_about_a_picture(exported):
     """Weights, tokenizer with chat template and preprocessor config: transformers alone loads them and generates
     from a picture. Without torchvision ``AutoProcessor`` cannot be built (Qwen3-VL's processor insists on a video
@@ -130,6 +132,7 @@ def test_export_loads_in_plain_transformers_and_answers_about_a_picture(exported
     )
 
 
+@pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_the_model_learned_to_see(exported):
     """On the eval pictures (never trained on) the model names shape and colour far above chance (1/3 and 1/6):
     the answers depend on the pixels, so the tower, the mergers and the language model trained together."""
