@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import (
     DeepseekV3Config,
+    Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
@@ -154,11 +155,22 @@ GLM4_MOE = dict(
 )  # fmt: skip
 GDN_SP_OVERRIDES = {f"text_config.{k}": v for k, v in HYBRID_SP.items()}
 
+# Gemma 3: a sliding layer (window 5, shorter than the test rows) then a global one, each with its own RoPE base, a
+# softmax scale from query_pre_attn_scalar, and a final logit soft-cap small enough to bite.
+GEMMA3 = dict(
+    DENSE, sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+    final_logit_softcapping=0.5, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+    },
+)  # fmt: skip
+
 ROWS: dict[str, Row] = {
     "llama": Row(lambda: LlamaConfig(**DENSE)),
     "qwen2": Row(lambda: Qwen2Config(**DENSE)),
     "qwen3": Row(lambda: Qwen3Config(**DENSE)),
     "seed_oss": Row(lambda: SeedOssConfig(**SEED_OSS)),
+    "gemma3_text": Row(lambda: Gemma3TextConfig(**GEMMA3), perturb=OFFSET_NORMS),
     "qwen3_moe": Row(lambda: Qwen3MoeConfig(**QWEN3_MOE)),
     "deepseek_v3": Row(lambda: DeepseekV3Config(**DEEPSEEK_V3), perturb=redraw("e_score_correction_bias")),
     "glm4_moe": Row(
