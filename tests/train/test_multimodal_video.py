@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_multimodal_data import END, IMAGE, REF, START, VIDEO, VIDEO_PROCESSOR, make_processor_dir, png
 
+from veomni.models.qwen3_vl.data_rules import video_rule as qwen3_vl_video_rule
 from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.models.qwen3_vl.video import Qwen3VLVideoRule, patchify, smart_resize
 from veomni.train.data import DataError
 from veomni.train.data.encode import load_tokenizer
-from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
+from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
 
 
 def hf_video_processor(**overrides):
@@ -91,8 +92,14 @@ def encoder(path: str, media_root: str | None = None, **video) -> MultimodalEnco
         True,
         media_root=media_root,
         max_patches=None,
+        positions=Qwen3VLPositions(IMAGE, 2, VIDEO),
         video_rule=load_video_rule(path, fps=video.get("fps"), max_frames=video.get("max_frames")),
     )
+
+
+def load_video_rule(path: str, *, fps: float | None, max_frames: int | None):
+    """Qwen3-VL's video rule from ``path`` (the family's data rule), as a training run loads it."""
+    return qwen3_vl_video_rule(path, None, fps=fps, max_frames=max_frames, frame_pixels=None)
 
 
 _ENCODERS: dict[str, MultimodalEncoder] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_multimodal_data import REF, START, VIDEO, png
+from test_multimodal_data import REF, START, VIDEO, model_data, png
 from test_omni_moe_train import thinker_config
 from test_omni_train import A_END, A_START, AUDIO, make_omni_dir, tone
 from test_omni_video_train import SIDE, VIDEO_TEMPLATE, row, video, video_recipe, write_clip
@@ -147,10 +147,10 @@ def test_special_tokens_come_from_the_tokenizers_declarations(assets):
     with pytest.raises(
         DataError, match="config has no audio_end_token_id and the tokenizer declares no audio_eos"
     ):
-        encoder_for(data, tokenizer, thinker_config=thinker_config())
+        encoder_for(data, tokenizer, **model_data(thinker_config()))
     tokenizer.audio_token = "<|audio_pad|>"  # Qwen3-Omni's placeholder name, which this tokenizer lacks
     with pytest.raises(DataError, match=r"the tokenizer has no <\|audio_pad\|> token"):
-        encoder_for(data, tokenizer, thinker_config=thinker_config())
+        encoder_for(data, tokenizer, **model_data(thinker_config()))
 
 
 def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
