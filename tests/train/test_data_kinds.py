@@ -81,7 +81,7 @@ def test_kinds_are_checked_against_the_task_and_named_in_errors(tmp_path):
         recipe_from_dict(kind_recipe(tmp_path, "prompt_complection"))
     with pytest.raises(RecipeError, match="data.kind='user_data_kind:Nothing': user_data_kind has no class"):
         recipe_from_dict(kind_recipe(tmp_path, "user_data_kind:Nothing"))
-    with pytest.raises(RecipeError, match="cannot import 'no_such_package'"):
+    with pytest.raises(RecipeError, match="cannot import 'no_such_package.data': No module named"):
         recipe_from_dict(kind_recipe(tmp_path, "no_such_package.data:Encoder"))
     # A kind trains with the tasks that list it or that it names: prompt_completion names text, not vlm.
     raw = kind_recipe(tmp_path, "prompt_completion")

@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_multimodal_data import END, IMAGE, REF, START, VIDEO, VIDEO_PROCESSOR, make_processor_dir, png
 
-from veomni.models.qwen3_vl.data_rules import video_rule as qwen3_vl_video_rule
 from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.models.qwen3_vl.video import Qwen3VLVideoRule, patchify, smart_resize
 from veomni.train.data import DataError
@@ -98,8 +97,16 @@ def encoder(path: str, media_root: str | None = None, **video) -> MultimodalEnco
 
 
 def load_video_rule(path: str, *, fps: float | None, max_frames: int | None):
-    """Qwen3-VL's video rule from ``path`` (the family's data rule), as a training run loads it."""
-    return qwen3_vl_video_rule(path, None, fps=fps, max_frames=max_frames, frame_pixels=None)
+    """Qwen3-VL's video rule from ``path`` as a training run loads it (its family's data rules, through
+    `veomni.train.data.encoders.load_video_rule`), or why there is none."""
+    from test_multimodal_data import tiny_vlm_config
+
+    from veomni.models.families import data_rules
+    from veomni.train.data.encoders import load_video_rule as load
+    from veomni.train.recipe import DataSection
+
+    data = DataSection(train_files=("rows.jsonl",), kind="multimodal", video_fps=fps, video_max_frames=max_frames)
+    return load(data_rules("qwen3_vl"), path, tiny_vlm_config(), data)
 
 
 _ENCODERS: dict[str, MultimodalEncoder] = {}

@@ -89,7 +89,7 @@ def assets(tmp_path_factory) -> dict:
 
 def encoder(assets: dict):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     data = recipe_from_dict(omni_recipe(assets, "/tmp/unused")).data

@@ -77,7 +77,7 @@ def moe_video_recipe(assets: dict, out: str, *, sp: int = 1) -> dict:
 
 def encoder(assets: dict, audio_in_video: bool = True):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     raw = moe_video_recipe(assets, "/tmp/unused")

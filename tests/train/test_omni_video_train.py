@@ -108,7 +108,7 @@ def video_recipe(assets: dict, out: str, audio_in_video: bool = True, **train) -
 
 def encoder(assets: dict, audio_in_video: bool = True):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     data = recipe_from_dict(video_recipe(assets, "/tmp/unused", audio_in_video)).data
@@ -176,7 +176,7 @@ def test_video_without_its_track_and_bad_input(assets):
     from test_multimodal_data import tiny_vlm_config
 
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
 
     # A vision-language model reads no audio: its rules use the vision encoder, which refuses the audio options.
     with pytest.raises(DataError, match="data.use_audio_in_video is set, but only an audio-visual model"):
