@@ -13,14 +13,16 @@ from veomni.train.data import DataError, RowRef, build_encoder, register_data_ki
 from veomni.train.data.build import check_task_and_kind, encoder_for
 from veomni.train.data.encode import load_tokenizer
 from veomni.train.data.kinds import data_kind, data_kind_names
-from veomni.train.recipe import ASSETS_DIR, RecipeError, DataSection, recipe_from_dict
+from veomni.train.recipe import ASSETS_DIR, DataSection, RecipeError, recipe_from_dict
 
 TOKENIZER = str(ASSETS_DIR / "quickstart" / "tokenizer")
 REF = RowRef("rows.jsonl", 0, 1)
 
 
 def rows(n: int) -> list[dict]:
-    return [{"prompt": f"Question {k}: what is {k} plus {k}?", "completion": f" It is {2 * k}."} for k in range(n)]
+    return [
+        {"prompt": f"Question {k}: what is {k} plus {k}?", "completion": f" It is {2 * k}."} for k in range(n)
+    ]
 
 
 def kind_recipe(tmp_path, kind: str) -> dict:
@@ -77,7 +79,9 @@ def test_kinds_are_checked_against_the_task_and_named_in_errors(tmp_path):
     assert {"text", "conversation", "multimodal", "dit", "dit_latents", "prompt_completion"} <= set(
         data_kind_names()
     )
-    with pytest.raises(RecipeError, match=r"data.kind: expected one of \[.*'prompt_completion'.*\] or a data kind "):
+    with pytest.raises(
+        RecipeError, match=r"data.kind: expected one of \[.*'prompt_completion'.*\] or a data kind "
+    ):
         recipe_from_dict(kind_recipe(tmp_path, "prompt_complection"))
     with pytest.raises(RecipeError, match="data.kind='user_data_kind:Nothing': user_data_kind has no class"):
         recipe_from_dict(kind_recipe(tmp_path, "user_data_kind:Nothing"))
@@ -87,11 +91,15 @@ def test_kinds_are_checked_against_the_task_and_named_in_errors(tmp_path):
     raw = kind_recipe(tmp_path, "prompt_completion")
     check_task_and_kind(recipe_from_dict(raw))
     raw["model"]["task"] = "vlm"
-    with pytest.raises(DataError, match=r"model.task='vlm' trains on data.kind in \['multimodal'\].*which trains "):
+    with pytest.raises(
+        DataError, match=r"model.task='vlm' trains on data.kind in \['multimodal'\].*which trains "
+    ):
         check_task_and_kind(recipe_from_dict(raw))
     # The text task does not train on multimodal rows (no kind names it).
     raw = kind_recipe(tmp_path, "multimodal")
-    with pytest.raises(DataError, match=r"model.task='text' trains on data.kind in \['text', 'conversation'\]"):
+    with pytest.raises(
+        DataError, match=r"model.task='text' trains on data.kind in \['text', 'conversation'\]"
+    ):
         check_task_and_kind(recipe_from_dict(raw))
 
 

@@ -167,7 +167,7 @@ def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
         for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3, tower.conv_out):
             conv.weight.normal_(0.0, 0.2)
     task = OmniTask.for_model(model)
-    assert task.no_video is None
+    assert task.data_rules is not None and task.data_rules.encoder == "audio_visual" and task.data_rules.video_rule
     enc = encoder(assets)
 
     def loss(name: str) -> float:

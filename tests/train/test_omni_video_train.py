@@ -200,7 +200,7 @@ def test_a_rows_video_changes_the_loss(assets):
     torch.manual_seed(0)
     model = Qwen2_5OmniThinkerForConditionalGeneration(thinker_config()).eval()
     task = OmniTask.for_model(model)
-    assert task.no_video is None
+    assert task.data_rules is not None and task.data_rules.encoder == "audio_visual" and task.data_rules.video_rule
     enc = encoder(assets, audio_in_video=False)
 
     def loss(name: str) -> float:
