@@ -83,7 +83,7 @@ def encoder(assets: dict, audio_in_video: bool = True):
     raw = moe_video_recipe(assets, "/tmp/unused")
     raw["data"]["use_audio_in_video"] = audio_in_video
     return encoder_for(
-        recipe_from_dict(raw).data, load_tokenizer(assets["processor"]), thinker_config=thinker_config()
+        recipe_from_dict(raw).data, load_tokenizer(assets["processor"]), **model_data(thinker_config())
     )
 
 
