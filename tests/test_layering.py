@@ -71,3 +71,24 @@ def test_checker_catches_upward_and_hf_imports(tmp_path):
         "imports veomni.train, a layer above core",
     ]
     assert violations("train", imported_modules(bad)) == []
+
+
+def test_the_runtime_never_imports_the_dev_tool_patchgen():
+    # patch_config.py files are patchgen's input (kept out of the wheel by veomni-models' wheel-exclude); every
+    # other module of the four packages must run without patchgen installed.
+    problems = [
+        str(src.relative_to(ROOT))
+        for layer in LAYERS
+        for src in layer_sources(layer)
+        if src.name != "patch_config.py" and any(m.split(".")[0] == "patchgen" for m in imported_modules(src))
+    ]
+    assert not problems, f"runtime modules import patchgen: {problems}"
+
+
+def test_the_models_wheel_leaves_out_patch_configs_and_diffs():
+    import tomllib
+
+    excluded = tomllib.loads((ROOT / "packages" / "veomni-models" / "pyproject.toml").read_text())["tool"]["uv"][
+        "build-backend"
+    ]["wheel-exclude"]
+    assert set(excluded) >= {"**/patch_config.py", "**/generated/*.diff"}, excluded

@@ -166,7 +166,7 @@ def measure_latent_stats(out: Path, rows: list[dict]) -> None:
     for its trained VAE), written into ``condition/vae/config.json`` so that normalised latents are ~N(0, 1)."""
     import torch
 
-    from veomni.models.dit_condition import WanConditionModel
+    from veomni.models.wan.condition import WanConditionModel
     from veomni.train.data.dit import load_clip, sample_frames
     from veomni.train.data.media import image_size
     from veomni.train.data.sources import RowRef

@@ -23,7 +23,7 @@ from veomni.kernels import OpsConfig
 from veomni.kernels.attention.functions import segment_ids
 from veomni.kernels.hardware import Hardware
 from veomni.models.build import build_model
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
 
 CPU = Hardware(device_type="cpu", triton_interpret=True)

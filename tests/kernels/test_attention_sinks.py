@@ -18,7 +18,7 @@ from veomni.core.sp import pad_to_multiple, slice_for_rank
 from veomni.kernels import KERNELS, OpsConfig, detect_hardware
 from veomni.kernels.attention import ATTENTION_FUNCTIONS
 from veomni.kernels.attention.features import ATTENTION_FEATURES, BACKEND_FEATURES, SINKS, SOFTCAP, WINDOW
-from veomni.models.hf_attention import hf_attention_function
+from veomni.models.hf.attention import hf_attention_function
 
 eager = ATTENTION_FUNCTIONS["eager"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from veomni.kernels import OpsConfig
-from veomni.models.kernel_hooks import apply_ops, own_config
+from veomni.models.hf.kernel_hooks import apply_ops, own_config
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
 from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
 

@@ -14,7 +14,7 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.kernel_hooks import ATTR
+from veomni.models.hf.kernel_hooks import ATTR
 
 
 def tiny_qwen3() -> Qwen3Config:

@@ -15,8 +15,8 @@ from transformers.utils import output_capturing
 from veomni.core.compile import compile_blocks
 from veomni.kernels import OpsConfig
 from veomni.kernels.hardware import Hardware
-from veomni.models.hf_output_capture import capture_into_compiled_block
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.hf.kernel_hooks import apply_ops
+from veomni.models.hf.output_capture import capture_into_compiled_block
 from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
 
 LAYERS = 2

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 from transformers import Qwen2VLForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.key_transforms import ScopedConverter
+from veomni.models.convert.key_transforms import ScopedConverter
+from veomni.models.export.hf import export_hf
 from veomni.models.loading import CheckpointMismatchError, converters_for, load_weights
 
 TASK = "image_text_to_text"
@@ -166,7 +166,7 @@ def test_an_export_cast_to_bf16_says_so_in_every_sub_config(composite, tmp_path)
 
     import torch.distributed.checkpoint as dcp
 
-    from veomni.models.export import export_dcp_to_hf
+    from veomni.models.export.hf import export_dcp_to_hf
 
     path = composite["qwen2_vl"]
     model = build_model(path, weights=path, ops=eager_ops(), task=TASK)
@@ -189,9 +189,9 @@ def test_the_offline_export_infers_the_task_from_the_checkpoint(composite, tmp_p
     # (the VLM, for its text model trained alone): the task whose keys are the checkpoint's is taken.
     import torch.distributed.checkpoint as dcp
 
-    from veomni.models.export import export_dcp_to_hf
-    from veomni.models.export_cli import main as export_cli
-    from veomni.models.export_files import CHECKPOINT_FILES_DIR, save_model_files
+    from veomni.models.export.cli import main as export_cli
+    from veomni.models.export.files import CHECKPOINT_FILES_DIR, save_model_files
+    from veomni.models.export.hf import export_dcp_to_hf
 
     path = composite["qwen2_vl"]
     vlm = build_model(path, weights=path, ops=eager_ops(), task=TASK)

@@ -12,8 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightRenaming
 
-from veomni.models.conversion_recipes import UnsupportedTransform, select_converters
-from veomni.models.converters import (
+from veomni.models.convert.converters import (
     BUFFERING,
     ExpertMergeConverter,
     FusedTransposeConverter,
@@ -21,7 +20,8 @@ from veomni.models.converters import (
     UnsupportedRecipeError,
     apply_converters,
 )
-from veomni.models.key_transforms import KeyRename
+from veomni.models.convert.key_transforms import KeyRename
+from veomni.models.convert.recipes import UnsupportedTransform, select_converters
 from veomni.models.loading.lazy import Concatenated, InMemory, LazyTensor, Stacked, Transposed, full_region
 
 GATE_UP = ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight")

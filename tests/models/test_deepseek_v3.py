@@ -19,9 +19,9 @@ from veomni.core.ep import apply_expert_plan
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.deepseek_v3.generated.patched_modeling_deepseek_v3 import DeepseekV3ForCausalLM
-from veomni.models.export import export_hf
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.export.hf import export_hf
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.loading.quantized import QuantizedCheckpointError
 from veomni.models.registry import MODELS
 from veomni.train.flops import query_width
@@ -376,7 +376,7 @@ def test_load_counters_skip_the_compiled_blocks_eager_priming_run():
     # compile_blocks runs a block's first call once eagerly without gradients and throws the result away; the
     # aux-free load counters must not count that run (before, the first micro-batch's loads counted twice).
     from veomni.core.compile import compile_blocks
-    from veomni.models.hf_output_capture import capture_into_compiled_block
+    from veomni.models.hf.output_capture import capture_into_compiled_block
     from veomni.models.moe.aux_free_balance import LOAD, attach_load_counters
 
     config = tiny_config(use_cache=False)

@@ -19,9 +19,9 @@ from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import OpsConfig, resolve_kernels
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.kernel_hooks import apply_ops, attach_kernels
+from veomni.models.export.hf import export_hf
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalLM
 from veomni.models.qwen2.generated.patched_modeling_qwen2 import Qwen2ForCausalLM
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM

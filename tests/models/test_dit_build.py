@@ -14,9 +14,9 @@ from dist_harness import backend_params
 from loading_fixtures import eager_ops, gather_state_dict, save_hf, state
 
 from veomni.models.build import build_model
-from veomni.models.diffusers_build import CheckpointKindError
-from veomni.models.export import export_hf
-from veomni.models.export_diffusers import export_diffusers
+from veomni.models.diffusers.build import CheckpointKindError
+from veomni.models.diffusers.export import export_diffusers
+from veomni.models.export.hf import export_hf
 
 # The diffusers extra is optional: without it these tests skip rather than fail to collect.
 WanTransformer3DModel = pytest.importorskip("diffusers").WanTransformer3DModel

@@ -35,9 +35,9 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from veomni.models.dit_condition import WanConditionConfig, WanConditionModel, normalize_latents
-from veomni.models.flow_matching import FlowMatchingSchedule, add_noise, dp_generator
-from veomni.models.wan_pipeline_dir import ConditionCheckpointError
+from veomni.models.diffusers.flow_matching import FlowMatchingSchedule, add_noise, dp_generator
+from veomni.models.wan.condition import WanConditionConfig, WanConditionModel, normalize_latents
+from veomni.models.wan.pipeline_dir import ConditionCheckpointError
 
 WORDS = ["a", "cat", "dog", "runs", "on", "the", "grass", "red", "ball", "jumps", "over", "blue", "sky"]
 MAX_LEN = 12

@@ -1,4 +1,4 @@
-"""Ulysses SP for diffusers' WanTransformer3DModel (veomni.models.wan_sp) on real gloo ranks.
+"""Ulysses SP for diffusers' WanTransformer3DModel (veomni.models.wan.sp) on real gloo ranks.
 
 Oracle: the same weights run unsplit by diffusers' own processors on each rank. Every SP rank is fed the same
 full inputs; the loss is computed on the gathered output; each rank's parameter gradients averaged over the
@@ -19,7 +19,7 @@ from dist_harness import backend_params
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state
 from veomni.models.build import build_model
-from veomni.models.wan_sp import WAN_TEXT_CONTEXT_LEN, WanUlyssesAttnProcessor, apply_dit_sp
+from veomni.models.wan.sp import WAN_TEXT_CONTEXT_LEN, WanUlyssesAttnProcessor, apply_dit_sp
 
 # The diffusers extra is optional: without it these tests skip rather than fail to collect.
 WanTransformer3DModel = pytest.importorskip("diffusers").WanTransformer3DModel

@@ -13,8 +13,8 @@ from transformers.activations import GELUActivation
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from veomni.kernels import OpsConfig, resolve_kernels
-from veomni.models.hf_experts import experts_mismatches, register_hf_experts
-from veomni.models.kernel_hooks import ATTR, apply_ops, attach_kernels
+from veomni.models.hf.experts import experts_mismatches, register_hf_experts
+from veomni.models.hf.kernel_hooks import ATTR, apply_ops, attach_kernels
 from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
 
 EAGER = dict(
@@ -85,7 +85,7 @@ def test_experts_reached_without_apply_ops_are_checked_in_the_forward():
 def test_accepted_experts_reached_without_apply_ops_are_inspected_once(monkeypatch):
     from test_moe_adapter import tiny_config
 
-    import veomni.models.hf_experts as hf_experts
+    import veomni.models.hf.experts as hf_experts
 
     model = Qwen3MoeForCausalLM(tiny_config())
     attach_kernels(model, resolve_kernels(OpsConfig(**EAGER, moe_experts="torch")))
@@ -153,6 +153,7 @@ def test_each_difference_is_named(edit, expected):
         ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeExperts", []),
         ("mixtral", "MixtralConfig", "MixtralExperts", []),
         ("deepseek_v3", "DeepseekV3Config", "DeepseekV3Experts", []),
+        ("glm4_moe", "Glm4MoeConfig", "Glm4MoeExperts", []),
         ("gpt_oss", "GptOssConfig", "GptOssExperts", ["is_concatenated", "is_transposed", "has_bias", "_apply_gate"]),
         ("nemotron_h", "NemotronHConfig", "NemotronHExperts", ["has_gate", "act_fn", "parameters"]),
         ("deepseek_v4", "DeepseekV4Config", "DeepseekV4Experts", ["_apply_gate", "limit"]),

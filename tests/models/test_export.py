@@ -14,8 +14,8 @@ from loading_fixtures import eager_ops, save_hf, state, token_batch
 from transformers import AutoModelForCausalLM
 
 from veomni.models.build import build_model
-from veomni.models.export import export_dcp_to_hf, export_hf
-from veomni.models.export_cli import main as export_cli
+from veomni.models.export.cli import main as export_cli
+from veomni.models.export.hf import export_dcp_to_hf, export_hf
 from veomni.models.loading import CheckpointMismatchError
 from veomni.models.loading.safetensors_io import CheckpointFiles
 
@@ -161,7 +161,7 @@ def test_an_old_checkpoint_exports_with_the_tokenizer_files_beside_its_config(ck
     with pytest.raises(FileNotFoundError, match=r"hf_files holds no config.json .* pass config="):
         export_dcp_to_hf(step / "dcp", tmp_path / "x", prefix="model.")
     out = tmp_path / "out"
-    with caplog.at_level(logging.INFO, logger="veomni.models.export_files"):
+    with caplog.at_level(logging.INFO, logger="veomni.models.export.files"):
         export_dcp_to_hf(step / "dcp", out, config=src, prefix="model.")
     assert f"config from {src}" in caplog.text and "an older checkpoint" in caplog.text
     assert {p.name for p in out.iterdir()} == {

@@ -12,7 +12,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veomni.models.flow_matching import (
+from veomni.models.diffusers.flow_matching import (
     FlowMatchingSchedule,
     add_noise,
     dp_generator,

@@ -18,17 +18,17 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import KERNELS, KernelRegistry, OpsConfig, resolve_kernels
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
+from veomni.models.export.hf import export_hf
 from veomni.models.gpt_oss.experts import GPT_OSS_EXPERTS
 from veomni.models.gpt_oss.generated.patched_modeling_gpt_oss import GptOssExperts, GptOssForCausalLM
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.hf_experts import (
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.experts import (
     EXPERTS_CLAIMS,
     check_experts_modules,
     claim_experts,
     experts_mismatches,
 )
-from veomni.models.kernel_hooks import apply_ops, attach_kernels
+from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.registry import MODELS
 
 # compile="off": these CPU models would otherwise be compiled on a GPU host ("auto" follows the hardware).

@@ -21,7 +21,7 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, pad_to_multiple, slice_sequence
 from veomni.kernels.attention import available_attention_functions
-from veomni.models.hf_attention import (
+from veomni.models.hf.attention import (
     hf_attention_function,
     hf_attention_name,
     packed_kwargs,
@@ -438,7 +438,7 @@ def test_a_static_cache_runs_hf_attention_not_the_decode_path():
     # The same numbers from an encoder-decoder's cross-attention mask (no cache) are not a cache.
     from transformers.masking_utils import bidirectional_mask_function
 
-    from veomni.models.hf_attention import padding_mask_passthrough
+    from veomni.models.hf.attention import padding_mask_passthrough
 
     assert padding_mask_passthrough(1, 5, 16, mask_function=bidirectional_mask_function) is None
 

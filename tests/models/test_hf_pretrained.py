@@ -10,7 +10,7 @@ tiny random configs on CPU, what transformers' own model tests check on these pa
   initialise them randomly and only log a report), while a missing task head is still allowed;
 - greedy generation with a KV cache (sdpa) equals upstream's.
 
-Before `veomni.models.hf_pretrained`, transformers took our classes for custom code and skipped the recipes:
+Before `veomni.models.hf.pretrained`, transformers took our classes for custom code and skipped the recipes:
 MoE experts stayed random, Qwen2-VL's whole language model stayed random, Qwen3-VL-MoE failed on shapes.
 """
 
@@ -26,6 +26,7 @@ import torch
 from patchgen.registry import registered_configs
 from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import tiny_config as deepseek_v3_config
+from test_glm4_moe import tiny_config as glm4_moe_config
 from test_moe_adapter import tiny_config as qwen3_moe_config
 from test_qwen2_5_omni import tiny_config as qwen2_5_omni_config
 from test_qwen2_vl import tiny_config as qwen2_vl_config
@@ -36,8 +37,8 @@ from test_qwen3_vl_moe import tiny_config as qwen3_vl_moe_config
 from transformers import PreTrainedModel, Qwen3MoeConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 
-from veomni.models.hf_pretrained import CheckpointMismatchError
-from veomni.models.key_transforms import describe
+from veomni.models.convert.key_transforms import describe
+from veomni.models.hf.pretrained import CheckpointMismatchError
 
 # Plain ids of every tiny vocabulary (the multimodal placeholders are 100 and up).
 PROMPT = torch.tensor([[5, 17, 42, 8, 63, 21, 9], [33, 2, 71, 14, 50, 88, 6]])
@@ -76,6 +77,7 @@ def _sdpa(config):
 CASES = [
     Case("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM", qwen3_moe_config),
     Case("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM", deepseek_v3_config),
+    Case("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeForCausalLM", glm4_moe_config),
     Case("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextForCausalLM", qwen3_next_config),
     Case(
         "qwen3_vl_moe",

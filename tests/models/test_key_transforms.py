@@ -18,10 +18,16 @@ from hypothesis import strategies as st
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key, revert_weight_conversion
 
-from veomni.models.conversion_recipes import recipe_transforms
-from veomni.models.converters import apply_converters, split_transforms
-from veomni.models.export import _leaders, plan_layout
-from veomni.models.key_transforms import KeyRename, ScopedConverter, rename_key, scope_prefixes, unrename_key
+from veomni.models.convert.converters import apply_converters, split_transforms
+from veomni.models.convert.key_transforms import (
+    KeyRename,
+    ScopedConverter,
+    rename_key,
+    scope_prefixes,
+    unrename_key,
+)
+from veomni.models.convert.recipes import recipe_transforms
+from veomni.models.export.hf import _leaders, plan_layout
 from veomni.models.loading import converters_for, model_targets
 
 EXAMPLES = settings(max_examples=150, deadline=None)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from veomni.models.build import build_model
-from veomni.models.converters import IncompleteCheckpointError
+from veomni.models.convert.converters import IncompleteCheckpointError
 from veomni.models.loading import CheckpointMismatchError, WrongModelError, load_weights
 from veomni.models.loading.safetensors_io import CheckpointFiles
 from veomni.models.registry import ModelRegistry

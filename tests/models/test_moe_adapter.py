@@ -16,9 +16,9 @@ from veomni.core.ep import apply_expert_plan
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig, resolve_kernels
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.hf_experts import register_hf_experts
-from veomni.models.kernel_hooks import apply_ops, attach_kernels
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.experts import register_hf_experts
+from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -261,7 +261,7 @@ def _sp_router_step(ctx, state_real_length: bool) -> dict:
     """SP over a packed row of odd length: the row is padded by one token that the routers see on the last rank."""
     from veomni.core.sp import slice_sequence
     from veomni.core.sp.real_tokens import use_real_length
-    from veomni.models.hf_attention import register_hf_attention
+    from veomni.models.hf.attention import register_hf_attention
 
     register_hf_attention()
     config = tiny_config(router_aux_loss_coef=1.0)  # the aux term dominates the router gradients

@@ -224,7 +224,7 @@ def test_gpu_default_ops_match_upstream():
     """On a GPU: the default OpsConfig (veomni attention incl. the towers' encoder varlen entry, fused linear
     cross-entropy) against upstream eager, fp32 with TF32 off; and the bf16 dummy forwards take the weights' dtype."""
     from veomni.kernels import OpsConfig
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.kernel_hooks import apply_ops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -22,7 +22,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from veomni.core.parallel_state import use_parallel_state
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
+from veomni.models.export.hf import export_hf
 from veomni.models.qwen2_5_omni.generated import patched_modeling_qwen2_5_omni as ours
 
 TASK = "any_to_any"

@@ -163,7 +163,7 @@ def test_gpu_forward_backward_with_host_tables_reads_back_only_placeholder_count
     import warnings
 
     from veomni.kernels import OpsConfig
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.kernel_hooks import apply_ops
 
     ref, _ = pair()
     model = _build(ref, device="cuda").to(torch.bfloat16)  # varlen attention runs bf16/fp16 only

@@ -14,7 +14,7 @@ from test_qwen2_5_omni import MELS, tiny_config
 
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
-from veomni.models.hf_attention import register_hf_attention
+from veomni.models.hf.attention import register_hf_attention
 from veomni.models.qwen2_5_omni.generated import patched_modeling_qwen2_5_omni as ours
 
 FRAMES = (20, 13)  # chunks of 8 frames: 8+8+4 and 8+5 -> 4+4+2+4+3 = 17 frames after the stride-2 conv

@@ -178,7 +178,7 @@ def test_gpu_default_ops_match_upstream_on_audio_in_video_rows():
     """On a GPU: the default OpsConfig (veomni attention in the LM and both towers, fused linear cross-entropy) on
     an audio-in-video + image + audio row with host positions, against upstream eager, fp32 with TF32 off."""
     from veomni.kernels import OpsConfig
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.kernel_hooks import apply_ops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -22,7 +22,7 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 
 from veomni.core.host_sync import HostSyncCounter
 from veomni.kernels import OpsConfig, resolve_kernels
-from veomni.models.kernel_hooks import apply_ops, attach_kernels
+from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.qwen2_5_vl.generated import patched_modeling_qwen2_5_vl as ours25
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl.generated import patched_modeling_qwen2_vl as ours2

@@ -12,7 +12,7 @@ from loading_fixtures import checkpoint_tensors, eager_ops
 from test_qwen2_vl import FAMILIES, tiny_config
 
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
+from veomni.models.export.hf import export_hf
 
 TASK = "image_text_to_text"
 

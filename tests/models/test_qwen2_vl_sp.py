@@ -18,7 +18,7 @@ from test_qwen2_vl import FAMILIES, IMAGE, VIDEO, tiny_config, vlm_batch
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import slice_sequence
-from veomni.models.hf_attention import register_hf_attention
+from veomni.models.hf.attention import register_hf_attention
 
 IGNORE = -100
 # Patches 108 and 116, sequence lengths 51 and 45: none divisible by 2 * 4 or 4 * 4 (patches), 2 or 4 (tokens).

@@ -289,7 +289,7 @@ def test_gpu_video_step_with_host_positions_and_kernels_matches_upstream(family)
     """On a GPU: Triton RMSNorm / RoPE / SwiGLU / fused cross-entropy and the encoder entry with the collator's tables,
     fed host positions, against upstream computing its own positions (fp32, TF32 off) on video rows."""
     from veomni.kernels import OpsConfig
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.kernel_hooks import apply_ops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

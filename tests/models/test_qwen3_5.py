@@ -23,8 +23,8 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as upstream_moe
 
 from veomni.core.ep import apply_expert_plan
 from veomni.kernels import OpsConfig
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.qwen3_5.generated.patched_modeling_qwen3_5 import Qwen3_5ForCausalLM
 from veomni.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 from veomni.models.registry import MODELS

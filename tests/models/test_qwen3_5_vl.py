@@ -23,8 +23,8 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as upstream_moe
 from veomni.core.ep import apply_expert_plan
 from veomni.kernels import KERNELS, OpsConfig, detect_hardware
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.export.hf import export_hf
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.qwen3_5.generated import patched_modeling_qwen3_5 as ours
 from veomni.models.qwen3_5_moe.generated import patched_modeling_qwen3_5_moe as ours_moe
 from veomni.models.registry import MODELS

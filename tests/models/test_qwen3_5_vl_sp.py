@@ -15,8 +15,8 @@ from test_qwen3_5_vl import EAGER_OPS, tiny_config
 from test_qwen3_vl_sp import _sp_case
 
 from veomni.kernels import OpsConfig
-from veomni.models.hf_attention import register_hf_attention
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.hf.attention import register_hf_attention
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.qwen3_5.generated import patched_modeling_qwen3_5 as ours
 from veomni.models.qwen3_5_moe.generated import patched_modeling_qwen3_5_moe as ours_moe
 

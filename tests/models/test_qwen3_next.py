@@ -20,8 +20,8 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import KERNELS, OpsConfig, detect_hardware
-from veomni.models.hf_attention import packed_kwargs
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.hf.attention import packed_kwargs
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.qwen3_next.generated.patched_modeling_qwen3_next import Qwen3NextForCausalLM
 from veomni.models.qwen3_next.sp import check_gdn_sp_heads
 
@@ -314,7 +314,7 @@ def test_per_expert_checkpoint_builds_and_exports_to_plain_transformers(tmp_path
     from transformers import AutoModelForCausalLM
 
     from veomni.models.build import build_model
-    from veomni.models.export import export_hf
+    from veomni.models.export.hf import export_hf
     from veomni.models.registry import MODELS
 
     src, out = tmp_path / "src", tmp_path / "out"

@@ -19,7 +19,7 @@ from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as upstre
 
 from veomni.core.ep import apply_expert_plan
 from veomni.kernels import OpsConfig
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.qwen3_omni_moe.generated import patched_modeling_qwen3_omni_moe as ours
 from veomni.models.qwen3_omni_moe.towers import audio_token_count
 from veomni.models.registry import MODELS

@@ -28,7 +28,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
+from veomni.models.export.hf import export_hf
 from veomni.models.qwen3_omni_moe.generated import patched_modeling_qwen3_omni_moe as ours
 
 TASK = "any_to_any"
@@ -158,8 +158,8 @@ def _sp_case(ctx, ep: int) -> dict:
     from veomni.core.ep import apply_expert_plan
     from veomni.core.sp import slice_sequence
     from veomni.kernels import OpsConfig
-    from veomni.models.hf_attention import register_hf_attention
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.attention import register_hf_attention
+    from veomni.models.hf.kernel_hooks import apply_ops
 
     register_hf_attention()
     pstate = build_parallel_state(ParallelDims(sp=ctx.world_size, ep=ep), ctx.device_type)

@@ -19,7 +19,7 @@ from transformers.models.qwen3_vl import modeling_qwen3_vl as upstream
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from veomni.kernels import OpsConfig, resolve_kernels
-from veomni.models.kernel_hooks import apply_ops, attach_kernels
+from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.qwen3_vl.generated import patched_modeling_qwen3_vl as ours
 from veomni.models.qwen3_vl.vision import vision_geometry
 from veomni.models.registry import MODELS

@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditional
 
 from veomni.core.parallel_state import use_parallel_state
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
+from veomni.models.export.hf import export_hf
 from veomni.models.qwen3_vl.generated import patched_modeling_qwen3_vl as ours
 
 TASK = "image_text_to_text"

@@ -21,8 +21,8 @@ from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as upstream
 from veomni.core.ep import apply_expert_plan
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.export.hf import export_hf
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.loading.diagnosis import dense_moe_diagnosis
 from veomni.models.loading.loader import CheckpointMismatchError, WrongModelError
 from veomni.models.qwen3_vl_moe.generated import patched_modeling_qwen3_vl_moe as ours

@@ -22,7 +22,7 @@ from test_qwen3_vl import IMAGE, MIXED, VIDEO, tiny_config, vlm_batch
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import slice_sequence
-from veomni.models.hf_attention import register_hf_attention
+from veomni.models.hf.attention import register_hf_attention
 from veomni.models.qwen3_vl.generated import patched_modeling_qwen3_vl as ours
 
 IGNORE = -100

@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from veomni.kernels import Hardware, OpsConfig
-from veomni.models.kernel_hooks import apply_ops
-from veomni.models.seq_cls import check_loss_dispatch, loss_dispatch
+from veomni.models.heads.seq_cls import check_loss_dispatch, loss_dispatch
+from veomni.models.hf.kernel_hooks import apply_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EAGER_OPS = dict(rms_norm="eager", rope="eager", swiglu="eager", attention="sdpa")
@@ -147,7 +147,7 @@ def test_experts_backend_without_the_models_variants_is_refused_or_made_eager():
     import attrs
 
     from veomni.kernels import KERNELS, KernelRegistry
-    from veomni.models.hf_experts import fit_experts_backend
+    from veomni.models.hf.experts import fit_experts_backend
 
     reg = KernelRegistry()  # the registry as an NPU host with torch_npu sees it
     for s in KERNELS.specs():

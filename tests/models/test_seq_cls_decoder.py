@@ -21,10 +21,10 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.export import export_hf
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.export.hf import export_hf
+from veomni.models.heads.seq_cls import init_sequence_classifier
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.registry import MODELS
-from veomni.models.seq_cls import init_sequence_classifier
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = dict(

@@ -19,9 +19,9 @@ from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import slice_sequence
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.kernel_hooks import apply_ops
+from veomni.models.heads.token_heads import init_question_answering
+from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.registry import MODELS
-from veomni.models.token_heads import init_question_answering
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS = {"token_classification": "ForTokenClassification", "question_answering": "ForQuestionAnswering"}

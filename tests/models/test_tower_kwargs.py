@@ -20,8 +20,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.core.sp import gather_sequence, pad_to_multiple, slice_sequence
-from veomni.models.hf_attention import packed_kwargs, register_hf_attention
-from veomni.models.hf_encoder_attention import backend_for_implementation, encoder_attention
+from veomni.models.hf.attention import packed_kwargs, register_hf_attention
+from veomni.models.hf.encoder_attention import backend_for_implementation, encoder_attention
 
 IMAGE, START, END = 100, 102, 103
 LM_PACKING = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")

@@ -1,4 +1,4 @@
-"""veomni's kernels bound to diffusers' WanTransformer3DModel (veomni.models.wan_kernels), fp32 on CPU.
+"""veomni's kernels bound to diffusers' WanTransformer3DModel (veomni.models.wan.kernels), fp32 on CPU.
 
 Oracle: diffusers' own ``WanAttnProcessor`` and modules on the same weights. Each op is swapped in alone (the
 others stay diffusers') and must give diffusers' attention output and input/parameter gradients; then all
@@ -29,10 +29,10 @@ from veomni.kernels.registry import KernelRegistry
 from veomni.kernels.rope.interleaved import apply_rope_interleaved_eager
 from veomni.kernels.rope.interleaved_triton import apply_rope_interleaved_triton
 from veomni.models.build import build_model
-from veomni.models.diffusers_build import _bind_kernels, dit_ops
-from veomni.models.export_diffusers import export_diffusers
-from veomni.models.wan_kernels import DIFFUSERS_OPS, WanKernelAttnProcessor, WanOps, bind_wan_kernels, wan_ops
-from veomni.models.wan_sp import WanUlyssesAttnProcessor, apply_dit_sp
+from veomni.models.diffusers.build import _bind_kernels, dit_ops
+from veomni.models.diffusers.export import export_diffusers
+from veomni.models.wan.kernels import DIFFUSERS_OPS, WanKernelAttnProcessor, WanOps, bind_wan_kernels, wan_ops
+from veomni.models.wan.sp import WanUlyssesAttnProcessor, apply_dit_sp
 
 diffusers = pytest.importorskip("diffusers")
 WanTransformer3DModel = diffusers.WanTransformer3DModel
@@ -286,7 +286,7 @@ def test_bad_bindings_are_refused(wan):
 
 
 def test_dit_defaults_take_sdpa_and_eager_blocks(wan):
-    # Measured on an H100 (docs/benchmarks.md 2026-11-25): varlen attention 1.5x slower than SDPA on one unpacked
+    # Measured on an H100 (notebook/benchmarks-log.md 2026-11-25): varlen attention 1.5x slower than SDPA on one unpacked
     # 32k sequence, compiled blocks 0.80x eager under checkpointing. Explicit choices are the user's.
     path, _ = wan
     gpu = Hardware(device_type="cuda", capability=(9, 0))
@@ -308,7 +308,7 @@ def test_a_defaulted_rope_backend_without_the_variant_keeps_diffusers_rotary(cap
     gpu = Hardware(device_type="cuda", capability=(9, 0))
     config = OpsConfig(hardware=gpu, registry=registry, attention="sdpa")
     assert config.rope == "triton" and "rope" in config.defaulted
-    with caplog.at_level("WARNING", logger="veomni.models.wan_kernels"):
+    with caplog.at_level("WARNING", logger="veomni.models.wan.kernels"):
         bound = wan_ops(resolve_kernels(config))
     assert bound.rope is None and bound.names["rope"] == "diffusers" and bound.rms_norm is not None
     assert "has no rope/interleaved kernel; WanTransformer3DModel keeps diffusers' rotary" in caplog.text

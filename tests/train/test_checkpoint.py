@@ -23,7 +23,7 @@ from veomni.core.fsdp import FSDPPolicy, apply_fsdp2
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state
 from veomni.train.checkpoint import MARKER, CheckpointManager, latest_complete
-from veomni.train.checkpoint_match import CheckpointMismatchError
+from veomni.train.checkpoint.match import CheckpointMismatchError
 from veomni.train.optim import build_adamw
 
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.hf_attention import packed_kwargs
+from veomni.models.hf.attention import packed_kwargs
 from veomni.train.cuda_graphs import MicroBatchGraphs, document_bucket, static_packing
 from veomni.train.loop import build_run
 from veomni.train.preflight import PreflightError

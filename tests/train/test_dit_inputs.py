@@ -47,6 +47,21 @@ def test_transformers_checkpoint_as_dit_is_refused(dist_pools, tmp_path):
     assert kind == "PreflightError" and f"to {tmp_path / 'wan' / 'transformer'}" in message
 
 
+def test_a_diffusers_model_no_family_declares_is_refused(dist_pools, tmp_path):
+    # The dit task asks the transformer's family for its DiffusionRules: a diffusers class without them is refused
+    # before anything is built, naming it and the diffusion transformers veomni has.
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "flux" / "config.json").write_text(
+        json.dumps({"_class_name": "FluxTransformer2DModel", "num_layers": 1, "patch_size": 1})
+    )
+    raw = dit_recipe(str(tmp_path / "run"))
+    raw["model"].update({"config": str(tmp_path / "flux"), "weights": None})
+    kind, message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
+    assert kind == "PreflightError", message
+    assert "'FluxTransformer2DModel'" in message and str(tmp_path / "flux") in message
+    assert "WanTransformer3DModel (family 'wan')" in message
+
+
 @pytest.mark.parametrize("length", [512, 500, 1024])
 def test_i2v_prompt_length_must_be_the_one_wan_splits_at(tmp_path, length):
     # Wan's image-conditioned cross-attention takes the context's last 512 tokens as the prompt and the rest as
@@ -54,7 +69,12 @@ def test_i2v_prompt_length_must_be_the_one_wan_splits_at(tmp_path, length):
     from models.test_dit_condition import write_wan_dir
 
     from veomni.train.preflight import PreflightError
-    from veomni.train.tasks.dit_setup import check_compatible, condition_configs, transformer_config
+    from veomni.train.tasks.dit_setup import (
+        check_compatible,
+        condition_configs,
+        dit_rules,
+        transformer_config,
+    )
 
     condition = write_wan_dir(tmp_path / "wan_i2v", i2v=True)
     (tmp_path / "transformer").mkdir()
@@ -68,12 +88,14 @@ def test_i2v_prompt_length_must_be_the_one_wan_splits_at(tmp_path, length):
     raw["model"].update({"config": str(tmp_path / "transformer"), "weights": None})
     raw["dit"].update({"condition": str(condition), "mode": "i2v", "max_sequence_length": length})
     recipe = recipe_from_dict(raw)
-    config, cond = transformer_config(recipe), condition_configs(recipe)
+    config = transformer_config(recipe)
+    rules = dit_rules(config)
+    cond = condition_configs(recipe, rules)
     if length == 512:
-        check_compatible(config, cond, recipe)
+        check_compatible(config, cond, recipe, rules)
     else:
         with pytest.raises(PreflightError, match=f"dit.max_sequence_length={length} \\(expected 512"):
-            check_compatible(config, cond, recipe)
+            check_compatible(config, cond, recipe, rules)
 
 
 @pytest.mark.parametrize("missing", ["vae", "text_encoder"])

@@ -90,7 +90,7 @@ def test_sp2_matches_one_process(dist_pools, reference, tmp_path, activation_che
 
 
 def _steps_with_ops(ctx, raw: dict, n: int) -> tuple[list[dict[str, float]], dict[str, str], set[str]]:
-    from veomni.models.wan_kernels import bound_wan_ops
+    from veomni.models.wan.kernels import bound_wan_ops
     from veomni.train.loop import build_run, train_step
 
     run = build_run(recipe_from_dict(raw))
@@ -101,7 +101,7 @@ def _steps_with_ops(ctx, raw: dict, n: int) -> tuple[list[dict[str, float]], dic
 
 @pytest.mark.triton_cpu
 def test_recipe_ops_bind_veomni_kernels_to_the_dit(dist_pools, reference, tmp_path):
-    # ops reach diffusers' Wan attention (veomni.models.wan_kernels): Triton RMSNorm and interleaved rotary (through
+    # ops reach diffusers' Wan attention (veomni.models.wan.kernels): Triton RMSNorm and interleaved rotary (through
     # the interpreter on CPU), veomni's eager attention; the fp32 steps equal the defaults' (diffusers' norm/rotary
     # code, sdpa).
     raw = dit_recipe(str(tmp_path))
@@ -182,7 +182,7 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     # included) taken from the checkpoint itself.
     from safetensors.torch import load_file
 
-    from veomni.models.export_cli import main as export_cli
+    from veomni.models.export.cli import main as export_cli
 
     raw = dit_recipe(str(tmp_path / "run"))
     raw["model"]["config_overrides"] = {"rope_max_seq_len": 64}
@@ -200,7 +200,7 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
     loaded = WanTransformer3DModel.from_pretrained(offline)
     assert loaded.config.rope_max_seq_len == 64
     # A text task named for a DiT checkpoint is refused, not silently ignored.
-    from veomni.models.export import export_dcp_to_hf
+    from veomni.models.export.hf import export_dcp_to_hf
 
     with pytest.raises(
         ValueError, match=r"is a diffusers config \(WanTransformer3DModel\).*found task='causal_lm'"

@@ -14,7 +14,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from veomni.core.host_sync import HostSyncCounter
 from veomni.kernels import OpsConfig
-from veomni.models.hf_attention import hf_attention_name, packed_kwargs, register_hf_attention
+from veomni.models.hf.attention import hf_attention_name, packed_kwargs, register_hf_attention
 from veomni.train.loop import build_run
 from veomni.train.recipe import recipe_from_dict
 from veomni.train.step import read_stats, train_step_on_device

@@ -1,5 +1,5 @@
 """The training loop on real gloo ranks: every (dp, sp, ep) layout gives the single-process loss and grad norm per
-step (dense, Qwen3-MoE and gpt-oss), resume is exact, and the quickstart trains, saves and exports a model plain transformers generates from."""
+step (dense, Qwen3-MoE, gpt-oss and GLM-4.5 MoE), resume is exact, and the quickstart trains, saves and exports a model plain transformers generates from."""
 
 from __future__ import annotations
 
@@ -35,7 +35,16 @@ GPT_OSS = {
     "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
     "router_aux_loss_coef": 0.01, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }  # fmt: skip
-MODELS = {"dense": DENSE, "moe": MOE, "gpt_oss": GPT_OSS}
+# GLM-4.5 MoE: partial RoPE on an explicit head_dim, q/k norm, attention biases, a sigmoid router with groups (2 of
+# 4 experts each, 1 kept), a shared expert, layer 0 dense.
+GLM4_MOE = {
+    "model_type": "glm4_moe", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+    "attention_bias": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+MODELS = {"dense": DENSE, "moe": MOE, "gpt_oss": GPT_OSS, "glm4_moe": GLM4_MOE}
 
 
 def initial_weights(model: dict, out: str) -> str:
@@ -322,7 +331,7 @@ def test_step_flops_count_the_attention_of_every_dp_rank(dist_pools, tmp_path):
 
 
 def test_a_resume_with_other_optimizer_hyperparameters_says_which_keep_their_saved_values(tmp_path, caplog):
-    from veomni.train.checkpoint_match import check_resumable
+    from veomni.train.checkpoint.match import check_resumable
 
     saved = recipe_to_dict(recipe_from_dict(tiny_recipe(str(tmp_path), DENSE)))
     raw = tiny_recipe(str(tmp_path), DENSE)
@@ -340,7 +349,7 @@ BF16_LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1)
 # bf16 tolerances against the one-GPU bf16 run. Step 0 sees identical weights, so only the order of bf16/fp32
 # reductions differs (sharded gradient sums, SP attention heads, EP token groupings); later steps also carry
 # AdamW's amplification of those rounding differences (near-zero gradients give sign-like updates). Measured on
-# 4 x H200 (docs/runs/2026-11-22-bf16-grid-4xh200.txt): at most 9.7e-7 / 4.2e-5 / 9.3e-4; about 10x margin here.
+# 4 x H200 (notebook/runs/2026-11-22-bf16-grid-4xh200.txt): at most 9.7e-7 / 4.2e-5 / 9.3e-4; about 10x margin here.
 BF16_TOL = {"loss0": 1e-4, "loss": 1e-3, "grad_norm": 1e-2}
 
 

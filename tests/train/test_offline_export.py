@@ -21,9 +21,9 @@ from test_omni_train import assets as omni_assets  # noqa: F401  (fixture)
 from test_vlm_train import initial_weights as vlm_weights
 from test_vlm_train import make_data, make_processor_dir, vlm_recipe
 
-from veomni.models.export import export_dcp_to_hf
-from veomni.models.export_cli import main as export_cli
-from veomni.models.export_files import CHECKPOINT_FILES_DIR
+from veomni.models.export.cli import main as export_cli
+from veomni.models.export.files import CHECKPOINT_FILES_DIR
+from veomni.models.export.hf import export_dcp_to_hf
 from veomni.train.recipe import recipe_from_dict
 
 # rope scaling and a longer context: what a long-context fine-tune sets on top of the source model's config.
@@ -85,7 +85,7 @@ def test_offline_export_of_a_text_run_carries_its_config_overrides(text_run, tmp
     assert_same_export(tmp_path / "bare", in_loop)
     # With the source model's directory, as the docs used to say: the checkpoint's trained config still wins,
     # and the warning names what the source would have lost.
-    with caplog.at_level(logging.WARNING, logger="veomni.models.export_files"):
+    with caplog.at_level(logging.WARNING, logger="veomni.models.export.files"):
         export_dcp_to_hf(step / "dcp", tmp_path / "source", config=text_run["weights"], prefix="model.")
     assert_same_export(tmp_path / "source", in_loop)
     assert config_of(tmp_path / "source")["rope_parameters"]["factor"] == 4.0
@@ -97,7 +97,7 @@ def test_an_old_layout_checkpoint_still_exports_from_the_source_config(text_run,
     shutil.copytree(text_run["step"], old, ignore=shutil.ignore_patterns(CHECKPOINT_FILES_DIR))
     with pytest.raises(FileNotFoundError, match="pass config="):
         export_dcp_to_hf(old / "dcp", tmp_path / "none", prefix="model.")
-    with caplog.at_level(logging.INFO, logger="veomni.models.export_files"):
+    with caplog.at_level(logging.INFO, logger="veomni.models.export.files"):
         export_dcp_to_hf(old / "dcp", tmp_path / "out", config=text_run["weights"], prefix="model.")
     assert f"config from {text_run['weights']}" in caplog.text
     # The weights are the trained ones; the config is the source's (the overrides are lost, as the log says).

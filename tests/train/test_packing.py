@@ -124,7 +124,7 @@ def test_shifted_labels_and_padding_batch():
 def test_packed_forward_equals_per_sample_forwards():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from veomni.models.hf_attention import register_hf_attention
+    from veomni.models.hf.attention import register_hf_attention
 
     register_hf_attention(["sdpa"])
     torch.manual_seed(0)

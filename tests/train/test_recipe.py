@@ -31,7 +31,7 @@ from veomni.train.recipe import (
     recipe_to_dict,
     save_recipe,
 )
-from veomni.train.recipe_parse import convert, field_type, iter_fields, parse_cli_value
+from veomni.train.recipe.parse import convert, field_type, iter_fields, parse_cli_value
 
 LEAVES = dict(iter_fields(Recipe))
 

@@ -394,7 +394,7 @@ def _train_with_a_slow_export(ctx, raw: dict, seconds: float) -> dict:
     """`_train` where each HF export takes ``seconds`` longer (a large model's export, on a tiny one)."""
     import time
 
-    from veomni.models import export
+    from veomni.models.export import hf as export
 
     real = export.export_hf
 

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_loop import DENSE, _train_and_save, tiny_recipe
 
-from veomni.train.checkpoint_match import CheckpointMismatchError, check_payload_matches, config_diff
+from veomni.train.checkpoint.match import CheckpointMismatchError, check_payload_matches, config_diff
 from veomni.train.recipe import recipe_from_dict
 
 # A structure: (moe, layers, hidden, tied, experts); experts only matters for MoE.

@@ -10,7 +10,7 @@ saved with ``save_pretrained`` to a temporary directory and loaded by every cont
 
 Data (seeded; the same tensors for every contender): per sample a VAE posterior ``[1, 32, 21, 60, 104]`` (480x832,
 81 frames; mean = Wan's ``latents_mean + latents_std * N(0, 1)``, log-variance -8) and prompt embeddings
-``[1, 512, 4096]`` (N(0, 1)), turned into the transformer's inputs by `veomni.models.dit_condition.
+``[1, 512, 4096]`` (N(0, 1)), turned into the transformer's inputs by `veomni.models.wan.condition.
 flow_matching_inputs`, the function `veomni.train.tasks.dit.DitTask` calls on stored conditions (posterior sample,
 normalisation, timestep from the shifted flow-matching table, noising, velocity target; shift 3.0 as Wan2.1's
 480p scheduler). Inputs are built before any contender runs and are not timed. 21 x 30 x 52 = 32,760 tokens/sample.
@@ -53,8 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni.models.dit_condition import flow_matching_inputs
-from veomni.models.flow_matching import FlowMatchingSchedule
+from veomni.models.diffusers.flow_matching import FlowMatchingSchedule
+from veomni.models.wan.condition import flow_matching_inputs
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 from veomni.train.tasks.dit import DitFlops

@@ -8,8 +8,8 @@ Model: ``--size i2v_14b`` is Wan2.1-I2V-14B-480P's transformer config (40 blocks
 cross-attention), ``t2v_1_3b`` Wan2.1-T2V-1.3B's, RANDOMLY INITIALISED (a throughput benchmark). Built per SP
 degree by `veomni.models.build.build_model` as the trainer builds a DiT: FSDP2 per block over all ranks
 (dp_shard = world / sp; bf16 compute over fp32 masters, fp32 reduce), activation checkpointing, the device's
-``OpsConfig`` defaults (veomni's RMSNorm / rotary / attention kernels bound to Wan, `veomni.models.wan_kernels`),
-Ulysses SP (`veomni.models.wan_sp`) for sp > 1. Optimizer: `veomni.train.optim.build_adamw`; clipping:
+``OpsConfig`` defaults (veomni's RMSNorm / rotary / attention kernels bound to Wan, `veomni.models.wan.kernels`),
+Ulysses SP (`veomni.models.wan.sp`) for sp > 1. Optimizer: `veomni.train.optim.build_adamw`; clipping:
 `veomni.core.clip.clip_grad_norm`; loss: `veomni.train.tasks.dit.DitTask`'s per-sample MSE divided by the SP
 degree (each SP rank computes the whole gathered loss).
 
@@ -44,7 +44,7 @@ from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
-from veomni.models.diffusers_build import dit_ops
+from veomni.models.diffusers.build import dit_ops
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 from veomni.train.optim import build_adamw

@@ -200,7 +200,7 @@ def build_hf(block: str, shape: dict[str, int], impl: str) -> nn.Module:
 
 def build_veomni(block: str, shape: dict[str, int]) -> nn.Module:
     """veomni's generated block class on meta, experts implementation ``"veomni"`` (kernels bound later)."""
-    from veomni.models.hf_experts import register_hf_experts
+    from veomni.models.hf.experts import register_hf_experts
 
     # Imported before the meta context: importing it runs the experts claim (a CPU probe of the gate).
     ours = importlib.import_module(MODULES[block][1])
@@ -323,7 +323,7 @@ def bench_block(block: str, cli: Any, emit: Callable[[dict], None]) -> dict[str,
     """Every contender on ``block``; ``emit(partial)`` after each row. Returns the block's JSON section."""
     from veomni.kernels import KERNELS, OpsConfig, detect_hardware
     from veomni.kernels.config import DEFAULT_BACKENDS
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.kernel_hooks import apply_ops
 
     shape, dtype, device = cli.shapes[block], cli.dtype, cli.device
     template = build_hf(block, shape, "eager")

@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 result["rows"].append({**row, "round": round_})
                 write_json(args.out, result)  # after every contender: a time-out keeps what finished
     # Each contender's fastest round: the host-bound HF step moved 676 -> 831 ms between two processes on one machine
-    # (docs/benchmarks.md 2026-11-28), so one round per contender measures host noise as much as code.
+    # (notebook/benchmarks-log.md 2026-11-28), so one round per contender measures host noise as much as code.
     by_name: dict[str, dict] = {}
     for r in (r for r in result["rows"] if "error" not in r):
         best = by_name.get(r["contender"])

@@ -44,7 +44,7 @@ from bench_common import environment, error_text, rel_err, release, timed_row, w
 from bench_e2e import packed_batches  # noqa: E402
 
 from veomni.kernels import Hardware, OpsConfig, detect_hardware  # noqa: E402
-from veomni.models.kernel_hooks import apply_ops  # noqa: E402
+from veomni.models.hf.kernel_hooks import apply_ops  # noqa: E402
 from veomni.models.qwen3_5.generated import patched_modeling_qwen3_5 as ours_qwen3_5  # noqa: E402
 from veomni.models.qwen3_next.generated import patched_modeling_qwen3_next as ours_qwen3_next  # noqa: E402
 

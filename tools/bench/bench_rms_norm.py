@@ -2,7 +2,7 @@
 
 Usage (one GPU): ``python tools/bench/bench_rms_norm.py --out rms.json [--sweep]``
 
-Bytes per fwd+bwd (the T4 formula, docs/benchmarks.md): read x, w, dy and write y, dx, i.e.
+Bytes per fwd+bwd (the T4 formula, notebook/benchmarks-log.md): read x, w, dy and write y, dx, i.e.
 ``(4·N·H + H) · 2`` for bf16. The least any training fwd+bwd can actually move is one more pass (backward
 must read x, or some other saved [N, H] tensor, a second time): ``(5·N·H + 2·H) · 2`` counting w read and dW
 written too; both are reported. Bandwidths are compared with a measured device-to-device copy

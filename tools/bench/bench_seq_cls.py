@@ -71,7 +71,7 @@ def make_batch(cli: Any, device: torch.device) -> dict[str, torch.Tensor]:
 def build(name: str, config: Qwen3Config, state: dict[str, torch.Tensor], cli: Any, dtype, device) -> Any:
     """One contender's model, holding a copy of ``state``, ready to run."""
     from veomni.kernels import OpsConfig
-    from veomni.models.kernel_hooks import apply_ops
+    from veomni.models.hf.kernel_hooks import apply_ops
     from veomni.models.qwen3.generated.patched_modeling_qwen3 import (
         Qwen3ForSequenceClassification as VeomniQwen3ForSequenceClassification,
     )

@@ -32,7 +32,7 @@ SP=P / SP=1 ratios at every length both ran.
 
 Attention: without ``--ops attention=...``, the OpsConfig default (``varlen`` on CUDA): one document per sequence
 is a single packed segment, which both the varlen and the sdpa backend run on SDPA's unmasked kernels (cuDNN /
-flash). torch's varlen_attn itself measured 25.1% MFU at 128k against SDPA's 37.8% (docs/benchmarks.md).
+flash). torch's varlen_attn itself measured 25.1% MFU at 128k against SDPA's 37.8% (notebook/benchmarks-log.md).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def default_ops(requested: dict[str, str]) -> tuple[dict[str, str], str]:
     if "attention" in requested:
         return requested, "given with --ops"
     # One document per SP group: the attention backend sees a single segment and runs SDPA unmasked (cuDNN/flash on
-    # CUDA). Measured on 4 x H200 at 128k: 37.8% MFU against 25.1% with attention=varlen (docs/benchmarks.md).
+    # CUDA). Measured on 4 x H200 at 128k: 37.8% MFU against 25.1% with attention=varlen (notebook/benchmarks-log.md).
     return requested, "OpsConfig default (one segment, so unmasked SDPA)"
 
 

@@ -1,4 +1,4 @@
-"""The pieces of a Wan2.1-T2V-1.3B attention layer that `veomni.models.wan_kernels` replaces, timed side by side:
+"""The pieces of a Wan2.1-T2V-1.3B attention layer that `veomni.models.wan.kernels` replaces, timed side by side:
 diffusers' own code against veomni's kernels, eager and under ``torch.compile``, on the shapes of one 480x832x81
 sample (32,760 tokens, 12 heads x 128, bf16), forward + backward, JSON out.
 
@@ -34,7 +34,7 @@ from bench_common import environment, error_text, max_abs, release, timed_row, w
 
 from veomni.kernels import OpsConfig, resolve_kernels  # noqa: E402
 from veomni.kernels.hardware import Hardware, detect_hardware  # noqa: E402
-from veomni.models.wan_kernels import WanKernelAttnProcessor, diffusers_rotary, wan_ops  # noqa: E402
+from veomni.models.wan.kernels import WanKernelAttnProcessor, diffusers_rotary, wan_ops  # noqa: E402
 
 
 def _ops(device: torch.device, compiled: bool) -> OpsConfig:

@@ -12,7 +12,7 @@
   (`veomni.train.loop.build_recipe_model`): ``build_model`` on the diffusers config (meta construction, weights
   streamed by veomni's loader, ``_keep_in_fp32_modules`` honoured), veomni's activation checkpointing per
   ``_no_split_modules`` block, `build_adamw`, veomni's `clip_grad_norm`, `DitTask`'s loss formula.
-- ``veomni_kernels``: ``veomni`` with the device's ``OpsConfig`` defaults bound (`veomni.models.wan_kernels`: veomni's
+- ``veomni_kernels``: ``veomni`` with the device's ``OpsConfig`` defaults bound (`veomni.models.wan.kernels`: veomni's
   RMSNorm and interleaved-rotary Triton kernels and its attention kernel, ``varlen`` on CUDA for bf16), eager blocks:
   what veomni-train builds with ``ops.compile: off``.
 - ``veomni_compiled``: ``veomni_kernels`` with ``OpsConfig(compile="on")``: ``build_model`` compiles every block
@@ -195,7 +195,7 @@ class Veomni(DitContender):
     """veomni-train's one-rank path (see the module docstring). ``kernels`` False builds with ``ops=None``
     (diffusers' own attention code inside veomni's build, checkpointing, optimizer and loss: the baseline of the
     binding); True with the device's ``OpsConfig`` defaults, as `veomni.train.tasks.dit_setup` passes them
-    (`veomni.models.wan_kernels`: veomni's RMSNorm, interleaved rotary and attention kernels). ``compiled`` is
+    (`veomni.models.wan.kernels`: veomni's RMSNorm, interleaved rotary and attention kernels). ``compiled`` is
     ``OpsConfig(compile="on")``: ``build_model`` compiles every block (inductor) before checkpointing."""
 
     def __init__(
@@ -206,7 +206,7 @@ class Veomni(DitContender):
         kernels: bool = False,
         attention: str | None = None,
     ) -> None:
-        from veomni.models.wan_kernels import bound_wan_ops
+        from veomni.models.wan.kernels import bound_wan_ops
 
         self.s = s
         if keep_attention and not s.ac:

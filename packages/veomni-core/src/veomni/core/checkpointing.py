@@ -109,19 +109,17 @@ def _checkpoint_forward(module: nn.Module, keep_attention: bool = False, tally: 
             "or checkpoint whole blocks (keep_attention off)"
         )
     inner = module.forward
-    if keep_attention and tally is None:
-        raise ValueError("keep_attention checkpointing needs the model's _KeptAttention tally")
-    extra = (
-        {"context_fn": functools.partial(create_selective_checkpoint_contexts, tally.policy)}
-        if keep_attention
-        else {}
-    )
+    extra: dict[str, Any] = {}
+    if keep_attention:
+        if tally is None:
+            raise ValueError("keep_attention checkpointing needs the model's _KeptAttention tally")
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, tally.policy)
 
     # Patching the instance's forward (instead of wrapping the module in another module) keeps every FQN, and
     # with it the checkpoint keys, unchanged. FSDP's hooks run outside it: the unit is gathered before the
     # recomputation and nested expert units gather themselves again during it.
     @functools.wraps(inner)
-    def forward(*args: object, **kwargs: object) -> object:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("past_key_values") is not None and torch.is_grad_enabled():
             # transformers' layers append their keys to the cache; the recomputation would append them again and
             # fail much later with an unrelated error (tensor metadata, or attention reading it as decoding).
@@ -134,7 +132,7 @@ def _checkpoint_forward(module: nn.Module, keep_attention: bool = False, tally: 
         # threads on CUDA): without the state captured here it would skip Ulysses and recompute other shapes.
         state = current_parallel_state_or_none()
 
-        def run(*a: object, **k: object) -> object:
+        def run(*a: Any, **k: Any) -> Any:
             if state is None:
                 return inner(*a, **k)
             with use_parallel_state(state):
@@ -142,7 +140,7 @@ def _checkpoint_forward(module: nn.Module, keep_attention: bool = False, tally: 
 
         return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     object.__setattr__(module, _AC_MARK, True)
 
 

@@ -151,7 +151,8 @@ def clip_grad_norm(
                 raise ValueError(
                     f"clip_grad_norm: {name} is {kind} parameter but its gradient is sharded over ranks "
                     f"{list(ranks)}, not this rank's {'ep_fsdp' if is_expert else 'dp_shard_sp'} group "
-                    f"{list(expected[is_expert])}; was it sharded by apply_fsdp2 with this ParallelState?"
+                    f"{list(expected[is_expert] or ())}; was it sharded by apply_fsdp2 with this "
+                    "ParallelState?"
                 )
             buckets[(is_expert, ranks is not None)].append(grad.to_local())
         else:

@@ -37,7 +37,7 @@ import functools
 import types
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -97,6 +97,7 @@ class CompileStats:
             backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
         )
         self._kwargs: dict[str, Any] = {}
+        self._inner: Callable[..., Callable[..., Any]]
         if backend == "inductor":
             # What torch.compile builds for backend="inductor": mode and options become inductor config.
             self._inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
@@ -185,7 +186,7 @@ def compile_blocks(
     for fqn in blocks:
         block = model.get_submodule(fqn)
         compiled = torch.compile(_own_code_forward(block), fullgraph=True, backend=stats, dynamic=dynamic)
-        block.forward = _priming_forward(block.forward, compiled, call_context)  # type: ignore[method-assign]
+        block.forward = _priming_forward(block.forward, compiled, call_context)
         object.__setattr__(block, _MARK, True)
         object.__setattr__(block, STATS_ATTR, stats)
     object.__setattr__(model, STATS_ATTR, stats)
@@ -208,7 +209,8 @@ def _own_code_forward(block: nn.Module) -> Callable[..., Any]:
     function = getattr(bound, "__func__", None)
     code = getattr(function, "__code__", None)
     if (
-        code is not None
+        function is not None
+        and code is not None
         and code.co_name == "forward_with_checkpointing"
         and code.co_filename.endswith("modeling_layers.py")
         and hasattr(function, "__wrapped__")
@@ -263,7 +265,8 @@ def _forked_rng(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AbstractContex
     for value in (*args, *kwargs.values()):
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta"):
-                kind, index = tensor.device.type, tensor.device.index
+                # torch types device.index as int, but an unindexed device ("cuda") has None.
+                kind, index = tensor.device.type, cast("int | None", tensor.device.index)
                 if index is None:
                     index = torch.get_device_module(kind).current_device()
                 devices.setdefault(kind, set()).add(index)

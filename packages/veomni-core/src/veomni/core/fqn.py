@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 from torch import nn
 
@@ -23,7 +24,7 @@ def fqn_matches(pattern: str, fqn: str) -> bool:
     return compile_fqn_glob(pattern).fullmatch(fqn) is not None
 
 
-def pattern_tuple(value: object) -> tuple:
+def pattern_tuple(value: object) -> tuple[Any, ...]:
     """``value`` (a sequence of FQN patterns) as a tuple; a bare string is refused (it would become letters)."""
     if isinstance(value, str):
         raise TypeError(f"FSDPPolicy.block_patterns must be a sequence of strings, got the string {value!r}")

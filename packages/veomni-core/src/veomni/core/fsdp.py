@@ -16,10 +16,13 @@ Meta-device construction, materialisation and loading of full checkpoints are in
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, cast
 
 import attrs
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -46,12 +49,14 @@ __all__ = [
     "set_grad_sync",
 ]
 
-def _float_dtype_or_none(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _float_dtype_or_none(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
         raise ValueError(f"FSDPPolicy.{attribute.name} must be a floating torch.dtype or None, got {value!r}")
 
 
-def _check_block_patterns(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+def _check_block_patterns(
+    instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]
+) -> None:
     if not value:
         raise ValueError("FSDPPolicy.block_patterns must name at least one block, e.g. ('layers.*',), got ()")
     for pattern in value:
@@ -223,25 +228,42 @@ def _expert_placement(param: nn.Parameter, shard_size: int) -> Shard:
     )
 
 
-def _fully_shard_keep_metadata(module: nn.Module, **kwargs: object) -> None:
+def _fully_shard_keep_metadata(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    shard_placement_fn: Callable[[nn.Parameter], Shard],
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> FSDPModule:
     """``fully_shard`` that carries Python attributes (e.g. the `ExpertShard` record) to sharded params."""
     before = {name: p.__dict__ for name, p in module.named_parameters() if p.__dict__}
-    fully_shard(module, **kwargs)  # type: ignore[arg-type]
+    sharded = fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+    )
     for name, p in module.named_parameters():
         for key, value in before.get(name, {}).items():
             if key not in p.__dict__:
                 setattr(p, key, value)
+    return sharded
 
 
-def _set_prefetch(model: nn.Module, owned: dict[str, list[str]], head: nn.Module | None) -> None:
+def _set_prefetch(model: nn.Module, owned: dict[str, list[str]], head: FSDPModule | None) -> None:
     # Nested units blur FSDP2's implicit order (an expert's post-forward comes before its block's), so spell
     # it out, assuming modules run in registration order. Forward: a block gathers its experts and the next
     # block; the first one also the head (see `_prefetch_head`). Experts prefetch nothing in forward: under
     # activation checkpointing they run again inside backward, where a forward prefetch would re-gather the
     # already finished next block. Backward: the head first, then a block, its experts in reverse, then the
     # previous block.
-    blocks = [model.get_submodule(b) for b in owned]
-    experts = [[model.get_submodule(e) for e in owned[b]] for b in owned]
+    # Every module named here went through fully_shard, which swapped its class for an FSDPModule subclass.
+    blocks = [cast(FSDPModule, model.get_submodule(b)) for b in owned]
+    experts = [[cast(FSDPModule, model.get_submodule(e)) for e in owned[b]] for b in owned]
     if head is not None and blocks:
         head.set_modules_to_backward_prefetch([blocks[-1]])
     for i, block in enumerate(blocks):
@@ -290,7 +312,7 @@ def apply_fsdp2(
     expert_fqns = _prepare_experts(model, state, expert_plan)
     blocks = match_blocks(model, policy.block_patterns, expert_fqns)
     owned = _experts_by_block(blocks, expert_fqns)
-    common = {"mp_policy": policy.mp_policy(), "offload_policy": policy.offload_policy()}
+    mp_policy, offload_policy = policy.mp_policy(), policy.offload_policy()
 
     for fqn in expert_fqns:
         module = model.get_submodule(fqn)
@@ -303,18 +325,19 @@ def apply_fsdp2(
                 f"dp_shard * sp = {state.dims.ep}); FSDP2 divides such gradients twice unless the reduce dtype is "
                 "float32 or bfloat16: set FSDPPolicy.reduce_dtype to one of them"
             )
-        _fully_shard_keep_metadata(
+        sharded = _fully_shard_keep_metadata(
             module,
             mesh=state.ep_fsdp_mesh,
             reshard_after_forward=policy.reshard_after_forward,
             shard_placement_fn=functools.partial(_expert_placement, shard_size=state.dims.ep_fsdp),
-            **common,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
         )
-        module.set_gradient_divide_factor(float(state.dims.world_size))  # why: see the docstring
+        sharded.set_gradient_divide_factor(float(state.dims.world_size))  # why: see the docstring
         if state.device.type == "cpu" and state.dims.ep_fsdp > 1:
             # gloo has no PREMUL_SUM, which a custom factor otherwise uses: reduce with SUM, then divide. Not
             # with one shard: FSDP then skips the reduce-scatter but divides twice (before and after).
-            module.set_force_sum_reduction_for_comms(True)
+            sharded.set_force_sum_reduction_for_comms(True)
 
     tally = _KeptAttention() if policy.activation_checkpointing and policy.ac_keep_attention else None
     if tally is not None:
@@ -323,20 +346,39 @@ def apply_fsdp2(
         block = model.get_submodule(fqn)
         if policy.activation_checkpointing:
             _checkpoint_forward(block, policy.ac_keep_attention, tally)
-        fully_shard(block, mesh=state.fsdp_mesh, reshard_after_forward=policy.reshard_after_forward, **common)
+        fully_shard(
+            block,
+            mesh=state.fsdp_mesh,
+            reshard_after_forward=policy.reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
 
-    head = _check_head(model, policy.head, blocks, expert_fqns)
-    if head is not None:
+    head_module = _check_head(model, policy.head, blocks, expert_fqns)
+    head: FSDPModule | None = None
+    if head_module is not None:
         # Last in forward, first in backward: resharding after forward would only gather it again at once.
-        fully_shard(head, mesh=state.fsdp_mesh, reshard_after_forward=False, **common)
+        head = fully_shard(
+            head_module,
+            mesh=state.fsdp_mesh,
+            reshard_after_forward=False,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
     # The root's parameters (embeddings, final norm, a tied head) are the first needed when backward starts, and
     # fused linear-cross-entropy kernels save the head weight for backward: resharding it would free that
     # storage.
-    fully_shard(model, mesh=state.fsdp_mesh, reshard_after_forward=False, **common)
+    fully_shard(
+        model,
+        mesh=state.fsdp_mesh,
+        reshard_after_forward=False,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+    )
     if expert_fqns:
         _set_prefetch(model, owned, head)
     elif head is not None and blocks:
-        _prefetch_head(model.get_submodule(blocks[0]), head)
+        _prefetch_head(cast(FSDPModule, model.get_submodule(blocks[0])), head)
     return model
 
 

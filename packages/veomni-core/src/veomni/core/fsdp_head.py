@@ -22,7 +22,7 @@ _THROUGH = "_veomni_forward_through"
 _R = TypeVar("_R")
 
 
-def _prefetch_head(first_block: nn.Module, head: nn.Module) -> None:
+def _prefetch_head(first_block: FSDPModule, head: FSDPModule) -> None:
     # FSDP2 issues a unit's all-gather when its forward starts, which overlaps earlier compute only when the host
     # runs ahead of the GPU; host syncs in the step (EP's split sizes) stop that. Gathered from the first block
     # on, the head's parameters (as large as the embedding's) arrive under the whole forward. It stays gathered
@@ -88,7 +88,8 @@ def forward_through(module: nn.Module, fn: Callable[..., _R], *args: Any, **kwar
         # A bound method on this instance, registered once: FSDP runs its pre-/post-forward around each call.
         setattr(module, _THROUGH, types.MethodType(_call_with_self, module))
         register_fsdp_forward_method(module, _THROUGH)
-    return getattr(module, _THROUGH)(fn, *args, **kwargs)
+    result: _R = getattr(module, _THROUGH)(fn, *args, **kwargs)
+    return result
 
 
 def _call_with_self(self: nn.Module, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:

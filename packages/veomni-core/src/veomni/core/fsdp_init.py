@@ -27,7 +27,10 @@ class StateDictMismatchError(ValueError):
     """
 
     def __init__(
-        self, missing: list[str], unexpected: list[str], mismatched: list[tuple[str, tuple, tuple]]
+        self,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
     ) -> None:
         self.missing = missing
         self.unexpected = unexpected

@@ -48,7 +48,8 @@ def _host_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
     return torch.device(dst).type == "cpu" or not kwargs.get("non_blocking", False)
 
 
-class HostSyncCounter(TorchDispatchMode):
+# torch's TorchDispatchMode.__init_subclass__ and __init__ carry no annotations.
+class HostSyncCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Context manager counting host syncs by ATen op name, with the Python stack of the first one per op.
 
     Counted: scalar reads (``.item()``, ``bool(t)``, ``torch.equal``), data-dependent output shapes
@@ -66,7 +67,7 @@ class HostSyncCounter(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.counts: collections.Counter[str] = collections.Counter()
         self.first_stack: dict[str, str] = {}
 

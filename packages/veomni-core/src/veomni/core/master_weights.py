@@ -2,7 +2,7 @@
 
 On one rank FSDP2 has nothing to shard, yet with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` it
 still re-casts every block's parameters and runs its per-block hooks in every forward and backward (Qwen3-1.7B on
-one H100: half the throughput of the same module in pure bf16, docs/benchmarks.md). `apply_master_weights` gives
+one H100: half the throughput of the same module in pure bf16, notebook/benchmarks-log.md). `apply_master_weights` gives
 the same arithmetic with one cast per optimizer step:
 
 - the module's floating parameters become bf16 (``compute_dtype``) tensors, each the rounding of its fp32 master;
@@ -98,7 +98,8 @@ def master_weights_of(model: nn.Module) -> MasterWeights | None:
     return getattr(model, _ATTR, None)
 
 
-def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     # FSDP2's cast_forward_inputs: every floating tensor of any dtype other than the compute dtype.
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
@@ -182,7 +183,9 @@ def apply_master_weights(
     if missing := [p for p in block_patterns if not any(fqn_matches(p, fqn) for fqn in blocks)]:
         raise ValueError(f"apply_master_weights: block pattern(s) {missing} matched no module of the model")
 
-    params, masters, trainable = [], [], []
+    params: list[nn.Parameter] = []
+    masters: list[nn.Parameter] = []
+    trainable: list[int] = []
     by_id: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for _, p in named:
@@ -194,7 +197,10 @@ def apply_master_weights(
             p.data = p.data.to(compute_dtype)
             if p.requires_grad:
                 trainable.append(len(params))
-                p.register_post_accumulate_grad_hook(functools.partial(_accumulate, master))
+                # torch's Tensor.register_post_accumulate_grad_hook carries no annotations.
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_accumulate, master)
+                )
             params.append(p)
             masters.append(master)
             by_id[id(p)] = master

@@ -11,10 +11,12 @@ Layout (row-major, last dim innermost, so each SP group and each EP group is a r
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 
-def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"ParallelDims.{attribute.name} must be a positive int, got {value!r}")
 

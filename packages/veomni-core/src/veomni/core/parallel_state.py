@@ -135,7 +135,7 @@ class ParallelState:
 # Keyed by the default process group, so that destroying it (and creating a new one) starts afresh instead of
 # handing out meshes whose groups are gone. Process groups are expensive, and asking twice for one topology must
 # not create them twice; this is the module's only mutable state.
-_STATE_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, ParallelState]] = (
+_STATE_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[ParallelDims, str], ParallelState]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -160,6 +160,8 @@ def build_parallel_state(dims: ParallelDims, device_type: str) -> ParallelState:
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
     dims.check_world_size(dist.get_world_size())
     world = dist.group.WORLD
+    if world is None:  # torch types WORLD as optional; is_initialized() above means it is set
+        raise RuntimeError("build_parallel_state: the default process group is initialised but not set")
     per_world = _STATE_CACHE.setdefault(world, {})
     key = (dims, device_type)
     if key in per_world:

@@ -163,11 +163,12 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
 ]
 
 
-def _importer(target: str) -> KernelFn:
+def _importer(target: str) -> Callable[[], KernelFn]:
     module_name, _, attr = target.partition(":")
 
     def factory() -> KernelFn:
-        return getattr(importlib.import_module(module_name), attr)
+        kernel: KernelFn = getattr(importlib.import_module(module_name), attr)
+        return kernel
 
     return factory
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 # default that the hardware cannot run (a missing package, say) falls back to `FALLBACK_BACKENDS` (attention:
 # sdpa) or "eager", the reference. CUDA attention defaults to varlen (torch's flash varlen kernel): packed rows
 # and vision towers attend per document/image instead of through an [S, S] mask (1.9x a Qwen3-VL step, see
-# docs/benchmarks.md); it runs bf16/fp16 only, so `OpsConfig.for_compute_dtype` makes an fp32 model use sdpa.
+# notebook/benchmarks-log.md); it runs bf16/fp16 only, so `OpsConfig.for_compute_dtype` makes an fp32 model use sdpa.
 # NPU column = the reference's Ascend table: torch_npu kernels where one exists, the portable chunk_loss CE, and an
 # explicit eager pin for SwiGLU and the load-balancing loss (no NPU kernel; eager is what the reference runs).
 DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
@@ -48,7 +49,7 @@ MODEL_SPECIFIC_OPS = frozenset({"gated_delta_rule", "causal_conv1d", "rms_norm_g
 # Inside torch.compile'd blocks inductor fuses these ops' eager formulas into the kernels around them, which beats
 # calling our Triton kernels there: each custom-op call costs 0.2-0.5 ms of host time (Triton's Python launcher)
 # and the compiled step is host-bound (T1, Qwen3-1.7B on an H100: 33.1k tok/s with these eager vs 17.8k with
-# ours, docs/benchmarks.md 2026-11-25). Eager mode keeps the Triton kernels (fewer launches than eager PyTorch).
+# ours, notebook/benchmarks-log.md 2026-11-25). Eager mode keeps the Triton kernels (fewer launches than eager PyTorch).
 # The ViT towers' rope_vision likewise: inductor's fusion of the eager formula times 0.535 ms vs our kernel's 0.533
 # (Qwen2.5-VL-7B tower shape; eager PyTorch 2.33 ms), so compiled vision blocks take the formula too.
 COMPILED_BLOCK_DEFAULTS: Mapping[str, str] = {
@@ -60,19 +61,19 @@ HALF_PRECISION_ATTENTION = frozenset({"varlen", "flash_attn_2", "flash_attn_3", 
 FIELD_OPS: Mapping[str, str] = {field: field for field in DEFAULT_BACKENDS}
 
 
-def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"OpsConfig.{attribute.name} must be a backend name (str) or None, got {value!r}")
 
 
-def _backend_field() -> object:
+def _backend_field() -> Any:
     return attrs.field(default=None, validator=_optional_str)
 
 
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
-def _compile_choice(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _compile_choice(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value not in COMPILE_CHOICES:
         raise ValueError(f"OpsConfig.compile must be one of {COMPILE_CHOICES}, got {value!r}")
 
@@ -133,7 +134,10 @@ class OpsConfig:
         """This config with ``changes`` (field -> value) applied. ``defaulted`` and ``fallbacks`` are kept: they
         record how the user's config was completed, which a derived config (an adapted backend) does not change;
         a plain ``attrs.evolve`` would see every field as explicit and lose both."""
-        changed = attrs.evolve(self, **changes)
+        # As a dict of Any: the attrs plugin types evolve's keywords per field, and a **dict[str, str] would
+        # have to fit the hardware and registry fields too.
+        fields: dict[str, Any] = dict(changes)
+        changed = attrs.evolve(self, **fields)
         object.__setattr__(changed, "defaulted", self.defaulted)
         object.__setattr__(changed, "fallbacks", self.fallbacks)
         return changed

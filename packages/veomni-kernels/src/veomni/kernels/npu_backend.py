@@ -18,6 +18,7 @@ marked ``npu`` (tests/kernels/test_npu_backend.py) and run on an Ascend runner (
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch_npu
@@ -39,19 +40,22 @@ _SPARSE_NONE, _SPARSE_CAUSAL = 0, 3
 def rms_norm_standard(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama/Qwen RMSNorm on ``npu_rms_norm``. ``x [..., H]``, ``weight [H]``; returns ``[..., H]``."""
     check_norm_inputs(x, weight, eps)
-    return torch_npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+    result: torch.Tensor = torch_npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+    return result
 
 
 def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(1 + weight)`` RMSNorm, all in fp32 then cast (as the eager ``offset`` oracle). Returns x's dtype."""
     check_norm_inputs(x, weight, eps)
-    return torch_npu.npu_rms_norm(x.float(), 1.0 + weight.float(), epsilon=eps)[0].to(x.dtype)
+    out: torch.Tensor = torch_npu.npu_rms_norm(x.float(), 1.0 + weight.float(), epsilon=eps)[0]
+    return out.to(x.dtype)
 
 
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight (a ones gamma). ``x [..., H]``; returns x's dtype."""
     check_norm_inputs(x, None, eps)
-    return torch_npu.npu_rms_norm(x, x.new_ones(x.shape[-1]), epsilon=eps)[0]
+    result: torch.Tensor = torch_npu.npu_rms_norm(x, x.new_ones(x.shape[-1]), epsilon=eps)[0]
+    return result
 
 
 def fused_add_rms_norm(
@@ -65,7 +69,8 @@ def fused_add_rms_norm(
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     if rotary_dim == x.shape[-1]:
-        return torch_npu.npu_rotary_mul(x, cos, sin)
+        result: torch.Tensor = torch_npu.npu_rotary_mul(x, cos, sin)
+        return result
     rotated = torch_npu.npu_rotary_mul(x[..., :rotary_dim].contiguous(), cos, sin)
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
@@ -132,12 +137,13 @@ def attention(
         sparse_mode = _SPARSE_CAUSAL
     heads = q.shape[2]
     if cu_seqlens is None:
-        return torch_npu.npu_fusion_attention(
+        result: torch.Tensor = torch_npu.npu_fusion_attention(
             q, k, v, heads, "BSND", atten_mask=mask, scale=scale, sparse_mode=sparse_mode
         )[0]
+        return result
     # TND wants cumulative end offsets without the leading 0, on the host.
     ends = cu_seqlens[1:].tolist()
-    out = torch_npu.npu_fusion_attention(
+    out: torch.Tensor = torch_npu.npu_fusion_attention(
         q[0], k[0], v[0], heads, "TND", atten_mask=mask, scale=scale, sparse_mode=sparse_mode,
         actual_seq_qlen=ends, actual_seq_kvlen=ends,
     )[0]  # fmt: skip
@@ -146,21 +152,22 @@ def attention(
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, group_type: int) -> torch.Tensor:
     # split_item=3: one output tensor; group_list_type=0: cumulative group ends (int64).
-    return torch_npu.npu_grouped_matmul(
+    result: torch.Tensor = torch_npu.npu_grouped_matmul(
         [x], [w], group_list=ends.to(torch.int64), split_item=3, group_type=group_type, group_list_type=0
     )[0]
+    return result
 
 
 class _NpuGroupedMM(torch.autograd.Function):
     """``x [N, K]`` (expert-major) times ``w[e]^T`` (``w [E, n_out, K]``) per group; ``ends [E]``."""
 
     @staticmethod
-    def forward(ctx, x, ends, w):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, ends, w)
         return _gmm(x, w.transpose(-2, -1), ends, group_type=0)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
         x, ends, w = ctx.saved_tensors
         need_x, _, need_w = ctx.needs_input_grad
         grad = grad.contiguous()

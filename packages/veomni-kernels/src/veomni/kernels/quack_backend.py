@@ -16,6 +16,8 @@ Parity tests are ``cuda``-marked (tests/kernels/test_quack_backend.py); tools/be
 
 from __future__ import annotations
 
+from typing import Any
+
 import quack
 import torch
 import torch.nn.functional as F
@@ -31,19 +33,22 @@ from veomni.kernels.rms_norm.eager import check_inputs as check_norm_inputs
 def rms_norm_standard(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm ``x [..., H]`` times ``weight [H]`` (one rounding; see the module doc). Returns x's dtype."""
     check_norm_inputs(x, weight, eps)
-    return quack.rmsnorm(x, weight, eps=eps)
+    result: torch.Tensor = quack.rmsnorm(x, weight, eps=eps)
+    return result
 
 
 def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(1 + weight)`` RMSNorm, all fp32, rounded once. ``x [..., H]``, ``weight [H]``."""
     check_norm_inputs(x, weight, eps)
-    return quack.rmsnorm(x, weight, eps=eps, weight_offset=1.0)
+    result: torch.Tensor = quack.rmsnorm(x, weight, eps=eps, weight_offset=1.0)
+    return result
 
 
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight. ``x [..., H]``."""
     check_norm_inputs(x, None, eps)
-    return quack.rmsnorm(x, None, eps=eps)
+    result: torch.Tensor = quack.rmsnorm(x, None, eps=eps)
+    return result
 
 
 def fused_add_rms_norm(
@@ -55,7 +60,15 @@ def fused_add_rms_norm(
     return y, new_residual
 
 
-def _linear_ce(hidden, weight, labels, ignore_index, logit_softcap, z_loss_weight, variant):
+def _linear_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    logit_softcap: float | None,
+    z_loss_weight: float,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs(
         hidden, weight, labels, ignore_index=ignore_index, logit_softcap=logit_softcap,
         z_loss_weight=z_loss_weight, variant=variant,
@@ -67,7 +80,9 @@ def _linear_ce(hidden, weight, labels, ignore_index, logit_softcap, z_loss_weigh
         )
     flat = labels.reshape(-1)
     x = hidden.reshape(-1, hidden.shape[-1])
-    loss = chunked_linear_cross_entropy(x, weight, flat, ignore_index=ignore_index, reduction="sum")
+    loss: torch.Tensor = chunked_linear_cross_entropy(
+        x, weight, flat, ignore_index=ignore_index, reduction="sum"
+    )
     return loss.float(), (flat != ignore_index).sum()
 
 
@@ -104,13 +119,14 @@ class _QuackGroupedMM(torch.autograd.Function):
     """``x [N, K]`` (expert-major) times ``w[e]^T`` (``w [E, n_out, K]``) per group; ``ends [E]``."""
 
     @staticmethod
-    def forward(ctx, x, ends, w):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         cu = F.pad(ends, (1, 0)).to(torch.int32)
         ctx.save_for_backward(x, cu, w)
-        return gemm(x, w.transpose(-2, -1), cu_seqlens_m=cu)
+        out: torch.Tensor = gemm(x, w.transpose(-2, -1), cu_seqlens_m=cu)
+        return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
         x, cu, w = ctx.saved_tensors
         need_x, _, need_w = ctx.needs_input_grad
         grad = grad.contiguous()

@@ -27,9 +27,9 @@ from veomni.core.freeze import freeze_modules
 from veomni.core.fsdp import FSDPPolicy, apply_fsdp2, materialize_sharded
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import OpsConfig, op_fields
-from veomni.models.diffusers_build import build_diffusers_model, check_checkpoint_kind
-from veomni.models.hf_output_capture import capture_into_compiled_block
-from veomni.models.kernel_hooks import _has_hf_experts, apply_ops
+from veomni.models.diffusers.build import build_diffusers_model, check_checkpoint_kind
+from veomni.models.hf.kernel_hooks import _has_hf_experts, apply_ops
+from veomni.models.hf.output_capture import capture_into_compiled_block
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
 from veomni.models.loading.quantized import check_not_quantized
@@ -207,14 +207,15 @@ def build_model(
     Args:
         config_or_path: a config, or a directory / ``config.json`` (read with the registered config class). A
             diffusers ``config.json`` (``_class_name``) or `DiffusersConfig` builds that diffusers class through
-            `veomni.models.diffusers_build.build_diffusers_model` (no EP; ``sp > 1`` applies
-            `veomni.models.wan_sp.apply_dit_sp`, for ``WanTransformer3DModel`` only; ``ops`` None keeps diffusers'
-            attention code, an `OpsConfig` binds `veomni.models.wan_kernels` and compiles blocks as below).
+            `veomni.models.diffusers.build.build_diffusers_model` (no EP; ``sp > 1`` and an `OpsConfig` apply its
+            family's `veomni.models.family.DiffusionRules` -- Wan: `veomni.models.wan.sp`, `veomni.models.wan.kernels`
+            -- and are refused for a model without them; ``ops`` None keeps diffusers' attention code; blocks compile
+            as below).
         weights: a safetensors checkpoint (file, index or directory) of the same library as the config (a
             transformers checkpoint for a diffusers model, or the reverse, is a `CheckpointKindError`); None
             initialises with the model's ``_init_weights`` (diffusers: its ``__init__``) and says so in the
             log (warning).
-        ops: the kernel choice, bound with `veomni.models.kernel_hooks.apply_ops` (also sets attention); required
+        ops: the kernel choice, bound with `veomni.models.hf.kernel_hooks.apply_ops` (also sets attention); required
             with ``backend="veomni"``, refused with ``backend="hf"``. ``ops.compile_enabled`` compiles every
             block (`veomni.core.compile.compile_blocks`, inductor) before FSDP2 and checkpointing. MoE blocks
             compile only with ``moe_experts="torch"`` and no EP (``"auto"`` leaves others eager, ``"on"`` raises).

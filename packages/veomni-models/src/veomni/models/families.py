@@ -23,11 +23,13 @@ FAMILY_MODULES: tuple[str, ...] = (
     "veomni.models.gpt_oss.family",
     "veomni.models.seed_oss.family",
     "veomni.models.deepseek_v3.family",
+    "veomni.models.glm4_moe.family",
     "veomni.models.qwen2_5_omni.family",
     "veomni.models.qwen3_next.family",
     "veomni.models.qwen3_5.family",
     "veomni.models.qwen3_5_moe.family",
     "veomni.models.qwen3_omni_moe.family",
+    "veomni.models.wan.family",
 )
 
 

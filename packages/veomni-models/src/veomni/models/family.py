@@ -33,6 +33,13 @@ def _optional_target(where: str):
     return check
 
 
+def _required_target(where: str):
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        _target(value, f"{where}.{attribute.name}")  # type: ignore[arg-type]
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class DataRules:
     """How the data pipeline lays out rows for one multimodal ``model_type``.
@@ -97,6 +104,47 @@ class TrainingHooks:
 
 
 @attrs.frozen(kw_only=True)
+class DiffusionRules:
+    """What veomni asks of a diffusion transformer (a diffusers ``_class_name``) beyond its class: the hooks the
+    diffusers build applies (`veomni.models.diffusers.build`) and the condition side the ``dit`` task trains it
+    with (`veomni.train.tasks.dit`). Every entry is a ``"module:attribute"`` string, resolved on first use.
+
+    Model side:
+        bind_kernels: ``callable(model, ops)`` routes the model's attention, q/k norms and rotary through the
+            kernels of ``ops`` (a `veomni.kernels.OpsConfig`); None: ``ops`` is refused for this model.
+        sequence_parallel: ``callable(model, state)`` makes the model Ulysses sequence-parallel over
+            ``state.sp_group`` (refusing a head count it cannot split); None: ``sp > 1`` is refused.
+
+    Condition side:
+        condition_config: the noising config class, built as ``Class(mode=, max_sequence_length=,
+            latent_sample_mode=, prompt_dropout_prob=, shift=)`` (the recipe's ``dit`` section).
+        condition_model: the frozen condition models: ``Class.from_pretrained(root, condition_config, device=,
+            text_encoder_dtype=, init=, seed=)``, an instance having ``tokenizer``, ``get_condition(captions,
+            videos)`` and ``empty_prompt_embeds()``.
+        condition_error: the exception class the condition side raises for a bad condition directory (bad input:
+            the trainer reports its message without a traceback).
+        condition_configs: ``callable(root, mode, shift)`` returns the condition side read from its configs alone
+            (`veomni.models.diffusers.rules.ConditionConfigs`): no model is built.
+        compatibility: ``callable(values, cond, mode=, max_sequence_length=)`` returns the transformer config
+            ``values`` (and the prompt length) that do not fit the condition side ``cond``, as
+            `veomni.models.diffusers.rules.Mismatch` entries; empty when they fit.
+        flow_matching_inputs: ``callable(condition, vae_config=, schedule=, generator=, latent_sample_mode=,
+            prompt_dropout_prob=, empty_prompt_embeds=)`` turns one micro-batch's conditions into the
+            transformer's noised inputs and the velocity target (per-sample lists keyed by the forward's
+            arguments, plus ``training_target``).
+    """
+
+    bind_kernels: str | None = attrs.field(default=None, validator=_optional_target("DiffusionRules"))
+    sequence_parallel: str | None = attrs.field(default=None, validator=_optional_target("DiffusionRules"))
+    condition_config: str = attrs.field(validator=_required_target("DiffusionRules"))
+    condition_model: str = attrs.field(validator=_required_target("DiffusionRules"))
+    condition_error: str = attrs.field(validator=_required_target("DiffusionRules"))
+    condition_configs: str = attrs.field(validator=_required_target("DiffusionRules"))
+    compatibility: str = attrs.field(validator=_required_target("DiffusionRules"))
+    flow_matching_inputs: str = attrs.field(validator=_required_target("DiffusionRules"))
+
+
+@attrs.frozen(kw_only=True)
 class ModelTypeSpec:
     """One HF ``model_type`` (or a diffusers ``_class_name``) of a family.
 
@@ -108,6 +156,10 @@ class ModelTypeSpec:
         fast_paths: the `veomni.models.registry.FAST_PATHS` the classes support.
         data: the data pipeline's rules for a multimodal model; None for text-only models.
         library: ``"transformers"`` or ``"diffusers"``.
+        diffusion: a diffusion transformer's `DiffusionRules` (diffusers only); None: the ``dit`` task refuses
+            the model, and the diffusers build binds no kernels and no Ulysses SP to it. Its ``fast_paths``
+            must say what it implements: ``"sp"`` iff ``sequence_parallel``, ``"fused_kernels"`` iff
+            ``bind_kernels``.
     """
 
     model_type: str
@@ -116,6 +168,7 @@ class ModelTypeSpec:
     fast_paths: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     data: DataRules | None = None
     library: str = "transformers"
+    diffusion: DiffusionRules | None = None
 
     def __attrs_post_init__(self) -> None:
         for task, target in self.classes.items():
@@ -127,6 +180,19 @@ class ModelTypeSpec:
         if (self.config is None) != (self.library == "diffusers"):
             raise ValueError(
                 f"model_type {self.model_type!r}: a transformers model names its config class, a diffusers one none"
+            )
+        if self.diffusion is not None:
+            self._check_diffusion(self.diffusion)
+
+    def _check_diffusion(self, rules: DiffusionRules) -> None:
+        if self.library != "diffusers":
+            raise ValueError(f"model_type {self.model_type!r}: DiffusionRules are for diffusers models only")
+        declared = {"sp": rules.sequence_parallel, "fused_kernels": rules.bind_kernels}
+        wrong = [p for p, hook in declared.items() if (p in self.fast_paths) != (hook is not None)]
+        if wrong:
+            raise ValueError(
+                f"_class_name {self.model_type!r}: fast_paths {sorted(self.fast_paths)} disagree with its "
+                f"DiffusionRules for {wrong} (sp needs sequence_parallel, fused_kernels needs bind_kernels)"
             )
 
 

@@ -329,13 +329,6 @@ class ModelRegistry:
         text_only = task in ("causal_lm", "base") and not isinstance(config, DiffusersConfig)
         fast = {"sp"} if text_only and getattr(cls, "_supports_attention_backend", False) else set()
         off = [FAST_PATHS[p] for p in FAST_PATHS if p not in fast]
-        if isinstance(config, DiffusersConfig) and config.class_name == "WanTransformer3DModel":
-            # Not through the registry's fast paths but bound by veomni.models.diffusers_build itself.
-            logger.info(
-                "WanTransformer3DModel: Ulysses SP (veomni.models.wan_sp) and veomni's RMSNorm / rotary / attention "
-                "kernels (veomni.models.wan_kernels, given an OpsConfig) are applied by build_model"
-            )
-            return ResolvedModel(cls, False, frozenset(fast))
         logger.warning(
             "%s %r is not registered with veomni: using %s.%s (%s). Off for this model: %s.%s",
             kind,

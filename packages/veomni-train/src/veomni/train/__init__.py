@@ -1,1 +1,38 @@
-"""veomni.train."""
+"""veomni.train: recipes, data, tasks, the training loop, checkpoints and the CLI.
+
+The public names below are imported on first use (PEP 562), so ``import veomni.train.<module>`` imports only what
+that module needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "Recipe": "veomni.train.recipe",
+    "load_recipe": "veomni.train.recipe",
+    "RecipeError": "veomni.train.recipe",
+    "train": "veomni.train.loop",
+    "build_run": "veomni.train.loop",
+    "Run": "veomni.train.loop",
+    "train_step": "veomni.train.step",
+    "evaluate": "veomni.train.step",
+    "Task": "veomni.train.tasks",
+    "TaskSetup": "veomni.train.tasks",
+    "register_task": "veomni.train.tasks",
+    "task_class": "veomni.train.tasks",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'veomni.train' has no attribute {name!r}; its public names are {__all__}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

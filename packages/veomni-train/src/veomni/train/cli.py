@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         attach_log_file(recipe.log.file, rank)
     # Heavy imports only when training.
     from veomni.models.loading import CheckpointFileError
-    from veomni.train.checkpoint_match import CheckpointMismatchError
+    from veomni.train.checkpoint.match import CheckpointMismatchError
     from veomni.train.data.sources import DataError
     from veomni.train.loop import train
     from veomni.train.numerics import TrainingDivergedError

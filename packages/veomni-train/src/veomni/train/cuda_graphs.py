@@ -1,6 +1,6 @@
 """CUDA-graph replay of a micro-batch's forward and backward (``train.cuda_graphs: true``).
 
-Why: at Qwen3-1.7B size a compiled step is host-bound (docs/benchmarks.md, 2026-11-25 profile: ~1.5 ms of
+Why: at Qwen3-1.7B size a compiled step is host-bound (notebook/benchmarks-log.md, 2026-11-25 profile: ~1.5 ms of
 Python per compiled block call against ~1 ms of GPU work); a captured graph launches the whole forward and
 backward of a micro-batch with one call.
 

@@ -7,7 +7,8 @@ Written to DIR::
     embed.json                 what was encoded with (condition dir, mode, prompt length, dtype, init, data digest)
     shards/NNNNN.safetensors   per sample ``<row>.prompt_embeds`` [1, L, D], ``<row>.latent_params`` [1, 2z, F', H',
                                W'] float32 (the VAE posterior's mean and log-variance), I2V also ``image_condition``
-                               and ``image_embeds`` -- exactly `WanConditionModel.get_condition`'s outputs
+                               and ``image_embeds`` -- exactly the condition model's ``get_condition`` outputs
+                               (the family's `veomni.models.family.DiffusionRules.condition_model`)
     empty_prompt.safetensors   the empty prompt's embeddings (prompt dropout)
     latents.jsonl              the manifest, written last: ``{"shard", "index", "shape": [F, H, W], "caption"}``
 
@@ -99,6 +100,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     from veomni.train.tasks.dit_setup import (
         check_compatible,
         condition_configs,
+        dit_rules,
         load_condition,
         shape_rule,
         transformer_config,
@@ -114,8 +116,10 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     device = setup_distributed(recipe.train.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out)
-    config, cond = transformer_config(recipe), condition_configs(recipe)
-    check_compatible(config, cond, recipe)
+    config = transformer_config(recipe)
+    rules = dit_rules(config)
+    cond = condition_configs(recipe, rules)
+    check_compatible(config, cond, recipe, rules)
     data = recipe.data
     source = RowSource(data.train_files, data.format, ["caption"], MEDIA_COLUMNS)
     shapes = index_dit(source, data.media_root, shape_rule(config, cond))
@@ -133,7 +137,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
         (out / SHARDS).mkdir(parents=True, exist_ok=True)
         _write_atomic(out / META, lambda p: p.write_text(json.dumps(meta, indent=1) + "\n"))
     dist.barrier()
-    condition = load_condition(recipe, device)
+    condition = load_condition(recipe, rules, device)
     n_shards = math.ceil(len(shapes) / shard_size)
     mine = list(range(rank, n_shards, world))
     todo = [k for k in mine if not _shard_done(out / SHARDS / f"{k:05d}.safetensors")]

@@ -28,7 +28,8 @@ from veomni.models.families import training_hooks
 from veomni.models.family import resolve
 from veomni.models.moe.expert_load import attach_expert_load_counters
 from veomni.train.checkpoint import CheckpointManager, latest_complete
-from veomni.train.checkpoint_match import config_dict
+from veomni.train.checkpoint.match import config_dict
+from veomni.train.checkpoint.resume import resume_path, resume_run
 from veomni.train.cuda_graphs import MicroBatchGraphs
 from veomni.train.data import (
     EvalData,
@@ -58,7 +59,6 @@ from veomni.train.preflight import (
 )
 from veomni.train.profiling import StepProfiler, dump_oom_snapshot
 from veomni.train.recipe import Recipe, recipe_to_dict, save_recipe
-from veomni.train.resume import resume_path, resume_run
 from veomni.train.run_log import (
     RunClock,
     append_jsonl,

@@ -20,8 +20,8 @@ from veomni.core.master_weights import apply_master_weights
 from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
-from veomni.models.diffusers_build import is_diffusers_model
-from veomni.models.hf_async_sp import enable_async_ulysses
+from veomni.models.diffusers.build import is_diffusers_model
+from veomni.models.hf.async_sp import enable_async_ulysses
 from veomni.models.registry import MODELS
 from veomni.train.preflight import PreflightError
 from veomni.train.recipe import Recipe
@@ -107,7 +107,7 @@ def build_recipe_model(
         model = build_model(config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **args)
         return _maybe_async_ulysses(recipe, model)
     # One rank: FSDP2 would only add per-block hooks and parameter copies (42% of the step time of Qwen3-1.7B on
-    # one H100 in pure bf16, half the throughput with mixed precision; docs/benchmarks.md), so the model stays a
+    # one H100 in pure bf16, half the throughput with mixed precision; notebook/benchmarks-log.md), so the model stays a
     # plain module.
     if path == "plain":
         log.info("one rank, %s parameters = compute dtype: training without FSDP2", recipe.model.param_dtype)

@@ -17,6 +17,7 @@ and gradients are bitwise reproducible for a given input.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import attrs
 import torch
@@ -32,7 +33,9 @@ _META_COLS = 3
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+    ) -> Tensor:
         ctx.splits = (list(input_splits), list(output_splits))
         ctx.group = group
         x = x.contiguous()
@@ -41,7 +44,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         input_splits, output_splits = ctx.splits
         grad = grad.contiguous()
         grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
@@ -69,26 +72,33 @@ def all_to_all_rows(
         raise ValueError(
             f"all_to_all_rows: x has {x.shape[0]} rows but input_splits sum to {sum(input_splits)}"
         )
-    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+    out: Tensor = _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+    return out
 
 
 class _GatherRows(torch.autograd.Function):
     """``x[index]`` whose backward gathers through ``inverse`` and sums each run of ``fold`` rows."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor, fold: int) -> Tensor:
+    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor, fold: int) -> Tensor:
         ctx.save_for_backward(inverse)
         ctx.fold = fold
         ctx.num_rows = x.shape[0]
         return x.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (inverse,) = ctx.saved_tensors
         grad_x = grad.index_select(0, inverse)
         if ctx.fold > 1:
-            grad_x = grad_x.unflatten(0, (ctx.num_rows, ctx.fold)).sum(1)
+            grad_x = torch.unflatten(grad_x, 0, (ctx.num_rows, ctx.fold)).sum(1)
         return grad_x, None, None, None
+
+
+def _gather_rows(x: Tensor, index: Tensor, inverse: Tensor, fold: int) -> Tensor:
+    """``x[index]`` (``index`` 1-D int64) with the `_GatherRows` backward."""
+    out: Tensor = _GatherRows.apply(x, index, inverse, fold)
+    return out
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -268,14 +278,15 @@ def dispatch_tokens(
     per_expert = [sum(received[s][j] for s in range(ep_size)) for j in range(local)]
     total = sum(output_splits)
 
-    x = _GatherRows.apply(hidden, order // top_k, unsort, top_k)
+    x = _gather_rows(hidden, order // top_k, unsort, top_k)
     regroup = ungroup = None
-    if ep_size > 1:
+    # ep_size > 1 implies a group (`_group_size_rank`); the None test is for the type checker.
+    if group is not None and ep_size > 1:
         x = all_to_all_rows(x, input_splits, output_splits, group)
         if local > 1:  # with one local expert, [src][expert] already is [expert][src]
             chunks = table_dev[:, ep_rank * local : (ep_rank + 1) * local]
             regroup, ungroup = _regroup_indices(chunks, total)
-            x = _GatherRows.apply(x, regroup, ungroup, 1)
+            x = _gather_rows(x, regroup, ungroup, 1)
     counts_dev = table_dev[:, ep_rank * local : (ep_rank + 1) * local].sum(0)
 
     handle = DispatchHandle(
@@ -334,11 +345,12 @@ def combine_tokens(expert_out: Tensor, routing_weights: Tensor, handle: Dispatch
         )
 
     rows = expert_out
-    if handle.ungroup is not None:
-        rows = _GatherRows.apply(rows, handle.ungroup, handle.regroup, 1)
-    if handle.ep_size > 1:
+    # regroup and ungroup are set together, and a handle with ep_size > 1 holds its group.
+    if handle.ungroup is not None and handle.regroup is not None:
+        rows = _gather_rows(rows, handle.ungroup, handle.regroup, 1)
+    if handle.group is not None and handle.ep_size > 1:
         rows = all_to_all_rows(rows, list(handle.output_splits), list(handle.input_splits), handle.group)
-    rows = _GatherRows.apply(rows, handle.unsort, handle.order, 1)  # back to (token, slot) order
+    rows = _gather_rows(rows, handle.unsort, handle.order, 1)  # back to (token, slot) order
     # At least fp32; fp64 inputs keep fp64.
     acc = torch.promote_types(expert_out.dtype, torch.float32)
     rows = rows.view(handle.num_tokens, handle.top_k, expert_out.shape[1]).to(acc)

@@ -15,6 +15,8 @@ Glob syntax: FQNs are split on ``.``; ``*`` matches within a single component an
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 from torch import nn
@@ -28,7 +30,7 @@ _SHARD_ATTR = "_veomni_expert_shard"
 _MODULE_ATTR = "_veomni_expert_shards"
 
 
-def _check_patterns(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+def _check_patterns(instance: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     if not value:
         raise ValueError("ExpertPlan.patterns must name at least one fused expert parameter, got ()")
     for pattern in value:
@@ -46,7 +48,7 @@ def _check_patterns(instance: object, attribute: attrs.Attribute, value: tuple[s
             raise ValueError(f"ExpertPlan pattern {pattern!r} contains whitespace")
 
 
-def _to_tuple(value: object) -> tuple:
+def _to_tuple(value: object) -> tuple[Any, ...]:
     # A bare string would otherwise become a tuple of characters, each a valid one-letter pattern.
     if isinstance(value, str):
         raise TypeError(f"ExpertPlan.patterns must be a sequence of strings, got the string {value!r}")

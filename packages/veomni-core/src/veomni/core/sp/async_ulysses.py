@@ -40,7 +40,7 @@ class _Exchange:
     def launch(self, x: torch.Tensor, scatter_dim: int) -> torch.Tensor:
         """Start sending chunk p of ``x`` along ``scatter_dim`` to rank p; returns the receive buffer
         ``[P, ...]`` (row p from rank p), valid only after `wait`."""
-        send = x.unflatten(scatter_dim, (self.world, x.shape[scatter_dim] // self.world))
+        send = torch.unflatten(x, scatter_dim, (self.world, x.shape[scatter_dim] // self.world))
         send = send.movedim(scatter_dim, 0).contiguous()
         recv = torch.empty_like(send)
         self.work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
@@ -53,12 +53,12 @@ class _Exchange:
 
 class _Launch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
         ctx.exchange = exchange
         return exchange.launch(x, exchange.scatter_dim)
 
     @staticmethod
-    def backward(ctx, grad_recv_rows: torch.Tensor):
+    def backward(ctx: Any, grad_recv_rows: torch.Tensor) -> tuple[torch.Tensor, None]:
         # grad_recv_rows is the buffer _Land's backward started filling: wait for it, then undo the row layout.
         exchange: _Exchange = ctx.exchange
         exchange.wait()
@@ -70,13 +70,13 @@ class _Launch(torch.autograd.Function):
 
 class _Land(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, recv_rows: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+    def forward(ctx: Any, recv_rows: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
         ctx.exchange = exchange
         exchange.wait()
         return recv_rows.movedim(0, exchange.gather_dim).flatten(exchange.gather_dim, exchange.gather_dim + 1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # The inverse permutation: scatter the gathered dim back; _Launch's backward waits for it.
         exchange: _Exchange = ctx.exchange
         return exchange.launch(grad.contiguous(), exchange.gather_dim), None

@@ -16,6 +16,8 @@ here synchronises with the host.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,8 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gat
         )
     # Chunk p (destination rank p) becomes row p of a contiguous send buffer. Contiguity before allocating the
     # receive buffer matters: NCCL rejects buffers that inherit odd strides.
-    send = x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world)).movedim(scatter_dim, 0).contiguous()
+    send = torch.unflatten(x, scatter_dim, (world, x.shape[scatter_dim] // world))
+    send = send.movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # Row p of recv came from rank p and holds that rank's part of the gathered dim, in rank order.
@@ -40,12 +43,14 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gat
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
+    ) -> torch.Tensor:
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
         return _all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # An all-to-all is a permutation of elements across ranks; its adjoint is the inverse permutation.
         return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
@@ -64,7 +69,8 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, *, scatter_dim: int, g
         raise ValueError(f"scatter_dim and gather_dim must differ, both are {scatter_dim}")
     if dist.get_world_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+    out: torch.Tensor = _AllToAll.apply(x, group, scatter_dim, gather_dim)
+    return out
 
 
 def _check_heads(num_heads: int, world: int, what: str) -> None:
@@ -137,7 +143,7 @@ def qkv_seq_to_heads(
     last = qkv.shape[-1]
     if num_heads < 1 or last % (3 * num_heads) != 0:
         raise ValueError(f"fused QKV last dim {last} is not 3 * num_heads({num_heads}) * head_dim")
-    split = qkv.unflatten(-1, (3, num_heads, last // (3 * num_heads)))
+    split = torch.unflatten(qkv, -1, (3, num_heads, last // (3 * num_heads)))
     out = seq_to_heads(split, group, seq_dim=seq_dim, head_dim=-2, unpadded_len=unpadded_len)
     return out.flatten(-3)
 
@@ -192,14 +198,16 @@ def _gather_padded(x: torch.Tensor, group: dist.ProcessGroup, dim: int, sizes: l
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
         rank = dist.get_rank(group)
         ctx.group, ctx.dim = group, dim
         ctx.offset, ctx.size = sum(sizes[:rank]), sizes[rank]
         return _gather_padded(x, group, dim, sizes)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # Every rank used the whole gathered tensor, so a shard's gradient is the sum of all ranks' gradients
         # for its slice. The clone keeps the in-place all-reduce off autograd's buffer.
         total = grad.contiguous().clone()
@@ -232,19 +240,20 @@ def gather_sequence(
     if world == 1:
         return x
     sizes = [x.shape[dim]] * world if equal_sizes else _exchange_shapes(x, group, dim)
-    return _GatherSequence.apply(x, group, dim, sizes)
+    out: torch.Tensor = _GatherSequence.apply(x, group, dim, sizes)
+    return out
 
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         out = x.contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # y_r = sum_s x_s on every rank, so dL/dx_s = sum_r dL/dy_r: the adjoint is the same all-reduce.
         total = grad.contiguous().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
@@ -261,4 +270,5 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """
     if dist.get_world_size(group) == 1:
         return x
-    return _AllReduceSum.apply(x, group)
+    out: torch.Tensor = _AllReduceSum.apply(x, group)
+    return out

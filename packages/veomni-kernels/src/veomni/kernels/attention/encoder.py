@@ -10,6 +10,7 @@ rank), or let `veomni.core.sp.ulysses_attention` hand it the full sequence and a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -31,7 +32,9 @@ def _registry_kernel(backend: str) -> KernelFn:
     problem = spec.requires.unmet(detect_hardware())
     if problem:
         raise RuntimeError(f"attention backend {backend!r} is unavailable here: {problem}")
-    return _BUILT.setdefault(backend, spec.factory())
+    # The registry types kernels as Callable[..., object] (ops return different things); attention rows return
+    # the output tensor.
+    return _BUILT.setdefault(backend, cast(KernelFn, spec.factory()))
 
 
 def encoder_varlen_attention(

@@ -94,7 +94,9 @@ def _require(name: str, device: torch.device) -> None:
         raise RuntimeError(f"attention {name!r} is unavailable: {reason}")
 
 
-def _packed_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None):
+def _packed_layout(
+    q: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None
+) -> tuple[torch.Tensor, int]:
     """``(cu_seqlens, max_seqlen)`` for the ``[B*S, H, D]`` view; unpacked batches become B equal segments."""
     batch, seq = q.shape[:2]
     if cu_seqlens is None:
@@ -125,7 +127,8 @@ def _pad_value(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def _first(result: Any) -> torch.Tensor:
     # Some FlashAttention builds return (out, lse) tuples; the output always comes first.
-    return result[0] if isinstance(result, tuple) else result
+    out: torch.Tensor = result[0] if isinstance(result, tuple) else result
+    return out
 
 
 @functools.cache
@@ -169,7 +172,7 @@ def varlen_attention(
     if window is None and (cu_seqlens is None or cu_seqlens.numel() == 2):
         # Every row is one segment (unpacked rows, or one long document per sequence / Ulysses group): SDPA's
         # unmasked causal kernels (cuDNN / flash) ran the Qwen3-8B SP4 step 1.29x (32k) and 1.50x (128k) faster
-        # than varlen_attn on H200 (docs/benchmarks.md, 2026-11-22 and 2026-11-27). Same maths, no mask.
+        # than varlen_attn on H200 (notebook/benchmarks-log.md, 2026-11-22 and 2026-11-27). Same maths, no mask.
         return sdpa_attention(q, k, v, causal=causal, scale=scale)
     from torch.nn.attention import varlen
 
@@ -203,7 +206,7 @@ def varlen_attention(
     out = varlen.varlen_attn(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, max_len, max_len_k, **kwargs
     )
-    return _first(out)[..., :head_v].unflatten(0, (batch, seq))
+    return torch.unflatten(_first(out)[..., :head_v], 0, (batch, seq))
 
 
 def _window_size(causal: bool, window: int | None) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -182,7 +182,7 @@ def _sdpa_kv_heads(
     would therefore run SDPA's math backend (an ``[S, S]`` score matrix per head, and no op that keep-attention
     checkpointing can keep): there the KV heads are repeated (``[B, S, Hq, D]``) so the efficient kernel runs.
     bf16/fp16 calls keep ``enable_gqa``: cuDNN takes it with a mask too (torch 2.11 on an H200: the same kernel and
-    time as with repeated heads, docs/benchmarks.md)."""
+    time as with repeated heads, notebook/benchmarks-log.md)."""
     if q.shape[2] == k.shape[2]:
         return k, v, {}
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
@@ -220,7 +220,7 @@ def sdpa_attention(
     # One segment tiles the whole row ([0, S] by the convention): plain (causal) attention, which keeps SDPA's
     # flash/cuDNN kernels -- the case of one long document per sequence (and per Ulysses group).
     packed = cu_seqlens is not None and cu_seqlens.numel() > 2
-    if packed and runs_per_segment(q, v, window, sinks):
+    if packed and cu_seqlens is not None and runs_per_segment(q, v, window, sinks):
         return sdpa_segments(q, k, v, cu_seqlens, causal, scale)
     needs_mask = packed or window is not None or sinks is not None
     cu = cu_seqlens if packed else None
@@ -275,7 +275,7 @@ def flex_block_mask(
 
     seg = segment_ids(cu_seqlens.to(device), seq_len) if cu_seqlens is not None else None
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         keep = q_idx >= kv_idx
         if window is not None:
             keep = keep & (q_idx - kv_idx < window)
@@ -327,16 +327,20 @@ def flex_attention(
         q, k, v = q.detach(), k.detach(), v.detach()
         sinks = None if sinks is None else sinks.detach()
     block_mask = flex_block_mask(q.shape[1], causal, cu_seqlens, q.device, window)
-    score_mod = None
+    score_mod: Callable[..., torch.Tensor] | None = None
     if softcap is not None:
         # A captured tensor, not the Python float: compiled flex lifts a captured float to an unbacked scalar
         # that its fake-tensor pass cannot place (torch 2.11, PendingUnbackedSymbolNotFound).
         cap = torch.full((), softcap, dtype=torch.float32, device=q.device)  # a fill: no blocking copy
 
-        def score_mod(score, b, h, q_idx, kv_idx):
+        def softcap_mod(
+            score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return cap * torch.tanh(score / cap)
 
-    kwargs = {}
+        score_mod = softcap_mod
+
+    kwargs: dict[str, Any] = {}
     if sinks is not None:
         from torch.nn.attention.flex_attention import AuxRequest
 

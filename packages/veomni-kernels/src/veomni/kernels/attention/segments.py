@@ -16,6 +16,7 @@ No Python annotations module import here: ``torch.library`` reads the type hints
 """
 
 import itertools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -122,8 +123,8 @@ def sdpa_segments_bwd(
         dk_rep[:, a:b] = seg_dk.transpose(1, 2)
         dv_rep[:, a:b] = seg_dv.transpose(1, 2)
     # A KV head's gradient is the sum over the query heads that shared it.
-    dk = dk_rep.unflatten(2, (hkv, groups)).sum(3).to(k.dtype)
-    dv = dv_rep.unflatten(2, (hkv, groups)).sum(3).to(v.dtype)
+    dk = torch.unflatten(dk_rep, 2, (hkv, groups)).sum(3).to(k.dtype)
+    dv = torch.unflatten(dv_rep, 2, (hkv, groups)).sum(3).to(v.dtype)
     return dq, dk, dv
 
 
@@ -142,7 +143,7 @@ def _(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_seqlens, causal, scale = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
@@ -150,7 +151,9 @@ def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signa
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):  # noqa: ANN001, ANN202 - torch.library's signature
+def _backward(
+    ctx: Any, dout: Tensor, _dlse: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = sdpa_segments_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
@@ -167,5 +170,5 @@ def sdpa_segments(
     The same result as SDPA under the block-diagonal (causal) mask of ``cu_seqlens`` (int32 ``[n + 1]``, validated
     against S; empty segments allowed). Returns ``[1, S, Hq, D]`` in q's dtype.
     """
-    out, _ = sdpa_segments_fwd(q, k, v, cu_seqlens, causal, scale)
-    return out
+    out_lse: tuple[Tensor, Tensor] = sdpa_segments_fwd(q, k, v, cu_seqlens, causal, scale)
+    return out_lse[0]

@@ -18,6 +18,7 @@ Per valid row with ``z`` the (soft-capped) logits, ``p = softmax(z)`` and ``lse`
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,17 @@ def _chunk_forward(
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, softcap, z_weight, chunk_tokens, grad_enabled):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        softcap: float | None,
+        z_weight: float,
+        chunk_tokens: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
         n, h = hidden.shape
         # Under no_grad (evaluation) no gradient GEMMs run: the loss alone costs one GEMM per chunk.
         need_dx, need_dw = hidden.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
@@ -101,9 +112,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 loss, grad = _chunk_forward(x_c, weight, labels[start : start + chunk_tokens], ignore_index,
                                             softcap, z_weight)  # fmt: skip
                 total += loss
-                if need_dx:
+                if dx is not None:  # need_dx
                     torch.matmul(grad, weight, out=dx[start : start + chunk_tokens])
-                if need_dw:
+                if dw is not None:  # need_dw
                     _accumulate_dw(dw, grad, x_c)
         # dW stays fp32 until backward has scaled it, so each element is rounded to the weight dtype once.
         ctx.save_for_backward(dx if need_dx else torch.empty(0), dw if need_dw else torch.empty(0))
@@ -112,7 +123,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None]:
         dx, dw = ctx.saved_tensors
         need_dx, need_dw = ctx.need
         g = grad_output.float()

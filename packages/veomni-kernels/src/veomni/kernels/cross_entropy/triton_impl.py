@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -76,7 +76,7 @@ LOGITS_BUDGET_BYTES = 640 * 2**20
 
 
 def default_config(n_tokens: int, vocab: int, itemsize: int) -> LaunchConfig:
-    """The chunking used unless a caller passes its own (see docs/benchmarks.md for the measurements)."""
+    """The chunking used unless a caller passes its own (see notebook/benchmarks-log.md for the measurements)."""
     rows = max(128, min(MAX_CHUNK_TOKENS, LOGITS_BUDGET_BYTES // max(1, vocab * itemsize)) // 128 * 128)
     block_v = min(8192, triton.next_power_of_2(max(vocab, 16)))
     warps = max(1, min(16, block_v // 256))
@@ -149,7 +149,7 @@ def _ce_rows_kernel(Z, LABELS, LOSS, z_stride, n_rows, n_cols, ignore_index, sof
     # fmt: on
     # A program walks rows pid, pid + programs, ... With programs_per_sm > 0 the grid is small, meant to keep the
     # rows in flight within L2 for pass 2; on an H100 that measured no faster than a program per row (the
-    # default; docs/benchmarks.md 2026-11-21).
+    # default; notebook/benchmarks-log.md 2026-11-21).
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for i in range(0, tl.cdiv(n_rows - pid, programs)):
         row64 = (pid + i * programs).to(tl.int64)
@@ -258,7 +258,17 @@ def _check_device(t: torch.Tensor) -> None:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, softcap, z_weight, cfg, grad_enabled):  # noqa: ANN001, ANN205
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        softcap: float | None,
+        z_weight: float,
+        cfg: LaunchConfig,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
         # needs_input_grad ignores torch.no_grad(); the caller's grad mode says whether anyone can ask.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
@@ -275,6 +285,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w_t = weight.t()
         for start in range(0, n_tokens, chunk):
             stop = min(start + chunk, n_tokens)
+            assert buf is not None  # allocated whenever there are tokens
             x_c, z = x[start:stop], buf[: stop - start]
             torch.mm(x_c, w_t, out=z)
             # fmt: off
@@ -285,16 +296,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 num_warps=cfg.num_warps,
             )
             # fmt: on
-            if need_dx:
+            if dx is not None:  # need_dx
                 torch.mm(z, weight, out=dx[start:stop])
-            if need_dw:
+            if dw is not None:  # need_dw
                 dw.add(z, x_c)
         ctx.hidden_shape = hidden.shape
         ctx.grads = (dx, dw)
         return losses.sum()
 
     @staticmethod
-    def backward(ctx, grad_loss):  # noqa: ANN001, ANN205
+    def backward(
+        ctx: Any, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None]:
         grads = ctx.grads
         if grads is None:
             raise RuntimeError(
@@ -342,7 +355,7 @@ def linear_cross_entropy(
     cfg = config or default_config(n_tokens, weight.shape[0], weight.element_size())
     if cfg.chunk_tokens < 1 or cfg.block_v < 16 or cfg.block_v & (cfg.block_v - 1):
         raise ValueError(f"cross_entropy (triton): bad config {cfg}; need chunk_tokens >= 1, block_v a power of 2 >= 16")
-    loss = _LinearCrossEntropy.apply(
+    loss: torch.Tensor = _LinearCrossEntropy.apply(
         hidden, weight, labels, ignore_index, logit_softcap, z_loss_weight, cfg, torch.is_grad_enabled()
     )
     return loss, (labels != ignore_index).sum()

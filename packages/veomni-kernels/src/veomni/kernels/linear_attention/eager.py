@@ -82,7 +82,19 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
+# (q, k, v, g, beta) in the computation layout: fp32 (or fp64) [B, HV, T, D] q, k, v and [B, HV, T] g, beta.
+_Prepared = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> _Prepared:
     """fp32 ``[B, HV, T, D]`` q (scaled), k, v and ``[B, HV, T]`` g, beta, with q/k repeated to HV heads."""
     groups = v.shape[2] // q.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (exact tests)
@@ -96,7 +108,15 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
     return q * scale, k, v, g, beta
 
 
-def _chunked_one(q, k, v, g, beta, chunk: int) -> torch.Tensor:
+def _tokens(tensors: _Prepared, start: int, end: int) -> _Prepared:
+    """Tokens ``[start, end)`` of each prepared tensor (dim 2 is T)."""
+    q, k, v, g, beta = (x[:, :, start:end] for x in tensors)
+    return q, k, v, g, beta
+
+
+def _chunked_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """The chunked (WY) form of the gated delta rule on fp32 ``[B, H, T, D]`` tensors from a zero state.
 
     Within a chunk with cumulative log-decay ``G_i``, the state written by token i is ``k_i u_i^T`` where
@@ -174,7 +194,7 @@ def gated_delta_rule_eager(
         # One document at a time from a zero state: the state never leaks from one document into the next.
         offsets = cu_seqlens.tolist()
         pieces = [
-            _chunked_one(*(x[:, :, a:b] for x in tensors), chunk=chunk_size)
+            _chunked_one(*_tokens(tensors, a, b), chunk=chunk_size)
             for a, b in itertools.pairwise(offsets)
             if b > a
         ]

@@ -42,6 +42,7 @@ def gated_delta_rule_fla(
     check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], "gated_delta_rule", check_values=False)
     if chunk_size != 64:
         raise ValueError(f"gated_delta_rule on 'fla' computes in chunks of 64, got chunk_size={chunk_size}")
+    out: torch.Tensor
     out, _ = _fla_chunk_gated_delta_rule(
         q,
         k,
@@ -69,6 +70,7 @@ def causal_conv1d_fla(
     """
     check_conv_inputs(x, weight, bias, activation)
     check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "causal_conv1d", check_values=False)
+    out: torch.Tensor
     out, _ = _fla_causal_conv1d(
         x, weight, bias, activation=activation, backend="triton", cu_seqlens=_offsets(cu_seqlens)
     )
@@ -87,7 +89,7 @@ def rms_norm_gated_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
             f"{tuple(gate.shape)}, {tuple(weight.shape)}"
         )
     shape = x.shape
-    out = _fla_rms_norm_gated(
+    out: torch.Tensor = _fla_rms_norm_gated(
         x.reshape(-1, shape[-1]),
         gate.reshape(-1, shape[-1]),
         weight,

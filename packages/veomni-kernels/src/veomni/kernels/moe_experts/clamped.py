@@ -28,6 +28,7 @@ taken by a grouped GEMM with a ones operand (fp32 accumulation, fixed order), no
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,6 +44,8 @@ from veomni.kernels.moe_experts.torch_impl import expert_bias_function
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (bias [E, C], row_expert [N], offsets [E + 1] int32) -> [N, C]: the bias of each expert-major row's expert.
 BiasRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (gate_up_proj [E, H, 2I], gate_up_bias [E, 2I], down_proj [E, I, H], down_bias [E, H]).
+Params = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
@@ -93,7 +96,15 @@ def _views(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.T
 # ---- eager: the oracle -------------------------------------------------------------------------------------
 
 
-def _expert(rows, w1, b1, w2, b2, limit, alpha) -> torch.Tensor:
+def _expert(
+    rows: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    limit: float,
+    alpha: float,
+) -> torch.Tensor:
     return clamped_swiglu(rows @ w1 + b1, limit, alpha) @ w2 + b2
 
 
@@ -113,7 +124,7 @@ def moe_experts_clamped_grouped_eager(
     check_grouped_inputs(x, tokens_per_expert, *_views(gate_up_proj, down_proj))
     counts = tokens_per_expert.tolist()
     params = zip(gate_up_proj, gate_up_bias, down_proj, down_bias, strict=True)
-    outs = [_expert(rows, *p, limit, alpha) for rows, p in zip(x.split(counts), params, strict=True)]
+    outs = [_expert(rows, *p, limit, alpha) for rows, p in zip(torch.split(x, counts), params, strict=True)]
     return torch.cat(outs)
 
 
@@ -149,7 +160,16 @@ def moe_experts_clamped_routed_eager(
 # ---- the fast backends' shared composition -----------------------------------------------------------------
 
 
-def _rows(x, offsets, row_expert, params, limit, alpha, linear: Linear, bias: BiasRows) -> torch.Tensor:
+def _rows(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    row_expert: torch.Tensor,
+    params: Params,
+    limit: float,
+    alpha: float,
+    linear: Linear,
+    bias: BiasRows,
+) -> torch.Tensor:
     """``[N, H]`` expert-major rows -> ``y [N, H]`` (biases included, no routing weight)."""
     gate_up_proj, gate_up_bias, down_proj, down_bias = params
     gu = linear(x, offsets, gate_up_proj) + bias(gate_up_bias, row_expert, offsets)
@@ -158,26 +178,41 @@ def _rows(x, offsets, row_expert, params, limit, alpha, linear: Linear, bias: Bi
 
 
 def _routed(
-    hidden, top_k_index, top_k_weights, params, limit, alpha, linear: Linear, bias: BiasRows
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    params: Params,
+    limit: float,
+    alpha: float,
+    linear: Linear,
+    bias: BiasRows,
 ) -> torch.Tensor:
-    from veomni.kernels.moe_experts.torch_impl import _GatherRows
+    from veomni.kernels.moe_experts.torch_impl import gather_rows
 
     tokens, top_k = top_k_index.shape
     order, offsets = expert_major_order(top_k_index, params[0].shape[0])
     unsort = inverse_permutation(order)
-    x = _GatherRows.apply(hidden, order // top_k, unsort, top_k)
+    x = gather_rows(hidden, order // top_k, unsort, top_k)
     y = _rows(x, offsets, top_k_index.reshape(-1)[order], params, limit, alpha, linear, bias)
     # The routing weights are permuted like the rows, with a gather for a backward too (indexing's backward is a
     # scatter-add). bf16 rows times fp32 weights: the product is taken in fp32 (type promotion) without an fp32
     # copy of y in eager; inductor fuses it with the gather and the sum either way.
     acc = torch.promote_types(y.dtype, torch.float32)
-    row_weights = _GatherRows.apply(top_k_weights.reshape(-1), order, unsort, 1)
+    row_weights = gather_rows(top_k_weights.reshape(-1), order, unsort, 1)
     weighted = y * row_weights.to(acc).unsqueeze(-1)
-    rows = _GatherRows.apply(weighted, unsort, order, 1).view(tokens, top_k, y.shape[1])
+    rows = gather_rows(weighted, unsort, order, 1).view(tokens, top_k, y.shape[1])
     return rows.sum(1).to(hidden.dtype)
 
 
-def _grouped(x, tokens_per_expert, params, limit, alpha, linear: Linear, bias: BiasRows) -> torch.Tensor:
+def _grouped(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    params: Params,
+    limit: float,
+    alpha: float,
+    linear: Linear,
+    bias: BiasRows,
+) -> torch.Tensor:
     experts = params[0].shape[0]
     offsets = group_offsets(tokens_per_expert)
     ids = torch.arange(experts, device=x.device)
@@ -193,7 +228,8 @@ def _torch_linear(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> to
     from veomni.kernels.moe_experts.torch_impl import _GroupedMM
 
     # _GroupedMM multiplies by w[e]^T for w [E, out, in]; the transposed view of [E, in, out] is exactly that.
-    return _GroupedMM.apply(x, offsets[1:], w.transpose(-2, -1))
+    out: torch.Tensor = _GroupedMM.apply(x, offsets[1:], w.transpose(-2, -1))
+    return out
 
 
 def _torch_bias(bias: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -209,7 +245,16 @@ def _check_torch(x: torch.Tensor, gate_up_proj: torch.Tensor) -> None:
 
 
 def moe_experts_clamped_routed_torch(
-    hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias, *, limit, alpha
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    *,
+    limit: float,
+    alpha: float,
 ) -> torch.Tensor:
     """`moe_experts_clamped_routed_eager` on ``torch._grouped_mm`` (16-byte row strides: see torch_impl)."""
     params = (gate_up_proj, gate_up_bias, down_proj, down_bias)
@@ -220,7 +265,15 @@ def moe_experts_clamped_routed_torch(
 
 
 def moe_experts_clamped_grouped_torch(
-    x, tokens_per_expert, gate_up_proj, gate_up_bias, down_proj, down_bias, *, limit, alpha
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    *,
+    limit: float,
+    alpha: float,
 ) -> torch.Tensor:
     """`moe_experts_clamped_grouped_eager` on ``torch._grouped_mm``."""
     params = (gate_up_proj, gate_up_bias, down_proj, down_bias)
@@ -237,7 +290,7 @@ class _TritonGroupedLinear(torch.autograd.Function):
     """``y = x_e @ w[e]`` per expert-major group: ``x [N, K]``, ``w [E, K, n_out]``, ``offsets [E + 1]`` int32."""
 
     @staticmethod
-    def forward(ctx, x, offsets, w):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from veomni.kernels.moe_experts import triton_kernels as kern
         from veomni.kernels.moe_experts.configs import kernel_config
 
@@ -246,7 +299,7 @@ class _TritonGroupedLinear(torch.autograd.Function):
         return kern.rows_gemm(x, offsets, w, False, None, kernel_config("down", x.dtype, x.device))
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
         from veomni.kernels.moe_experts import triton_kernels as kern
         from veomni.kernels.moe_experts.configs import kernel_config
 
@@ -265,7 +318,8 @@ class _TritonGroupedLinear(torch.autograd.Function):
 
 
 def _triton_linear(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _TritonGroupedLinear.apply(x, offsets, w)
+    out: torch.Tensor = _TritonGroupedLinear.apply(x, offsets, w)
+    return out
 
 
 def _triton_row_sums(grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -286,7 +340,8 @@ _TritonExpertBias = expert_bias_function("_TritonExpertBias", _triton_row_sums)
 
 
 def _triton_bias(bias: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return _TritonExpertBias.apply(bias, row_expert, offsets)
+    out: torch.Tensor = _TritonExpertBias.apply(bias, row_expert, offsets)
+    return out
 
 
 def _check_triton(x: torch.Tensor) -> None:
@@ -296,7 +351,16 @@ def _check_triton(x: torch.Tensor) -> None:
 
 
 def moe_experts_clamped_routed_triton(
-    hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias, *, limit, alpha
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    *,
+    limit: float,
+    alpha: float,
 ) -> torch.Tensor:
     """`moe_experts_clamped_routed_eager` on our Triton grouped GEMMs (no host syncs; any H, I)."""
     params = (gate_up_proj, gate_up_bias, down_proj, down_bias)
@@ -307,7 +371,15 @@ def moe_experts_clamped_routed_triton(
 
 
 def moe_experts_clamped_grouped_triton(
-    x, tokens_per_expert, gate_up_proj, gate_up_bias, down_proj, down_bias, *, limit, alpha
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    *,
+    limit: float,
+    alpha: float,
 ) -> torch.Tensor:
     """`moe_experts_clamped_grouped_eager` on our Triton grouped GEMMs."""
     params = (gate_up_proj, gate_up_bias, down_proj, down_bias)

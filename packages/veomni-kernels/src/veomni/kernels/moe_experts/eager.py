@@ -35,7 +35,7 @@ def moe_experts_grouped_eager(
     counts = tokens_per_expert.tolist()
     outputs = [
         _expert(rows, w_gate_up, w_down)
-        for rows, w_gate_up, w_down in zip(x.split(counts), gate_up_proj, down_proj, strict=True)
+        for rows, w_gate_up, w_down in zip(torch.split(x, counts), gate_up_proj, down_proj, strict=True)
     ]
     return torch.cat(outputs)
 

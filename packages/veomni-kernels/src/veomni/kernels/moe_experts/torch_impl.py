@@ -18,6 +18,7 @@ the combine is a sum over each token's ``k`` rows with an fp32 accumulator.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,10 @@ from veomni.kernels.moe_experts.common import (
 )
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+# A differentiable grouped GEMM ``mm(x [N, K], ends [E] int32, w [E, n_out, K]) -> [N, n_out]``
+# (see `_GroupedMM`).
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _check_layout(x: torch.Tensor, gate_up_proj: torch.Tensor) -> None:
@@ -49,12 +54,12 @@ class _GroupedMM(torch.autograd.Function):
     """``x [N, K]`` (expert-major) times ``w[e]^T`` (``w [E, n_out, K]``) per group; ``ends [E]`` int32."""
 
     @staticmethod
-    def forward(ctx, x, ends, w):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, ends, w)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
         x, ends, w = ctx.saved_tensors
         need_x, _, need_w = ctx.needs_input_grad
         grad = grad.contiguous()
@@ -109,11 +114,11 @@ def expert_bias_function(
     class is called ``name`` (its autograd node ``name + "Backward"``), so each backend's node reads as its own.
     """
 
-    def forward(ctx, bias, row_expert, table):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, bias: torch.Tensor, row_expert: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(table)
         return bias.index_select(0, row_expert)
 
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (table,) = ctx.saved_tensors
         grad_bias = row_sums(grad, table) if ctx.needs_input_grad[0] else None
         return grad_bias, None, None
@@ -129,20 +134,23 @@ _ExpertBias = expert_bias_function("_ExpertBias", expert_row_sums)
 def expert_bias_rows(bias: torch.Tensor, row_expert: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``bias [E, C]`` gathered to ``[N, C]`` by ``row_expert [N]`` (expert-major, runs ending at ``ends [E]``
     int32); its gradient is the per-expert row sum (`expert_row_sums`), deterministic."""
-    return _ExpertBias.apply(bias, row_expert, ends)
+    out: torch.Tensor = _ExpertBias.apply(bias, row_expert, ends)
+    return out
 
 
 class _GatherRows(torch.autograd.Function):
     """``x[index]``; backward gathers through ``inverse`` and sums each run of ``fold`` rows (no atomics)."""
 
     @staticmethod
-    def forward(ctx, x, index, inverse, fold):  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fold: int
+    ) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.fold, ctx.rows = fold, x.shape[0]
         return x.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (inverse,) = ctx.saved_tensors
         grad_x = grad.index_select(0, inverse)
         if ctx.fold > 1:
@@ -150,7 +158,20 @@ class _GatherRows(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def run_experts(x, offsets, gate_up_proj, down_proj, row_weights=None, mm=_GroupedMM.apply) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fold: int) -> torch.Tensor:
+    """``x[index]`` (``index`` 1-D int64) with `_GatherRows`'s deterministic backward."""
+    out: torch.Tensor = _GatherRows.apply(x, index, inverse, fold)
+    return out
+
+
+def run_experts(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    mm: GroupedMM = _GroupedMM.apply,
+) -> torch.Tensor:
     """SwiGLU experts over expert-major rows ``x [N, H]`` with group ``offsets [E + 1]``; ``mm(x, ends, w)`` is the
     differentiable grouped GEMM (``torch._grouped_mm`` here, ``npu_grouped_matmul`` in the npu backend).
     ``row_weights [N]`` (optional) scale each row before the down GEMM. Returns ``[N, H]``."""
@@ -201,15 +222,20 @@ def moe_experts_routed_torch(
 
 
 def route_experts(
-    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mm=_GroupedMM.apply
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    mm: GroupedMM = _GroupedMM.apply,
 ) -> torch.Tensor:
     """The routed variant around `run_experts` (inputs already checked): permute ``hidden [T, H]`` expert-major,
     run the experts with grouped GEMM ``mm``, un-permute and sum each token's ``k`` rows. Returns ``[T, H]``."""
     tokens, top_k = top_k_index.shape
     order, offsets = expert_major_order(top_k_index, gate_up_proj.shape[0])
     unsort = inverse_permutation(order)
-    x = _GatherRows.apply(hidden, order // top_k, unsort, top_k)
+    x = gather_rows(hidden, order // top_k, unsort, top_k)
     y = run_experts(x, offsets, gate_up_proj, down_proj, top_k_weights.reshape(-1)[order], mm=mm)
     # Back to (token, slot) order; torch sums low-precision rows with an fp32 accumulator and rounds once.
-    rows = _GatherRows.apply(y, unsort, order, 1).view(tokens, top_k, y.shape[1])
+    rows = gather_rows(y, unsort, order, 1).view(tokens, top_k, y.shape[1])
     return rows.sum(1)

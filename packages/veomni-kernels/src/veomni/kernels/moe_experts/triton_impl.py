@@ -20,6 +20,8 @@ arithmetic and within bf16 rounding of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from veomni.kernels.moe_experts import triton_kernels as kern
@@ -29,14 +31,23 @@ from veomni.kernels.moe_experts.common import (
     expert_major_order,
     group_offsets,
 )
-from veomni.kernels.moe_experts.configs import KINDS, interpreting, kernel_config
+from veomni.kernels.moe_experts.configs import KINDS, KernelConfig, interpreting, kernel_config
 
 
 class _ExpertsFn(torch.autograd.Function):
     """Routed (``order`` given: ``x`` is ``hidden [T, H]``) or grouped (``order`` None: ``x`` is ``[N, H]``)."""
 
     @staticmethod
-    def forward(ctx, x, order, offsets, weights, gate_up_proj, down_proj, top_k):  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        order: torch.Tensor | None,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        top_k: int,
+    ) -> torch.Tensor:
         cfg = _configs(x)
         gu, hw = kern.gate_up(x, order, top_k, offsets, gate_up_proj, weights, cfg["gate_up"])
         y = kern.rows_gemm(hw, offsets, down_proj, True, order, cfg["down"])
@@ -46,7 +57,11 @@ class _ExpertsFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[
+        torch.Tensor | None, None, None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None
+    ]:
         x, order, offsets, weights, gate_up_proj, down_proj, gu, hw = ctx.saved_tensors
         need_x, _, _, need_w, need_w1, need_w2, _ = ctx.needs_input_grad
         top_k, experts = ctx.top_k, gate_up_proj.shape[0]
@@ -60,7 +75,7 @@ class _ExpertsFn(torch.autograd.Function):
             dgu, dw = kern.down_dgrad(
                 grad_out, order, top_k, offsets, down_proj, gu, weights, need_w, cfg["down_dgrad"]
             )
-            if need_w:
+            if dw is not None:  # down_dgrad returns dw exactly when need_w
                 grad_weights = dw.to(weights.dtype)
             if need_w1:
                 grad_w1 = kern.wgrad(dgu, None, x, order, top_k, offsets, experts, cfg["wgrad_gate_up"])
@@ -70,7 +85,7 @@ class _ExpertsFn(torch.autograd.Function):
         return grad_x, None, None, grad_weights, grad_w1, grad_w2, None
 
 
-def _configs(x: torch.Tensor) -> dict[str, dict]:
+def _configs(x: torch.Tensor) -> dict[str, KernelConfig]:
     return {kind: kernel_config(kind, x.dtype, x.device) for kind in KINDS}
 
 
@@ -101,7 +116,7 @@ def moe_experts_routed_triton(
     check_routed_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
     _check_device(hidden)
     order, offsets = expert_major_order(top_k_index, gate_up_proj.shape[0])
-    return _ExpertsFn.apply(
+    out: torch.Tensor = _ExpertsFn.apply(
         hidden.contiguous(),
         order,
         offsets,
@@ -110,6 +125,7 @@ def moe_experts_routed_triton(
         down_proj.contiguous(),
         top_k_index.shape[1],
     )
+    return out
 
 
 def moe_experts_grouped_triton(
@@ -126,6 +142,7 @@ def moe_experts_grouped_triton(
     check_grouped_inputs(x, tokens_per_expert, gate_up_proj, down_proj)
     _check_device(x)
     offsets = group_offsets(tokens_per_expert)
-    return _ExpertsFn.apply(
+    out: torch.Tensor = _ExpertsFn.apply(
         x.contiguous(), None, offsets, None, gate_up_proj.contiguous(), down_proj.contiguous(), 1
     )
+    return out

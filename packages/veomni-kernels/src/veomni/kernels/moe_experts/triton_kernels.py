@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from veomni.kernels.moe_experts.configs import interpreting
+from veomni.kernels.moe_experts.configs import KernelConfig, interpreting
 
 
 @triton.jit
@@ -297,15 +297,17 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def _e_pow2(experts: int) -> int:
-    return max(16, triton.next_power_of_2(experts))
+    pow2: int = triton.next_power_of_2(experts)
+    return max(16, pow2)
 
 
 def _row_programs(rows: int, experts: int, block_m: int, n_out: int, block_n: int) -> int:
     # sum_e cdiv(rows_e, BM) <= cdiv(N, BM) + (experts with rows) <= cdiv(N, BM) + min(E, N).
-    return (triton.cdiv(rows, block_m) + min(experts, rows)) * triton.cdiv(n_out, block_n)
+    programs: int = (triton.cdiv(rows, block_m) + min(experts, rows)) * triton.cdiv(n_out, block_n)
+    return programs
 
 
-def _common(dtype: torch.dtype, cfg: dict, k_dim: int, n_out: int) -> dict:
+def _common(dtype: torch.dtype, cfg: KernelConfig, k_dim: int, n_out: int) -> dict[str, int | str]:
     return {
         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
         "EVEN_K": k_dim % cfg["BLOCK_K"] == 0, "EVEN_N": n_out % cfg["BLOCK_N"] == 0,
@@ -321,7 +323,7 @@ def gate_up(
     offsets: torch.Tensor,
     w1: torch.Tensor,
     routing_weights: torch.Tensor | None,
-    cfg: dict,
+    cfg: KernelConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gu [N, 2I], hw [N, I])``, expert-major, for rows ``a[order // top_k]`` (or ``a``).
 
@@ -351,7 +353,7 @@ def rows_gemm(
     b: torch.Tensor,
     transpose_b: bool,
     scatter: torch.Tensor | None,
-    cfg: dict,
+    cfg: KernelConfig,
 ) -> torch.Tensor:
     """Expert-major rows ``a [N, K]`` times each expert's matrix; row ``m`` lands at ``scatter[m]`` (or ``m``).
 
@@ -386,7 +388,7 @@ def down_dgrad(
     gu: torch.Tensor,
     routing_weights: torch.Tensor | None,
     need_dw: bool,
-    cfg: dict,
+    cfg: KernelConfig,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(d[gate, up] [N, 2I] expert-major, dw [T, k] fp32 or None)`` from ``grad_out`` rows and saved ``gu``.
 
@@ -412,11 +414,21 @@ def down_dgrad(
             HAS_RW=routing_weights is not None, NEED_DW=need_dw, E_POW2=_e_pow2(experts),
             **_common(gu.dtype, cfg, hidden, inter),
         )  # fmt: skip
-    dw = partial.sum(1).view(-1, top_k) if need_dw else None
+    dw = partial.sum(1).view(-1, top_k) if partial is not None else None
     return dgu, dw
 
 
-def _down_dgrad_split(grad_out, order, top_k, offsets, w2, gu, routing_weights, need_dw, cfg):
+def _down_dgrad_split(
+    grad_out: torch.Tensor,
+    order: torch.Tensor | None,
+    top_k: int,
+    offsets: torch.Tensor,
+    w2: torch.Tensor,
+    gu: torch.Tensor,
+    routing_weights: torch.Tensor | None,
+    need_dw: bool,
+    cfg: KernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`down_dgrad` as a plain grouped GEMM writing ``dh [N, I]`` plus one elementwise pass (see configs)."""
     experts, hidden, inter = w2.shape
     rows = gu.shape[0]
@@ -439,7 +451,7 @@ def _down_dgrad_split(grad_out, order, top_k, offsets, w2, gu, routing_weights, 
             rows, inter, HAS_RW=routing_weights is not None, NEED_DW=need_dw, BLOCK_R=block_r, BLOCK_I=block_i,
             num_warps=4,
         )  # fmt: skip
-    return dgu, (dw.view(-1, top_k) if need_dw else None)
+    return dgu, (dw.view(-1, top_k) if dw is not None else None)
 
 
 def wgrad(
@@ -450,7 +462,7 @@ def wgrad(
     top_k: int,
     offsets: torch.Tensor,
     experts: int,
-    cfg: dict,
+    cfg: KernelConfig,
 ) -> torch.Tensor:
     """``dw [E, P, Q]``, ``dw[e] = g[rows_e]^T @ x[rows_e]``; gathered rows are ``idx[m] // top_k``."""
     p_dim, q_dim = g.shape[1], x.shape[1]

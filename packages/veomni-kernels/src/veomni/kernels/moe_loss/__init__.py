@@ -28,7 +28,7 @@ does for token losses) to get ``dL_global/dz`` exactly. With one micro-batch and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # The Triton module is imported on first use so that importing this package never needs triton.
     if name in ("load_balancing_loss_triton", "router_stats_triton"):
         from veomni.kernels.moe_loss import triton_impl

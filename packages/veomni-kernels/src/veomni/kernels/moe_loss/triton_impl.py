@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -126,7 +127,9 @@ class _RouterStatsFn(torch.autograd.Function):
     """``(logits [N, E], weights [N] fp32 | None, top_k) -> (counts [E], prob_sums [E])``, both fp32."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, weights: torch.Tensor | None, top_k: int):
+    def forward(
+        ctx: Any, logits: torch.Tensor, weights: torch.Tensor | None, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n_rows, n_experts = logits.shape
         block_n, block_e = _tile_shape(n_experts)
         tiles = max(1, min(_TILES_PER_PROGRAM, triton.cdiv(n_rows, block_n)))
@@ -156,7 +159,9 @@ class _RouterStatsFn(torch.autograd.Function):
         return counts, prob_sums
 
     @staticmethod
-    def backward(ctx, _grad_counts, grad_probs):
+    def backward(
+        ctx: Any, _grad_counts: torch.Tensor | None, grad_probs: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
         logits, weights = ctx.saved_tensors
         n_rows, n_experts = logits.shape
         block_n, block_e = _tile_shape(n_experts)

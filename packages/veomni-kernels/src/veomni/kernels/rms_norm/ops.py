@@ -12,6 +12,7 @@ No Python annotations module import here: ``torch.library`` reads the type hints
 """
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,6 +63,7 @@ def add_rms_norm_fwd(
     Returns ``(y, z = x + residual, rstd fp32 [N])``; ``y`` and ``z`` contiguous.
     """
     y, z, _, rstd = _impl.forward_rows(x, weight, residual, eps, _impl._STANDARD, _cfg(x))
+    assert z is not None  # forward_rows returns x + residual when given a residual
     return y, z, rstd
 
 
@@ -94,7 +96,7 @@ def _(
     return x.new_empty(x.shape), dw
 
 
-def _setup_norm(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _setup_norm(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     x, weight, _eps, mode = inputs
     _y, rstd = output
     ctx.save_for_backward(x, weight, rstd)
@@ -102,21 +104,23 @@ def _setup_norm(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's 
     ctx.mark_non_differentiable(rstd)
 
 
-def _backward_norm(ctx, dy, _drstd):  # noqa: ANN001, ANN202 - torch.library's signature
+def _backward_norm(ctx: Any, dy: Tensor, _drstd: Tensor | None) -> tuple[Tensor, Tensor | None, None, None]:
     x, weight, rstd = ctx.saved_tensors
     want_dw = weight is not None and ctx.needs_input_grad[1]
     dx, dw = rms_norm_bwd(dy, None, x, weight, rstd, ctx.mode, want_dw)
     return dx, dw if want_dw else None, None, None
 
 
-def _setup_add(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _setup_add(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     _x, _residual, weight, _eps = inputs
     _y, z, rstd = output
     ctx.save_for_backward(z, weight, rstd)
     ctx.mark_non_differentiable(rstd)
 
 
-def _backward_add(ctx, dy, dz, _drstd):  # noqa: ANN001, ANN202 - torch.library's signature
+def _backward_add(
+    ctx: Any, dy: Tensor, dz: Tensor | None, _drstd: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None, None]:
     z, weight, rstd = ctx.saved_tensors
     want_dw = ctx.needs_input_grad[2]
     dx, dw = rms_norm_bwd(dy, dz, z, weight, rstd, _impl._STANDARD, want_dw)
@@ -128,10 +132,12 @@ rms_norm_fwd.register_autograd(_backward_norm, setup_context=_setup_norm)
 add_rms_norm_fwd.register_autograd(_backward_add, setup_context=_setup_add)
 
 
-def apply(x: Tensor, weight: Tensor | None, residual: Tensor | None, eps: float, mode: int) -> object:
+def apply(
+    x: Tensor, weight: Tensor | None, residual: Tensor | None, eps: float, mode: int
+) -> Tensor | tuple[Tensor, Tensor]:
     """The custom-op form of `triton_impl._apply` (default launch shape): ``y``, or ``(y, x + residual)``."""
     if residual is not None:
         y, z, _ = add_rms_norm_fwd(x, residual, weight, float(eps))
         return y, z
-    y, _ = rms_norm_fwd(x, weight, float(eps), mode)
-    return y
+    y_rstd: tuple[Tensor, Tensor] = rms_norm_fwd(x, weight, float(eps), mode)
+    return y_rstd[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 import triton
@@ -139,7 +139,7 @@ def _sm_count(device: torch.device) -> int:
 def default_config(hidden: int) -> LaunchConfig:
     """The launch shape used for rows of ``hidden`` columns (whole row in registers, 16-byte accesses).
 
-    Tuned on one H200 (docs/benchmarks.md, 2026-11-21): 8 warps for forward tiles up to 4096 elements (16
+    Tuned on one H200 (notebook/benchmarks-log.md, 2026-11-21): 8 warps for forward tiles up to 4096 elements (16
     was 7% slower at H=4096); two rows per backward iteration at H=8192 (11% faster than one).
     """
     block_h = triton.next_power_of_2(hidden)
@@ -191,7 +191,7 @@ def forward_rows(
     x2 = _rows(x)
     n_rows = x2.shape[0]
     w = weight.contiguous() if weight is not None else None
-    out_dtype = torch.promote_types(x.dtype, w.dtype) if mode == _STANDARD else x.dtype
+    out_dtype = torch.promote_types(x.dtype, w.dtype) if mode == _STANDARD and w is not None else x.dtype
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     y2 = y.view(-1, hidden)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -241,7 +241,7 @@ def backward_rows(
     compute_dw = w is not None and compute_dw
     dw = None
     if n_rows == 0:
-        dw = torch.zeros_like(w) if compute_dw else None
+        dw = torch.zeros_like(w) if w is not None and compute_dw else None
     else:
         block_h = triton.next_power_of_2(hidden)
         max_progs = _sm_count(x2.device) * cfg.progs_per_sm
@@ -258,14 +258,22 @@ def backward_rows(
             COMPUTE_DW=compute_dw, ACC_2D=cfg.bwd_acc2d, num_warps=cfg.bwd_warps, **extra,
         )
         # fmt: on
-        if compute_dw:
+        if w is not None and compute_dw:
             dw = partial.sum(dim=0).to(w.dtype)
     return dx, dw
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, mode, cfg):  # noqa: ANN001, ANN205 - autograd signature
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        eps: float,
+        mode: int,
+        cfg: LaunchConfig,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         w = weight.contiguous() if weight is not None else None
         y, z, saved, rstd = forward_rows(x, w, residual, eps, mode, cfg)
         # Save the normalised rows' input (x, or x + residual) and rstd only; x̂ is recomputed in backward.
@@ -274,7 +282,9 @@ class _RMSNormFunction(torch.autograd.Function):
         return (y, z) if residual is not None else y
 
     @staticmethod
-    def backward(ctx, *grads):  # noqa: ANN001, ANN205 - autograd signature
+    def backward(
+        ctx: Any, *grads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x2, w, rstd = ctx.saved_tensors
         dz = grads[1] if ctx.has_res else None
         dx, dw = backward_rows(
@@ -284,13 +294,46 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, dw, dres, None, None, None
 
 
-def _apply(x, weight, residual, eps, mode, cfg):  # noqa: ANN001, ANN202 - private
+@overload
+def _apply(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual: None,
+    eps: float,
+    mode: int,
+    cfg: LaunchConfig | None,
+) -> torch.Tensor: ...
+
+
+@overload
+def _apply(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual: torch.Tensor,
+    eps: float,
+    mode: int,
+    cfg: LaunchConfig | None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _apply(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    mode: int,
+    cfg: LaunchConfig | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``y``, or ``(y, x + residual)`` with a residual; both ``[..., H]``."""
     check_inputs(x, weight, eps, residual)
     _check_device(x)
     if torch.compiler.is_compiling() and cfg is None:
         # Under dynamo: the custom ops, which it traces without a graph break (same kernels, same numbers).
         return _ops.apply(x, weight, residual, eps, mode)
-    return _RMSNormFunction.apply(x, weight, residual, eps, mode, cfg or default_config(x.shape[-1]))
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _RMSNormFunction.apply(
+        x, weight, residual, eps, mode, cfg or default_config(x.shape[-1])
+    )
+    return out
 
 
 def rms_norm_standard(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

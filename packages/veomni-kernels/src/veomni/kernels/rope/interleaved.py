@@ -55,7 +55,7 @@ def table_rows(t: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, S, H, D]; cos, sin: [B, S, 1, D/2] fp32 (one angle per pair).
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x1, x2 = torch.unflatten(x.float(), -1, (-1, 2)).unbind(-1)
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2).to(x.dtype)
 

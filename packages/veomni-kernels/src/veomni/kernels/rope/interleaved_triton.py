@@ -8,6 +8,8 @@ and converted in registers, so no fp32 copy of the table is made per call. The b
 the transposed rotation (rotation by ``-θ``): RoPE is linear in q and k, and cos/sin get no gradient.
 """
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -74,13 +76,15 @@ def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[T
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     _q, _k, cos, sin, backward = inputs
     ctx.save_for_backward(cos, sin)
     ctx.backward = backward
 
 
-def _backward(ctx, grad_q, grad_k):  # noqa: ANN001, ANN202 - torch.library's signature
+def _backward(
+    ctx: Any, grad_q: Tensor, grad_k: Tensor
+) -> tuple[Tensor | None, Tensor | None, None, None, None]:
     cos, sin = ctx.saved_tensors
     dq, dk = rope_interleaved(grad_q.contiguous(), grad_k.contiguous(), cos, sin, not ctx.backward)
     return (
@@ -112,4 +116,5 @@ def apply_rope_interleaved_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor
         raise ValueError(
             f"interleaved rope: q, k, cos and sin must be on one device; got {sorted(map(str, devices))}"
         )
-    return rope_interleaved(q, k, cos, sin, False)
+    result: tuple[Tensor, Tensor] = rope_interleaved(q, k, cos, sin, False)
+    return result

@@ -6,6 +6,8 @@ traces through it.
 same op with ``backward=True`` (the transposed rotation), so one registration serves both directions.
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tupl
     Returns new tensors laid out like ``q`` and ``k`` (``empty_like``), fp32 math rounded once to their dtype.
     """
     q_out, k_out = _impl._launch(q, k, cos, sin, backward=backward)
+    assert q_out is not None and k_out is not None  # _launch returns an output for each given input
     return q_out, k_out
 
 
@@ -30,13 +33,15 @@ def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[T
     return torch.empty_like(q), torch.empty_like(k)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     _q, _k, cos, sin, backward = inputs
     ctx.save_for_backward(cos, sin)
     ctx.backward = backward
 
 
-def _backward(ctx, grad_q, grad_k):  # noqa: ANN001, ANN202 - torch.library's signature
+def _backward(
+    ctx: Any, grad_q: Tensor, grad_k: Tensor
+) -> tuple[Tensor | None, Tensor | None, None, None, None]:
     cos, sin = ctx.saved_tensors
     # The map is linear in q and k; cos/sin are constants (as in the autograd function: no gradient).
     dq, dk = rope(grad_q, grad_k, cos, sin, not ctx.backward)

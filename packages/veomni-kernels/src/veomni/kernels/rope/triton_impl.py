@@ -14,6 +14,8 @@ HF's ``[B, S, H, D]`` buffer seen through ``transpose(1, 2)``), so the caller's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -123,6 +125,8 @@ def _launch(
     # A missing operand is replaced by the present one; its block count is 0, so it is never touched.
     qx, qo = (q, q_out) if q is not None else (k, k_out)
     kx, ko = (k, k_out) if k is not None else (q, q_out)
+    # ref is given, so both pairs are tensors.
+    assert qx is not None and kx is not None and qo is not None and ko is not None
     _rope_kernel[(b * s, n_q_blocks + n_k_blocks)](
         qx, kx, qo, ko, cos, sin,
         s, hq, hk, n_q_blocks,
@@ -136,14 +140,19 @@ def _launch(
 
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin):  # type: ignore[override]
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = _launch(q, k, cos, sin, backward=False)
+        assert q_out is not None and k_out is not None  # _launch returns an output for each given input
         # Only cos/sin are needed: the backward is linear in the upstream gradient.
         ctx.save_for_backward(cos, sin)
         return q_out, k_out
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k):  # type: ignore[override]
+    def backward(
+        ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         cos, sin = ctx.saved_tensors
         need_q = ctx.needs_input_grad[0] and grad_q is not None
         need_k = ctx.needs_input_grad[1] and grad_k is not None
@@ -181,8 +190,10 @@ def apply_rope_triton(
         raise ValueError(f"q, k, cos and sin must be on one device; got {sorted(map(str, devices))}")
     if torch.compiler.is_compiling():
         # Under dynamo: the custom op, which it traces without a graph break (same kernel, same numbers).
-        return _ops.rope(q, k, cos, sin, False)
-    return _RoPEFunction.apply(q, k, cos, sin)
+        result: tuple[torch.Tensor, torch.Tensor] = _ops.rope(q, k, cos, sin, False)
+        return result
+    result = _RoPEFunction.apply(q, k, cos, sin)
+    return result
 
 
 # Last: `ops` registers the custom op and reads `_launch` above.

@@ -6,6 +6,8 @@
 bitwise equal, and the backward still keeps only ``gate`` and ``up`` (``silu(gate)`` is recomputed).
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -37,12 +39,12 @@ def _(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     gate, up = inputs
     ctx.save_for_backward(gate, up)
 
 
-def _backward(ctx, grad_out):  # noqa: ANN001, ANN202 - torch.library's signature
+def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None]:
     gate, up = ctx.saved_tensors
     dg, du = swiglu_bwd(grad_out, gate, up)
     return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None)

@@ -11,6 +11,8 @@ when that is possible without a copy (e.g. the two halves of a merged gate/up pr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -100,7 +102,7 @@ def backward_rows(
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):  # type: ignore[override]
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g, u = _rows(gate), _rows(up)
         out = forward_rows(g, u)
         # The memory saving: only the two inputs are kept, silu(gate) is recomputed in backward.
@@ -109,7 +111,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         return out.view(gate.shape)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g, u = ctx.saved_tensors
         dg, du = backward_rows(grad_out, g, u)
         return dg.view(ctx.shape), du.view(ctx.shape)
@@ -128,8 +130,10 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_swiglu_inputs(gate, up)
     if torch.compiler.is_compiling():
         # Under dynamo: the custom ops, which it traces without a graph break (same kernels, same numbers).
-        return _ops.swiglu_fwd(gate, up)
-    return _SwiGLUFunction.apply(gate, up)
+        result: torch.Tensor = _ops.swiglu_fwd(gate, up)
+        return result
+    result = _SwiGLUFunction.apply(gate, up)
+    return result
 
 
 # Last: `ops` registers the custom ops and reads the row functions above.

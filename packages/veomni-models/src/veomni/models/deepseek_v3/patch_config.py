@@ -21,7 +21,7 @@ What runs where:
   adjusts it outside the gradient, in their own trainer), so here it is a persistent, non-trained buffer kept
   exactly as loaded: saved by DCP checkpoints and written by the HF export unchanged.
 - The routed experts (``DeepseekV3Experts``: fused ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) are not
-  patched: they dispatch through HF's experts interface to ``"veomni"`` (`veomni.models.hf_experts`: the
+  patched: they dispatch through HF's experts interface to ``"veomni"`` (`veomni.models.hf.experts`: the
   ``moe_experts`` kernels, EP dispatch/combine when sharded), which checks them against the experts contract.
 - The causal-LM forward computes the LM head + loss through `lm_logits_and_loss`. Like upstream it adds no
   auxiliary loss (transformers' DeepSeek-V3 has none; router logits are still recorded on request).
@@ -51,9 +51,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from veomni.core.ep import ExpertPlan
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
     add_token_heads,
@@ -61,7 +62,6 @@ from veomni.models.qwen3.patch_config import (
     rms_norm_forward,
     seq_cls_init,
 )
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.deepseek_v3.modeling_deepseek_v3",
@@ -71,7 +71,7 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "DeepseekV3PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method(
     "DeepseekV3RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
@@ -235,10 +235,10 @@ def get_parallel_plan(self) -> ExpertPlan:
     )
 
 
-# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+# Sequence classification: the classification CE through the kernel registry (veomni.models.heads.seq_cls).
+config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
 config.override_method(
     "DeepseekV3ForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "DeepseekV3"}
 )(seq_cls_init)
@@ -251,5 +251,5 @@ config.override_method(
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
 
-# Token classification: this module's patched decoder inside (veomni.models.token_heads).
+# Token classification: this module's patched decoder inside (veomni.models.heads.token_heads).
 add_token_heads(config, "DeepseekV3", question_answering=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from veomni.models.hf_experts import ExpertsClaim
+from veomni.models.hf.experts import ExpertsClaim
 from veomni.models.loading.quantized import check_not_quantized
 
 

@@ -5,12 +5,12 @@ What stays upstream, on purpose:
 
 * Attention calls already pass ``sliding_window`` (per ``layer_types``) and ``s_aux`` (the per-head sinks) to the
   attention interface; veomni's ``veomni_*`` implementations hand them to the kernels (``window`` / ``sinks``),
-  and `veomni.models.kernel_hooks.apply_ops` refuses a backend lacking either.
+  and `veomni.models.hf.kernel_hooks.apply_ops` refuses a backend lacking either.
 * RMSNorm multiplies by the weight in fp32 before casting (the norms are kept in fp32), which is not the
   ``rms_norm`` kernels' rounding, so it is not patched.
 * The router (a biased linear, top-k of the logits, softmax over the k) is untouched, so HF records its raw logits
   for the load-balancing loss.
-* ``GptOssExperts`` dispatches through HF's experts interface to `veomni.models.hf_experts`, which runs the
+* ``GptOssExperts`` dispatches through HF's experts interface to `veomni.models.hf.experts`, which runs the
   ``moe_experts/clamped_*`` kernels for it because this file claims the class (`veomni.models.gpt_oss.experts`).
 
 RoPE: upstream rotates halves with ``cos``/``sin`` of ``D / 2`` frequencies; the rope kernels take HF's usual
@@ -34,12 +34,12 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
 
 from veomni.core.ep import ExpertPlan
 from veomni.models.gpt_oss.experts import reject_quantized
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import SEQ_CLS_INIT, add_token_heads, seq_cls_init
 from veomni.models.qwen3_moe.patch_config import moe_causal_lm_forward
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.gpt_oss.modeling_gpt_oss",
@@ -49,10 +49,10 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "GptOssPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import("from veomni.models.gpt_oss.experts import GPT_OSS_EXPERTS, reject_quantized")
-config.add_import("from veomni.models.hf_experts import claim_experts")
+config.add_import("from veomni.models.hf.experts import claim_experts")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.add_helper(
     "claim_experts(GptOssExperts, GPT_OSS_EXPERTS)\n",
@@ -89,7 +89,7 @@ def get_correct_attn_implementation(
         if requested_attention not in ALL_ATTENTION_FUNCTIONS.valid_keys():
             raise ValueError(
                 f"attention implementation {requested_attention!r} is not registered; veomni registers its "
-                "backends with veomni.models.hf_attention.register_hf_attention (apply_ops does it)"
+                "backends with veomni.models.hf.attention.register_hf_attention (apply_ops does it)"
             )
         return requested_attention
     return super().get_correct_attn_implementation(requested_attention, is_init_check)
@@ -166,10 +166,10 @@ def get_parallel_plan(self) -> ExpertPlan:
 __all__ = ["config", "reject_quantized"]
 
 
-# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+# Sequence classification: the classification CE through the kernel registry (veomni.models.heads.seq_cls).
+config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
 config.override_method(
     "GptOssForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "GptOss"}
 )(seq_cls_init)
@@ -182,5 +182,5 @@ config.override_method(
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
 
-# Token classification: this module's patched decoder inside (veomni.models.token_heads).
+# Token classification: this module's patched decoder inside (veomni.models.heads.token_heads).
 add_token_heads(config, "GptOss", question_answering=False)

@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.models.conversion_recipes import model_converters
-from veomni.models.converters import (
+from veomni.models.convert.converters import (
     CheckpointConverter,
     IncompleteCheckpointError,
     KeyTransform,
     UnsupportedRecipeError,
     apply_converters,
 )
+from veomni.models.convert.recipes import model_converters
 from veomni.models.loading.diagnosis import dense_moe_diagnosis, submodel_diagnosis
 from veomni.models.loading.lazy import LazyTensor, TensorLike, as_lazy, shape_of
 from veomni.models.loading.quantized import check_not_quantized
@@ -102,7 +102,7 @@ def converters_for(
     model: nn.Module, targets: dict[str, Target] | None = None, *, for_export: bool = False
 ) -> list[CheckpointConverter | KeyTransform]:
     """Fresh converters and key renames for ``model``, from transformers' recipes for it and its sub-models
-    (see `veomni.models.conversion_recipes.model_converters`; ``for_export`` picks what export reverts)."""
+    (see `veomni.models.convert.recipes.model_converters`; ``for_export`` picks what export reverts)."""
     if getattr(model, "config", None) is None:
         return []
     targets = model_targets(model) if targets is None else targets

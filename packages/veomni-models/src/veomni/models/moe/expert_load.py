@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.models.hf_experts import is_hf_experts_module
+from veomni.models.hf.experts import is_hf_experts_module
 
 COUNTS = "veomni_routed_tokens"
 

@@ -9,7 +9,7 @@ out), with dummy tower forwards for ranks without a modality, a checked audio sc
   ``audio_metadata`` (`veomni.models.qwen2_5_omni.audio_layout.AudioChunks`) feed the towers their segment tables,
   so a training forward reads nothing back from the device; without them the tables are derived once per forward.
 * Audio and vision attention: with a ``veomni_*`` implementation they call
-  `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
+  `veomni.models.hf.encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
   (audio chunks; vision windows or images), no per-chunk split or host sync; HF names run upstream's forwards.
 * ``Qwen2_5OmniAudioEncoder.dummy_forward`` / ``Qwen2_5OmniVisionEncoder.dummy_forward`` (injected): the tower on
   its smallest valid input (dtype and device from a live weight), returned as a 0-valued scalar depending on every
@@ -53,9 +53,9 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     nn,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_omni import tower_patches
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
@@ -81,7 +81,7 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Qwen2_5OmniPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 config.add_import(
     "from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_counts, "
     "check_thinker_sp_inputs, dummy_audio_inputs"
@@ -95,8 +95,8 @@ config.add_import(
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, "
     "sp_group_or_none, sp_world_size"
 )
-config.add_import("from veomni.models.hf_attention import PREFIX")
-config.add_import("from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen")
+config.add_import("from veomni.models.hf.attention import PREFIX")
+config.add_import("from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen")
 # The HF-named implementations run upstream's own attention forwards, unchanged.
 config.add_import("from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream")
 
@@ -143,7 +143,7 @@ config.exclude_from_output(
 
 # ------------------------------------------------------------------------------------------------ kernels
 
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
 config.add_import("from transformers.activations import SiLUActivation")
 config.override_method(
     "Qwen2_5OmniRMSNorm.forward",

@@ -24,8 +24,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     nn,
 )
 
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_5_omni.towers import dummy_audio_inputs
 from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
 

@@ -31,11 +31,11 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Unpack,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import needs_max_seqlen
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import needs_max_seqlen
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_vl.window import WindowIndex
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids

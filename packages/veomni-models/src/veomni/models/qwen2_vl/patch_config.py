@@ -8,7 +8,7 @@ loss. Qwen2.5-VL's config (`veomni.models.qwen2_5_vl.patch_config`) reuses these
   unchanged): each frequency band takes the temporal, height or width position, so the attention applies an
   ordinary ``[B, S, D]`` rotation that the ``rope`` kernel covers.
 * Vision attention: the Qwen3-VL adapter's function (renamed): ``veomni_*`` implementations and SP go through
-  `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens; HF's own names run upstream's code.
+  `veomni.models.hf.encoder_attention.encoder_attention` on the packed tokens; HF's own names run upstream's code.
 * Vision tower: rotary positions without ``.tolist()`` (`veomni.models.qwen2_vl.vision.vision_position_ids`),
   ``cu_seqlens`` / ``max_seqlen`` taken from the keyword arguments when the collator precomputed them; under SP
   each rank embeds and attends its chunk of the patch rows (padded to ``sp * merge**2``, the padding a segment of
@@ -42,12 +42,12 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     get_vision_attention_seqlens,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import needs_max_seqlen
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import needs_max_seqlen
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, vision_position_ids
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
 from veomni.models.qwen3_vl.sp import (
@@ -68,10 +68,10 @@ config = PatchConfig(
 upstream_checkpoint_io(config, "Qwen2VLPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 IMPORTS = (
-    "from veomni.models.kernel_hooks import apply_rope, apply_rope_vision",
-    "from veomni.models.causal_lm import lm_logits_and_loss",
-    "from veomni.models.hf_attention import PREFIX",
-    "from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen",
+    "from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision",
+    "from veomni.models.heads.causal_lm import lm_logits_and_loss",
+    "from veomni.models.hf.attention import PREFIX",
+    "from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen",
     "from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids",
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, "
     "sp_world_size",

@@ -25,18 +25,18 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.kernel_hooks import apply_rope
-from veomni.models.seq_cls import init_sequence_classifier, seq_cls_forward
-from veomni.models.token_heads import (
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.heads.seq_cls import init_sequence_classifier, seq_cls_forward
+from veomni.models.heads.token_heads import (
     init_question_answering,
     init_token_classifier,
     qa_forward,
     token_cls_forward,
 )
+from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 
 config = PatchConfig(
     source_module="transformers.models.qwen3.modeling_qwen3",
@@ -45,9 +45,9 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Qwen3PreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
-config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 
 
 @config.override_method("Qwen3RMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')")
@@ -79,7 +79,7 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 @config.override_method(
     "Qwen3Attention.forward",
     description="RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the "
-    "Ulysses exchange (veomni.models.hf_async_sp)",
+    "Ulysses exchange (veomni.models.hf.async_sp)",
 )
 def attention_forward(
     self,
@@ -177,9 +177,9 @@ def causal_lm_forward(
 
 # Sequence classification. The decoder inside the classifier is this module's patched Qwen3Model (upstream's
 # __init__ builds transformers' own through AutoModel, which no kernel, SP or EP path reaches); the classification
-# CE goes through the kernel registry (veomni.models.seq_cls). Other families reuse both functions, the __init__
+# CE goes through the kernel registry (veomni.models.heads.seq_cls). Other families reuse both functions, the __init__
 # with name_map={"Qwen3": "<Prefix>"}.
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 SEQ_CLS_INIT = "build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)"
 SEQ_CLS_FORWARD = "classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states"
@@ -195,7 +195,7 @@ config.override_method("Qwen3ForSequenceClassification.forward", description=SEQ
 
 # Token classification and question answering: the decoder inside is this module's patched Qwen3Model (upstream's
 # __init__ builds transformers' own through AutoModel); the forwards are upstream's, with Ulysses SP
-# (veomni.models.token_heads). Other families call add_token_heads with their class prefix.
+# (veomni.models.heads.token_heads). Other families call add_token_heads with their class prefix.
 TOKEN_HEADS_INIT = SEQ_CLS_INIT
 
 
@@ -217,8 +217,8 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
         question_answering: whether the family has a question-answering head upstream.
     """
     names = None if prefix == "Qwen3" else {"Qwen3": prefix}
-    patch_config.add_import("from veomni.models.token_heads import init_token_classifier")
-    patch_config.add_import("from veomni.models.token_heads import token_classification_forward")
+    patch_config.add_import("from veomni.models.heads.token_heads import init_token_classifier")
+    patch_config.add_import("from veomni.models.heads.token_heads import token_classification_forward")
     patch_config.add_import("from transformers.modeling_outputs import TokenClassifierOutput")
     patch_config.override_method(
         f"{prefix}ForTokenClassification.__init__", description=TOKEN_HEADS_INIT, name_map=names
@@ -229,8 +229,8 @@ def add_token_heads(patch_config: PatchConfig, prefix: str, *, question_answerin
     )(token_cls_forward)
     if not question_answering:
         return
-    patch_config.add_import("from veomni.models.token_heads import init_question_answering")
-    patch_config.add_import("from veomni.models.token_heads import question_answering_forward")
+    patch_config.add_import("from veomni.models.heads.token_heads import init_question_answering")
+    patch_config.add_import("from veomni.models.heads.token_heads import question_answering_forward")
     patch_config.add_import("from transformers.modeling_outputs import QuestionAnsweringModelOutput")
     patch_config.override_method(
         f"{prefix}ForQuestionAnswering.__init__", description=TOKEN_HEADS_INIT, name_map=names

@@ -35,7 +35,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet,
 )
 
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_vl import patch_config as qwen2_vl
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_FORWARD,
@@ -52,7 +53,6 @@ from veomni.models.qwen3_next.patch_config import (
     offset_rms_norm_forward,
 )
 from veomni.models.qwen3_vl import patch_config as qwen3_vl
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_5.modeling_qwen3_5",
@@ -66,7 +66,7 @@ upstream_checkpoint_io(config, "Qwen3_5PreTrainedModel")
 config.add_import(
     "from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet"
 )
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 config.add_import(
     "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log"
 )
@@ -153,9 +153,9 @@ def gated_delta_net_forward(
 
 VISION_IMPORTS = (
     "from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures",
-    "from veomni.models.kernel_hooks import apply_rope_vision",
-    "from veomni.models.hf_attention import PREFIX",
-    "from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen",
+    "from veomni.models.hf.kernel_hooks import apply_rope_vision",
+    "from veomni.models.hf.attention import PREFIX",
+    "from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen",
     "from veomni.models.qwen2_vl.vision import embed_visual",
     "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry",
     "from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, "
@@ -208,8 +208,8 @@ config.override_method(
 
 
 # Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
-# seq_cls_init) and the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+# seq_cls_init) and the classification CE through the kernel registry (veomni.models.heads.seq_cls).
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.override_method(
     "Qwen3_5TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3Model": "Qwen3_5TextModel", "Qwen3Config": "Qwen3_5TextConfig"}

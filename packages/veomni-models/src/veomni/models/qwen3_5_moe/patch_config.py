@@ -20,7 +20,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Unpack,
 )
 
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import mlp_forward
 from veomni.models.qwen3_5.patch_config import add_vision_patches, gated_delta_net_forward
 from veomni.models.qwen3_5.text_model import text_model_layers
@@ -46,7 +46,7 @@ upstream_checkpoint_io(config, "Qwen3_5MoePreTrainedModel")
 config.add_import(
     "from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet"
 )
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import(
     "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log"
 )

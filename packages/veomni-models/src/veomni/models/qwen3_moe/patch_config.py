@@ -4,7 +4,7 @@ loss, and the expert-parallel plan.
 RMSNorm, the dense MLP (layers listed in ``mlp_only_layers``), the attention forward (identical to Qwen3's) and
 the LM head + loss reuse the Qwen3 config's functions. The experts themselves are not patched: upstream's
 ``Qwen3MoeExperts`` (fused ``gate_up_proj [E, 2I, H]``, gate rows then up rows, and ``down_proj [E, H, I]``)
-dispatches through HF's experts interface, where `veomni.models.hf_experts` registers ``"veomni"`` (the
+dispatches through HF's experts interface, where `veomni.models.hf.experts` registers ``"veomni"`` (the
 ``moe_experts`` kernels, and EP dispatch/combine when the experts are sharded). The router is untouched, so its
 raw logits are what HF records for the load-balancing loss. Regenerate with
 ``uv run patchgen veomni.models.qwen3_moe.patch_config``.
@@ -24,9 +24,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from veomni.core.ep import ExpertPlan
-from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
     add_token_heads,
@@ -35,7 +36,6 @@ from veomni.models.qwen3.patch_config import (
     rms_norm_forward,
     seq_cls_init,
 )
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
@@ -45,9 +45,9 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Qwen3MoePreTrainedModel")
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
-config.add_import("from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.override_method(
     "Qwen3MoeRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
@@ -122,10 +122,10 @@ def get_parallel_plan(self) -> ExpertPlan:
     )
 
 
-# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+# Sequence classification: the classification CE through the kernel registry (veomni.models.heads.seq_cls).
+config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
 config.override_method(
     "Qwen3MoeForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Moe"}
 )(seq_cls_init)
@@ -138,5 +138,5 @@ config.override_method(
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
 
-# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+# Token classification and question answering: this module's patched decoder inside (veomni.models.heads.token_heads).
 add_token_heads(config, "Qwen3Moe")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from veomni.models.hf_masks import create_causal_mask
+from veomni.models.hf.masks import create_causal_mask
 from veomni.models.qwen3_next.gdn import recurrent_padding_mask
 
 __all__ = ["run_decoder_layers"]

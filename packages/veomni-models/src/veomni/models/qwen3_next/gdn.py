@@ -24,7 +24,7 @@ from transformers import initialization as init
 from transformers.masking_utils import create_recurrent_attention_mask
 
 from veomni.kernels import Kernels
-from veomni.models.hf_attention_inputs import current_sp_state, packing_metadata
+from veomni.models.hf.attention_inputs import current_sp_state, packing_metadata
 from veomni.models.qwen3_next.sp import gdn_heads_to_sequence, gdn_sequence_to_heads
 
 __all__ = [
@@ -63,7 +63,7 @@ def prepare_training_forward(
     1. Rows packed by ``position_ids`` alone (HF's ``DataCollatorWithFlattening``) get ``cu_seq_lens_q/k``. veomni
        attention finds such packing in ``position_ids`` by itself, but HF never passes them to the linear attention
        layers, whose convolution and recurrent state would run across document boundaries. The offsets are the ones
-       veomni attention derives (`veomni.models.hf_attention_inputs.packing_metadata`: a document starts wherever a
+       veomni attention derives (`veomni.models.hf.attention_inputs.packing_metadata`: a document starts wherever a
        position is not its predecessor + 1, rows flattened into one), computed once per forward; under Ulysses SP
        the positions are this rank's shard, gathered over the SP group and cut to ``sp_unpadded_len`` as the
        attention does. Positions with one document per row (an ordinary batch) add nothing.

@@ -44,7 +44,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from veomni.core.ep import ExpertPlan
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_FORWARD,
     SEQ_CLS_INIT,
@@ -60,7 +61,6 @@ from veomni.models.qwen3_next.gdn import (
     init_decay_log,
     prepare_training_forward,
 )
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.qwen3_next.modeling_qwen3_next",
@@ -70,7 +70,7 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Qwen3NextPreTrainedModel")
 config.add_import("from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss")
 config.add_import(
     "from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, "
     "prepare_training_forward"
@@ -268,8 +268,8 @@ def get_parallel_plan(self) -> ExpertPlan:
 
 
 # Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
-# seq_cls_init) and the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward")
+# seq_cls_init) and the classification CE through the kernel registry (veomni.models.heads.seq_cls).
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.override_method(
     "Qwen3NextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Next"}
@@ -280,5 +280,5 @@ config.override_method(
     description="expert parallelism as for the causal LM (the classifier's decoder has the same model.* names)",
 )(get_parallel_plan)
 
-# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+# Token classification and question answering: this module's patched decoder inside (veomni.models.heads.token_heads).
 add_token_heads(config, "Qwen3Next")

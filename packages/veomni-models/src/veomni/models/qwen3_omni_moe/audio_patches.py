@@ -22,8 +22,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     get_valid_indices,
 )
 
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_5_omni.towers import dummy_audio_inputs
 from veomni.models.qwen3_omni_moe.towers import check_audio_window
 from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size

@@ -18,10 +18,10 @@ out) with Qwen3-VL's vision tower, Qwen3-VL-MoE's routed experts and Qwen2.5-Omn
   without a modality, mrope positions also without an attention mask, SP slices); the thinker head's forward
   (fused LM loss + router aux loss weighted by ``text_config.router_aux_loss_coef``).
 * Experts (``Qwen3OmniMoeThinkerTextExperts``, HF's fused ``[E, 2I, H]`` / ``[E, H, I]`` layout) are not patched:
-  HF's experts interface dispatches them to ``"veomni"`` (`veomni.models.hf_experts`). Full-Omni checkpoints
+  HF's experts interface dispatches them to ``"veomni"`` (`veomni.models.hf.experts`). Full-Omni checkpoints
   store per-expert tensors under ``thinker.model.layers``; transformers' scoped recipes (the thinker's prefix
   renames, then the ``qwen2_moe`` expert merge on ``model.language_model``) load them
-  (`veomni.models.conversion_recipes`).
+  (`veomni.models.convert.recipes`).
 
 Regenerate with ``uv run patchgen veomni.models.qwen3_omni_moe.patch_config``.
 """
@@ -48,9 +48,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     load_balancing_loss_func,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen2_5_omni import patch_config as omni25
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count
 from veomni.models.qwen3_omni_moe import audio_patches
@@ -74,7 +74,7 @@ upstream_checkpoint_io(config, "Qwen3OmniMoePreTrainedModel", "Qwen3OmniMoeThink
 use_veomni_masks(config, "create_causal_mask", "create_sliding_window_causal_mask")
 for statement in vl.config.imports:
     config.add_import(statement)
-config.add_import("from veomni.models.causal_lm import router_aux_loss")
+config.add_import("from veomni.models.heads.causal_lm import router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 config.add_import("from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs")
 config.add_import("from veomni.models.qwen3_omni_moe.towers import TALKER_REFUSAL, check_audio_window")

@@ -5,7 +5,7 @@ varlen entry without host syncs, a dummy tower forward for ranks without images,
   interleaved mrope is folded into ``cos``/``sin`` by the text rotary embedding (eager, unchanged), so the
   attention applies an ordinary ``[B, S, D]`` rotation and the ``rope`` kernel covers it.
 * Vision attention (body in `veomni.models.qwen3_vl.vision_patches`, as the tower's, registered here): with a
-  ``veomni_*`` implementation it calls `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens`` (no per-image split); with HF's own names (``eager``,
+  ``veomni_*`` implementation it calls `veomni.models.hf.encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens`` (no per-image split); with HF's own names (``eager``,
   ``sdpa``, ``flash_attention_*``) upstream's code runs unchanged, so no-kernel models equal transformers bitwise.
 * Vision tower: rotary positions and learned-position taps computed without ``.tolist()`` (`vision.vision_geometry`);
   ``max_seqlen`` read once per forward and only for backends that need it; ``dummy_forward`` for ranks whose
@@ -45,10 +45,10 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     eager_attention_forward,
 )
 
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3_vl.sp import check_sp_inputs, scatter_visual_sp, sp_group_or_none
 from veomni.models.qwen3_vl.vision import parallel_world_size, scatter_visual
 from veomni.models.qwen3_vl.vision_patches import (
@@ -65,10 +65,10 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "Qwen3VLPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope, apply_rope_vision")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
-config.add_import("from veomni.models.hf_attention import PREFIX")
-config.add_import("from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.hf.attention import PREFIX")
+config.add_import("from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen")
 config.add_import(
     "from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, "
     "scatter_visual, vision_geometry"

@@ -7,7 +7,7 @@ Contract under SP (current parallel state with ``sp = P > 1``):
   collator needs no vision-specific rule and the tower sees exactly the rows it would see unsliced. Rows are
   zero-padded to a multiple of ``P * merge**2``, so each rank holds whole spatial-merge groups and the
   merger's ``view(-1, hidden * merge**2)`` never mixes rows of two ranks.
-* The tower attends through `veomni.models.hf_encoder_attention.encoder_attention` with the SP group and the
+* The tower attends through `veomni.models.hf.encoder_attention.encoder_attention` with the SP group and the
   full ``cu_seqlens`` plus one entry for the tail padding, which thus attends only to itself (``sp_unpadded_len``
   cannot be used: `veomni.core.sp.ulysses_attention` then returns ``ceil(N / sp)``-row shards, not the
   ``sp * merge**2``-padded ones), and its merged tokens and
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from veomni.core.parallel_state import current_parallel_state_or_none
 from veomni.core.sp import gather_sequence, pad_and_slice, slice_for_rank
-from veomni.models.hf_attention import PREFIX
+from veomni.models.hf.attention import PREFIX
 
 
 def sp_group_or_none() -> dist.ProcessGroup | None:

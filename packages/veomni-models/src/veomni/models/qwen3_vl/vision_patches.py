@@ -7,7 +7,7 @@ from ``modeling_qwen3_vl`` and veomni helpers from the config's ``add_import`` l
 this module importable and checkable on its own.
 
 * Vision attention: with a ``veomni_*`` implementation (or under Ulysses SP) it calls
-  `veomni.models.hf_encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
+  `veomni.models.hf.encoder_attention.encoder_attention` on the packed tokens and the tower's own ``cu_seqlens``
   (no per-image split); with HF's own names upstream's code runs unchanged.
 * Tower forward: rotary positions and learned-position taps without ``.tolist()`` (`vision.vision_geometry`);
   ``max_seqlen`` read once per forward and only for backends that need it; under SP each rank embeds and attends
@@ -32,9 +32,9 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     is_flash_attention_requested,
 )
 
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
-from veomni.models.kernel_hooks import apply_rope_vision
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.kernel_hooks import apply_rope_vision
 from veomni.models.qwen3_vl.sp import gather_merged, slice_patches, sp_group_or_none, sp_world_size
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 

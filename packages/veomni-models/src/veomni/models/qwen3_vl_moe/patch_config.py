@@ -9,12 +9,12 @@ and ``Qwen3VLMoeModel.forward`` (one tower pass, SP scatter). The last one retur
 object as is (no dense output dataclass is constructed), so the MoE ``router_logits`` survive the rename.
 
 Written here: ``Qwen3VLMoeForConditionalGeneration.__init__`` (exposes ``num_experts``, ``num_experts_per_tok`` and
-``router_aux_loss_coef`` of ``text_config`` as attributes, where `veomni.models.causal_lm.router_aux_loss` and the
+``router_aux_loss_coef`` of ``text_config`` as attributes, where `veomni.models.heads.causal_lm.router_aux_loss` and the
 trainer look for them), its ``forward`` (fused LM loss + router aux loss) and ``get_parallel_plan`` on it and on
 ``Qwen3VLMoeModel``. The experts (``Qwen3VLMoeTextExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``
 in memory, HF's default layout) are not patched: HF's experts interface dispatches them to ``"veomni"``
-(`veomni.models.hf_experts`). Checkpoints store them transposed; transformers' ``qwen3_vl_moe`` conversion recipe
-(``Transpose(1, 2)``) is applied on load and reverted on export by `veomni.models.conversion_recipes`.
+(`veomni.models.hf.experts`). Checkpoints store them transposed; transformers' ``qwen3_vl_moe`` conversion recipe
+(``Transpose(1, 2)``) is applied on load and reverted on export by `veomni.models.convert.recipes`.
 Regenerate with ``uv run patchgen veomni.models.qwen3_vl_moe.patch_config``.
 """
 
@@ -35,9 +35,9 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 from veomni.core.ep import ExpertPlan
-from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
+from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3_vl import patch_config as dense
 
 config = PatchConfig(
@@ -52,7 +52,7 @@ use_veomni_masks(config, "create_causal_mask")
 config.name_map({"Qwen3VL": "Qwen3VLMoe"}, origin_module="transformers.models.qwen3_vl.modeling_qwen3_vl")
 for statement in dense.config.imports:
     config.add_import(statement)
-config.add_import("from veomni.models.causal_lm import router_aux_loss")
+config.add_import("from veomni.models.heads.causal_lm import router_aux_loss")
 config.add_import("from veomni.core.ep import ExpertPlan")
 
 _REUSED = (

@@ -24,9 +24,10 @@ from transformers.models.seed_oss.modeling_seed_oss import (
     eager_attention_forward,
 )
 
-from veomni.models.hf_masks import use_veomni_masks
-from veomni.models.hf_pretrained import upstream_checkpoint_io
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.heads.seq_cls import seq_cls_forward
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.masks import use_veomni_masks
+from veomni.models.hf.pretrained import upstream_checkpoint_io
 from veomni.models.qwen3.patch_config import (
     SEQ_CLS_INIT,
     add_token_heads,
@@ -34,7 +35,6 @@ from veomni.models.qwen3.patch_config import (
     rms_norm_forward,
     seq_cls_init,
 )
-from veomni.models.seq_cls import seq_cls_forward
 
 config = PatchConfig(
     source_module="transformers.models.seed_oss.modeling_seed_oss",
@@ -43,8 +43,8 @@ config = PatchConfig(
 )
 upstream_checkpoint_io(config, "SeedOssPreTrainedModel")
 use_veomni_masks(config, "create_causal_mask")
-config.add_import("from veomni.models.kernel_hooks import apply_rope")
-config.add_import("from veomni.models.causal_lm import lm_logits_and_loss")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.add_import("from veomni.models.heads.causal_lm import lm_logits_and_loss")
 config.override_method(
     "SeedOssRMSNorm.forward", description="RMSNorm via kernels.get('rms_norm', 'standard')"
 )(rms_norm_forward)
@@ -114,10 +114,10 @@ def attention_forward(
     return attn_output, attn_weights
 
 
-# Sequence classification: the classification CE through the kernel registry (veomni.models.seq_cls).
-config.add_import("from veomni.models.seq_cls import sequence_classification_forward")
+# Sequence classification: the classification CE through the kernel registry (veomni.models.heads.seq_cls).
+config.add_import("from veomni.models.heads.seq_cls import sequence_classification_forward")
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-config.add_import("from veomni.models.seq_cls import init_sequence_classifier")
+config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier")
 config.override_method(
     "SeedOssForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "SeedOss"}
 )(seq_cls_init)
@@ -126,5 +126,5 @@ config.override_method(
     description="classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states",
 )(seq_cls_forward)
 
-# Token classification and question answering: this module's patched decoder inside (veomni.models.token_heads).
+# Token classification and question answering: this module's patched decoder inside (veomni.models.heads.token_heads).
 add_token_heads(config, "SeedOss")

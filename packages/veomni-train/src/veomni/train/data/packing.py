@@ -9,7 +9,7 @@
 2. SP (``sp_size`` P > 1): pad the row to a multiple of P: ``input_ids`` with ``pad_id``, labels with -100, and
    ``position_ids`` with ``0, 1, 2, ...``, so the padding is one segment of its own that nothing else attends to.
 3. ``cu_seqlens``/``max_seqlen`` from the FULL (padded) ``position_ids``, through
-   `veomni.models.hf_attention.packed_kwargs`, the same rule the attention functions use.
+   `veomni.models.hf.attention.packed_kwargs`, the same rule the attention functions use.
 4. Slice ``input_ids`` and ``labels`` to this rank's contiguous chunk, and ``position_ids`` last.
 
 The batch (one rank's view)::
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from veomni.core.sp.padding import pad_to_length, padded_length, slice_for_rank
-from veomni.models.hf_attention import packed_kwargs
+from veomni.models.hf.attention import packed_kwargs
 from veomni.train.data.encode import Sample
 
 IGNORE_INDEX = -100

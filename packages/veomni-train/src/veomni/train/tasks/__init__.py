@@ -6,9 +6,10 @@ Built in: ``text`` (causal language modelling on packed documents), ``vlm`` and 
 ``dit`` (`veomni.train.tasks.dit`). Family-specific rules (a VLM's position rule and video layout, say) come from the
 model's family declaration (`veomni.models.families`), never from a family name here.
 
-Tasks are registered by name: `register_task` (a decorator) adds a class, and a recipe's ``model.task`` names a
-registered task or a class by import path (``my_pkg.tasks:RewardTask``), so a user's own task runs from the CLI
-without editing this package (docs/guides/add-a-data-format-or-task.md).
+Tasks are registered by name: `register_task` (a decorator) adds a class, an installed package may declare one in
+the ``veomni.tasks`` entry-point group, and a recipe's ``model.task`` names a registered task or a class by import
+path (``my_pkg.tasks:RewardTask``), so a user's own task runs from the CLI without editing this package (worked
+example: ``examples/custom_task/bits_task.py``; docs/guides/add-a-data-format-or-task.md).
 
 Everything read from the model config goes through ``config.get_text_config()``: a composite model (a VLM, an
 omni thinker) keeps its language model's settings -- layers, heads, MoE router coefficient -- in a sub-config,
@@ -104,7 +105,7 @@ class Task(Protocol):
 
     def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
         """Write into ``out`` what `export` writes beside the weights (config, generation config, tokenizer,
-        processor files), for a checkpoint's ``hf_files/`` (`veomni.models.export_files`); called on one rank,
+        processor files), for a checkpoint's ``hf_files/`` (`veomni.models.export.files`); called on one rank,
         so no collectives. Nothing where the offline export does not read them."""
         ...
 
@@ -121,6 +122,9 @@ BUILTIN_TASKS: Mapping[str, str] = {
     "dit": "veomni.train.tasks.dit:DitTask",
 }
 """veomni's tasks by name, imported on first use (a text run imports no vision or DiT module)."""
+
+ENTRY_POINT_GROUP = "veomni.tasks"
+"""The entry-point group where an installed package declares its tasks by name (``name = "pkg.mod:Class"``)."""
 
 _REGISTERED: dict[str, type] = {}
 """Tasks registered at import by `register_task` (users' own)."""
@@ -158,7 +162,7 @@ def task_class(name: str) -> type:
     Errors name the registered tasks, or what the import path holds instead of a task class."""
     if name in _REGISTERED:
         return _REGISTERED[name]
-    target = BUILTIN_TASKS.get(name, name)
+    target = BUILTIN_TASKS.get(name) or _entry_point(name) or name
     if ":" not in target:
         raise ValueError(
             f"model.task: expected one of {task_names()} or a task class as 'package.module:Class', found {name!r}"
@@ -173,6 +177,16 @@ def task_class(name: str) -> type:
         raise ValueError(f"model.task={name!r}: {module_name} has no class {attribute!r}")
     _check_task_class(cls, name)
     return cls
+
+
+def _entry_point(name: str) -> str | None:
+    """The ``module:Class`` an installed package declares for ``name`` in the ``veomni.tasks`` entry-point group."""
+    from importlib.metadata import entry_points
+
+    found = [point.value for point in entry_points(group=ENTRY_POINT_GROUP) if point.name == name]
+    if len(found) > 1:
+        raise ValueError(f"model.task={name!r}: several installed packages declare it ({found})")
+    return found[0] if found else None
 
 
 def _check_task_class(cls: type, where: str) -> None:

@@ -1,5 +1,6 @@
-"""The ``dit`` training task: a diffusers DiT (Wan2.1 ``WanTransformer3DModel``) trained by flow matching, its
-inputs made online by the frozen Wan condition models (`veomni.models.dit_condition.WanConditionModel`).
+"""The ``dit`` training task: a diffusers DiT (e.g. Wan2.1's ``WanTransformer3DModel``) trained by flow matching,
+its inputs made online by its family's frozen condition models (`veomni.models.family.DiffusionRules`; Wan's:
+`veomni.models.wan.condition.WanConditionModel`).
 
 Per micro-batch (one ``(F, H, W)`` shape, `veomni.train.data.dit`): ``get_condition`` (prompt embeddings, VAE
 posterior; I2V also first-frame latents and CLIP embeddings), then ``process_condition`` with a generator seeded
@@ -9,13 +10,14 @@ are plain modules on the compute device: frozen, run under ``no_grad``, never ha
 Loss: per-sample MSE between the predicted and the target velocity (mean over the sample's elements), summed
 over the micro-batch and divided by the step's sample count over all DP ranks (``num_items``), so a step's loss
 is the mean over its samples whatever the grad accumulation and DP size. Under Ulysses SP every rank of an SP
-group computes the same full loss (`veomni.models.wan_sp`); it is divided by the SP size so that the loop's
+group computes the same full loss (Wan: `veomni.models.wan.sp`); it is divided by the SP size so that the loop's
 sum over all ranks (logging) and FSDP's average over the world (gradients) both count it once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -94,18 +96,22 @@ class DitFlops:
 
 @attrs.frozen(kw_only=True, eq=False)
 class DitTask:
-    """Flow-matching training of a Wan DiT (see the module docstring).
+    """Flow-matching training of a diffusion transformer (see the module docstring).
 
     Attributes:
-        encoder: the frozen `WanConditionModel` on the compute device (online), or None when the batches carry
-            their conditions (``data.kind: dit_latents``, written by ``veomni-dit-embed``).
+        encoder: the family's frozen condition models on the compute device (online; Wan: `WanConditionModel`),
+            or None when the batches carry their conditions (``data.kind: dit_latents``, written by
+            ``veomni-dit-embed``).
         vae_config: the VAE config (``z_dim``, ``latents_mean``, ``latents_std``).
         schedule: the flow-matching `FlowMatchingSchedule`.
-        noising: the `WanConditionConfig` (posterior sampling mode, prompt dropout).
+        noising: the family's condition config (Wan: `WanConditionConfig`: posterior sampling mode, prompt
+            dropout).
         empty_prompt: ``[1, L, D]`` embeddings of the empty prompt (prompt dropout), or None without dropout.
         compute_dtype: dtype of the transformer's inputs (its parameters' compute dtype).
         sp: Ulysses SP degree (the loss is divided by it).
         flops: `DitFlops` of the transformer.
+        make_inputs: the family's `DiffusionRules.flow_matching_inputs`: conditions -> the transformer's noised
+            inputs and the velocity target, per sample.
     """
 
     encoder: Any
@@ -116,6 +122,7 @@ class DitTask:
     compute_dtype: torch.dtype
     sp: int
     flops: DitFlops
+    make_inputs: Callable[..., dict[str, list[torch.Tensor]]]
     name: ClassVar[str] = "dit"
     model_task: ClassVar[str] = "diffusion_transformer"
     aux_loss_coef: ClassVar[float] = 0.0
@@ -130,14 +137,12 @@ class DitTask:
 
     def _inputs(self, batch: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
         generator = torch.Generator().manual_seed(int(batch["noise_seed"]))
-        from veomni.models.dit_condition import flow_matching_inputs
-
         condition = batch.get("condition")
         if condition is None:
             condition = self.encoder.get_condition(batch["captions"], batch["videos"])
         else:  # stored conditions: noised where the online path noises them, on the compute device
             condition = {k: [t.to(device) for t in v] for k, v in condition.items()}
-        made = flow_matching_inputs(
+        made = self.make_inputs(
             condition, vae_config=self.vae_config, schedule=self.schedule, generator=generator,
             latent_sample_mode=self.noising.latent_sample_mode, prompt_dropout_prob=self.noising.prompt_dropout_prob,
             empty_prompt_embeds=self.empty_prompt,
@@ -181,16 +186,16 @@ class DitTask:
 
     def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
         """The transformer as diffusers writes it (``diffusion_pytorch_model*.safetensors`` and a pure diffusers
-        ``config.json``): ``WanTransformer3DModel.from_pretrained(out)`` loads it, as a pipeline's
+        ``config.json``): the diffusers class's ``from_pretrained(out)`` loads it, as a pipeline's
         ``transformer/`` subfolder does."""
-        from veomni.models.export_diffusers import export_diffusers
+        from veomni.models.diffusers.export import export_diffusers
 
         export_diffusers(model, out, parallel_state=parallel_state)
 
     def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
         """The trained diffusers ``config.json`` (``model.config_overrides`` included), which the offline export
-        (``veomni-export-hf step_N/dcp``, `veomni.models.export_diffusers.export_dcp_to_diffusers`) builds from."""
-        from veomni.models.export_diffusers import save_diffusers_config
+        (``veomni-export-hf step_N/dcp``, `veomni.models.diffusers.export.export_dcp_to_diffusers`) builds from."""
+        from veomni.models.diffusers.export import save_diffusers_config
 
         save_diffusers_config(model, out)
 

@@ -1,5 +1,10 @@
-"""What the dit task prepares before the model is built (`veomni.train.loop.SETUPS`): the diffusers transformer
-config and its meta probe, the condition side, the data, the `veomni.train.tasks.dit.DitTask`.
+"""What the dit task prepares before the model is built (`veomni.train.tasks.dit.DitTask.prepare`): the diffusers
+transformer config and its meta probe, the condition side, the data, the `veomni.train.tasks.dit.DitTask`.
+
+Everything model-specific is asked of the transformer's family (`veomni.models.family.DiffusionRules`, found by
+the config's ``_class_name``): its condition models and config, how its condition directory is read, what its
+transformer config must match, how its training inputs are made. A diffusers model no family declares rules for
+is refused, naming the ones veomni has.
 
 Online (``data.kind: dit``) the frozen condition models are loaded on the compute device. Offline
 (``data.kind: dit_latents``, files written by ``veomni-dit-embed``) only the condition directory's configs are
@@ -9,18 +14,15 @@ takes GPU memory. Everything that can be checked is checked here, before the mod
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from veomni.core.parallel_state import ParallelState
+from veomni.models.family import resolve
 from veomni.train.data import DataTopology
 from veomni.train.data.sources import RowSource
 from veomni.train.model_setup import _hardware
@@ -28,12 +30,17 @@ from veomni.train.preflight import PreflightError, check_ops_backend, check_para
 from veomni.train.recipe import Recipe
 from veomni.train.tasks.dit import DitFlops, DitTask
 
+if TYPE_CHECKING:
+    from veomni.models.diffusers.rules import ConditionConfigs
+    from veomni.models.family import DiffusionRules
+
 log = logging.getLogger(__name__)
 
 
 def transformer_config(recipe: Recipe) -> Any:
     """The recipe's diffusers transformer config (`veomni.models.registry.DiffusersConfig`), or a
     `PreflightError` naming the file when it is a transformers checkpoint or a whole pipeline directory."""
+    from veomni.models.diffusers.rules import diffusion_models
     from veomni.models.registry import MODELS, DiffusersConfig
 
     source = recipe.model.config if recipe.model.config is not None else recipe.model.weights
@@ -52,120 +59,68 @@ def transformer_config(recipe: Recipe) -> Any:
     if not isinstance(config, DiffusersConfig):
         raise PreflightError(
             f"{source} is a transformers checkpoint (model_type {config.model_type!r}), but model.task=dit trains "
-            "a diffusers DiT: expected a diffusers config.json with _class_name (e.g. Wan's transformer/ "
-            "subfolder, _class_name 'WanTransformer3DModel')"
+            "a diffusers DiT: expected a diffusers config.json with _class_name (a pipeline's transformer/ "
+            f"subfolder; _class_name one of {sorted(diffusion_models())})"
         )
     return config
 
 
-def noising_config(recipe: Recipe) -> Any:
-    """The recipe's `veomni.models.dit_condition.WanConditionConfig`."""
-    from veomni.models.dit_condition import WanConditionConfig
+def dit_rules(config: Any) -> DiffusionRules:
+    """The `veomni.models.family.DiffusionRules` of the transformer ``config``'s family, or a `PreflightError`
+    naming its ``_class_name`` and the diffusion transformers veomni's families declare."""
+    from veomni.models.diffusers.rules import diffusion_rules
 
+    try:
+        return diffusion_rules(config.class_name, f"model.task=dit ({config.source})")
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+
+
+def noising_config(recipe: Recipe, rules: DiffusionRules) -> Any:
+    """The recipe's condition config (the family's `DiffusionRules.condition_config`)."""
     d = recipe.dit
-    return WanConditionConfig(
+    return resolve(rules.condition_config)(
         mode=d.mode, max_sequence_length=d.max_sequence_length, latent_sample_mode=d.latent_sample_mode,
         prompt_dropout_prob=d.prompt_dropout_prob, shift=d.shift,
     )  # fmt: skip
 
 
-def load_condition(recipe: Recipe, device: torch.device) -> Any:
-    """The frozen `WanConditionModel` of ``dit.condition`` on ``device`` (a missing component or weight file: a
-    `PreflightError` naming it)."""
-    from veomni.models.dit_condition import WanConditionModel
-    from veomni.models.wan_pipeline_dir import ConditionCheckpointError
-
+def load_condition(recipe: Recipe, rules: DiffusionRules, device: torch.device) -> Any:
+    """The frozen condition models of ``dit.condition`` on ``device`` (the family's
+    `DiffusionRules.condition_model`; a missing component or weight file: a `PreflightError` naming it)."""
     d = recipe.dit
+    condition_error = resolve(rules.condition_error)
     try:
-        return WanConditionModel.from_pretrained(
-            d.condition, noising_config(recipe), device=device, text_encoder_dtype=getattr(torch, d.text_encoder_dtype),
-            init=d.condition_init, seed=recipe.train.seed,
+        return resolve(rules.condition_model).from_pretrained(
+            d.condition, noising_config(recipe, rules), device=device,
+            text_encoder_dtype=getattr(torch, d.text_encoder_dtype), init=d.condition_init, seed=recipe.train.seed,
         )  # fmt: skip
-    except ConditionCheckpointError as err:
+    except condition_error as err:
         # Bad input, said by the message: the CLI prints it without a traceback.
         raise PreflightError(f"dit.condition: {err}") from None
 
 
-@attrs.frozen(kw_only=True)
-class ConditionConfigs:
-    """The condition side as configs: VAE config, schedule, text width, CLIP width and tokens (I2V)."""
-
-    vae: Mapping[str, Any]
-    schedule: Any
-    text_dim: int
-    image_dim: int | None
-    image_tokens: int
-
-
-def condition_configs(recipe: Recipe) -> ConditionConfigs:
-    """Read `ConditionConfigs` from ``dit.condition`` without building any model (a missing component: a
-    `PreflightError` naming it)."""
-    from veomni.models.flow_matching import schedule_from_scheduler_config
-    from veomni.models.wan_pipeline_dir import ConditionCheckpointError, locate_wan_components
-
+def condition_configs(recipe: Recipe, rules: DiffusionRules) -> ConditionConfigs:
+    """Read the condition side (`veomni.models.diffusers.rules.ConditionConfigs`) from ``dit.condition`` without
+    building any model (a missing component: a `PreflightError` naming it)."""
+    condition_error = resolve(rules.condition_error)
     try:
-        parts = locate_wan_components(recipe.dit.condition, recipe.dit.mode)
-    except ConditionCheckpointError as err:
+        return resolve(rules.condition_configs)(recipe.dit.condition, recipe.dit.mode, recipe.dit.shift)
+    except condition_error as err:
         raise PreflightError(f"dit.condition: {err}") from None
 
-    def read(name: str, file: str = "config.json") -> dict[str, Any]:
-        return json.loads((parts[name] / file).read_text())
 
-    from diffusers import AutoencoderKLWan
+# The compatibility keys that are recipe settings, not transformer config keys.
+_RECIPE_KEYS = {"max_sequence_length": "dit.max_sequence_length"}
 
-    # The class's defaults fill what the file leaves out (older Wan configs lack the scale factors), as
-    # from_config would.
-    signature = inspect.signature(AutoencoderKLWan.__init__).parameters.items()
-    vae = {k: v.default for k, v in signature if v.default is not inspect.Parameter.empty} | read("vae")
-    scheduler_file = parts["scheduler"] / "scheduler_config.json"
-    schedule = schedule_from_scheduler_config(
-        read("scheduler", "scheduler_config.json"), source=str(scheduler_file), shift=recipe.dit.shift
+
+def check_compatible(config: Any, cond: ConditionConfigs, recipe: Recipe, rules: DiffusionRules) -> None:
+    """The transformer's channels and context widths must be those the condition models produce (the family's
+    `DiffusionRules.compatibility`)."""
+    misfits = resolve(rules.compatibility)(
+        config.values, cond, mode=recipe.dit.mode, max_sequence_length=recipe.dit.max_sequence_length
     )
-    image_dim, image_tokens = None, 0
-    if recipe.dit.mode == "i2v":
-        clip = read("image_encoder")
-        clip = clip.get("vision_config", clip)
-        image_dim = int(clip["hidden_size"])
-        image_tokens = (int(clip["image_size"]) // int(clip["patch_size"])) ** 2 + 1
-    return ConditionConfigs(
-        vae=vae, schedule=schedule, text_dim=int(read("text_encoder")["d_model"]), image_dim=image_dim,
-        image_tokens=image_tokens,
-    )  # fmt: skip
-
-
-def check_compatible(config: Any, cond: ConditionConfigs, recipe: Recipe) -> None:
-    """The transformer's channels and context widths must be those the condition models produce."""
-    values, z_dim = config.values, int(cond.vae["z_dim"])
-    want_in = z_dim if recipe.dit.mode == "t2v" else 2 * z_dim + int(cond.vae["scale_factor_temporal"])
-    checks = [
-        (
-            "in_channels",
-            values.get("in_channels"),
-            want_in,
-            f"the VAE's z_dim {z_dim} (mode {recipe.dit.mode})",
-        ),
-        ("out_channels", values.get("out_channels"), z_dim, f"the VAE's z_dim {z_dim}"),
-        ("text_dim", values.get("text_dim"), cond.text_dim, "the text encoder's d_model"),
-    ]
-    if cond.image_dim is not None:
-        checks.append(
-            ("image_dim", values.get("image_dim"), cond.image_dim, "the CLIP image encoder's hidden_size")
-        )
-    if values.get("added_kv_proj_dim") is not None:
-        from veomni.models.wan_kernels import WAN_TEXT_CONTEXT_LEN
-
-        # The image-conditioned cross-attention splits its context as [image tokens; the last 512 tokens as text]
-        # (diffusers' WanAttnProcessor and ours): any other prompt length feeds CLIP tokens through the text
-        # projections, or text tokens through the image ones, without an error.
-        checks.append(
-            (
-                "dit.max_sequence_length",
-                recipe.dit.max_sequence_length,
-                WAN_TEXT_CONTEXT_LEN,
-                "Wan's image-conditioned cross-attention takes the last 512 context tokens as the prompt",
-            )
-        )
-    bad = [f"{k}={found} (expected {want}: {why})" for k, found, want, why in checks if found != want]
+    bad = [f"{_RECIPE_KEYS.get(m.key, m.key)}={m.found} (expected {m.expected}: {m.why})" for m in misfits]
     if bad:
         raise PreflightError(
             f"the transformer config {config.source} does not fit the condition models in {recipe.dit.condition}: "
@@ -178,22 +133,15 @@ def shape_rule(config: Any, cond: ConditionConfigs) -> Any:
     from veomni.train.data.dit import ShapeRule
 
     return ShapeRule(
-        temporal=int(cond.vae["scale_factor_temporal"]), spatial=int(cond.vae["scale_factor_spatial"]),
+        temporal=cond.temporal_compression, spatial=cond.spatial_compression,
         patch=tuple(int(p) for p in config.values["patch_size"]),
     )  # fmt: skip
 
 
 def _probe(recipe: Recipe, config: Any, sp: int) -> torch.nn.Module:
-    from diffusers import WanTransformer3DModel
-
     from veomni.models.registry import MODELS
 
     cls = MODELS.model_class(config, "diffusion_transformer").cls
-    if not issubclass(cls, WanTransformer3DModel):
-        raise PreflightError(
-            f"model.task=dit trains Wan2.1 DiTs (WanTransformer3DModel) with Wan's condition models; {config.source} "
-            f"is a {config.class_name!r}"
-        )
     with torch.device("meta"):
         probe = cls.from_config(dict(config.values))
     check_trainable(probe, recipe.model.freeze, recipe.optim.lr_multipliers)
@@ -212,19 +160,24 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     from veomni.train.dit_embed import check_latents, load_empty_prompt
     from veomni.train.tasks import TaskSetup
 
-    # veomni's RMSNorm / rotary / attention kernels bound to diffusers' Wan attention (veomni.models.wan_kernels),
-    # blocks compiled per ops.compile; validated for the training device like the text tasks' ops. backend=hf
-    # binds none (diffusers' own processors), so ops must then stay unset.
+    # veomni's RMSNorm / rotary / attention kernels bound by the family's DiffusionRules.bind_kernels, blocks
+    # compiled per ops.compile; validated for the training device like the text tasks' ops. backend=hf binds none
+    # (diffusers' own processors), so ops must then stay unset.
     check_ops_backend(recipe)
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     config = transformer_config(recipe)
+    rules = dit_rules(config)
     probe = _probe(recipe, config, state.dims.sp)
-    # Wan's Ulysses SP is applied by the diffusers build itself (veomni.models.wan_sp), not a registry fast path.
-    check_parallel_fit(probe, ("sp",), backend=recipe.model.backend, sp=state.dims.sp, ep=state.dims.ep)
-    cond = condition_configs(recipe)
-    check_compatible(config, cond, recipe)
+    # Ulysses SP is the family's DiffusionRules.sequence_parallel, applied by the diffusers build; the registry's
+    # fast paths say whether it has one.
+    from veomni.models.registry import MODELS
+
+    fast_paths = MODELS.model_class(config, "diffusion_transformer").fast_paths
+    check_parallel_fit(probe, fast_paths, backend=recipe.model.backend, sp=state.dims.sp, ep=state.dims.ep)
+    cond = condition_configs(recipe, rules)
+    check_compatible(config, cond, recipe, rules)
     offline = recipe.data.kind == "dit_latents"
-    noising = noising_config(recipe)
+    noising = noising_config(recipe, rules)
     if offline:
         check_latents(recipe)
         encoder, tokenizer = None, None
@@ -232,7 +185,7 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
             load_empty_prompt(recipe.data.train_files[0], device) if noising.prompt_dropout_prob > 0 else None
         )
     else:
-        encoder = load_condition(recipe, device)
+        encoder = load_condition(recipe, rules, device)
         tokenizer = encoder.tokenizer
         empty = encoder.empty_prompt_embeds() if noising.prompt_dropout_prob > 0 else None
     topology = DataTopology.from_parallel_state(state)
@@ -247,6 +200,7 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     task = DitTask(
         encoder=encoder, vae_config=cond.vae, schedule=cond.schedule, noising=noising, empty_prompt=empty,
         compute_dtype=getattr(torch, recipe.model.dtype), sp=state.dims.sp,
+        make_inputs=resolve(rules.flow_matching_inputs),
         flops=DitFlops.for_model(probe, recipe.dit.max_sequence_length, cond.image_tokens),
     )  # fmt: skip
     if dist.get_rank() == 0:

@@ -151,7 +151,7 @@ class TextTask:
         return loss, loss
 
     def export(self, model: nn.Module, out: Path, tokenizer: Any, parallel_state: ParallelState) -> None:
-        from veomni.models.export import export_hf
+        from veomni.models.export.hf import export_hf
 
         export_hf(model, out, parallel_state=parallel_state)
         if dist.get_rank() == 0:
@@ -161,7 +161,7 @@ class TextTask:
     def checkpoint_files(self, model: nn.Module, out: Path, tokenizer: Any) -> None:
         """`export`'s files but the weights: the same two calls, so the offline export of the checkpoint
         (`veomni.models.export.export_dcp_to_hf`) writes what `export` writes."""
-        from veomni.models.export_files import save_model_files
+        from veomni.models.export.files import save_model_files
 
         save_model_files(model, out)
         self.save_side_files(out, tokenizer)

@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.deepseek_v3.patch_config
 # Description: DeepSeek-V3 (MLA, group-limited sigmoid router, shared experts) with RMSNorm, SwiGLU, RoPE and the LM loss dispatched through veomni's kernels, an fp32 router bias, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method DeepseekV3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method DeepseekV3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method DeepseekV3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method DeepseekV3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method DeepseekV3RMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method DeepseekV3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers and shared experts)
 #   - modify_init DeepseekV3TopkRouter.__init__: e_score_correction_bias created in fp32 whatever the build dtype (as from_pretrained keeps it via _keep_in_fp32_modules_strict)
@@ -21,15 +21,15 @@
 #   - override_method DeepseekV3ForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - add_helper apply_mla_rope: MLA RoPE on the qk_rope_head_dim sub-dimension through the rope kernel, rope_interleave included
 #   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
-#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
-#   - add_import: from veomni.models.token_heads import init_token_classifier
-#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier
+#   - add_import: from veomni.models.heads.token_heads import init_token_classifier
+#   - add_import: from veomni.models.heads.token_heads import token_classification_forward
 #   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
 # ====================================================================================================
 
@@ -65,15 +65,15 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
-from veomni.models.seq_cls import sequence_classification_forward
+from veomni.models.heads.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from veomni.models.seq_cls import init_sequence_classifier
-from veomni.models.token_heads import init_token_classifier
-from veomni.models.token_heads import token_classification_forward
+from veomni.models.heads.seq_cls import init_sequence_classifier
+from veomni.models.heads.token_heads import init_token_classifier
+from veomni.models.heads.token_heads import token_classification_forward
 from transformers.modeling_outputs import TokenClassifierOutput
 
 
@@ -640,13 +640,13 @@ class DeepseekV3PreTrainedModel(PreTrainedModel):
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

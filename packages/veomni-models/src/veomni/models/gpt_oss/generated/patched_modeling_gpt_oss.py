@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.gpt_oss.patch_config
 # Description: GPT-OSS with RoPE and the LM / load-balancing losses through veomni's kernels, its experts claimed for the clamped experts kernels, MXFP4 configs refused, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method GptOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method GptOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method GptOssPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method GptOssPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method GptOssForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (the load_balancing_loss kernel, and None instead of a crash when no router logits were recorded)
 #   - override_method GptOssPreTrainedModel.__init__: refuse quantized (MXFP4) configs with the conversion recipe, before any weight is allocated
 #   - override_method GptOssPreTrainedModel.get_correct_attn_implementation: veomni_* attention names are veomni's functions (sinks and windows checked by apply_ops); HF reads 'sdpa' in 'veomni_sdpa' as its own SDPA path, which gpt-oss refuses (it would drop the sinks)
@@ -20,18 +20,18 @@
 #   - override_method GptOssForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - add_helper <code>: the moe_experts clamped_* kernels compute GptOssExperts exactly (gate checked numerically)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.gpt_oss.experts import GPT_OSS_EXPERTS, reject_quantized
-#   - add_import: from veomni.models.hf_experts import claim_experts
+#   - add_import: from veomni.models.hf.experts import claim_experts
 #   - add_import: from veomni.core.ep import ExpertPlan
-#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
-#   - add_import: from veomni.models.token_heads import init_token_classifier
-#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier
+#   - add_import: from veomni.models.heads.token_heads import init_token_classifier
+#   - add_import: from veomni.models.heads.token_heads import token_classification_forward
 #   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
 # ====================================================================================================
 
@@ -81,18 +81,18 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-from veomni.models.kernel_hooks import apply_rope
-from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.gpt_oss.experts import GPT_OSS_EXPERTS, reject_quantized
-from veomni.models.hf_experts import claim_experts
+from veomni.models.hf.experts import claim_experts
 from veomni.core.ep import ExpertPlan
-from veomni.models.seq_cls import sequence_classification_forward
+from veomni.models.heads.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from veomni.models.seq_cls import init_sequence_classifier
-from veomni.models.token_heads import init_token_classifier
-from veomni.models.token_heads import token_classification_forward
+from veomni.models.heads.seq_cls import init_sequence_classifier
+from veomni.models.heads.token_heads import init_token_classifier
+from veomni.models.heads.token_heads import token_classification_forward
 from transformers.modeling_outputs import TokenClassifierOutput
 
 
@@ -481,13 +481,13 @@ class GptOssPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
             init.normal_(module.bias, mean=0.0, std=std)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
@@ -511,7 +511,7 @@ class GptOssPreTrainedModel(PreTrainedModel):
             if requested_attention not in ALL_ATTENTION_FUNCTIONS.valid_keys():
                 raise ValueError(
                     f"attention implementation {requested_attention!r} is not registered; veomni registers its "
-                    "backends with veomni.models.hf_attention.register_hf_attention (apply_ops does it)"
+                    "backends with veomni.models.hf.attention.register_hf_attention (apply_ops does it)"
                 )
             return requested_attention
         return super().get_correct_attn_implementation(requested_attention, is_init_check)

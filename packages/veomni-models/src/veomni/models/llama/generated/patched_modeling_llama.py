@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.llama.patch_config
 # Description: Llama with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method LlamaPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method LlamaPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method LlamaPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method LlamaPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method LlamaRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method LlamaMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method LlamaForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight)
@@ -19,18 +19,18 @@
 #   - override_method LlamaForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method LlamaForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
 #   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.seq_cls import sequence_classification_forward
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.heads.seq_cls import sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier
-#   - add_import: from veomni.models.token_heads import init_token_classifier
-#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier
+#   - add_import: from veomni.models.heads.token_heads import init_token_classifier
+#   - add_import: from veomni.models.heads.token_heads import token_classification_forward
 #   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
-#   - add_import: from veomni.models.token_heads import init_question_answering
-#   - add_import: from veomni.models.token_heads import question_answering_forward
+#   - add_import: from veomni.models.heads.token_heads import init_question_answering
+#   - add_import: from veomni.models.heads.token_heads import question_answering_forward
 #   - add_import: from transformers.modeling_outputs import QuestionAnsweringModelOutput
 # ====================================================================================================
 
@@ -78,18 +78,18 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.configuration_llama import LlamaConfig
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.kernel_hooks import apply_rope
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.seq_cls import sequence_classification_forward
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.heads.seq_cls import sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from veomni.models.seq_cls import init_sequence_classifier
-from veomni.models.token_heads import init_token_classifier
-from veomni.models.token_heads import token_classification_forward
+from veomni.models.heads.seq_cls import init_sequence_classifier
+from veomni.models.heads.token_heads import init_token_classifier
+from veomni.models.heads.token_heads import token_classification_forward
 from transformers.modeling_outputs import TokenClassifierOutput
-from veomni.models.token_heads import init_question_answering
-from veomni.models.token_heads import question_answering_forward
+from veomni.models.heads.token_heads import init_question_answering
+from veomni.models.heads.token_heads import question_answering_forward
 from transformers.modeling_outputs import QuestionAnsweringModelOutput
 
 
@@ -391,13 +391,13 @@ class LlamaPreTrainedModel(PreTrainedModel):
         "attentions": LlamaAttention,
     }
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen2_5_omni.patch_config
 # Description: Qwen2.5-Omni thinker only (talker / token2wav excluded), dummy audio and vision tower forwards for ranks without a modality, a checked audio scatter and the fused LM loss
 # Patches applied:
-#   - override_method Qwen2_5OmniPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen2_5OmniPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen2_5OmniPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen2_5OmniPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen2_5OmniRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter; text and vision blocks)
 #   - override_method Qwen2_5OmniAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin; Qwen2-VL adapter)
 #   - override_method Qwen2_5OmniMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (the vision MLP, biased)
@@ -28,18 +28,18 @@
 #   - override_method Qwen2_5OmniThinkerForConditionalGeneration.generate: injected: text generation as GenerationMixin.generate; speech arguments (return_audio, speaker, talker_*) raise instead of being ignored
 #   - exclude_from_output: Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniTalkerCausalLMOutputWithPast, Qwen2_5OmniTalkerModel, Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniToken2WavModel, Qwen2_5OmniToken2WavDiTModel, Qwen2_5OmniToken2WavBigVGANModel, Qwen2_5OmniDiTRotaryEmbedding, TimeDelayNetBlock, Res2NetBlock, SqueezeExcitationBlock, AttentiveStatisticsPooling, SqueezeExcitationRes2NetBlock, ECAPA_TimeDelayNet, DiTInputEmbedding, DiTCodecEmbedding, Qwen2_5_OmniAdaLayerNormZero, Qwen2_5_OmniAdaLayerNormZero_Final, DiTMLP, deinterleave_head_dim, DiTAttention, SinusPositionEmbedding, DiTTimestepEmbedding, DiTDecoderLayer, Qwen2_5OmniSnakeBeta, Qwen2_5OmniUpSample1d, Qwen2_5OmniDownSample1d, Qwen2_5OmniAntiAliasedActivation1d, Qwen2_5OmniAMPBlock, Activation1d, UpSample1d, DownSample1d, SnakeBeta, AMPBlock, RungeKutta4ODESolver, kaiser_sinc_filter1d
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen2_5_omni.towers import TALKER_REFUSAL, check_placeholder_counts, check_thinker_sp_inputs, dummy_audio_inputs
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual
 #   - add_import: from veomni.models.qwen2_5_vl.window import WindowIndex
 #   - add_import: from veomni.models.qwen2_vl.vision import permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
-#   - add_import: from veomni.models.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
 #   - add_import: from transformers.activations import SiLUActivation
 # ====================================================================================================
 
@@ -108,9 +108,9 @@ from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniThinkerConfig,
     Qwen2_5OmniVisionEncoderConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.models.qwen2_5_omni.towers import (
     TALKER_REFUSAL,
     check_placeholder_counts,
@@ -128,10 +128,10 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as _upstream
-from veomni.models.kernel_hooks import apply_rope
+from veomni.models.hf.kernel_hooks import apply_rope
 from transformers.activations import SiLUActivation
 
 
@@ -158,13 +158,13 @@ class Qwen2_5OmniPreTrainedModel(PreTrainedModel):
             position_embeddings = module.compute_default_singular_positional_embedding()
             init.copy_(module.positional_embedding, position_embeddings)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

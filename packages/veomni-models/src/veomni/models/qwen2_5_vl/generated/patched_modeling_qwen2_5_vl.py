@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen2_5_vl.patch_config
 # Description: Qwen2.5-VL: the Qwen2-VL adapter's text kernels, encoder varlen vision attention, ViT SP and dummy forward, plus the windowed tower fed by a host-precomputed window layout
 # Patches applied:
-#   - override_method Qwen2_5_VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen2_5_VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen2_5_VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen2_5_VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen2_5_VLRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (reused)
 #   - override_method Qwen2MLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (reused)
 #   - override_method Qwen2_5_VLAttention.forward: RoPE via kernels.get('rope', 'full') (the mrope sections are already folded into cos/sin) (reused)
@@ -19,12 +19,12 @@
 #   - override_method Qwen2_5_VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits); vision_metadata passed on
 #   - override_method Qwen2_5_VisionTransformerPretrainedModel.vision_layout: injected: the tower's picklable host-side layout (WindowIndex: windows and per-frame segments)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen2_vl.vision import FrameSegments, embed_visual, permute_rows, vision_position_ids
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs
@@ -95,12 +95,12 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLVisionConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_vl.vision import embed_visual, permute_rows, vision_position_ids
 from veomni.models.qwen3_vl.sp import (
     check_sp_inputs,
@@ -466,13 +466,13 @@ class Qwen2_5_VLPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

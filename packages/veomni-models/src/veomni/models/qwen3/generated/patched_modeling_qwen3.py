@@ -6,11 +6,11 @@
 # Regenerate: patchgen veomni.models.qwen3.patch_config
 # Description: Qwen3 with RMSNorm, SwiGLU and RoPE dispatched through veomni's per-instance kernel set
 # Patches applied:
-#   - override_method Qwen3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3RMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
-#   - override_method Qwen3Attention.forward: RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf_async_sp)
+#   - override_method Qwen3Attention.forward: RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
 #   - override_method Qwen3ForCausalLM.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
 #   - override_method Qwen3ForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3ForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
@@ -19,18 +19,18 @@
 #   - override_method Qwen3ForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3ForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope
-#   - add_import: from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-#   - add_import: from veomni.models.token_heads import init_token_classifier
-#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from veomni.models.heads.token_heads import init_token_classifier
+#   - add_import: from veomni.models.heads.token_heads import token_classification_forward
 #   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
-#   - add_import: from veomni.models.token_heads import init_question_answering
-#   - add_import: from veomni.models.token_heads import question_answering_forward
+#   - add_import: from veomni.models.heads.token_heads import init_question_answering
+#   - add_import: from veomni.models.heads.token_heads import question_answering_forward
 #   - add_import: from transformers.modeling_outputs import QuestionAnsweringModelOutput
 # ====================================================================================================
 
@@ -78,18 +78,18 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-from veomni.models.kernel_hooks import apply_rope
-from veomni.models.hf_async_sp import async_sp_attention, async_ulysses_active
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from veomni.models.token_heads import init_token_classifier
-from veomni.models.token_heads import token_classification_forward
+from veomni.models.heads.token_heads import init_token_classifier
+from veomni.models.heads.token_heads import token_classification_forward
 from transformers.modeling_outputs import TokenClassifierOutput
-from veomni.models.token_heads import init_question_answering
-from veomni.models.token_heads import question_answering_forward
+from veomni.models.heads.token_heads import init_question_answering
+from veomni.models.heads.token_heads import question_answering_forward
 from transformers.modeling_outputs import QuestionAnsweringModelOutput
 
 
@@ -295,7 +295,7 @@ class Qwen3Attention(nn.Module):
         )  # thus post q_norm does not need reshape
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf_async_sp)
+    # [PATCHED] RoPE via kernels.get('rope', 'full'); under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -414,13 +414,13 @@ class Qwen3PreTrainedModel(PreTrainedModel):
         "attentions": Qwen3Attention,
     }
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_5.patch_config
 # Description: Qwen3.5 text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLP and LM loss dispatched through veomni's kernels; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) and fused LM loss
 # Patches applied:
-#   - override_method Qwen3_5PreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3_5PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3_5PreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3_5PreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3_5RMSNorm.forward: (1 + weight) RMSNorm via rms_norm/offset
 #   - override_method Qwen3_5RMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
@@ -24,19 +24,19 @@
 #   - override_method Qwen3_5ForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy: no [T, V] logits) (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3_5TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3_5TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 #   - add_import: from veomni.models.qwen3_5.text_model import text_model_layers
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-#   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope_vision
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen2_vl.vision import embed_visual
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
 
@@ -114,15 +114,15 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import (
     Qwen3_5TextConfig,
     Qwen3_5VisionConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
+from veomni.models.hf.pretrained import check_backbone_loaded
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as UpstreamGatedDeltaNet
-from veomni.models.causal_lm import lm_logits_and_loss
+from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_5.text_model import text_model_layers
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-from veomni.models.kernel_hooks import apply_rope_vision
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.kernel_hooks import apply_rope_vision
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_vl.vision import embed_visual
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 from veomni.models.qwen3_vl.sp import (
@@ -132,7 +132,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
-from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 
@@ -934,13 +934,13 @@ class Qwen3_5PreTrainedModel(PreTrainedModel):
         elif isinstance(module, Qwen3_5RMSNorm):
             init.zeros_(module.weight)  # the (1 + weight) norm: 0 is the identity scale
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

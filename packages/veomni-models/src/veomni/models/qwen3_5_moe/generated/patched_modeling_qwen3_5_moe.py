@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_5_moe.patch_config
 # Description: Qwen3.5-MoE text model with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism; the vision-language model on the Qwen3-VL adapter's tower (encoder varlen attention, ViT Ulysses SP, dummy forward) with the Qwen3-VL-MoE adapter's losses and expert plan
 # Patches applied:
-#   - override_method Qwen3_5MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3_5MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3_5MoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3_5MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3_5MoeRMSNorm.forward: (1 + weight) RMSNorm via rms_norm/offset
 #   - override_method Qwen3_5MoeRMSNormGated.forward: RMSNorm(x) * silu(gate) via rms_norm_gated
 #   - override_method Qwen3_5MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
@@ -26,16 +26,16 @@
 #   - override_method Qwen3_5MoeForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss scaled by router_aux_loss_coef (Qwen3-VL-MoE adapter, renamed)
 #   - override_method Qwen3_5MoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts) (Qwen3-VL-MoE adapter, renamed)
 #   - override_method Qwen3_5MoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0 (Qwen3-VL-MoE adapter, renamed)
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 #   - add_import: from veomni.models.qwen3_5.text_model import text_model_layers
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-#   - add_import: from veomni.models.kernel_hooks import apply_rope_vision
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope_vision
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen2_vl.vision import embed_visual
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, slice_patches, sp_group_or_none, sp_world_size
@@ -112,18 +112,18 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
     Qwen3_5MoeTextConfig,
     Qwen3_5MoeVisionConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
+from veomni.models.hf.pretrained import check_backbone_loaded
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeGatedDeltaNet as UpstreamGatedDeltaNet,
 )
-from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log
 from veomni.models.qwen3_5.text_model import text_model_layers
 from veomni.core.ep import ExpertPlan
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-from veomni.models.kernel_hooks import apply_rope_vision
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.kernel_hooks import apply_rope_vision
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen2_vl.vision import embed_visual
 from veomni.models.qwen3_vl.vision import dummy_vision_inputs, vision_geometry
 from veomni.models.qwen3_vl.sp import (
@@ -1035,13 +1035,13 @@ class Qwen3_5MoePreTrainedModel(PreTrainedModel):
             # the router kept its zeros (uniform routing). Same distribution; drawn before the experts, not after.
             init.normal_(module.weight, mean=0.0, std=std)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_next.patch_config
 # Description: Qwen3-Next with Gated DeltaNet (varlen, Ulysses SP), norms, partial RoPE, MLPs and losses dispatched through veomni's kernels, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Qwen3NextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3NextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3NextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3NextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3NextPreTrainedModel._init_weights: upstream's init, with the router initialised on its own module rather than on the sparse block that holds it, and A_log drawn on its own layout (FSDP2-sharded fresh init)
 #   - override_method Qwen3NextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3NextForCausalLM.forward: LM head + loss via lm_logits_and_loss; aux loss via router_aux_loss (as Qwen3-MoE)
@@ -24,19 +24,19 @@
 #   - override_method Qwen3NextForTokenClassification.forward: upstream's forward; under Ulysses SP the shard's loss over the whole sequence's valid tokens
 #   - override_method Qwen3NextForQuestionAnswering.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - override_method Qwen3NextForQuestionAnswering.forward: upstream's forward; under Ulysses SP the span logits gathered over the SP group
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 #   - add_import: from veomni.models.qwen3_next.gdn import check_cached_call, gated_delta_net_train, init_decay_log, prepare_training_forward
 #   - add_import: from veomni.models.qwen3_next.decoder import run_decoder_layers
 #   - add_import: from veomni.core.ep import ExpertPlan
-#   - add_import: from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+#   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-#   - add_import: from veomni.models.token_heads import init_token_classifier
-#   - add_import: from veomni.models.token_heads import token_classification_forward
+#   - add_import: from veomni.models.heads.token_heads import init_token_classifier
+#   - add_import: from veomni.models.heads.token_heads import token_classification_forward
 #   - add_import: from transformers.modeling_outputs import TokenClassifierOutput
-#   - add_import: from veomni.models.token_heads import init_question_answering
-#   - add_import: from veomni.models.token_heads import question_answering_forward
+#   - add_import: from veomni.models.heads.token_heads import init_question_answering
+#   - add_import: from veomni.models.heads.token_heads import question_answering_forward
 #   - add_import: from transformers.modeling_outputs import QuestionAnsweringModelOutput
 # ====================================================================================================
 
@@ -92,9 +92,9 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-from veomni.models.hf_pretrained import check_backbone_loaded
+from veomni.models.hf.pretrained import check_backbone_loaded
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
-from veomni.models.causal_lm import lm_logits_and_loss, router_aux_loss
+from veomni.models.heads.causal_lm import lm_logits_and_loss, router_aux_loss
 from veomni.models.qwen3_next.gdn import (
     check_cached_call,
     gated_delta_net_train,
@@ -103,13 +103,13 @@ from veomni.models.qwen3_next.gdn import (
 )
 from veomni.models.qwen3_next.decoder import run_decoder_layers
 from veomni.core.ep import ExpertPlan
-from veomni.models.seq_cls import init_sequence_classifier, sequence_classification_forward
+from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from veomni.models.token_heads import init_token_classifier
-from veomni.models.token_heads import token_classification_forward
+from veomni.models.heads.token_heads import init_token_classifier
+from veomni.models.heads.token_heads import token_classification_forward
 from transformers.modeling_outputs import TokenClassifierOutput
-from veomni.models.token_heads import init_question_answering
-from veomni.models.token_heads import question_answering_forward
+from veomni.models.heads.token_heads import init_question_answering
+from veomni.models.heads.token_heads import question_answering_forward
 from transformers.modeling_outputs import QuestionAnsweringModelOutput
 
 
@@ -974,13 +974,13 @@ class Qwen3NextPreTrainedModel(PreTrainedModel):
             # the router kept its zeros (uniform routing). Same distribution; drawn before the experts, not after.
             init.normal_(module.weight, mean=0.0, std=std)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

@@ -6,10 +6,10 @@
 # Regenerate: patchgen veomni.models.qwen3_omni_moe.patch_config
 # Description: Qwen3-Omni-MoE thinker only (talker / code2wav excluded): Qwen3-VL's text kernels, vision tower and ViT SP, routed experts through veomni's experts interface, the audio tower on the encoder varlen entry with SP and dummy forwards, checked scatters, the fused LM loss and the aux loss from text_config
 # Patches applied:
-#   - override_method Qwen3OmniMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3OmniMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
-#   - override_method Qwen3OmniMoeThinkerTextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3OmniMoeThinkerTextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3OmniMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3OmniMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
+#   - override_method Qwen3OmniMoeThinkerTextPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3OmniMoeThinkerTextPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3OmniMoeThinkerTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (the text model's final norm) (Qwen3-VL adapter)
 #   - override_method Qwen3OmniMoeThinkerTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers) (Qwen3-VL adapter)
@@ -32,16 +32,16 @@
 #   - add_helper _vision_features: the thinker's vision features: one tower pass over all images and videos
 #   - exclude_from_output: Qwen3OmniMoeTalkerResizeMLP, Qwen3OmniMoeTalkerCodePredictorOutputWithPast, Qwen3OmniMoeRMSNorm, Qwen3OmniMoeTalkerCodePredictorAttention, Qwen3OmniMoeMLP, Qwen3OmniMoeTalkerCodePredictorDecoderLayer, Qwen3OmniMoeRotaryEmbedding, Qwen3OmniMoeTalkerCodePredictorModel, Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration, Qwen3OmniMoeTalkerOutputWithPast, Qwen3OmniMoeTalkerRotaryEmbedding, Qwen3OmniMoeTalkerTextMLP, Qwen3OmniMoeTalkerTextTopKRouter, Qwen3OmniMoeTalkerTextExperts, Qwen3OmniMoeTalkerTextSparseMoeBlock, Qwen3OmniMoeTalkerDecoderLayer, Qwen3OmniMoeTalkerModel, Qwen3OmniMoeTalkerForConditionalGeneration, Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet, Qwen3OmniMoeConvNeXtBlock, Qwen3OmniMoeCode2WavAttention, Qwen3OmniMoeCode2WavMlp, Qwen3OmniMoeCode2WavRMSNorm, Qwen3OmniMoeCode2WavLayerScale, Qwen3OmniMoeCode2WavTransformerLayer, Qwen3OmniMoeCode2WavTransformerModel, Qwen3OmniMoeSnakeBeta, SnakeBeta, Qwen3OmniMoeCode2WavDecoderResidualUnit, Qwen3OmniMoeCode2WavDecoderBlock, Qwen3OmniMoeCode2Wav, Qwen3OmniMoeForConditionalGeneration
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask, create_sliding_window_causal_mask
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
+#   - add_import: from veomni.models.hf.masks import create_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
-#   - add_import: from veomni.models.causal_lm import router_aux_loss
+#   - add_import: from veomni.models.heads.causal_lm import router_aux_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - add_import: from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs
 #   - add_import: from veomni.models.qwen3_omni_moe.towers import TALKER_REFUSAL, check_audio_window
@@ -116,13 +116,13 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeThinkerConfig,
     Qwen3OmniMoeVisionEncoderConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen3_vl.vision import (
     dummy_vision_inputs,
     parallel_world_size,
@@ -137,7 +137,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
-from veomni.models.causal_lm import router_aux_loss
+from veomni.models.heads.causal_lm import router_aux_loss
 from veomni.core.ep import ExpertPlan
 from veomni.models.qwen2_5_omni.towers import check_placeholder_count, dummy_audio_inputs
 from veomni.models.qwen3_omni_moe.towers import TALKER_REFUSAL, check_audio_window
@@ -251,13 +251,13 @@ class Qwen3OmniMoePreTrainedModel(PreTrainedModel):
         elif isinstance(module, SinusoidsPositionEmbedding):
             init.copy_(module.positional_embedding, module.compute_default_singular_positional_embedding())
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""
@@ -1789,13 +1789,13 @@ class Qwen3OmniMoeThinkerTextPreTrainedModel(PreTrainedModel):
         elif isinstance(module, Qwen3OmniMoeThinkerTextTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

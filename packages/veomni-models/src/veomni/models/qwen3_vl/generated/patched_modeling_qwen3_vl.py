@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_vl.patch_config
 # Description: Qwen3-VL with veomni kernels in the text model, the encoder varlen entry in the vision tower, a dummy tower forward for ranks without images, and the fused LM loss
 # Patches applied:
-#   - override_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3VLPreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3VLPreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Qwen3VLTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard')
 #   - override_method Qwen3VLTextAttention.forward: RoPE via kernels.get('rope', 'full') (the interleaved mrope is already folded into cos/sin)
@@ -19,12 +19,12 @@
 #   - override_method Qwen3VLModel.forward: one tower pass over all images and videos (no per-image split), features scattered without host syncs, dummy tower forward on ranks without visual input under world > 1; under Ulysses SP the LM inputs are this rank's slice (position_ids required) and the visual features land in its token range
 #   - override_method Qwen3VLForConditionalGeneration.forward: LM head + loss via lm_logits_and_loss: a fused linear cross-entropy gets the hidden states and the LM-head weight (no [T, V] logits); eager runs the upstream head and loss
 #   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
 # ====================================================================================================
@@ -91,12 +91,12 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import (
     Qwen3VLTextConfig,
     Qwen3VLVisionConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen3_vl.vision import (
     dummy_vision_inputs,
     parallel_world_size,
@@ -707,13 +707,13 @@ class Qwen3VLPreTrainedModel(PreTrainedModel):
         "attentions": Qwen3VLTextAttention,
     }
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

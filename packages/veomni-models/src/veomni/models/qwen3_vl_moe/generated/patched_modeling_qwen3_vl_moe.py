@@ -6,8 +6,8 @@
 # Regenerate: patchgen veomni.models.qwen3_vl_moe.patch_config
 # Description: Qwen3-VL-MoE: the Qwen3-VL adapter's text kernels, encoder varlen vision tower, ViT SP and dummy forward (reused via name_map), routed experts through veomni's experts interface, the load-balancing loss from text_config, and get_parallel_plan() for expert parallelism
 # Patches applied:
-#   - override_method Qwen3VLMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
-#   - override_method Qwen3VLMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded)
+#   - override_method Qwen3VLMoePreTrainedModel.is_custom_code: not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained
+#   - override_method Qwen3VLMoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Qwen3VLMoeTextRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard') (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeTextMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers) (Qwen3-VL adapter, renamed)
 #   - override_method Qwen3VLMoeTextAttention.forward: RoPE via kernels.get('rope', 'full') (Qwen3-VL adapter, renamed)
@@ -22,15 +22,15 @@
 #   - override_method Qwen3VLMoeForConditionalGeneration.get_parallel_plan: expert parallelism: the language model's fused expert tensors, sharded on dim 0 (experts)
 #   - override_method Qwen3VLMoeModel.get_parallel_plan: expert parallelism for the base model: the language model's fused expert tensors on dim 0
 #   - drop_import_names: create_causal_mask
-#   - add_import: from veomni.models.hf_pretrained import check_backbone_loaded
-#   - add_import: from veomni.models.hf_masks import create_causal_mask
-#   - add_import: from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-#   - add_import: from veomni.models.causal_lm import lm_logits_and_loss
-#   - add_import: from veomni.models.hf_attention import PREFIX
-#   - add_import: from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+#   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
+#   - add_import: from veomni.models.hf.masks import create_causal_mask
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+#   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
+#   - add_import: from veomni.models.hf.attention import PREFIX
+#   - add_import: from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 #   - add_import: from veomni.models.qwen3_vl.vision import dummy_vision_inputs, parallel_world_size, scatter_visual, vision_geometry
 #   - add_import: from veomni.models.qwen3_vl.sp import check_sp_inputs, gather_merged, scatter_visual_sp, slice_patches, sp_group_or_none, sp_world_size
-#   - add_import: from veomni.models.causal_lm import router_aux_loss
+#   - add_import: from veomni.models.heads.causal_lm import router_aux_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
 #   - name_map: Qwen3VL -> Qwen3VLMoe (origin: transformers.models.qwen3_vl.modeling_qwen3_vl)
 # ====================================================================================================
@@ -99,12 +99,12 @@ from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
     Qwen3VLMoeTextConfig,
     Qwen3VLMoeVisionConfig,
 )
-from veomni.models.hf_pretrained import check_backbone_loaded
-from veomni.models.hf_masks import create_causal_mask
-from veomni.models.kernel_hooks import apply_rope, apply_rope_vision
-from veomni.models.causal_lm import lm_logits_and_loss
-from veomni.models.hf_attention import PREFIX
-from veomni.models.hf_encoder_attention import encoder_attention, needs_max_seqlen
+from veomni.models.hf.pretrained import check_backbone_loaded
+from veomni.models.hf.masks import create_causal_mask
+from veomni.models.hf.kernel_hooks import apply_rope, apply_rope_vision
+from veomni.models.heads.causal_lm import lm_logits_and_loss
+from veomni.models.hf.attention import PREFIX
+from veomni.models.hf.encoder_attention import encoder_attention, needs_max_seqlen
 from veomni.models.qwen3_vl.vision import (
     dummy_vision_inputs,
     parallel_world_size,
@@ -119,7 +119,7 @@ from veomni.models.qwen3_vl.sp import (
     sp_group_or_none,
     sp_world_size,
 )
-from veomni.models.causal_lm import router_aux_loss
+from veomni.models.heads.causal_lm import router_aux_loss
 from veomni.core.ep import ExpertPlan
 
 
@@ -472,13 +472,13 @@ class Qwen3VLMoePreTrainedModel(PreTrainedModel):
         elif isinstance(module, Qwen3VLMoeTextTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
 
-    # [PATCHED] not custom code (veomni.models.hf_pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
+    # [PATCHED] not custom code (veomni.models.hf.pretrained): transformers applies upstream's checkpoint conversion recipes on from_pretrained and reverts them on save_pretrained (injected: not in upstream)
     @classmethod
     def is_custom_code(cls) -> bool:
         """Only remote code is custom: this class is transformers' modeling, generated under ``veomni.models``."""
         return cls.is_remote_code()
 
-    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf_pretrained.check_backbone_loaded) (injected: not in upstream)
+    # [PATCHED] transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded) (injected: not in upstream)
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; a `CheckpointMismatchError` if backbone weights were not in the checkpoint."""

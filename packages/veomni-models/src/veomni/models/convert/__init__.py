@@ -1,0 +1,1 @@
+"""Checkpoint conversion: key transforms, per-model conversion recipes, converters between layouts."""

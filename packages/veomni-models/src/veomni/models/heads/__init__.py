@@ -1,0 +1,1 @@
+"""Task heads on any registered backbone: causal LM loss, sequence and token classification."""

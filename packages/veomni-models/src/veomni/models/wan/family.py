@@ -1,0 +1,32 @@
+"""The wan family's declaration (`veomni.models.family.ModelFamily`): diffusers' Wan2.1 DiT, with veomni's
+kernels (`veomni.models.wan.kernels`) and Ulysses SP (`veomni.models.wan.sp`) bound by the diffusers build, and
+the frozen condition models the ``dit`` task trains it with (`veomni.models.wan.condition`)."""
+
+from __future__ import annotations
+
+from veomni.models.family import DiffusionRules, ModelFamily, ModelTypeSpec
+
+DIFFUSION = DiffusionRules(
+    bind_kernels="veomni.models.wan.kernels:bind_wan_kernels",
+    sequence_parallel="veomni.models.wan.sp:apply_dit_sp",
+    condition_config="veomni.models.wan.condition:WanConditionConfig",
+    condition_model="veomni.models.wan.condition:WanConditionModel",
+    condition_error="veomni.models.wan.pipeline_dir:ConditionCheckpointError",
+    condition_configs="veomni.models.wan.rules:condition_configs",
+    compatibility="veomni.models.wan.rules:compatibility",
+    flow_matching_inputs="veomni.models.wan.condition:flow_matching_inputs",
+)
+"""What the diffusers build and the dit task ask of a Wan2.1 transformer."""
+
+FAMILY = ModelFamily(
+    name="wan",
+    model_types=(
+        ModelTypeSpec(
+            model_type="WanTransformer3DModel",
+            library="diffusers",
+            classes={"diffusion_transformer": "diffusers:WanTransformer3DModel"},
+            fast_paths={"sp", "fused_kernels"},
+            diffusion=DIFFUSION,
+        ),
+    ),
+)
