@@ -11,6 +11,7 @@ from models.test_qwen2_5_omni import A_END, A_START, AUDIO, MELS, tiny_config
 from transformers import WhisperFeatureExtractor
 from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
 
+from veomni.models.qwen2_5_omni.data_rules import audio_tokens
 from veomni.models.qwen2_5_omni.generated import patched_modeling_qwen2_5_omni as ours
 from veomni.train.data.audio import audio_features, audio_path, collate_audio, load_audio
 from veomni.train.data.sources import DataError, RowRef, bad_row_kind
@@ -43,7 +44,7 @@ def test_decoding_resamples_to_the_extractor_rate_and_keeps_the_pitch(tmp_path):
 def test_features_match_the_processor_and_expand_to_its_token_count(tmp_path):
     fe = extractor()
     clip = load_audio(tone(tmp_path / "b.wav", 300.0, 0.73, RATE), RATE, REF, 0)
-    (features,), (tokens,) = audio_features([clip], fe, REF, ["b.wav"])
+    (features,), (tokens,) = audio_features([clip], fe, REF, ["b.wav"], audio_tokens)
     ref = fe(clip, sampling_rate=RATE, padding="max_length", return_attention_mask=True, return_tensors="np")
     frames = int(ref["attention_mask"].sum())
     assert features.shape == (MELS, frames) and frames == 73
@@ -71,7 +72,7 @@ def test_bad_audio_names_file_and_row(tmp_path):
         load_audio(str(broken), RATE, REF, 1)
     long = load_audio(tone(tmp_path / "long.wav", 200.0, 2.5, RATE), RATE, REF, 0)
     with pytest.raises(DataError, match=r"line 4: audio 0 \(long.wav\) lasts 2.50 s, longer than .* 2.00 s"):
-        audio_features([long], extractor(), REF, ["long.wav"])
+        audio_features([long], extractor(), REF, ["long.wav"], audio_tokens)
     with pytest.raises(DataError, match="relative path 'x.wav' but data.media_root is not set"):
         audio_path("x.wav", None, REF, 0)
     assert audio_path("x.wav", "/media", REF, 0) == "/media/x.wav"
@@ -85,7 +86,7 @@ def test_a_row_with_audio_changes_the_thinker_loss(tmp_path):
     losses = []
     for name, hz in (("tone.wav", 440.0), ("quiet.wav", 0.0)):
         clip = load_audio(tone(tmp_path / name, hz, 0.4, RATE), RATE, REF, 0)
-        features, tokens = audio_features([clip], fe, REF, [name])
+        features, tokens = audio_features([clip], fe, REF, [name], audio_tokens)
         ids = torch.tensor([[5, 6, A_START] + [AUDIO] * tokens[0] + [A_END, 7, 8, 9]])
         batch = collate_audio(features)
         labels = ids.masked_fill(ids >= AUDIO, -100)

@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from data_helpers import TOKENIZER_DIR, chat, text_rows, tokenizer, write_jsonl, write_parquet
-from test_multimodal_data import image_row, make_processor_dir, png
+from test_multimodal_data import IMAGE, image_row, make_processor_dir, png
 
+from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.train.data import DataError, DataTopology, EvalData, TrainData, build_encoder, index_dataset
 from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
 from veomni.train.data.sources import OverlongError, RowSource, bad_row_kind
@@ -36,7 +37,7 @@ def processor_dir(tmp_path_factory) -> str:
 def mm_encoder(processor_dir: str, media_root: str, max_patches: int | None = 200) -> MultimodalEncoder:
     return MultimodalEncoder(
         tokenizer_for(processor_dir), load_image_processor(processor_dir), "messages", "loss_mask", True,
-        media_root=media_root, max_patches=max_patches,
+        media_root=media_root, max_patches=max_patches, positions=Qwen3VLPositions(IMAGE, 2),
     )  # fmt: skip
 
 
@@ -419,6 +420,7 @@ def test_non_finite_pixel_values_are_a_bad_row_naming_the_file(tmp_path):
 
 def test_missing_and_non_finite_audio_are_bad_rows_of_the_index(tmp_path):
     soundfile = pytest.importorskip("soundfile")
+    from test_multimodal_data import model_data
     from test_omni_train import make_omni_dir, row, thinker_config, tone
 
     from veomni.train.data.build import encoder_for
@@ -435,7 +437,7 @@ def test_missing_and_non_finite_audio_are_bad_rows_of_the_index(tmp_path):
     path = write(tmp_path / "rows.jsonl", rows)
     section = DataSection(train_files=[path], kind="multimodal", media_root=str(media), num_workers=0)
     processor = make_omni_dir(tmp_path / "processor")
-    encoder = encoder_for(section, tokenizer_for(processor), thinker_config=thinker_config())
+    encoder = encoder_for(section, tokenizer_for(processor), **model_data(thinker_config()))
     with pytest.raises(
         DataError, match=rf"{re.escape(path)} line 4: audio 0: no such audio file: {media}/gone.wav"
     ):

@@ -1,4 +1,4 @@
-"""The adapter's collate table (`veomni.models.qwen3_vl.collate.COLLATE`) as `collate_multimodal` interprets it,
+"""The vision collate table (`veomni.models.multimodal.collate.VISION_COLLATE`) as `collate_multimodal` interprets it,
 and as the model consumes it under Ulysses SP on real gloo ranks.
 
 * Keys split by sequence (``position_ids``): every SP rank's slice, concatenated, is the full packed tensor padded
@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veomni.models.qwen3_vl.collate import COLLATE, RowSplit, SequenceSplit, TensorRule
+from veomni.models.multimodal.collate import VISION_COLLATE as COLLATE
+from veomni.models.multimodal.collate import RowSplit, SequenceSplit, TensorRule
 from veomni.train.data.encode import Sample
 from veomni.train.data.multimodal_batch import MediaSample, collate_multimodal
 

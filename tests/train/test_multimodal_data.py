@@ -67,6 +67,24 @@ def make_processor_dir(out: Path) -> str:
     return str(out)
 
 
+def model_data(config) -> dict:
+    """The model-side inputs of `veomni.train.data.build.encoder_for` for a model of ``config``: its family's data
+    rules and the config (what `veomni.train.tasks.vision.VlmTask.data_options` gives a training run)."""
+    from veomni.models.families import data_rules
+
+    return {"data_rules": data_rules(config.model_type), "model_config": config}
+
+
+def tiny_vlm_config():
+    """A Qwen3-VL config whose placeholder ids and merge size are this module's tokenizer's and processor's."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        vision_config={"spatial_merge_size": 2, "patch_size": 2, "temporal_patch_size": 2},
+    )  # fmt: skip
+
+
 def png(height: int, width: int, seed: int = 0) -> bytes:
     from PIL import Image
 
@@ -100,6 +118,7 @@ def encoder(path: str, media_root: str | None = None, max_patches: int | None = 
         True,
         media_root=media_root,
         max_patches=max_patches,
+        positions=Qwen3VLPositions(IMAGE, 2),
     )
 
 

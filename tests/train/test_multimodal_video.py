@@ -23,7 +23,7 @@ from veomni.models.qwen3_vl.positions import Qwen3VLPositions
 from veomni.models.qwen3_vl.video import Qwen3VLVideoRule, patchify, smart_resize
 from veomni.train.data import DataError
 from veomni.train.data.encode import load_tokenizer
-from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
+from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor
 
 
 def hf_video_processor(**overrides):
@@ -91,8 +91,22 @@ def encoder(path: str, media_root: str | None = None, **video) -> MultimodalEnco
         True,
         media_root=media_root,
         max_patches=None,
+        positions=Qwen3VLPositions(IMAGE, 2, VIDEO),
         video_rule=load_video_rule(path, fps=video.get("fps"), max_frames=video.get("max_frames")),
     )
+
+
+def load_video_rule(path: str, *, fps: float | None, max_frames: int | None):
+    """Qwen3-VL's video rule from ``path`` as a training run loads it (its family's data rules, through
+    `veomni.train.data.encoders.load_video_rule`), or why there is none."""
+    from test_multimodal_data import tiny_vlm_config
+
+    from veomni.models.families import data_rules
+    from veomni.train.data.encoders import load_video_rule as load
+    from veomni.train.recipe import DataSection
+
+    data = DataSection(train_files=("rows.jsonl",), kind="multimodal", video_fps=fps, video_max_frames=max_frames)
+    return load(data_rules("qwen3_vl"), path, tiny_vlm_config(), data)
 
 
 _ENCODERS: dict[str, MultimodalEncoder] = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_multimodal_data import IMAGE, REF, START, VIDEO, png
+from test_multimodal_data import IMAGE, REF, START, VIDEO, model_data, png
 from test_omni_train import A_START, AUDIO, MELS, make_omni_dir, omni_recipe, row, tone
 
 from veomni.train.data.encode import Sample
@@ -89,11 +89,11 @@ def assets(tmp_path_factory) -> dict:
 
 def encoder(assets: dict):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     data = recipe_from_dict(omni_recipe(assets, "/tmp/unused")).data
-    return encoder_for(data, load_tokenizer(assets["processor"]), thinker_config=thinker_config())
+    return encoder_for(data, load_tokenizer(assets["processor"]), **model_data(thinker_config()))
 
 
 def test_audio_expands_to_qwen3s_token_rule_and_changes_the_loss(assets):

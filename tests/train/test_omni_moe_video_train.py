@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_multimodal_data import REF, START, VIDEO, png
+from test_multimodal_data import REF, START, VIDEO, model_data, png
 from test_omni_moe_train import thinker_config
 from test_omni_train import A_END, A_START, AUDIO, make_omni_dir, tone
 from test_omni_video_train import SIDE, VIDEO_TEMPLATE, row, video, video_recipe, write_clip
@@ -77,13 +77,13 @@ def moe_video_recipe(assets: dict, out: str, *, sp: int = 1) -> dict:
 
 def encoder(assets: dict, audio_in_video: bool = True):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     raw = moe_video_recipe(assets, "/tmp/unused")
     raw["data"]["use_audio_in_video"] = audio_in_video
     return encoder_for(
-        recipe_from_dict(raw).data, load_tokenizer(assets["processor"]), thinker_config=thinker_config()
+        recipe_from_dict(raw).data, load_tokenizer(assets["processor"]), **model_data(thinker_config())
     )
 
 
@@ -147,10 +147,10 @@ def test_special_tokens_come_from_the_tokenizers_declarations(assets):
     with pytest.raises(
         DataError, match="config has no audio_end_token_id and the tokenizer declares no audio_eos"
     ):
-        encoder_for(data, tokenizer, thinker_config=thinker_config())
+        encoder_for(data, tokenizer, **model_data(thinker_config()))
     tokenizer.audio_token = "<|audio_pad|>"  # Qwen3-Omni's placeholder name, which this tokenizer lacks
     with pytest.raises(DataError, match=r"the tokenizer has no <\|audio_pad\|> token"):
-        encoder_for(data, tokenizer, thinker_config=thinker_config())
+        encoder_for(data, tokenizer, **model_data(thinker_config()))
 
 
 def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
@@ -167,7 +167,7 @@ def test_a_videos_frames_and_its_audio_track_change_the_loss(assets):
         for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3, tower.conv_out):
             conv.weight.normal_(0.0, 0.2)
     task = OmniTask.for_model(model)
-    assert task.no_video is None
+    assert task.data_rules is not None and task.data_rules.encoder == "audio_visual" and task.data_rules.video_rule
     enc = encoder(assets)
 
     def loss(name: str) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_multimodal_data import IMAGE, QUICKSTART, REF, START, VIDEO, VISION_TOKENS, png
+from test_multimodal_data import IMAGE, QUICKSTART, REF, START, VIDEO, VISION_TOKENS, model_data, png
 from test_vlm_train import vlm_recipe
 
 from veomni.train.data.encode import Sample
@@ -129,11 +129,11 @@ def assets(tmp_path_factory) -> dict:
 
 def encoder(assets: dict):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     data = recipe_from_dict(omni_recipe(assets, "/tmp/unused")).data
-    return encoder_for(data, load_tokenizer(assets["processor"]), thinker_config=thinker_config())
+    return encoder_for(data, load_tokenizer(assets["processor"]), **model_data(thinker_config()))
 
 
 def omni_recipe(assets: dict, out: str, **train) -> dict:
@@ -340,7 +340,8 @@ def test_the_tokenizers_declared_image_token_is_the_placeholder(tmp_path):
     from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig, WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from veomni.train.data.omni import OmniEncoder
+    from veomni.models.qwen2_5_omni import data_rules
+    from veomni.train.data.audio_visual import AudioVisualEncoder
 
     declared = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>"}
     tokenizer = AutoTokenizer.from_pretrained(str(QUICKSTART), extra_special_tokens=declared)
@@ -366,9 +367,9 @@ def test_the_tokenizers_declared_image_token_is_the_placeholder(tmp_path):
         patch_size=2, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16, "longest_edge": 1024}
     )
     extractor = WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=1)
-    enc = OmniEncoder(
+    enc = AudioVisualEncoder(
         tokenizer, images, "messages", None, True, media_root=None, max_patches=None, feature_extractor=extractor,
-        thinker_config=config,
+        config=config, positions=data_rules.positions(config), audio_tokens=data_rules.audio_tokens,
     )  # fmt: skip
     picture = {
         "role": "user",

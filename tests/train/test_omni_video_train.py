@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_multimodal_data import REF, START, VIDEO, png
+from test_multimodal_data import REF, START, VIDEO, model_data, png
 from test_omni_train import AUDIO, MELS, TEMPLATE, _sample, make_omni_dir, omni_recipe, thinker_config, tone
 
 from veomni.train.data.encode import Sample
@@ -108,11 +108,11 @@ def video_recipe(assets: dict, out: str, audio_in_video: bool = True, **train) -
 
 def encoder(assets: dict, audio_in_video: bool = True):
     from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from veomni.train.data.encode import load_tokenizer
     from veomni.train.recipe import recipe_from_dict
 
     data = recipe_from_dict(video_recipe(assets, "/tmp/unused", audio_in_video)).data
-    return encoder_for(data, load_tokenizer(assets["processor"]), thinker_config=thinker_config())
+    return encoder_for(data, load_tokenizer(assets["processor"]), **model_data(thinker_config()))
 
 
 def test_audio_in_video_expands_like_the_processor_with_upstream_positions(assets):
@@ -173,11 +173,15 @@ def test_video_without_its_track_and_bad_input(assets):
 
     raw = video_recipe(assets, "/tmp/unused")
     raw["model"]["task"] = "vlm"
-    from veomni.train.data.build import encoder_for
-    from veomni.train.loop import load_tokenizer
+    from test_multimodal_data import tiny_vlm_config
 
-    with pytest.raises(DataError, match="data.use_audio_in_video is set, but only model.task=omni reads it"):
-        encoder_for(recipe_from_dict(raw).data, load_tokenizer(assets["processor"]))
+    from veomni.train.data.build import encoder_for
+    from veomni.train.data.encode import load_tokenizer
+
+    # A vision-language model reads no audio: its rules use the vision encoder, which refuses the audio options.
+    with pytest.raises(DataError, match="data.use_audio_in_video is set, but only an audio-visual model"):
+        data = recipe_from_dict(raw).data
+        encoder_for(data, load_tokenizer(assets["processor"]), **model_data(tiny_vlm_config()))
     from veomni.train.recipe import RecipeError
 
     raw = video_recipe(assets, "/tmp/unused")
@@ -196,7 +200,7 @@ def test_a_rows_video_changes_the_loss(assets):
     torch.manual_seed(0)
     model = Qwen2_5OmniThinkerForConditionalGeneration(thinker_config()).eval()
     task = OmniTask.for_model(model)
-    assert task.no_video is None
+    assert task.data_rules is not None and task.data_rules.encoder == "audio_visual" and task.data_rules.video_rule
     enc = encoder(assets, audio_in_video=False)
 
     def loss(name: str) -> float:

@@ -49,6 +49,7 @@ def _answer_logprob(model, encoder, row: dict, answer: str) -> float:
 
 @pytest.mark.slow  # slow tier: the whole quickstart recipe through the CLI
 def test_export_names_the_pitch_of_unheard_tones(exported):
+    from test_multimodal_data import model_data
     from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
 
     from veomni.train.data.build import encoder_for
@@ -57,7 +58,7 @@ def test_export_names_the_pitch_of_unheard_tones(exported):
     model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(exported).eval()
     tokenizer = AutoTokenizer.from_pretrained(exported)
     data = load_recipe("quickstart-omni").data
-    encoder = encoder_for(data, tokenizer, thinker_config=model.config)
+    encoder = encoder_for(data, tokenizer, **model_data(model.config))
     rows = [json.loads(line) for line in (ASSETS / "eval.jsonl").read_text().splitlines()]
     right = 0
     for row in rows:

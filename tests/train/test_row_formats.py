@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from data_helpers import chat, tokenizer, write_jsonl, write_parquet
-from test_multimodal_data import encoder, image_row, make_processor_dir, png
+from test_multimodal_data import encoder, image_row, make_processor_dir, model_data, png, tiny_vlm_config
 
 from veomni.train.data import DataError, RowRef, build_encoder
 from veomni.train.data.build import encoder_for, index_files
@@ -235,7 +235,7 @@ def test_a_multimodal_dataset_without_media_is_refused_at_build(tmp_path, proces
 
     files = [str(write_jsonl(tmp_path / "rows.jsonl", [chat(f"q {k}", f"a {k}") for k in range(40)]))]
     section = _section(files, media)
-    enc = encoder_for(section, load_tokenizer(processor_dir))
+    enc = encoder_for(section, load_tokenizer(processor_dir), **model_data(tiny_vlm_config()))
     with pytest.raises(
         DataError, match=r"data: data.kind is multimodal but none of 16 rows sampled from .*rows.jsonl.* holds an "
         r"image, video or audio; for text conversations set data.kind: conversation",
@@ -258,7 +258,9 @@ def test_llava_parquet_files_index_like_their_jsonl(tmp_path, processor_dir, med
         str(write_jsonl(tmp_path / "rows.jsonl", rows)),
     ]
     section = _section(files, media)
-    _, index = index_files(section, files, encoder_for(section, load_tokenizer(processor_dir)))
+    _, index = index_files(
+        section, files, encoder_for(section, load_tokenizer(processor_dir), **model_data(tiny_vlm_config()))
+    )
     assert index.lengths[:5].tolist() == index.lengths[5:].tolist() and index.lengths[0] > 22
     assert json.dumps(rows[0])  # the row stays plain JSON: nothing in it is rewritten in place
     assert rows[0]["conversations"][0]["value"].startswith("<image><image>")

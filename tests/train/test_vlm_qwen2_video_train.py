@@ -1,6 +1,6 @@
 """Qwen2-VL and Qwen2.5-VL video rows through the data pipeline and the trainer.
 
-* The encoder (`veomni.train.data.qwen2_vl.Qwen2VLEncoder`) writes each clip as one ``<|video_pad|>`` run of the
+* The encoder (`veomni.train.data.untimed_video.UntimedVideoEncoder`) writes each clip as one ``<|video_pad|>`` run of the
   Qwen2-VL video rule's grid, and its positions equal the upstream model's ``get_rope_index`` on the same ids and
   grids with ``second_per_grid_ts`` computed as the upstream processor does (``T / sampled_fps``).
 * A video row changes the loss against the same row without its video.
@@ -27,11 +27,12 @@ from test_vlm_qwen2_train import FAMILIES, TEXT, VISION, initial_weights, recipe
 from test_vlm_train import draw
 from test_vlm_video_train import _video_steps, make_video_data
 
+from veomni.models.qwen2_vl import data_rules
 from veomni.models.qwen2_vl.positions import Qwen2VLPositions
 from veomni.train.data import DataError, RowRef
 from veomni.train.data.encode import load_tokenizer
 from veomni.train.data.multimodal import load_image_processor
-from veomni.train.data.qwen2_vl import Qwen2VLEncoder, load_qwen2_vl_video_rule
+from veomni.train.data.untimed_video import UntimedVideoEncoder
 
 STEPS = 2
 REF = RowRef("rows.jsonl", 0, 1)
@@ -57,10 +58,11 @@ def tiny_config(family: str):
     )  # fmt: skip
 
 
-def encoder(path: str, family: str, media_root: str, max_frames: int | None = None) -> Qwen2VLEncoder:
-    return Qwen2VLEncoder(
+def encoder(path: str, family: str, media_root: str, max_frames: int | None = None) -> UntimedVideoEncoder:
+    rule = data_rules.video_rule(path, None, fps=None, max_frames=max_frames, frame_pixels=None)
+    return UntimedVideoEncoder(
         load_tokenizer(path), load_image_processor(path), "messages", "loss_mask", True, media_root=media_root,
-        max_patches=None, video_rule=load_qwen2_vl_video_rule(path, fps=None, max_frames=max_frames),
+        max_patches=None, video_rule=rule,
         positions=Qwen2VLPositions.from_config(tiny_config(family)),
     )  # fmt: skip
 
@@ -148,7 +150,7 @@ def test_clips_the_rule_cannot_take_are_refused(media, tmp_path):
     )  # Qwen2-VL's positions need no time
     assert sample.video_grid_thw.tolist() == [[2, 4, 6]] and (ids == VIDEO).sum() == 12
     with pytest.raises(
-        DataError, match=r"video 0 \(4 frame images\): a frame list without an fps; Qwen2.5-VL"
+        DataError, match=r"video 0 \(4 frame images\): a frame list without an fps; this model's positions"
     ):
         encoder(path, "qwen2_5_vl", media["root"])(frames, REF)
     # Without sampling every frame is kept: a clip above max_frames is refused (row and file named), not fed whole.

@@ -78,5 +78,7 @@ def test_video_rows_are_accepted_for_qwen3_5():
                 values["text_config"].pop(key)
         probe = meta_instance(AutoConfig.for_model(model_type, **values), "image_text_to_text")
         task = build_task("vlm", probe)
-        assert task.no_video is None, task.no_video
+        # The family's data rules name Qwen3-VL's video rule (and so the timestamped video layout).
+        assert task.data_rules is not None and task.data_rules.encoder == "vision", task.data_rules
+        assert task.data_rules.video_rule is not None and task.data_rules.no_video is None
         assert task.vision_flops_per_patch > 0 and task.flops_per_token > 0

@@ -199,7 +199,7 @@ def test_task_and_kind_must_match(assets, tmp_path):
     # Refused by the recipe for conversation data.
     for media_field in ("media_root", "patches_per_micro_batch"):
         bad["data"].pop(media_field, None)
-    with pytest.raises(DataError, match="vlm task trains on multimodal data"):
+    with pytest.raises(DataError, match=r"model.task='vlm' trains on data.kind in \['multimodal'\]"):
         check_task_and_kind(recipe_from_dict(bad))
 
 

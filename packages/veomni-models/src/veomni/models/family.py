@@ -44,21 +44,49 @@ def _required_target(where: str):
 class DataRules:
     """How the data pipeline lays out rows for one multimodal ``model_type``.
 
+    The data pipeline knows no family: it picks its row encoder by ``encoder`` (a concept name) and builds the
+    model's rules by resolving these targets with the model config.
+
     Attributes:
-        encoder: the data encoder kind (`veomni.train.data.encoders`): ``"vision"`` (images and videos, Qwen3-VL's
-            timestamped video layout), ``"vision_untimed_video"`` (one placeholder run per video, positions from the
-            model's own rule), ``"audio_visual"`` (an omni thinker: images, videos, audio).
-        positions: ``"module:callable"``: ``callable(config)`` returns the picklable mrope position rule the data
-            pipeline uses for this model (``config`` the model's config).
+        encoder: the multimodal encoder kind (`veomni.train.data.encoders.ENCODER_KINDS`): ``"vision"`` (images and
+            videos, each temporal patch of a clip written as its own timestamped run, Qwen3-VL's layout),
+            ``"vision_untimed_video"`` (one placeholder run per clip, Qwen2-VL's layout) or ``"audio_visual"``
+            (an omni thinker: images, videos, audio parts, videos' audio tracks).
+        positions: ``"module:callable"``: ``callable(config)`` (``"audio_visual"``: ``callable(config,
+            use_audio_in_video=bool)``) returns the picklable mrope position rule for this model (``config`` the
+            model's config). The rule is called per row with ``(ids, image_grid_thw, video_grid_thw)``, plus
+            ``second_per_grid`` for ``"vision_untimed_video"``, plus ``(audio_frames, second_per_grid)`` for
+            ``"audio_visual"``, and returns int64 ``[3, n]``.
         video_rule: ``"module:callable"``: ``callable(path, config, fps=, max_frames=, frame_pixels=)`` returns the
-            model's video sampling rule from the processor files at ``path``; None: videos are not supported.
+            model's video sampling rule from the processor files at ``path`` (raising OSError or ValueError when
+            they cannot be used); None: videos are not supported (``no_video`` says why).
         no_video: why rows with a video are refused, where ``video_rule`` is None.
+        audio_tokens: ``"module:callable"``: ``callable(frames) -> int``, the LLM tokens of one audio clip of
+            ``frames`` mel frames (the ``"audio_visual"`` encoder needs it).
+        audio_layout: ``"module:callable"``: ``callable(config)`` returns the audio tower's picklable host-side
+            chunk layout (called per micro-batch as ``layout(frames, padded_frames)``, its tables handed to the
+            model as ``audio_metadata``); None: the tower derives its layout on the device.
     """
 
     encoder: str
     positions: str | None = attrs.field(default=None, validator=_optional_target("DataRules"))
     video_rule: str | None = attrs.field(default=None, validator=_optional_target("DataRules"))
     no_video: str | None = None
+    audio_tokens: str | None = attrs.field(default=None, validator=_optional_target("DataRules"))
+    audio_layout: str | None = attrs.field(default=None, validator=_optional_target("DataRules"))
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.encoder, str) or not self.encoder:
+            raise ValueError(f"DataRules.encoder: expected an encoder kind name, got {self.encoder!r}")
+        if self.positions is None:
+            raise ValueError(
+                f"DataRules(encoder={self.encoder!r}): a multimodal model declares its position rule"
+            )
+        if (self.video_rule is None) == (self.no_video is None):
+            raise ValueError(
+                f"DataRules(encoder={self.encoder!r}): give either video_rule or no_video (why videos are refused), "
+                f"found video_rule={self.video_rule!r}, no_video={self.no_video!r}"
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -10,6 +10,8 @@ DATA_OMNI = DataRules(
     encoder="audio_visual",
     positions="veomni.models.qwen2_5_omni.data_rules:positions",
     video_rule="veomni.models.qwen2_5_omni.data_rules:video_rule",
+    audio_tokens="veomni.models.qwen2_5_omni.data_rules:audio_tokens",
+    audio_layout="veomni.models.qwen2_5_omni.data_rules:audio_layout",
 )
 """How the data pipeline lays out this family's multimodal rows."""
 

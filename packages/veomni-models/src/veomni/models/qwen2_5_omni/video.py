@@ -34,6 +34,7 @@ import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from veomni.models.multimodal.video_tokens import VideoTokens
 from veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni import (
     Qwen2_5OmniPreTrainedModelForConditionalGeneration as _Thinker,
 )
@@ -183,27 +184,6 @@ class Qwen2_5OmniVideoRule(Qwen3VLVideoRule):
                 min(max_pixels, total * self.temporal_patch_size // num_frames), int(self.min_pixels * 1.05)
             )
         return smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels)
-
-
-@attrs.frozen
-class VideoTokens:
-    """Token ids of the video placeholder layout (from the thinker config; ``audio_end`` may come from the
-    tokenizer, and is None where neither names it: only a video with its audio track needs it)."""
-
-    video: int
-    audio: int
-    audio_start: int
-    audio_end: int | None
-
-    def with_audio(self, pieces: list[np.ndarray]) -> np.ndarray:
-        """``pieces`` (the interleaved video and audio tokens of one clip) between the audio start and end tokens,
-        int64 ``[L]``."""
-        if self.audio_end is None:
-            raise ValueError(
-                "a video with its audio track needs the audio end token id, but neither the thinker config "
-                "(audio_end_token_id) nor the tokenizer (audio_eos_token) gives one"
-            )
-        return np.concatenate([[self.audio_start], *pieces, [self.audio_end]]).astype(np.int64)
 
 
 def video_token_times(

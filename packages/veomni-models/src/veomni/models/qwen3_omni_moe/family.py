@@ -10,6 +10,7 @@ DATA_OMNI = DataRules(
     encoder="audio_visual",
     positions="veomni.models.qwen3_omni_moe.data_rules:positions",
     video_rule="veomni.models.qwen3_omni_moe.data_rules:video_rule",
+    audio_tokens="veomni.models.qwen3_omni_moe.data_rules:audio_tokens",
 )
 """How the data pipeline lays out this family's multimodal rows."""
 

@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens, video_token_times
+from veomni.models.multimodal.video_tokens import VideoTokens
+from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, video_token_times
 
 # ``Qwen3OmniMoeProcessor._process_videos``: ``fps if fps is not None else 1.0``.
 QWEN3_OMNI_DEFAULT_FPS = 1.0

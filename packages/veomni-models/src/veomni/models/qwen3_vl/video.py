@@ -213,6 +213,12 @@ class Qwen3VLVideoRule:
         times += [times[-1]] * (-len(times) % tps)
         return [(times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps)]
 
+    @staticmethod
+    def timestamp_text(seconds: float) -> str:
+        """The text written before a temporal patch's tokens (module-level `timestamp_text`; the data pipeline
+        reaches it through the rule, not by this module's name)."""
+        return timestamp_text(seconds)
+
     def tokens_per_temporal_patch(self, grid: tuple[int, int, int]) -> int:
         """``<|video_pad|>`` tokens of one temporal patch, ``h * w / merge**2``."""
         return grid[1] * grid[2] // self.merge_size**2

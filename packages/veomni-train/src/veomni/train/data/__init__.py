@@ -22,6 +22,7 @@ from veomni.train.data.encode import (
     encode_row,
     load_tokenizer,
 )
+from veomni.train.data.kinds import data_kind_names, register_data_kind
 from veomni.train.data.loader import DataTopology, EvalData, Step, TrainData
 from veomni.train.data.multimodal import MultimodalEncoder
 from veomni.train.data.multimodal_batch import MediaSample, collate_multimodal
@@ -58,6 +59,7 @@ __all__ = [
     "build_train_data",
     "collate",
     "collate_multimodal",
+    "data_kind_names",
     "encode_row",
     "encoder_for",
     "epoch_micro_batches",
@@ -68,6 +70,7 @@ __all__ = [
     "pack_rows",
     "pad_token_id",
     "padding_batch",
+    "register_data_kind",
     "shifted_labels",
     "total_steps",
     "unpack",

@@ -1,11 +1,13 @@
-"""Audio parts of multimodal rows (``{"type": "audio", "audio": <path>}``) for the omni thinkers.
+"""Audio parts of multimodal rows (``{"type": "audio", "audio": <path>}``) for audio-visual models (the omni
+thinkers).
 
 Decoding needs the ``veomni-train[audio]`` extra: soundfile reads the file (any channel count, averaged to mono),
 scipy's polyphase filter resamples it to the feature extractor's ``sampling_rate``. The model's feature extractor
 (Whisper-style log-mel) then gives ``[num_mel_bins, frames]`` per clip, computed exactly as
 ``Qwen2_5OmniProcessor`` does (padded to the extractor's window, then cut to the clip's valid frames, so the
-last frames match the processor bit for bit), and each clip's placeholder expands to transformers'
-``_get_feat_extract_output_lengths(frames)`` audio tokens.
+last frames match the processor bit for bit), and each clip's placeholder expands to the model's
+``audio_tokens(frames)`` audio tokens (its family's ``DataRules.audio_tokens``; Qwen2.5-Omni's is transformers'
+``_get_feat_extract_output_lengths``).
 
 The audio track of a video file (``data.use_audio_in_video``, `load_video_audio`) is decoded with PyAV (the
 ``veomni-train[video]`` extra) and then averaged and resampled the same way.
@@ -24,12 +26,11 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
 
 from veomni.train.data.media import check_finite_values
 from veomni.train.data.sources import DataError, RowRef
@@ -147,7 +148,11 @@ def load_video_audio(path: str, sampling_rate: int, what: str) -> np.ndarray:
 
 
 def audio_features(
-    clips: Sequence[np.ndarray], feature_extractor: Any, ref: RowRef, paths: Sequence[str]
+    clips: Sequence[np.ndarray],
+    feature_extractor: Any,
+    ref: RowRef,
+    paths: Sequence[str],
+    audio_tokens: Callable[[int], int],
 ) -> tuple[list[np.ndarray], list[int]]:
     """Log-mel features and LLM token counts of a row's clips, as ``Qwen2_5OmniProcessor`` computes them.
 
@@ -156,6 +161,7 @@ def audio_features(
         feature_extractor: the model's feature extractor (``WhisperFeatureExtractor``: ``n_samples``,
             ``chunk_length``, ``sampling_rate``).
         ref, paths: the row and each clip's file (for errors).
+        audio_tokens: the model's LLM tokens of one clip of ``frames`` mel frames (``DataRules.audio_tokens``).
     Returns:
         ``(features, tokens)``: float32 ``[num_mel_bins, frames]`` per clip, and its number of audio tokens.
     """
@@ -180,7 +186,7 @@ def audio_features(
             out["input_features"][0, :, :frames], f"{ref}: audio {number} ({path})", "features"
         )
         features.append(np.asarray(out["input_features"][0, :, :frames], dtype=np.float32))
-        tokens.append(int(_get_feat_extract_output_lengths(frames)))
+        tokens.append(int(audio_tokens(frames)))
     return features, tokens
 
 

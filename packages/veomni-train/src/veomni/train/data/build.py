@@ -10,7 +10,8 @@ import numpy as np
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from veomni.train.data.encode import Encoder, build_encoder
+from veomni.models.family import DataRules
+from veomni.train.data.encode import Encoder
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
 from veomni.train.data.plan import DatasetIndex, index_dataset
 from veomni.train.data.row_formats import check_some_media
@@ -23,70 +24,24 @@ log = logging.getLogger(__name__)
 def encoder_for(
     data: DataSection,
     tokenizer: PreTrainedTokenizerBase,
+    *,
     vision_metadata: Callable[..., Any] | None = None,
-    no_video: str | None = None,
-    thinker_config: Any = None,
-    positions: Any = None,
+    data_rules: DataRules | None = None,
+    model_config: Any = None,
 ) -> Encoder:
-    """The `Encoder` the recipe's data section describes. ``multimodal`` loads the image and video processors from
-    the tokenizer's directory (``tokenizer.name_or_path``: model.tokenizer, else model.weights) and collates with
-    the model's ``vision_metadata`` (`veomni.train.tasks.VlmTask.collate_metadata`; None for text data).
-    ``no_video``: why this model's video rows cannot be encoded (`veomni.train.tasks.VlmTask.no_video`); rows with
-    a video are then refused with that reason. ``thinker_config``: an omni thinker's config
-    (`veomni.train.tasks.OmniTask.thinker_config`): rows may then hold audio parts (`veomni.train.data.omni`).
-    ``positions``: the Qwen2-VL family's position rule (`veomni.train.tasks.VlmTask.positions`): rows are then
-    written in that family's layout (`veomni.train.data.qwen2_vl`)."""
-    if data.kind == "multimodal":
-        from veomni.train.data.multimodal import MultimodalEncoder, load_image_processor, load_video_rule
+    """The `Encoder` of the recipe's ``data.kind`` (`veomni.train.data.kinds`: a built-in, registered or
+    import-path kind), given the model-side inputs of the task (`veomni.train.tasks.vision.VlmTask.data_options`).
 
-        args = (
-            tokenizer, load_image_processor(tokenizer.name_or_path), data.messages_field, data.loss_mask_field,
-            data.assistant_only_loss,
-        )  # fmt: skip
-        kwargs = dict(
-            media_root=data.media_root,
-            max_patches=data.patches_per_micro_batch,
-            video_rule=no_video
-            or load_video_rule(tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames),
-            vision_metadata=vision_metadata,
-        )
-        if thinker_config is not None:
-            from veomni.train.data.omni import OmniEncoder, load_feature_extractor, load_omni_video_rule
+    ``multimodal`` rows are laid out by the model's family (``data_rules``, `veomni.models.family.DataRules`: the
+    encoder kind of `veomni.train.data.encoders`, the position and video rules, resolved with ``model_config``);
+    the image and video processors are loaded from the tokenizer's directory (``tokenizer.name_or_path``:
+    model.tokenizer, else model.weights), and batches are collated with the model's ``vision_metadata`` (its
+    host-side vision layout; None for text data). A multimodal run for a model without data rules is a `DataError`
+    naming its ``model_type`` and the families that declare some."""
+    from veomni.train.data.kinds import build_row_encoder
 
-            extractor = load_feature_extractor(tokenizer.name_or_path)
-            kwargs["video_rule"] = no_video or load_omni_video_rule(
-                tokenizer.name_or_path, thinker_config.model_type, fps=data.video_fps,
-                max_frames=data.video_max_frames, frame_pixels=data.video_frame_pixels,
-            )  # fmt: skip
-            return OmniEncoder(
-                *args, feature_extractor=extractor, thinker_config=thinker_config,
-                use_audio_in_video=data.use_audio_in_video, **kwargs,
-            )  # fmt: skip
-        for key in ("use_audio_in_video", "video_frame_pixels"):
-            if getattr(data, key) not in (None, False):
-                raise DataError(
-                    f"data.{key} is set, but only model.task=omni reads it (the omni thinkers' video rule)"
-                )
-        if positions is not None:
-            from veomni.train.data.qwen2_vl import Qwen2VLEncoder, load_qwen2_vl_video_rule
-
-            rule = no_video or load_qwen2_vl_video_rule(
-                tokenizer.name_or_path, fps=data.video_fps, max_frames=data.video_max_frames
-            )
-            return Qwen2VLEncoder(*args, **{**kwargs, "video_rule": rule}, positions=positions)
-        return MultimodalEncoder(*args, **kwargs)
-    if vision_metadata is not None:
-        raise ValueError(
-            f"a vision layout function was given for data.kind={data.kind!r}, which has no images"
-        )
-    return build_encoder(
-        tokenizer,
-        data.kind,
-        text_field=data.text_field,
-        messages_field=data.messages_field,
-        loss_mask_field=data.loss_mask_field,
-        assistant_only_loss=data.assistant_only_loss,
-        add_eos=data.add_eos,
+    return build_row_encoder(  # type: ignore[no-any-return]
+        data, tokenizer, vision_metadata=vision_metadata, data_rules=data_rules, model_config=model_config
     )
 
 
@@ -109,7 +64,7 @@ def index_files(
     """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
     ``data.on_bad_row`` and, when skipped, are logged per kind, and rows that ``data.overlong`` left out or cut are
     counted in a warning (``what`` names the file list)."""
-    source = RowSource(files, data.format, encoder.columns, encoder.optional_columns)
+    source = RowSource(files, data.format, encoder.columns, getattr(encoder, "optional_columns", ()))
     index = index_dataset(
         source,
         encoder,
@@ -206,13 +161,24 @@ def check_content_tokens(
 
 
 def check_task_and_kind(recipe: Recipe) -> None:
-    """``data.kind`` is one the task trains on (its ``data_kinds``; a `DataError` otherwise)."""
+    """``data.kind`` is one the task trains on: listed by the task's ``data_kinds``, or a data kind that names the
+    task itself (`veomni.train.data.kinds.DataKind.tasks`); a `DataError` otherwise."""
+    from veomni.train.data.kinds import data_kind
     from veomni.train.tasks import task_class
 
-    kinds = task_class(recipe.model.task).data_kinds
-    if recipe.data.kind not in kinds:
+    task = task_class(recipe.model.task)
+    kinds = task.data_kinds
+    if recipe.data.kind in kinds:
+        return
+    try:
+        kind = data_kind(recipe.data.kind)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+    if task.name not in kind.tasks:
         raise DataError(
-            f"model.task={recipe.model.task!r} trains on data.kind in {list(kinds)}, found {recipe.data.kind!r}"
+            f"model.task={recipe.model.task!r} trains on data.kind in {list(kinds)} (or a data kind naming the "
+            f"task), found {recipe.data.kind!r}"
+            + (f", which trains with model.task in {list(kind.tasks)}" if kind.tasks else "")
         )
 
 
@@ -224,14 +190,20 @@ def build_train_data(
     group: dist.ProcessGroup | None = None,
     pin_memory: bool = False,
     vision_metadata: Callable[..., Any] | None = None,
-    no_video: str | None = None,
-    thinker_config: Any = None,
-    positions: Any = None,
+    data_rules: DataRules | None = None,
+    model_config: Any = None,
 ) -> TrainData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
-    when ``group`` is given)."""
+    when ``group`` is given). ``vision_metadata``, ``data_rules``, ``model_config``: the task's model-side inputs
+    (`encoder_for`)."""
     check_task_and_kind(recipe)
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config, positions)
+    encoder = encoder_for(
+        recipe.data,
+        tokenizer,
+        vision_metadata=vision_metadata,
+        data_rules=data_rules,
+        model_config=model_config,
+    )
     source, index = index_files(
         recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
     )
@@ -263,14 +235,20 @@ def build_eval_data(
     group: dist.ProcessGroup | None = None,
     pin_memory: bool = False,
     vision_metadata: Callable[..., Any] | None = None,
-    no_video: str | None = None,
-    thinker_config: Any = None,
-    positions: Any = None,
+    data_rules: DataRules | None = None,
+    model_config: Any = None,
 ) -> EvalData | None:
-    """The evaluation pass of this rank, or None when the recipe has no eval files."""
+    """The evaluation pass of this rank, or None when the recipe has no eval files (model-side inputs as for
+    `build_train_data`)."""
     if not recipe.data.eval_files:
         return None
-    encoder = encoder_for(recipe.data, tokenizer, vision_metadata, no_video, thinker_config, positions)
+    encoder = encoder_for(
+        recipe.data,
+        tokenizer,
+        vision_metadata=vision_metadata,
+        data_rules=data_rules,
+        model_config=model_config,
+    )
     source, index = index_files(
         recipe.data, recipe.data.eval_files, encoder, group=group, what="data.eval_files"
     )

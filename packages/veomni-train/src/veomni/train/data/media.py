@@ -244,14 +244,14 @@ def load_video_frames(ref: VideoRef, indices: np.ndarray, header: VideoHeader) -
     Raises:
         DataError: the file decodes to fewer frames than its header promised, or to another frame size.
     """
-    wanted = [int(i) for i in np.asarray(indices).tolist()]
+    picked = [int(i) for i in np.asarray(indices).tolist()]
     if ref.path is None:
-        frames = [np.asarray(load_image(ref.frames[i])) for i in wanted]
+        frames = [np.asarray(load_image(ref.frames[i])) for i in picked]
     else:
         av = _av(ref)
         found: dict[int, np.ndarray] = {}
         decoded = 0
-        keep, last = set(wanted), max(wanted)
+        keep, last = set(picked), max(picked)
         with _open_video(ref) as container:
             try:
                 for decoded, frame in enumerate(container.decode(container.streams.video[0]), start=1):
@@ -266,8 +266,8 @@ def load_video_frames(ref: VideoRef, indices: np.ndarray, header: VideoHeader) -
                 f"{ref}: decoding stopped after {decoded} frames but the header promises {header.total_frames} "
                 f"(frame {last} was sampled); the file is truncated or corrupt"
             )
-        frames = [found[i] for i in wanted]
-    for k, frame in zip(wanted, frames, strict=True):
+        frames = [found[i] for i in picked]
+    for k, frame in zip(picked, frames, strict=True):
         if frame.shape[:2] != (header.height, header.width):
             raise DataError(
                 f"{ref}: frame {k} decodes to {frame.shape[0]}x{frame.shape[1]} pixels, but the header says "

@@ -5,22 +5,23 @@ or a list of parts: ``{"type": "text", "text": ...}``, ``{"type": "image", "imag
 Encoding one row (`MultimodalEncoder`):
 
 1. The chat template renders the messages with one placeholder per image / video part (``<|image_pad|>`` /
-   ``<|video_pad|>`` inside ``<|vision_start|> ... <|vision_end|>`` for Qwen3-VL); tokens are attributed to
-   messages exactly as for ``conversation`` data (`veomni.train.data.encode.ConversationEncoder`).
+   ``<|video_pad|>`` inside ``<|vision_start|> ... <|vision_end|>``, as Qwen-VL templates do); tokens are attributed
+   to messages exactly as for ``conversation`` data (`veomni.train.data.encode.ConversationEncoder`).
 2. The placeholder counts must equal the image and video counts (both ways; an error names file and row).
 3. The model's image processor (``AutoImageProcessor``: the PIL class where torchvision is absent) turns each
    image into ``[patches, C * T * P * P]`` rows and a ``(t, h, w)`` grid; each placeholder is expanded to
    ``t * h * w / merge**2`` tokens, Qwen3-VL processor's own rule (``Qwen3VLProcessor`` itself cannot be built
    without torchvision: it insists on a video processor).
-4. Videos follow Qwen3-VL's video rule (`veomni.models.qwen3_vl.video`, settings from the model's video
-   processor config): a video file is sampled at ``data.video_fps`` (else the processor's fps) up to
+4. Videos follow the model's video rule (its family's `veomni.models.family.DataRules.video_rule`, settings
+   from the model's video processor config): a video file is sampled at ``data.video_fps`` (else the processor's fps) up to
    ``data.video_max_frames`` frames; a frame list is used as given, its frames taken ``1 / fps`` seconds apart
    (the part's ``fps``, else the sampling rate), and may hold at most ``video_max_frames`` frames. Each
-   ``<|video_pad|>`` becomes, per temporal patch, ``<s seconds><|vision_start|>``, its ``<|video_pad|>`` tokens
-   and ``<|vision_end|>``, as the processor writes it.
+   ``<|video_pad|>`` becomes, per temporal patch, its timestamp text (the rule's ``timestamp_text``, e.g.
+   ``<1.5 seconds>``), ``<|vision_start|>``, its ``<|video_pad|>`` tokens and ``<|vision_end|>``, as Qwen3-VL's
+   processor writes it (this encoder is the ``vision`` kind of `veomni.train.data.encoders`).
 5. The loss mask is carried through the expansion and inserted tokens are never trained, so the labels are those
-   of the expanded sequence. The mrope positions come from the model's position function
-   (`veomni.models.qwen3_vl.positions.Qwen3VLPositions`).
+   of the expanded sequence. The mrope positions come from the model's position rule (its family's
+   ``DataRules.positions``, called with the model config).
 
 The index (`MultimodalEncoder.measure`) gets every row's expanded length without decoding a pixel: image headers
 and the processor's resize rule (``get_number_of_image_patches``), video container headers (frame count, rate,
@@ -40,8 +41,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from veomni.models.qwen3_vl.positions import Qwen3VLPositions
-from veomni.models.qwen3_vl.video import Qwen3VLVideoRule, timestamp_text
 from veomni.train.data.encode import ConversationEncoder
 from veomni.train.data.media import (
     ImageRef,
@@ -59,7 +58,7 @@ from veomni.train.data.row_formats import CONVERSATIONS, MEDIA_COLUMNS, native_r
 from veomni.train.data.sources import DataError, RowRef
 
 # collate_multimodal stays importable from here for tools/bench, written against this module.
-__all__ = ["MultimodalEncoder", "collate_multimodal", "load_image_processor", "load_video_rule"]
+__all__ = ["MultimodalEncoder", "collate_multimodal", "load_image_processor"]
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -82,20 +81,6 @@ def load_image_processor(path: str) -> Any:
         ) from None
 
 
-def load_video_rule(path: str, *, fps: float | None, max_frames: int | None) -> Qwen3VLVideoRule | str:
-    """The video rule of the model at ``path``: ``Qwen3VLVideoProcessor.from_pretrained(path)``'s settings (it
-    reads ``video_preprocessor_config.json``, else, as transformers does, ``preprocessor_config.json``), with
-    ``data.video_fps`` / ``data.video_max_frames`` where set. A config that cannot be used gives the reason as a
-    string instead: data without videos does not need one, and a video row reports it."""
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    try:
-        processor = Qwen3VLVideoProcessor.from_pretrained(path)
-        return Qwen3VLVideoRule.from_processor(processor, fps=fps, max_frames=max_frames)
-    except (OSError, ValueError) as err:
-        return f"{path} holds no usable Qwen3-VL video processor config ({err})"
-
-
 class MultimodalEncoder(ConversationEncoder):
     """Encodes multimodal conversations (module docstring); ``measure`` is the index's pixel-free variant.
 
@@ -105,8 +90,11 @@ class MultimodalEncoder(ConversationEncoder):
         image_processor: the model's image processor (``merge_size``, ``get_number_of_image_patches``).
         media_root: directory that relative image and video paths are joined to.
         max_patches: vision patches one micro-batch may hold; a row above it is an error naming it.
-        video_rule: the model's video rule, or why there is none (`load_video_rule`); rows with videos are
-            refused without one, with the reason.
+        positions: the model's picklable mrope rule, ``positions(ids, image_grid_thw, video_grid_thw)`` -> int64
+            ``[3, n]`` (its family's ``DataRules.positions``).
+        video_rule: the model's video rule (``sample_indices``, ``grid``, ``timestamps``, ``timestamp_text``,
+            ``pixel_rows``, ...; `veomni.train.data.encoders.load_video_rule`), or why there is none: rows with
+            videos are then refused with the reason.
         vision_metadata: the model's picklable host-side vision layout (its ``vision_collate_metadata()``, e.g.
             Qwen2.5-VL's window index), run by `collate_multimodal` on each micro-batch's grids; None: none.
     """
@@ -121,7 +109,8 @@ class MultimodalEncoder(ConversationEncoder):
         *,
         media_root: str | None,
         max_patches: int | None,
-        video_rule: Qwen3VLVideoRule | str = "no video processor was given",
+        positions: Callable[..., np.ndarray],
+        video_rule: Any = "no video processor was given",
         vision_metadata: Callable[[torch.Tensor], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(tokenizer, field, loss_mask_field, assistant_only)
@@ -136,7 +125,7 @@ class MultimodalEncoder(ConversationEncoder):
         self.merge = int(image_processor.merge_size)
         self.width = 3 * int(image_processor.temporal_patch_size) * int(image_processor.patch_size) ** 2
         # Video support is checked here but refused only when a row holds a video: image data needs none of it.
-        self.video_rule: Qwen3VLVideoRule | None = None
+        self.video_rule: Any = None
         self.video_ids: tuple[int, int, int] | None = None  # (video pad, vision start, vision end)
         self.no_video = video_rule if isinstance(video_rule, str) else ""
         if not isinstance(video_rule, str):
@@ -153,8 +142,7 @@ class MultimodalEncoder(ConversationEncoder):
                 self.video_rule, self.video_ids = video_rule, ids
             except DataError as err:
                 self.no_video = str(err)
-        video_id = None if self.video_ids is None else self.video_ids[0]
-        self.positions = Qwen3VLPositions(self.image_token_id, self.merge, video_id)
+        self.positions = positions
         # Placeholders are counted whenever the tokenizer knows the token, so a stray one is never passed on.
         try:
             self.video_token_id: int | None = self._token_id(VIDEO_TOKEN, "")
@@ -308,7 +296,7 @@ class MultimodalEncoder(ConversationEncoder):
         self, ids: np.ndarray, grids: np.ndarray, video_grid_thw: np.ndarray, plans: list[tuple[Any, ...]]
     ) -> np.ndarray:
         """The row's ``[3, n]`` mrope ids; ``plans`` holds ``(video, header, kept indices)`` per clip for rules
-        whose positions depend on a clip's timing (`veomni.train.data.qwen2_vl.Qwen2VLEncoder`)."""
+        whose positions depend on a clip's timing (`veomni.train.data.untimed_video.UntimedVideoEncoder`)."""
         return self.positions(ids, grids, video_grid_thw)
 
     def _timestamp_ids(self, text: str) -> np.ndarray:
@@ -326,7 +314,7 @@ class MultimodalEncoder(ConversationEncoder):
         pieces = []
         for seconds in self.video_rule.timestamps(indices, fps):
             pieces += [
-                self._timestamp_ids(timestamp_text(seconds)),
+                self._timestamp_ids(self.video_rule.timestamp_text(seconds)),
                 np.asarray([start]),
                 per_patch,
                 np.asarray([end]),

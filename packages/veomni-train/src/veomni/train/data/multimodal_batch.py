@@ -1,8 +1,8 @@
 """The multimodal sample (`MediaSample`, what `veomni.train.data.multimodal.MultimodalEncoder` yields besides the
 token ids) and how samples become one packed batch (`collate_multimodal`, `multimodal_padding_batch`).
 
-The collator holds no per-key code: it interprets the model's collate table (Qwen3-VL:
-`veomni.models.qwen3_vl.collate.COLLATE`), whose keys are `MediaSample`'s attribute names.
+The collator holds no per-key code: it interprets the collate table
+(`veomni.models.multimodal.collate.VISION_COLLATE`), whose keys are `MediaSample`'s attribute names.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from veomni.core.sp.padding import slice_for_rank
-from veomni.models.qwen3_vl.collate import COLLATE, SequenceSplit, TensorRule
+from veomni.models.multimodal.collate import VISION_COLLATE, SequenceSplit, TensorRule
 from veomni.train.data.encode import Sample
 from veomni.train.data.packing import _finish, shifted_labels
 
@@ -74,11 +74,11 @@ def collate_multimodal(
     sp_rank: int = 0,
     sp_size: int = 1,
     pad_id: int = 0,
-    table: tuple[TensorRule, ...] = COLLATE,
+    table: tuple[TensorRule, ...] = VISION_COLLATE,
     vision_metadata: Callable[[torch.Tensor], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Pack multimodal samples into one row: the text batch of `veomni.train.data.packing.collate`, plus one key
-    per rule of the model's collate ``table`` (Qwen3-VL: `veomni.models.qwen3_vl.collate.COLLATE`):
+    per rule of the model's collate ``table`` (`veomni.models.multimodal.collate.VISION_COLLATE`):
 
     * ``position_ids`` int64 ``[4, 1, S]``: ``[text; t; h; w]`` (transformers 5.23's 4-row mrope layout), each
       packed sample restarting at 0, the SP padding ``0, 1, ...`` on all rows; this rank's slice of the full row;

@@ -174,19 +174,15 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
     topology = DataTopology(dp_rank=opts["--dp-rank"], dp_size=opts["--dp-size"])
     budget = recipe.train.tokens_per_micro_batch
     out.write(f"recipe: {source_name}\ntokenizer: {recipe.model.tokenizer_path} (vocab {len(tokenizer)})\n")
-    omni = {}
-    if recipe.model.task == "omni":  # audio parts: the thinker's token ids and position rule
-        from veomni.train.loop import model_config
+    options: dict[str, Any] = {}
+    if recipe.data.kind == "multimodal":  # laid out by the model's family: its data rules and config
+        from veomni.models.families import data_rules
+        from veomni.train.model_setup import model_config
 
-        omni["thinker_config"] = model_config(recipe)
-    if recipe.model.task == "vlm":  # the Qwen2-VL family's layout and position rule
-        from veomni.train.loop import model_config
-        from veomni.train.tasks import data_positions
-
-        if (positions := data_positions(model_config(recipe))) is not None:
-            omni["positions"] = positions
+        config = model_config(recipe)
+        options = {"data_rules": data_rules(config.model_type), "model_config": config}
     if opts["--eval"]:
-        data = build_eval_data(recipe, tokenizer, topology, **omni)
+        data = build_eval_data(recipe, tokenizer, topology, **options)
         if data is None:
             raise RecipeError("--eval: the recipe has no data.eval_files")
         out.write(
@@ -199,7 +195,7 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
         ]
         source = data.source
     else:
-        data = build_train_data(recipe, tokenizer, topology, **omni)
+        data = build_train_data(recipe, tokenizer, topology, **options)
         s = data.summary()
         out.write(
             f"train data: {s['rows']:,} rows, {s['samples']:,} samples, {s['tokens']:,} tokens "

@@ -88,14 +88,14 @@ def native_row(row: dict[str, Any], field: str, ref: RowRef) -> dict[str, Any]:
             content = parts
         messages.append({**message, "content": content})
     for kind in KINDS:
-        given, wanted = media[kind], slots[kind]
-        if len(given) != len(wanted):
+        given, expected_slots = media[kind], slots[kind]
+        if len(given) != len(expected_slots):
             key = LISTS[kind][0]
             raise DataError(
-                f"{ref}: {len(wanted)} <{kind}> placeholder(s) or payload-free {kind} part(s) in the conversation "
+                f"{ref}: {len(expected_slots)} <{kind}> placeholder(s) or payload-free {kind} part(s) in the conversation "
                 f"but {len(given)} {kind}(s) in the row's {key!r} list; they must match one to one"
             )
-        for value, (i, k) in zip(given, wanted, strict=True):
+        for value, (i, k) in zip(given, expected_slots, strict=True):
             messages[i]["content"][k] = {"type": kind, kind: value}
     return {field: messages}
 

@@ -156,13 +156,15 @@ class DataSection:
     format: Literal["auto", "jsonl", "parquet"] = _field(
         "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
     )
-    kind: Literal["text", "conversation", "multimodal", "dit", "dit_latents"] = _field(
+    kind: str = _field(
         "conversation",
         "text: pre-training on one string per row, every token trained; conversation: role/content messages "
         "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text, "
         "image and video parts, expanded by the model's image and video processors (model.task=vlm); dit: rows of "
         "{video: <frames directory or list of frame files>, caption} or {image: <file>, caption} (model.task=dit); "
-        "dit_latents: the latents.jsonl of veomni-dit-embed (conditions encoded offline, model.task=dit)",
+        "dit_latents: the latents.jsonl of veomni-dit-embed (conditions encoded offline, model.task=dit); or a "
+        "user's data kind: a name registered with veomni.train.data.kinds.register_data_kind, or "
+        "'package.module:Factory'",
     )
     media_root: str | None = _field(
         None,
@@ -235,6 +237,13 @@ class DataSection:
     num_workers: int = _field(2, "DataLoader worker processes that read, tokenise and pack (0: in process)")
 
     def __attrs_post_init__(self) -> None:
+        # Imported here: the data kinds live with the data pipeline (a user's import-path kind is imported now).
+        from veomni.train.data.kinds import data_kind
+
+        try:
+            data_kind(self.kind)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
         if not self.train_files:
             raise RecipeError("data.train_files: expected at least one file, found an empty list")
         if self.max_seq_len < 2:

@@ -16,7 +16,7 @@ from torch import nn
 from veomni.core.parallel_state import ParallelState
 from veomni.models.families import data_rules
 from veomni.models.family import DataRules
-from veomni.models.qwen3_vl.collate import model_keys
+from veomni.models.multimodal.collate import model_keys
 from veomni.train.data import Step
 from veomni.train.flops import (
     attention_layers,
@@ -49,8 +49,8 @@ def vision_tower(probe: nn.Module) -> nn.Module:
 class VlmTask(TextTask):
     """Image-text-to-text training (``data.kind: multimodal``): `TextTask` plus the vision inputs.
 
-    The batch (`veomni.train.data.multimodal_batch.collate_multimodal`, laid out by the model's collate table
-    `veomni.models.qwen3_vl.collate.COLLATE`) carries 4-row mrope ``position_ids`` (this SP rank's slice), the
+    The batch (`veomni.train.data.multimodal_batch.collate_multimodal`, laid out by the collate table
+    `veomni.models.multimodal.collate.VISION_COLLATE`) carries 4-row mrope ``position_ids`` (this SP rank's slice), the
     full micro-batch's ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw`` on
     every SP rank (the model slices the tower's input itself), or None for a modality the micro-batch lacks (the
     model runs its dummy tower forward where collectives need it).
@@ -160,14 +160,14 @@ class VlmTask(TextTask):
 
 OMNI_KEYS = ("input_features", "feature_attention_mask", "video_second_per_grid")
 """Audio tensors and the videos' seconds per grid of an omni micro-batch
-(`veomni.train.data.omni.OmniMediaSample.collate_extra`)."""
+(`veomni.train.data.audio_visual.AudioVisualMediaSample.collate_extra`)."""
 
 
 @attrs.frozen(kw_only=True)
 class OmniTask(VlmTask):
     """Omni thinker training (Qwen2.5-Omni: text, images, videos (optionally with their audio tracks) and audio in,
     text out; ``data.kind: multimodal``): `VlmTask` plus the micro-batch's audio clips, ``input_features`` float32
-    ``[clips, mels, frames]`` and ``feature_attention_mask`` int64 ``[clips, frames]`` (`veomni.train.data.omni`),
+    ``[clips, mels, frames]`` and ``feature_attention_mask`` int64 ``[clips, frames]`` (`veomni.train.data.audio_visual`),
     both None without audio (the thinker then runs its audio tower's dummy forward), and ``video_second_per_grid``
     float32 ``[videos]`` (None without videos; the host-side positions already hold it). The audio tower's weights
     are excluded from the per-token FLOPs; its own FLOPs (per mel frame) are not counted yet.
@@ -195,7 +195,9 @@ class OmniTask(VlmTask):
             value = batch.get(key)
             kwargs[key] = None if value is None else value.to(device, non_blocking=True)
         tables = batch.get("audio_metadata")
-        if tables is not None:  # only thinkers with a host-side audio layout get one (`AUDIO_LAYOUTS`)
+        if (
+            tables is not None
+        ):  # only models with a host-side audio layout get one (``DataRules.audio_layout``)
             kwargs["audio_metadata"] = {
                 k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in tables.items()
@@ -211,5 +213,3 @@ class OmniTask(VlmTask):
         source = Path(tokenizer.name_or_path) / "preprocessor_config.json"
         if source.is_file():
             shutil.copyfile(source, out / "preprocessor_config.json")
-
-

@@ -1,36 +1,33 @@
-"""Omni conversations (``data.kind: multimodal`` with ``model.task: omni``): the multimodal rows of
-`veomni.train.data.multimodal` plus audio parts ``{"type": "audio", "audio": <path>}`` and video parts (files or
-frame lists, optionally with their audio tracks) for the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers.
+"""Audio-visual conversations (encoder kind ``audio_visual``: the omni thinkers, ``model.task: omni``): the
+multimodal rows of `veomni.train.data.multimodal` plus audio parts ``{"type": "audio", "audio": <path>}`` and video
+parts (files or frame lists, optionally with their audio tracks). Every model-specific rule comes from the model's
+family declaration (`veomni.models.family.DataRules`): positions, video rule, audio token count, audio layout.
 
-`OmniEncoder` extends `MultimodalEncoder`:
+`AudioVisualEncoder` extends `MultimodalEncoder`:
 
 1. The chat template renders each audio part as ``<|audio_bos|><|AUDIO|><|audio_eos|>`` and each video part as
    ``<|vision_bos|><|VIDEO|><|vision_eos|>`` (token names may differ: the audio placeholder is the tokenizer's
-   declared ``audio_token``, else ``<|AUDIO|>``; the ids must be the thinker config's); the placeholder counts must
+   declared ``audio_token``, else ``<|AUDIO|>``; the ids must be the model config's); the placeholder counts must
    equal the row's parts (an error names the row).
 2. Each clip is decoded, resampled and turned into log-mel features by `veomni.train.data.audio` (the model's
-   ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to
-   ``_get_feat_extract_output_lengths(frames)`` untrained tokens, as ``Qwen2_5OmniProcessor`` does. Images expand
-   exactly as for Qwen2.5-VL rows.
-3. Videos follow the thinker's video rule (`VIDEO_RULES`; both processors sample and resize through
-   ``Qwen2VLVideoProcessor``): frames sampled at ``data.video_fps``, else the video processor config's, else the
-   processor's default (2 fps for Qwen2.5-Omni, `veomni.models.qwen2_5_omni.video`; 1 fps for Qwen3-Omni-MoE,
-   `veomni.models.qwen3_omni_moe.video`), ``video_second_per_grid = temporal_patch_size / fps``, and each video
-   placeholder becomes ``t * h * w / merge**2`` video tokens. With ``data.use_audio_in_video`` every video's
-   audio track is decoded (PyAV; a video without one is an error naming the file), resampled like an audio part,
-   and the placeholder becomes the audio start token, the video and audio tokens interleaved by time, the audio
-   end token -- the processor's ``load_audio_from_video`` layout: per ``seconds_per_chunk`` chunk the video then
-   the audio tokens for Qwen2.5-Omni, merged token by token at ``position_id_per_seconds`` for Qwen3-Omni-MoE
-   (whose config names no audio end token: the tokenizer's ``audio_eos_token`` is read). Clips are ordered as
-   their tokens appear.
-4. The mrope positions come from the thinker's own rule (`veomni.models.qwen2_5_omni.positions`, or
-   `veomni.models.qwen3_omni_moe.positions` for the Qwen3-Omni-MoE thinker, whose audio tower also has its own
-   token rule: 13 tokens per 100 mel frames), with every clip's frame count, the video grids, seconds per grid
-   and the audio-in-video flag. Qwen3-Omni-MoE's positions must be whole numbers (``seconds_per_grid *
-   position_id_per_seconds`` integral): a row where they are not is an error naming it.
-5. `OmniMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
+   ``WhisperFeatureExtractor``, read from the tokenizer's directory), and its ``<|AUDIO|>`` expands to the model's
+   ``audio_tokens(frames)`` untrained tokens (``DataRules.audio_tokens``: Qwen2.5-Omni's processor rule, or
+   Qwen3-Omni-MoE's 13 tokens per 100 mel frames). Images expand exactly as for the other vision kinds.
+3. Videos follow the model's video rule (``DataRules.video_rule``): frames sampled at ``data.video_fps``, else the
+   video processor config's, else the processor's default, ``video_second_per_grid = temporal_patch_size / fps``,
+   and each video placeholder becomes what the rule's ``placeholder_ids`` writes: ``t * h * w / merge**2`` video
+   tokens, or with ``data.use_audio_in_video`` (every video's audio track decoded with PyAV, a video without one
+   an error naming the file) the audio start token, the video and audio tokens interleaved by time, the audio end
+   token -- the processor's ``load_audio_from_video`` layout (per ``seconds_per_chunk`` chunk for Qwen2.5-Omni,
+   token by token for Qwen3-Omni-MoE, whose config names no audio end token: the tokenizer's ``audio_eos_token``
+   is read). Clips are ordered as their tokens appear.
+4. The mrope positions come from the model's own rule (``DataRules.positions``), with every clip's frame count, the
+   video grids, seconds per grid and the audio-in-video flag; a rule that refuses a row (Qwen3-Omni-MoE's
+   positions must be whole numbers) is an error naming it.
+5. `AudioVisualMediaSample.collate_extra` (called by `collate_multimodal`) stacks the micro-batch's clips with
    `veomni.train.data.audio.collate_audio`: ``input_features`` / ``feature_attention_mask``, None without audio
-   (the thinker then runs its audio tower's dummy forward), and concatenates ``video_second_per_grid``.
+   (the model then runs its audio tower's dummy forward), the audio tower's host-side tables (``audio_metadata``,
+   where the model declares a ``DataRules.audio_layout``) and concatenates ``video_second_per_grid``.
 
 The index (`measure`) decodes the audio (also the tracks of videos) to count its tokens; image and video sizes
 come from headers: the length is exact, at the cost of reading every clip once more than the training pass.
@@ -38,7 +35,7 @@ come from headers: the length is exact, at the cost of reading every clip once m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -46,11 +43,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from veomni.models.qwen2_5_omni.audio_layout import AudioChunks
-from veomni.models.qwen2_5_omni.positions import Qwen2_5OmniPositions
-from veomni.models.qwen2_5_omni.video import Qwen2_5OmniVideoRule, VideoTokens
-from veomni.models.qwen3_omni_moe.positions import Qwen3OmniMoePositions
-from veomni.models.qwen3_omni_moe.video import Qwen3OmniMoeVideoRule
+from veomni.models.multimodal.video_tokens import VideoTokens
 from veomni.train.data.audio import (
     audio_features,
     audio_name,
@@ -66,41 +59,15 @@ from veomni.train.data.sources import DataError, RowRef
 AUDIO_TOKEN = "<|AUDIO|>"
 """The audio placeholder where the tokenizer declares no ``audio_token`` (Qwen2.5-Omni's name)."""
 
-POSITIONS = {"qwen2_5_omni_thinker": Qwen2_5OmniPositions, "qwen3_omni_moe_thinker": Qwen3OmniMoePositions}
-"""Thinker ``model_type`` -> its picklable host-side rules: mrope positions (``__call__``) and, where the audio
-tower's token rule is not Qwen2.5-Omni's (`veomni.train.data.audio.audio_features`), ``audio_tokens(frames)``."""
-
-AUDIO_LAYOUTS = {"qwen2_5_omni_thinker": AudioChunks}
-"""Thinker ``model_type`` -> its audio tower's picklable host-side chunk layout (``from_config(audio_config)``),
-whose tables the collator hands the model as ``audio_metadata`` (no host sync in the tower); thinkers without
-one derive the layout on the device."""
-
-VIDEO_RULES: dict[str, type[Qwen2_5OmniVideoRule]] = {
-    "qwen2_5_omni_thinker": Qwen2_5OmniVideoRule,
-    "qwen3_omni_moe_thinker": Qwen3OmniMoeVideoRule,
-}
-"""Thinker ``model_type`` -> its video rule: frame sampling and resizing (both thinkers' processors use
-``Qwen2VLVideoProcessor``), the processor's defaults and the placeholder layout (``placeholder_ids``)."""
-
-
-def thinker_positions(thinker_config: Any, *, use_audio_in_video: bool = False) -> Any:
-    """The position-id function of the thinker ``thinker_config`` describes (an error lists the known ones)."""
-    model_type = getattr(thinker_config, "model_type", None)
-    if model_type not in POSITIONS:
-        raise DataError(
-            f"model.task is omni: expected a thinker of {sorted(POSITIONS)}, found {model_type!r}"
-        )
-    return POSITIONS[model_type](thinker_config, use_audio_in_video=use_audio_in_video)
-
 
 @attrs.frozen(eq=False)
-class OmniMediaSample(MediaSample):
+class AudioVisualMediaSample(MediaSample):
     """`MediaSample` plus the row's audio clips and its videos' seconds per temporal grid step.
 
     Attributes:
         audio_features: float32 ``[num_mel_bins, frames_i]`` per clip, in text order (empty without audio).
         video_second_per_grid: float64 ``[v]``, one per video (the processor's ``video_second_per_grid``).
-        audio_layout: the thinker's host-side audio chunk layout (`AUDIO_LAYOUTS`), or None.
+        audio_layout: the model's host-side audio chunk layout (``DataRules.audio_layout``), or None.
     """
 
     audio_features: tuple[np.ndarray, ...] = ()
@@ -108,7 +75,7 @@ class OmniMediaSample(MediaSample):
     audio_layout: Any = None
 
     @staticmethod
-    def collate_extra(media: Sequence[OmniMediaSample]) -> dict[str, Any]:
+    def collate_extra(media: Sequence[AudioVisualMediaSample]) -> dict[str, Any]:
         """``input_features`` float32 ``[clips, mels, frames]`` and ``feature_attention_mask`` int64 ``[clips,
         frames]`` of every clip of the micro-batch (`collate_audio`), ``audio_metadata`` (the tower's chunk tables
         from the samples' ``audio_layout``; None without a layout or a clip), and ``video_second_per_grid``
@@ -137,44 +104,25 @@ def load_feature_extractor(path: str) -> Any:
         return WhisperFeatureExtractor.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise DataError(
-            f"model.task is omni but {path} holds no loadable audio feature extractor (preprocessor_config.json): "
+            f"the model reads audio but {path} holds no loadable audio feature extractor (preprocessor_config.json): "
             f"{err}"
         ) from None
 
 
-def load_omni_video_rule(
-    path: str,
-    model_type: str,
-    *,
-    fps: float | None,
-    max_frames: int | None,
-    frame_pixels: tuple[int, int] | None = None,
-) -> Qwen2_5OmniVideoRule | str:
-    """The video rule of the thinker ``model_type`` (`VIDEO_RULES`) from ``path``'s video processor config, with
-    ``data.video_fps`` / ``data.video_max_frames`` / ``data.video_frame_pixels``; a config that cannot be used
-    gives the reason as a string instead (data without videos needs none, and a video row reports it)."""
-    if model_type not in VIDEO_RULES:
-        raise DataError(
-            f"model.task is omni: expected a thinker of {sorted(VIDEO_RULES)}, found {model_type!r}"
-        )
-    try:
-        return VIDEO_RULES[model_type].from_pretrained(
-            path, fps=fps, max_frames=max_frames, frame_pixels=frame_pixels
-        )
-    except (OSError, ValueError) as err:
-        return f"{path} holds no usable video processor config for {model_type} ({err})"
-
-
-class OmniEncoder(MultimodalEncoder):
-    """Encodes omni conversations (module docstring).
+class AudioVisualEncoder(MultimodalEncoder):
+    """Encodes audio-visual conversations (module docstring).
 
     Args:
         tokenizer, image_processor, field, loss_mask_field, assistant_only, media_root, max_patches,
             vision_metadata: as for `MultimodalEncoder`.
-        feature_extractor: the thinker's audio feature extractor (`load_feature_extractor`).
-        thinker_config: the thinker's config (token ids, the position rule, the video layout's timing).
-        video_rule: the thinker's video rule (`load_omni_video_rule`), or why there is none (rows with videos are
-            then refused with it).
+        feature_extractor: the model's audio feature extractor (`load_feature_extractor`).
+        config: the model's config (token ids; the video rule's placeholder layout reads its timing).
+        positions: the model's mrope rule, ``positions(ids, image_grid_thw, video_grid_thw, audio_frames,
+            second_per_grid)`` -> int64 ``[3, n]``, built with ``use_audio_in_video``.
+        audio_tokens: LLM tokens of one clip of ``frames`` mel frames.
+        audio_layout: the audio tower's host-side chunk layout (``layout(frames, padded_frames)``), or None.
+        video_rule: the model's video rule (``placeholder_ids``, ``temporal_patch_size``, ...), or why there is none
+            (rows with videos are then refused with it).
         use_audio_in_video: interleave every video's audio track with its frames (``data.use_audio_in_video``).
     """
 
@@ -189,57 +137,52 @@ class OmniEncoder(MultimodalEncoder):
         assistant_only: bool,
         *,
         feature_extractor: Any,
-        thinker_config: Any,
-        video_rule: Qwen2_5OmniVideoRule | str = "no video processor was given",
+        config: Any,
+        positions: Callable[..., np.ndarray],
+        audio_tokens: Callable[[int], int],
+        audio_layout: Callable[..., dict[str, Any]] | None = None,
+        video_rule: Any = "no video processor was given",
         use_audio_in_video: bool = False,
         **kwargs: Any,
     ) -> None:
-        # The base class knows Qwen3-VL's video layout only; the omni layout is set up below.
+        # The base class sets up the timestamped video layout only; this one is set up below.
         super().__init__(
-            tokenizer, image_processor, field, loss_mask_field, assistant_only, video_rule="", **kwargs
-        )
+            tokenizer, image_processor, field, loss_mask_field, assistant_only, positions=positions, video_rule="",
+            **kwargs,
+        )  # fmt: skip
         # The processors read the tokenizer's declared audio token (Qwen3-Omni's is <|audio_pad|>); <|AUDIO|> is
         # Qwen2.5-Omni's name where the tokenizer declares none.
         self.audio_token = str(getattr(tokenizer, "audio_token", None) or AUDIO_TOKEN)
-        self.audio_token_id = self._token_id(self.audio_token, "model.task is omni")
+        self.audio_token_id = self._token_id(self.audio_token, "the model reads audio")
         for name, token_id in (
             ("audio_token_id", self.audio_token_id),
             ("image_token_id", self.image_token_id),
         ):
-            if getattr(thinker_config, name) != token_id:
+            if getattr(config, name) != token_id:
                 raise DataError(
-                    f"the thinker config's {name} is {getattr(thinker_config, name)} but the tokenizer gives "
+                    f"the model config's {name} is {getattr(config, name)} but the tokenizer gives "
                     f"{token_id}; they must be the same token"
                 )
         self.feature_extractor = feature_extractor
         self.use_audio_in_video = use_audio_in_video
-        self.positions = thinker_positions(thinker_config, use_audio_in_video=use_audio_in_video)
-        layout = AUDIO_LAYOUTS.get(thinker_config.model_type)
-        self.audio_layout = None if layout is None else layout.from_config(thinker_config.audio_config)
+        self.audio_tokens, self.audio_layout = audio_tokens, audio_layout
         # The audio paths of the row being parsed: `_parse` collects them through `_extra_part` (one row at a
         # time; an encoder is used by one worker thread).
         self._audio_paths: list[str | bytes] = []
         # Placeholders are counted by the config's video token (the tokenizer may call it <|VIDEO|>).
-        self.video_token_id = int(thinker_config.video_token_id)
-        self.thinker_config = thinker_config
+        self.video_token_id = int(config.video_token_id)
+        self.config = config
         self.video_rule, self.no_video = None, video_rule if isinstance(video_rule, str) else ""
         self.video_tokens = VideoTokens(
-            self.video_token_id, self.audio_token_id, int(thinker_config.audio_start_token_id),
-            self._audio_end_id(thinker_config),
+            self.video_token_id, self.audio_token_id, int(config.audio_start_token_id), self._audio_end_id(config),
         )  # fmt: skip
         if use_audio_in_video and self.video_tokens.audio_end is None:
             raise DataError(
                 f"data.use_audio_in_video: a video's audio track ends with the audio end token, but the "
-                f"{thinker_config.model_type} config has no audio_end_token_id and the tokenizer declares no "
+                f"{config.model_type} config has no audio_end_token_id and the tokenizer declares no "
                 "audio_eos_token"
             )
         if not isinstance(video_rule, str):
-            want = VIDEO_RULES[thinker_config.model_type]
-            if type(video_rule) is not want:
-                raise DataError(
-                    f"the {thinker_config.model_type} thinker needs a {want.__name__}, found "
-                    f"{type(video_rule).__name__}"
-                )
             if (video_rule.merge_size, video_rule.patch_width) != (self.merge, self.width):
                 self.no_video = (
                     f"the video processor (merge {video_rule.merge_size}, pixel rows of {video_rule.patch_width}) "
@@ -249,10 +192,10 @@ class OmniEncoder(MultimodalEncoder):
             else:
                 self.video_rule = video_rule
 
-    def _audio_end_id(self, thinker_config: Any) -> int | None:
-        """The audio end token id: the thinker config's (Qwen2.5-Omni), else the tokenizer's ``audio_eos_token``
+    def _audio_end_id(self, config: Any) -> int | None:
+        """The audio end token id: the model config's (Qwen2.5-Omni), else the tokenizer's ``audio_eos_token``
         (Qwen3-Omni-MoE's config names none; its processor reads the tokenizer's), else None."""
-        end = getattr(thinker_config, "audio_end_token_id", None)
+        end = getattr(config, "audio_end_token_id", None)
         if end is not None:
             return int(end)
         name = getattr(self.tokenizer, "audio_eos_token", None)
@@ -289,9 +232,7 @@ class OmniEncoder(MultimodalEncoder):
             else:
                 clips.append(self._video_audio(videos[k], rate))
                 names.append(f"the audio track of video {k} ({videos[k].path})")
-        features, tokens = audio_features(clips, self.feature_extractor, ref, names)
-        if hasattr(self.positions, "audio_tokens"):  # Qwen3-Omni: 13 tokens per 100-frame chunk
-            tokens = [self.positions.audio_tokens(f.shape[1]) for f in features]
+        features, tokens = audio_features(clips, self.feature_extractor, ref, names, self.audio_tokens)
         for name, n, clip in zip(names, tokens, features, strict=True):
             if n < 1:
                 # The tower's convolutions and pooling leave nothing of it: it cannot be placed in the sequence.
@@ -307,7 +248,7 @@ class OmniEncoder(MultimodalEncoder):
         for k, at in enumerate(video_at):
             block = self.video_rule.placeholder_ids(
                 plans[k][2], self.video_tokens, seconds[k], audio_tokens=clip_tokens.get(("video", k)),
-                thinker_config=self.thinker_config,
+                thinker_config=self.config,
             )  # fmt: skip
             replacements.append((at, block))
         trained = trained & (ids != self.audio_token_id)
@@ -345,7 +286,9 @@ class OmniEncoder(MultimodalEncoder):
         extra += sum(len(block) - 1 for _, block in layout.replacements)
         return len(layout.ids) + extra, int(layout.trained.sum()), sum(patches)
 
-    def __call__(self, row: dict[str, Any], ref: RowRef) -> tuple[np.ndarray, np.ndarray, OmniMediaSample]:
+    def __call__(
+        self, row: dict[str, Any], ref: RowRef
+    ) -> tuple[np.ndarray, np.ndarray, AudioVisualMediaSample]:
         layout = self._layout(row, ref)
         pixels, grids = self._image_rows(ref, layout.images)
         video_rows, video_grids = [], []
@@ -373,7 +316,7 @@ class OmniEncoder(MultimodalEncoder):
         except ValueError as err:
             raise DataError(f"{ref}: {err}") from None
         video_pixels = np.concatenate(video_rows) if video_rows else np.zeros((0, self.width), np.float32)
-        return ids, trained, OmniMediaSample(
+        return ids, trained, AudioVisualMediaSample(
             pixels, grids, mrope, video_pixels, video_grid_thw, audio_features=tuple(layout.features),
             video_second_per_grid=seconds, audio_layout=self.audio_layout,
         )  # fmt: skip
@@ -381,7 +324,7 @@ class OmniEncoder(MultimodalEncoder):
 
 @attrs.frozen(eq=False)
 class _Layout:
-    """One row before image expansion (`OmniEncoder._layout`): ``replacements`` are ``(position in ids, block)``
+    """One row before image expansion (`AudioVisualEncoder._layout`): ``replacements`` are ``(position in ids, block)``
     for every audio and video placeholder; ``plans`` ``(header, frame indices, grid)`` per video; ``features`` the
     clips' log-mel features in text order; ``seconds`` each video's ``video_second_per_grid``."""
 

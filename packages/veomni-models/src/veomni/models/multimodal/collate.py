@@ -1,8 +1,9 @@
-"""Qwen3-VL's collate table: for each tensor a multimodal micro-batch carries beside the text batch, how the
-samples' arrays are packed, whether and how the result is split under Ulysses SP, and how it is padded.
+"""The vision-language collate table: for each tensor a multimodal micro-batch carries beside the text batch, how
+the samples' arrays are packed, whether and how the result is split under Ulysses SP, and how it is padded.
 
-The collator (`veomni.train.data.multimodal_batch.collate_multimodal`) interprets `COLLATE` and holds no per-key code;
-the model consumes exactly what the table describes (`veomni.models.qwen3_vl.sp`):
+The collator (`veomni.train.data.multimodal_batch.collate_multimodal`) interprets `VISION_COLLATE` and holds no
+per-key code; the models consume exactly what the table describes (every Qwen-VL-style tower: Qwen3-VL's SP
+handling is `veomni.models.qwen3_vl.sp`). The keys are the models' forward arguments of the same names:
 
 ==================== ================= ==================== ======================================================
 key                  one sample        packed               under SP (P ranks)
@@ -79,19 +80,19 @@ class TensorRule:
             raise ValueError(f"{self.key}: a sequence-split key must be concatenated along its token axis")
 
 
-COLLATE: tuple[TensorRule, ...] = (
+VISION_COLLATE: tuple[TensorRule, ...] = (
     TensorRule("position_ids", "concat", 1, SequenceSplit("arange"), none_when_empty=False, batch_axis=1),
     TensorRule("pixel_values", "concat", 0, RowSplit(), none_when_empty=True),
     TensorRule("image_grid_thw", "concat", 0, None, none_when_empty=True),
     TensorRule("pixel_values_videos", "concat", 0, RowSplit(), none_when_empty=True),
     TensorRule("video_grid_thw", "concat", 0, None, none_when_empty=True),
 )
-"""Qwen3-VL's table (module docstring); the vision keys are the model's forward arguments of the same names."""
+"""The table (module docstring); the vision keys are the models' forward arguments of the same names."""
 
 
-def model_keys(table: tuple[TensorRule, ...] = COLLATE) -> tuple[str, ...]:
+def model_keys(table: tuple[TensorRule, ...] = VISION_COLLATE) -> tuple[str, ...]:
     """The table's keys in order (each is a keyword argument of the model's forward)."""
     return tuple(rule.key for rule in table)
 
 
-__all__ = ["COLLATE", "RowSplit", "SequenceSplit", "TensorRule", "model_keys"]
+__all__ = ["VISION_COLLATE", "RowSplit", "SequenceSplit", "TensorRule", "model_keys"]
