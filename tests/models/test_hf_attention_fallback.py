@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from veomni.kernels import OpsConfig
-from veomni.models import hf_attention_fallback
+from veomni.models.hf import attention_fallback as hf_attention_fallback
 from veomni.models.build import build_model
 
 VOCAB, PAD = 96, 0
