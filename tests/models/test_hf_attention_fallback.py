@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from veomni.kernels import OpsConfig
-from veomni.models.hf import attention_fallback as hf_attention_fallback
 from veomni.models.build import build_model
+from veomni.models.hf import attention_fallback as hf_attention_fallback
 
 VOCAB, PAD = 96, 0
 TINY = dict(
