@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from test_dense_adapters import (
+    DEVICE,
     EAGER_OPS,
     UpstreamGemma3,
     batch,
@@ -27,7 +28,7 @@ def test_attention_softcap_is_refused_because_upstream_ignores_it():
     logits = []
     for cap in (None, 0.01):
         torch.manual_seed(0)
-        upstream = UpstreamGemma3(tiny_config("gemma3", attn_logit_softcapping=cap)).eval()
+        upstream = UpstreamGemma3(tiny_config("gemma3", attn_logit_softcapping=cap)).eval().to(DEVICE)
         logits.append(upstream(**batch()).logits)
     assert torch.equal(logits[0], logits[1])
     with pytest.raises(

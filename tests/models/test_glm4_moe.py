@@ -350,6 +350,7 @@ def _sp_case(ctx, lengths: tuple[int, ...]) -> dict[str, float]:
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
     group = state.sp_group
     _, model = build_pair(num_key_value_heads=4)  # KV heads divisible by the SP size
+    model.to(ctx.device)  # gloo ranks on a GPU host run on the CPU
     apply_ops(model, OpsConfig(**{**EAGER_OPS, "attention": "sdpa", "moe_experts": "torch"}))
     inputs = {k: v.to(ctx.device) for k, v in packed_batch(lengths=lengths, seed=4).items()}
     ids, positions = inputs["input_ids"], inputs["position_ids"]
