@@ -271,7 +271,9 @@ def test_builds_from_a_checkpoint_and_exports_to_plain_transformers(tmp_path, mo
     upstream.save_pretrained(src)
     resolved = REGISTRY.model_class(config, "causal_lm")
     assert resolved.cls is ours_cls and resolved.fast_paths == {"sp", "fused_kernels"}
-    eager = OpsConfig(**EAGER_OPS, attention="eager")
+    # compile off: on a CUDA host "auto" compiles the blocks, whose fused formulas differ in the last bit -- enough to
+    # flip a greedy near-tie under Gemma 3's final soft-cap; this test is about the checkpoint, not the compiler.
+    eager = OpsConfig(**EAGER_OPS, attention="eager", compile="off")
     built = build_model(str(src), weights=str(src), ops=eager).eval()
     assert type(built) is ours_cls
     export_hf(built, out)
