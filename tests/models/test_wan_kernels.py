@@ -48,7 +48,10 @@ T2V = dict(
 I2V = dict(T2V, image_dim=8, added_kv_proj_dim=24)
 TEXT_LEN = 512  # diffusers' Wan processor splits an I2V context as [image tokens; 512 text tokens]
 ALL = dict(rms_norm="triton", rope="triton", attention="sdpa")
-RTOL = 1e-5
+# 2e-5 of the largest |want|: at 1e-5 the I2V gradient of blocks.1.attn2.add_k_proj.bias (a sum over tokens with
+# cancellation) missed by 4.19e-9 against 3.64e-9 on a 2-core Intel Xeon box (2026-12-02), at a commit that passed on
+# the previous box: reduction order across CPUs, still ~170 fp32 ulps of the largest entry.
+RTOL = 2e-5
 
 
 def assert_close_scaled(got: torch.Tensor, want: torch.Tensor, name: str = "") -> None:
