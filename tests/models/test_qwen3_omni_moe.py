@@ -293,7 +293,8 @@ def test_omni_task_counts_routed_experts_at_top_k_over_e_and_excludes_the_towers
 
     probe = meta_instance(tiny_config(), TASK)
     task = build_task("omni", probe)
-    assert task.aux_loss_coef == 0.05 and task.thinker_config is probe.config
+    assert task.aux_loss_coef == 0.05 and task.model_config is probe.config
+    assert task.data_rules is not None and task.data_rules.encoder == "audio_visual"  # from the family
     dense, experts = 0.0, 0.0
     for name, param in probe.named_parameters():
         if (
