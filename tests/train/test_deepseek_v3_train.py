@@ -176,7 +176,8 @@ def test_bias_update_without_such_routers_is_refused(dist_pools, tmp_path):
     raw = tiny_recipe(str(tmp_path), DENSE)
     raw["optim"]["moe_bias_update_speed"] = 0.001
     kind, message = dist_pools.get(1, "gloo").run(_build_error, raw)[0]
-    assert kind == "PreflightError" and "has none; set it to 0" in message
+    assert kind == "PreflightError" and "has no such router; set it to 0" in message
+    assert "model_type 'qwen3'" in message  # the family's hook was asked, by the config's model type
 
 
 def _overflow_loads(ctx, raw: dict) -> list[float]:
