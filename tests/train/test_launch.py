@@ -20,6 +20,11 @@ RUN = [
 ]  # fmt: skip
 
 
+# torchrun sets OMP_NUM_THREADS=1 only when it starts more than one process per node: the two one-process "nodes"
+# would run multi-threaded CPU kernels (another summation order, last-bit gradient differences) against the
+# two-process agent's single-threaded ones. Bitwise-equal curves need the same threading on both sides.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,7 +71,7 @@ def test_two_node_rendezvous_and_an_elastic_restart_give_the_same_curve(tmp_path
     agents = [
         subprocess.Popen(
             [*_torchrun(*rendezvous), *steps, f"--checkpoint.dir={two_nodes}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ONE_THREAD,
         )  # fmt: skip
         for _ in range(2)
     ]
@@ -84,7 +89,7 @@ def test_two_node_rendezvous_and_an_elastic_restart_give_the_same_curve(tmp_path
         [*_torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1"), *steps,
          f"--checkpoint.dir={elastic}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        env={**ONE_THREAD, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )  # fmt: skip
     while not ((elastic / "metrics.jsonl").is_file() and 4 in curve(elastic / "metrics.jsonl")):
         assert agent.poll() is None, agent.communicate()[1][-3000:]
