@@ -29,7 +29,9 @@ __all__ = sorted(_PUBLIC)
 def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
-        raise AttributeError(f"module 'veomni.models' has no attribute {name!r}; its public names are {__all__}")
+        raise AttributeError(
+            f"module 'veomni.models' has no attribute {name!r}; its public names are {__all__}"
+        )
     return getattr(importlib.import_module(module), name)
 
 

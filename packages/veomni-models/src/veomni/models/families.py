@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec, TrainingHooks
+from veomni.models.family import DataRules, LoraTargets, ModelFamily, ModelTypeSpec, TrainingHooks
 
 FAMILY_MODULES: tuple[str, ...] = (
     "veomni.models.llama.family",
@@ -76,6 +76,13 @@ def data_rules(model_type: str) -> DataRules | None:
     not a veomni family)."""
     hit = _MODEL_TYPES.get(model_type)
     return None if hit is None else hit[1].data
+
+
+def lora_targets(model_type: str) -> LoraTargets | None:
+    """Where LoRA adapters go in ``model_type`` (`veomni.models.family.LoraTargets`), or None when its family
+    declares nothing (a LoRA recipe must then name its target modules)."""
+    hit = _MODEL_TYPES.get(model_type)
+    return None if hit is None else hit[1].lora
 
 
 def training_hooks(model_type: str) -> TrainingHooks:

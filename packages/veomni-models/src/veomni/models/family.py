@@ -145,6 +145,82 @@ class DiffusionRules:
 
 
 @attrs.frozen(kw_only=True)
+class LoraTargets:
+    """Where LoRA adapters go in a model type (`veomni.models.lora`): named groups of module FQN globs.
+
+    Attributes:
+        groups: ``{group name: FQN globs}``; a recipe's ``lora.targets`` may name a group (``attention``, ``mlp``,
+            ``vision``, ...). A glob selects the plain ``nn.Linear`` modules it matches (``*`` stays in one name
+            component); every group must select at least one in the model (the conformance suite checks it).
+        default: the groups adapted when ``lora.targets`` is empty.
+    """
+
+    groups: Mapping[str, tuple[str, ...]] = attrs.field(
+        converter=lambda g: {k: tuple(v) for k, v in g.items()}
+    )
+    default: tuple[str, ...] = attrs.field(default=("attention", "mlp"), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        unknown = [g for g in self.default if g not in self.groups]
+        if unknown:
+            raise ValueError(
+                f"LoraTargets: default groups {unknown} are not among its groups {list(self.groups)}"
+            )
+
+
+STANDARD_LORA_GROUPS = {
+    "attention": "self_attn.*proj*",
+    "linear_attention": "linear_attn.*proj*",
+    "mlp": "mlp.*_proj",
+    "shared_experts": ("mlp.shared_expert.*_proj", "mlp.shared_experts.*_proj"),
+}
+"""Module globs relative to one decoder block, in the names transformers gives its decoders."""
+
+MOE_DEFAULT = ("attention", "linear_attention")
+"""Default LoRA groups of the MoE model types PEFT re-targets on load (its transformers v4 -> v5 conversion maps any
+``*.gate_proj/up_proj/down_proj`` layer onto the fused experts): the dense MLP and shared experts stay available by
+name, but an adapter on them cannot be exported in PEFT's format (`veomni.models.lora.peft_format`)."""
+
+LM_LAYERS = ("model.layers", "model.language_model.layers")
+"""Where a causal LM's blocks are (text classes), and a VLM's (its language model)."""
+
+
+def decoder_lora(
+    layers: tuple[str, ...] = LM_LAYERS,
+    *,
+    default: tuple[str, ...] = tuple(STANDARD_LORA_GROUPS),
+    extra: Mapping[str, tuple[str, ...]] | None = None,
+) -> LoraTargets:
+    """`LoraTargets` of a decoder whose blocks are ``<layers>.<i>``: the `STANDARD_LORA_GROUPS` under every prefix of
+    ``layers``, plus ``extra`` groups of whole-FQN globs (a vision tower: ``model.visual.blocks.*.attn.qkv``)."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for name, rel in STANDARD_LORA_GROUPS.items():
+        rels = (rel,) if isinstance(rel, str) else rel
+        groups[name] = tuple(f"{prefix}.*.{r}" for prefix in layers for r in rels)
+    return LoraTargets(groups={**groups, **(extra or {})}, default=default)
+
+
+VISION_LORA = {
+    "vision": ("model.visual.blocks.*.attn.*", "model.visual.blocks.*.mlp.*"),
+    "merger": (
+        "model.visual.merger.*",
+        "model.visual.merger.mlp.*",
+        "model.visual.deepstack_merger_list.*.*",
+    ),
+}
+"""The vision tower and its merger in the Qwen-VL layout (requested by name; not adapted by default)."""
+
+AUDIO_LORA = {
+    "audio": (
+        "model.audio_tower.layers.*.self_attn.*",
+        "model.audio_tower.layers.*.fc1",
+        "model.audio_tower.layers.*.fc2",
+    ),
+}
+"""The audio tower of the Qwen omni thinkers (requested by name; not adapted by default)."""
+
+
+@attrs.frozen(kw_only=True)
 class ModelTypeSpec:
     """One HF ``model_type`` (or a diffusers ``_class_name``) of a family.
 
@@ -160,6 +236,7 @@ class ModelTypeSpec:
             the model, and the diffusers build binds no kernels and no Ulysses SP to it. Its ``fast_paths``
             must say what it implements: ``"sp"`` iff ``sequence_parallel``, ``"fused_kernels"`` iff
             ``bind_kernels``.
+        lora: where LoRA adapters go (`LoraTargets`); None: a LoRA recipe must name its target modules itself.
     """
 
     model_type: str
@@ -169,6 +246,7 @@ class ModelTypeSpec:
     data: DataRules | None = None
     library: str = "transformers"
     diffusion: DiffusionRules | None = None
+    lora: LoraTargets | None = None
 
     def __attrs_post_init__(self) -> None:
         for task, target in self.classes.items():

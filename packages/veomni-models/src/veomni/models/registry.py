@@ -450,9 +450,11 @@ def register_family(registry: ModelRegistry, family: ModelFamily) -> None:
     """Register every model type of ``family`` (`veomni.models.family.ModelFamily`) in ``registry``."""
     for spec in family.model_types:
         if spec.library == "diffusers":
-            (task, target), = spec.classes.items()
+            ((task, target),) = spec.classes.items()
             if task != DIFFUSERS_TASK:
-                raise ValueError(f"diffusers model {spec.model_type!r}: its one task is {DIFFUSERS_TASK!r}, not {task!r}")
+                raise ValueError(
+                    f"diffusers model {spec.model_type!r}: its one task is {DIFFUSERS_TASK!r}, not {task!r}"
+                )
             registry.register_diffusers(spec.model_type, target, fast_paths=spec.fast_paths)
             continue
         assert spec.config is not None  # checked by ModelTypeSpec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec, TrainingHooks
+from veomni.models.family import MOE_DEFAULT, ModelFamily, ModelTypeSpec, TrainingHooks, decoder_lora
 
 _MODULE = "veomni.models.deepseek_v3.generated.patched_modeling_deepseek_v3"
 
@@ -19,6 +19,7 @@ FAMILY = ModelFamily(
                 "token_classification": f"{_MODULE}:DeepseekV3ForTokenClassification",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(default=MOE_DEFAULT),
         ),
     ),
     patch_configs=("veomni.models.deepseek_v3.patch_config",),

@@ -140,7 +140,9 @@ def export_dcp_to_diffusers(
     registry = MODELS if registry is None else registry
     if sources.from_checkpoint and given is not None:
         other = registry.load_config(given)  # type: ignore[attr-defined]
-        diff = config_differences(dict(config.values), dict(getattr(other, "values", {})), ("checkpoint", "given"))
+        diff = config_differences(
+            dict(config.values), dict(getattr(other, "values", {})), ("checkpoint", "given")
+        )
         if diff:
             logger.warning(
                 "export: the checkpoint's trained config (%s) is used, not the given one (%s), which differs: %s",
@@ -152,7 +154,9 @@ def export_dcp_to_diffusers(
     targets = model_targets(model)
     stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     chosen = dcp_accounting(model, targets, stored, prefix, str(dcp_dir))
-    shapes = {k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen}
+    shapes = {
+        k: (targets[k].full_shape, _out_dtype(stored[chosen[k]].properties.dtype, dtype)) for k in chosen
+    }
 
     fetch = dcp_fetcher(dcp_dir, stored, chosen, {k: dtype_ for k, (_, dtype_) in shapes.items()})
     report = write_checkpoint(

@@ -21,7 +21,6 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from veomni.core.parallel_state import ParallelState
@@ -37,7 +36,9 @@ from veomni.models.export.files import (
 )
 from veomni.models.loading.loader import converters_for
 from veomni.models.loading.safetensors_io import SafetensorsStreamWriter
-from veomni.models.loading.targets import Target, model_targets, tie_groups, unwrapped_class
+from veomni.models.loading.targets import Target, gather_target, model_targets, tie_groups, unwrapped_class
+from veomni.models.lora.layers import adapted_layers
+from veomni.models.lora.state import merge_fetcher
 
 logger = logging.getLogger(__name__)
 
@@ -223,30 +224,6 @@ def _remove_stale(out: Path, written: set[str], stem: str = "model") -> None:
             path.unlink()
 
 
-def _full_tensor(target: Target, state: ParallelState | None) -> torch.Tensor:
-    t = target.tensor
-    if isinstance(t, DTensor):
-        mesh, local = t.device_mesh, t.to_local()
-        if local.device.type != mesh.device_type:  # a CPU-offloaded shard: gather on the mesh's device
-            t = DTensor.from_local(
-                local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride()
-            )
-        full = t.full_tensor()
-    else:
-        full = t.detach()
-    shard = target.expert
-    if shard is None or shard.ep_size == 1:
-        return full
-    if state is None or not state.ep_enabled or state.dims.ep != shard.ep_size:
-        raise ValueError(
-            f"export: {target.key} holds experts [{shard.start}, {shard.stop}) of {shard.num_experts} (ep="
-            f"{shard.ep_size}); pass the parallel_state the model was sharded with"
-        )
-    gathered = torch.empty((shard.num_experts, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    dist.all_gather_into_tensor(gathered, full.contiguous(), group=state.ep_group)
-    return gathered
-
-
 def _leaders(model: nn.Module, targets: dict[str, Target]) -> list[str]:
     # transformers writes one key per tied group (the tie source); the others are re-tied on load.
     return [keys[0] for keys in tie_groups(model, targets)]
@@ -289,6 +266,11 @@ def export_hf(
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"export_hf needs an HF PreTrainedModel (with a config), got {type(model).__name__}")
     targets = model_targets(model)
+    merge = None
+    if adapted_layers(model):
+        # A LoRA model exports merged (W + scaling * B @ A), in the base model's own key layout.
+        adapter_keys, merge = merge_fetcher(model)
+        targets = {k: t for k, t in targets.items() if k not in adapter_keys}
     leaders = _leaders(model, targets)
     fp32 = _keep_fp32(model)
     shapes = {
@@ -297,7 +279,7 @@ def export_hf(
     }
     converters = converters_for(model, targets, for_export=True)
     report, is_writer = write_gathered(
-        out_dir, targets, shapes, converters, parallel_state, max_shard_bytes=max_shard_bytes
+        out_dir, targets, shapes, converters, parallel_state, max_shard_bytes=max_shard_bytes, transform=merge
     )
     distributed = dist.is_available() and dist.is_initialized()
     if is_writer:
@@ -323,15 +305,19 @@ def write_gathered(
     *,
     max_shard_bytes: int,
     stem: str = "model",
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[ExportReport, bool]:
-    """Gather each tensor in ``shapes`` whole (every rank takes part), cast it to its export dtype and write the
-    safetensors shards on rank 0 (`plan_layout` + `write_checkpoint`). Returns ``(report, this rank writes)``."""
+    """Gather each tensor in ``shapes`` whole (every rank takes part), ``transform(key, tensor)`` it if given (on
+    every rank: it may gather too), cast it to its export dtype and write the safetensors shards on rank 0
+    (`plan_layout` + `write_checkpoint`). Returns ``(report, this rank writes)``."""
     items = plan_layout(shapes, converters)
     distributed = dist.is_available() and dist.is_initialized()
     is_writer = not distributed or dist.get_rank() == 0
 
     def fetch(key: str) -> torch.Tensor | None:
-        full = _full_tensor(targets[key], parallel_state)
+        full = gather_target(targets[key], parallel_state)
+        if transform is not None:
+            full = transform(key, full)
         return full.to(shapes[key][1]) if is_writer else None
 
     with torch.no_grad():
@@ -387,7 +373,9 @@ def export_dcp_to_hf(
     dcp_path = dcp_directory(dcp_dir)
     sources = export_sources(dcp_path, config)
     cfg = registry.load_config(sources.config)  # type: ignore[attr-defined]
-    if isinstance(cfg, DiffusersConfig):  # a DiT's checkpoint: written as diffusers' save_pretrained writes it
+    if isinstance(
+        cfg, DiffusersConfig
+    ):  # a DiT's checkpoint: written as diffusers' save_pretrained writes it
         from veomni.models.diffusers.export import export_dcp_to_diffusers
 
         if task not in (None, DIFFUSERS_TASK):

@@ -7,7 +7,7 @@ declared.
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec
+from veomni.models.family import ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.gemma3.generated.patched_modeling_gemma3"
 
@@ -23,6 +23,7 @@ FAMILY = ModelFamily(
                 "sequence_classification": f"{_MODULE}:Gemma3TextForSequenceClassification",
             },
             fast_paths={"sp", "fused_kernels"},
+            lora=decoder_lora(),
         ),
     ),
     patch_configs=("veomni.models.gemma3.patch_config",),

@@ -153,6 +153,4 @@ config.add_import("from transformers.modeling_outputs import SequenceClassifierO
 config.add_method(
     "Gemma3TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Gemma3Text"}
 )(seq_cls_init)
-config.add_method("Gemma3TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(
-    seq_cls_forward
-)
+config.add_method("Gemma3TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec, TrainingHooks
+from veomni.models.family import MOE_DEFAULT, ModelFamily, ModelTypeSpec, TrainingHooks, decoder_lora
 
 _MODULE = "veomni.models.glm4_moe.generated.patched_modeling_glm4_moe"
 
@@ -15,6 +15,7 @@ FAMILY = ModelFamily(
             # transformers has only the causal LM and the base model for glm4_moe (no classification or QA heads).
             classes={"causal_lm": f"{_MODULE}:Glm4MoeForCausalLM", "base": f"{_MODULE}:Glm4MoeModel"},
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(default=MOE_DEFAULT),
         ),
     ),
     patch_configs=("veomni.models.glm4_moe.patch_config",),

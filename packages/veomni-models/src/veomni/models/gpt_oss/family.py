@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec
+from veomni.models.family import ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.gpt_oss.generated.patched_modeling_gpt_oss"
 
@@ -19,6 +19,7 @@ FAMILY = ModelFamily(
                 "token_classification": f"{_MODULE}:GptOssForTokenClassification",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(),
         ),
     ),
     patch_configs=("veomni.models.gpt_oss.patch_config",),

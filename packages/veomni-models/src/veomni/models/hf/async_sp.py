@@ -86,7 +86,9 @@ def async_sp_attention(
         )
     if kwargs.get("dropout"):
         raise ValueError(f"{implementation} has no attention dropout (got dropout={kwargs['dropout']})")
-    causal = bool(getattr(module, "is_causal", True) if kwargs.get("is_causal") is None else kwargs["is_causal"])
+    causal = bool(
+        getattr(module, "is_causal", True) if kwargs.get("is_causal") is None else kwargs["is_causal"]
+    )
     if attention_mask is not None:
         check_padding_mask(attention_mask, causal, implementation)
     state = current_sp_state()

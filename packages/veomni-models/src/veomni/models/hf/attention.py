@@ -256,7 +256,9 @@ def veomni_attention_forward(
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     state = current_sp_state()
     if state is None:
-        cu_seqlens, max_seqlen = packing_metadata(kwargs, query.shape[0], query.shape[2], group=None, full_len=None)
+        cu_seqlens, max_seqlen = packing_metadata(
+            kwargs, query.shape[0], query.shape[2], group=None, full_len=None
+        )
         out = run_kernel(
             q,
             k,
@@ -270,7 +272,9 @@ def veomni_attention_forward(
         )
         return out, None
 
-    sp = sp_kernel_kwargs(state, kwargs, features, batch=q.shape[0], local_len=q.shape[1], query_heads=q.shape[2])
+    sp = sp_kernel_kwargs(
+        state, kwargs, features, batch=q.shape[0], local_len=q.shape[1], query_heads=q.shape[2]
+    )
     out = ulysses_attention(
         q, k, v, run_kernel, state.sp_group, seq_dim=1, head_dim=2, unpadded_len=sp.pop("unpadded_len"),
         kernel=kernel, causal=causal, scale=scaling, **sp,
@@ -402,7 +406,9 @@ def padding_mask_passthrough(
     padding mask and ``output_attentions`` get transformers' 4-D sdpa mask instead, which routes the attention
     calls to transformers' own implementation (`veomni.models.hf.attention_fallback`).
     """
-    cross = mask_function is bidirectional_mask_function  # an encoder-decoder's cross-attention mask: no cache
+    cross = (
+        mask_function is bidirectional_mask_function
+    )  # an encoder-decoder's cross-attention mask: no cache
     # The decode path takes the queries as the last keys (a dynamic cache's past + new). A preallocated cache
     # (StaticCache, generate(cache_implementation="static")) hands over every slot, the unwritten ones too: that,
     # left or gapped padding and output_attentions get transformers' 4-D mask, and the attention function then

@@ -308,7 +308,9 @@ def fit_experts_backend(model: nn.Module, ops: OpsConfig) -> OpsConfig:
             f"OpsConfig.moe_experts={backend!r} has no {sorted(missing)} kernels, which this model's experts "
             f"need; backends that have them: {having}"
         )
-    logger.info("apply_ops: moe_experts default %r lacks %s for this model; using 'eager'", backend, sorted(missing))
+    logger.info(
+        "apply_ops: moe_experts default %r lacks %s for this model; using 'eager'", backend, sorted(missing)
+    )
     return ops.replace(moe_experts="eager")
 
 

@@ -143,8 +143,10 @@ def _guard_sp_positions(model: nn.Module) -> None:
     # Sequence classifiers refuse SP altogether in their forward (the pooled token lives on one rank): that error
     # names the real problem, so it is not preempted by this one.
     classifier = type(model).__name__.endswith("ForSequenceClassification")
-    if getattr(model, _SP_POSITIONS_GUARD, False) or classifier or any(
-        getattr(config, name, None) is not None for name in _MULTIMODAL_CONFIGS
+    if (
+        getattr(model, _SP_POSITIONS_GUARD, False)
+        or classifier
+        or any(getattr(config, name, None) is not None for name in _MULTIMODAL_CONFIGS)
     ):
         return
 

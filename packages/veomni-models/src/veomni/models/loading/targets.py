@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from veomni.core.ep.plan import ExpertShard, expert_shards
+from veomni.core.parallel_state import ParallelState
 from veomni.models.loading.lazy import Region
 
 
@@ -108,3 +110,29 @@ def tie_groups(model: nn.Module, targets: dict[str, Target]) -> list[list[str]]:
         keys.sort(key=lambda k: (k not in sources, k in mapping))
         groups.append(keys)
     return groups
+
+
+def gather_target(target: Target, state: ParallelState | None) -> torch.Tensor:
+    """``target``'s whole, checkpoint-shaped tensor (FSDP shards and EP slices gathered; collective when sharded:
+    every rank calls it and gets the tensor)."""
+    t = target.tensor
+    if isinstance(t, DTensor):
+        mesh, local = t.device_mesh, t.to_local()
+        if local.device.type != mesh.device_type:  # a CPU-offloaded shard: gather on the mesh's device
+            t = DTensor.from_local(
+                local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride()
+            )
+        full = t.full_tensor()
+    else:
+        full = t.detach()
+    shard = target.expert
+    if shard is None or shard.ep_size == 1:
+        return full
+    if state is None or not state.ep_enabled or state.dims.ep != shard.ep_size:
+        raise ValueError(
+            f"export: {target.key} holds experts [{shard.start}, {shard.stop}) of {shard.num_experts} (ep="
+            f"{shard.ep_size}); pass the parallel_state the model was sharded with"
+        )
+    gathered = torch.empty((shard.num_experts, *full.shape[1:]), dtype=full.dtype, device=full.device)
+    dist.all_gather_into_tensor(gathered, full.contiguous(), group=state.ep_group)
+    return gathered

@@ -41,7 +41,11 @@ def attach_load_counters(model: nn.Module) -> list[nn.Module]:
 
     Call after the model's tensors are materialised (the counter lives beside the bias, on its device).
     """
-    routers = [m for _, m in model.named_modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+    routers = [
+        m
+        for _, m in model.named_modules()
+        if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)
+    ]
     for router in routers:
         bias = router.e_score_correction_bias
         router.register_buffer(LOAD, torch.zeros_like(bias, dtype=torch.float32), persistent=False)

@@ -35,7 +35,9 @@ def attach_expert_load_counters(model: nn.Module) -> list[str]:
             continue
         device = next(module.parameters()).device
         if device.type == "meta":
-            raise ValueError(f"{name}: attach expert load counters after the model is materialised, not on meta")
+            raise ValueError(
+                f"{name}: attach expert load counters after the model is materialised, not on meta"
+            )
         module.register_buffer(COUNTS, torch.zeros(module.num_experts, device=device), persistent=False)
         module.register_forward_pre_hook(_count, with_kwargs=True)
         names.append(name)
@@ -43,7 +45,9 @@ def attach_expert_load_counters(model: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def read_expert_loads(model: nn.Module, names: list[str], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def read_expert_loads(
+    model: nn.Module, names: list[str], group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The (token, choice) counts since the last read, summed over ``group``'s ranks (default: the world, as every
     rank routes its own tokens), as ``[layers, num_experts]`` fp32 on the host; the counters restart at zero.
     A collective when the group has several ranks: every rank calls it at the same point."""

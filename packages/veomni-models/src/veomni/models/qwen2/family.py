@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec
+from veomni.models.family import ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.qwen2.generated.patched_modeling_qwen2"
 
@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen2ForQuestionAnswering",
             },
             fast_paths={"sp", "fused_kernels"},
+            lora=decoder_lora(),
         ),
     ),
     patch_configs=("veomni.models.qwen2.patch_config",),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+from veomni.models.family import AUDIO_LORA, VISION_LORA, DataRules, ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni"
 
@@ -25,6 +25,7 @@ FAMILY = ModelFamily(
                 "any_to_any": f"{_MODULE}:Qwen2_5OmniThinkerForConditionalGeneration",
             },
             fast_paths={"sp"},
+            lora=decoder_lora(extra={**VISION_LORA, **AUDIO_LORA}),
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+from veomni.models.family import VISION_LORA, DataRules, ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.qwen2_5_vl.generated.patched_modeling_qwen2_5_vl"
 
@@ -24,6 +24,7 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen2_5_VLModel",
             },
             fast_paths={"sp", "fused_kernels"},
+            lora=decoder_lora(extra=VISION_LORA),
             data=DATA_UNTIMED,
         ),
     ),

@@ -162,9 +162,13 @@ def causal_lm_forward(
 # __init__ builds transformers' own through AutoModel, which no kernel, SP or EP path reaches); the classification
 # CE goes through the kernel registry (veomni.models.heads.seq_cls). Other families reuse both functions, the __init__
 # with name_map={"Qwen3": "<Prefix>"}.
-config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import(
+    "from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward"
+)
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
-SEQ_CLS_INIT = "build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)"
+SEQ_CLS_INIT = (
+    "build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)"
+)
 SEQ_CLS_FORWARD = "classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states"
 
 

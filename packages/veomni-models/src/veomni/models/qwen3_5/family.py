@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+from veomni.models.family import VISION_LORA, DataRules, ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.qwen3_5.generated.patched_modeling_qwen3_5"
 
@@ -25,6 +25,7 @@ FAMILY = ModelFamily(
                 "sequence_classification": f"{_MODULE}:Qwen3_5TextForSequenceClassification",
             },
             fast_paths={"sp", "fused_kernels"},
+            lora=decoder_lora(extra=VISION_LORA),
         ),
         ModelTypeSpec(
             model_type="qwen3_5",
@@ -35,6 +36,7 @@ FAMILY = ModelFamily(
                 "causal_lm": f"{_MODULE}:Qwen3_5ForCausalLM",
             },
             fast_paths={"sp", "fused_kernels"},
+            lora=decoder_lora(extra=VISION_LORA),
             data=DATA_VISION,
         ),
     ),

@@ -74,9 +74,9 @@ config.add_import("from veomni.models.qwen3_5.text_model import text_model_layer
 config.override_method("Qwen3_5RMSNorm.forward", description="(1 + weight) RMSNorm via rms_norm/offset")(
     offset_rms_norm_forward
 )
-config.override_method("Qwen3_5RMSNormGated.forward", description="RMSNorm(x) * silu(gate) via rms_norm_gated")(
-    gated_rms_norm_forward
-)
+config.override_method(
+    "Qwen3_5RMSNormGated.forward", description="RMSNorm(x) * silu(gate) via rms_norm_gated"
+)(gated_rms_norm_forward)
 config.override_method("Qwen3_5MLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
     mlp_forward
 )
@@ -189,9 +189,9 @@ def add_vision_patches(config: PatchConfig, prefix: str) -> None:
     for target, function, description in reused:
         # The dummy forward is a method upstream lacks; the rest replace upstream's.
         register = config.add_method if target == "VisionModel.dummy_forward" else config.override_method
-        register(f"{prefix}{target}", description=f"{description} (Qwen3-VL adapter, renamed)", name_map=renamed)(
-            function
-        )
+        register(
+            f"{prefix}{target}", description=f"{description} (Qwen3-VL adapter, renamed)", name_map=renamed
+        )(function)
     config.override_method(
         f"{prefix}Model.forward",
         description="one tower pass over all images and videos, features placed without host syncs, dummy tower "
@@ -211,9 +211,15 @@ config.override_method(
 
 # Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
 # seq_cls_init) and the classification CE through the kernel registry (veomni.models.heads.seq_cls).
-config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import(
+    "from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward"
+)
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_method(
-    "Qwen3_5TextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3Model": "Qwen3_5TextModel", "Qwen3Config": "Qwen3_5TextConfig"}
+    "Qwen3_5TextForSequenceClassification.__init__",
+    description=SEQ_CLS_INIT,
+    name_map={"Qwen3Model": "Qwen3_5TextModel", "Qwen3Config": "Qwen3_5TextConfig"},
 )(seq_cls_init)
-config.add_method("Qwen3_5TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(seq_cls_forward)
+config.add_method("Qwen3_5TextForSequenceClassification.forward", description=SEQ_CLS_FORWARD)(
+    seq_cls_forward
+)

@@ -66,6 +66,13 @@ def text_model_layers(
         past_key_values = DynamicCache(config=model.config)
 
     hidden_states = run_decoder_layers(
-        model, inputs_embeds, attention_mask, past_key_values, position_ids, text_position_ids, use_cache, kwargs
+        model,
+        inputs_embeds,
+        attention_mask,
+        past_key_values,
+        position_ids,
+        text_position_ids,
+        use_cache,
+        kwargs,
     )
     return model.norm(hidden_states), past_key_values

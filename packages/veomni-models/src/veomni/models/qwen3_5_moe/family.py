@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+from veomni.models.family import VISION_LORA, DataRules, ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe"
 
@@ -24,6 +24,7 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen3_5MoeTextModel",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(extra=VISION_LORA),
         ),
         ModelTypeSpec(
             model_type="qwen3_5_moe",
@@ -34,6 +35,7 @@ FAMILY = ModelFamily(
                 "causal_lm": f"{_MODULE}:Qwen3_5MoeForCausalLM",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(extra=VISION_LORA),
             data=DATA_VISION,
         ),
     ),

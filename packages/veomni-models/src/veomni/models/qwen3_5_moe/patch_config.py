@@ -61,9 +61,9 @@ config.override_method(
 config.override_method("Qwen3_5MoeMLP.forward", description="SwiGLU via kernels.get('swiglu', 'standard')")(
     mlp_forward
 )
-config.override_method("Qwen3_5MoeAttention.forward", description="partial RoPE via rope/partial, output gate")(
-    gated_attention_forward
-)
+config.override_method(
+    "Qwen3_5MoeAttention.forward", description="partial RoPE via rope/partial, output gate"
+)(gated_attention_forward)
 
 
 @config.override_method(
@@ -126,5 +126,7 @@ for target, function, description in _MOE_HEAD:
     # get_parallel_plan is a method upstream lacks; the rest replace upstream's.
     register = config.add_method if target.endswith(".get_parallel_plan") else config.override_method
     register(
-        target, description=f"{description} (Qwen3-VL-MoE adapter, renamed)", name_map={"Qwen3VLMoe": "Qwen3_5Moe"}
+        target,
+        description=f"{description} (Qwen3-VL-MoE adapter, renamed)",
+        name_map={"Qwen3VLMoe": "Qwen3_5Moe"},
     )(function)

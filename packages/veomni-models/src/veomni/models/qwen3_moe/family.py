@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec
+from veomni.models.family import MOE_DEFAULT, ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe"
 
@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen3MoeForQuestionAnswering",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(default=MOE_DEFAULT),
         ),
     ),
     patch_configs=("veomni.models.qwen3_moe.patch_config",),

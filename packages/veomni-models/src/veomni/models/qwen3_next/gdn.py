@@ -95,7 +95,9 @@ def prepare_training_forward(
             group = state.sp_group
             unpadded = kwargs.get("sp_unpadded_len")
             full_len = length * state.dims.sp if unpadded is None else unpadded
-        cu, _ = packing_metadata({"position_ids": position_ids}, batch, length, group=group, full_len=full_len)
+        cu, _ = packing_metadata(
+            {"position_ids": position_ids}, batch, length, group=group, full_len=full_len
+        )
         if cu is not None:
             kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
     if kwargs.get("cu_seq_lens_q") is not None or state is not None:
@@ -130,7 +132,9 @@ def recurrent_padding_mask(
     """
     state = current_sp_state()
     if state is None or attention_mask is None or attention_mask.dim() != 2:
-        return create_recurrent_attention_mask(config, inputs_embeds, attention_mask, past_key_values, **kwargs)
+        return create_recurrent_attention_mask(
+            config, inputs_embeds, attention_mask, past_key_values, **kwargs
+        )
     expected = list(inputs_embeds.shape[:2])
     if list(attention_mask.shape) != expected:
         raise ValueError(

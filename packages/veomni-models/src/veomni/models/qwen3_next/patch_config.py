@@ -130,7 +130,9 @@ def offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def gated_rms_norm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     kernels = getattr(self, "veomni_kernels", None)
     if kernels is not None and kernels.config.rms_norm_gated != "eager":
-        return kernels.get("rms_norm_gated", "standard")(hidden_states, gate, self.weight, self.variance_epsilon)
+        return kernels.get("rms_norm_gated", "standard")(
+            hidden_states, gate, self.weight, self.variance_epsilon
+        )
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -269,7 +271,9 @@ def get_parallel_plan(self) -> ExpertPlan:
 
 # Sequence classification: this module's patched decoder inside the classifier (veomni.models.qwen3.patch_config
 # seq_cls_init) and the classification CE through the kernel registry (veomni.models.heads.seq_cls).
-config.add_import("from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward")
+config.add_import(
+    "from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward"
+)
 config.add_import("from transformers.modeling_outputs import SequenceClassifierOutputWithPast")
 config.add_method(
     "Qwen3NextForSequenceClassification.__init__", description=SEQ_CLS_INIT, name_map={"Qwen3": "Qwen3Next"}

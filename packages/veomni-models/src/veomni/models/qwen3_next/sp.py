@@ -110,7 +110,14 @@ def gdn_sequence_to_heads(
     ).to(weight.device)
     heads = slice(rank * hv_l, (rank + 1) * hv_l)
     return GdnLocal(
-        torch.cat([q, k, v], dim=-1), b, a, weight[channels], module.A_log[heads], module.dt_bias[heads], hk_l, hv_l
+        torch.cat([q, k, v], dim=-1),
+        b,
+        a,
+        weight[channels],
+        module.A_log[heads],
+        module.dt_bias[heads],
+        hk_l,
+        hv_l,
     )
 
 

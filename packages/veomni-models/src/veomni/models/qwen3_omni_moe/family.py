@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from veomni.models.family import DataRules, ModelFamily, ModelTypeSpec
+from veomni.models.family import (
+    AUDIO_LORA,
+    MOE_DEFAULT,
+    VISION_LORA,
+    DataRules,
+    ModelFamily,
+    ModelTypeSpec,
+    decoder_lora,
+)
 
 _MODULE = "veomni.models.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe"
 
@@ -24,6 +32,7 @@ FAMILY = ModelFamily(
                 "any_to_any": f"{_MODULE}:Qwen3OmniMoeThinkerForConditionalGeneration",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            lora=decoder_lora(extra={**VISION_LORA, **AUDIO_LORA}, default=MOE_DEFAULT),
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

@@ -54,7 +54,9 @@ def vision_attention_forward(
         self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     )
     cos, sin = position_embeddings
-    query_states, key_states = apply_rope_vision(self, query_states, key_states, cos, sin, apply_rotary_pos_emb_vision)
+    query_states, key_states = apply_rope_vision(
+        self, query_states, key_states, cos, sin, apply_rotary_pos_emb_vision
+    )
 
     # Under SP (sp_group from the tower's forward) every implementation name goes through the encoder entry:
     # only it runs the Ulysses exchange over this rank's slice of the packed tokens.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from veomni.models.family import ModelFamily, ModelTypeSpec
+from veomni.models.family import ModelFamily, ModelTypeSpec, decoder_lora
 
 _MODULE = "veomni.models.seed_oss.generated.patched_modeling_seed_oss"
 
@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:SeedOssForQuestionAnswering",
             },
             fast_paths={"sp", "fused_kernels"},
+            lora=decoder_lora(),
         ),
     ),
     patch_configs=("veomni.models.seed_oss.patch_config",),

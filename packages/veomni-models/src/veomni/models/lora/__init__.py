@@ -1,0 +1,60 @@
+"""LoRA adapters over any veomni model, in PEFT's format.
+
+- `LoraSpec`: the configuration (rank, alpha, targets, rsLoRA, dropout, modules to save, init).
+- `apply_lora`: on the built model, before FSDP2 and compilation: adapt the family's (or the spec's) target
+  layers and freeze the rest. `init_lora`: once materialised and loaded: fill the adapters (seeded, sharding-
+  independent) or read a PEFT adapter.
+- `save_peft_adapter` / `load_peft_adapter`: PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``.
+- A merged export is `veomni.models.export.hf.export_hf` of the adapted model (``W + scaling * B @ A``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from veomni.models.families import lora_targets
+from veomni.models.lora.layers import LoraLinear, adapted_layers, inject_lora
+from veomni.models.lora.peft_format import load_peft_adapter, peft_config, save_peft_adapter
+from veomni.models.lora.spec import LoraSpec, select_targets
+from veomni.models.lora.state import gather_trainable, init_adapters, load_trainable, trainable_keys
+
+log = logging.getLogger("veomni.models")
+
+__all__ = [
+    "LoraLinear",
+    "LoraSpec",
+    "adapted_layers",
+    "apply_lora",
+    "gather_trainable",
+    "init_lora",
+    "load_peft_adapter",
+    "load_trainable",
+    "peft_config",
+    "save_peft_adapter",
+    "trainable_keys",
+]
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, *, adapter_dtype: torch.dtype = torch.float32) -> list[str]:
+    """Adapt ``model`` in place (before FSDP2 / compilation; meta is fine) and freeze everything else.
+
+    Targets come from ``spec.targets`` or, when empty, the default groups of the family of ``model.config``'s
+    ``model_type`` (`veomni.models.family.LoraTargets`). Returns the adapted module FQNs.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    declared = lora_targets(model_type) if isinstance(model_type, str) else None
+    targets = select_targets(model, spec, declared)
+    inject_lora(model, spec, targets, adapter_dtype=adapter_dtype)
+    return targets
+
+
+def init_lora(model: nn.Module, spec: LoraSpec, seed: int) -> None:
+    """Fill the adapters of a materialised (and loaded) model: from ``spec.init_from`` (a PEFT adapter directory)
+    when set, else with ``spec.init`` seeded by ``seed`` (the same values on any sharding)."""
+    if spec.init_from is not None:
+        load_peft_adapter(model, spec, spec.init_from)
+    else:
+        init_adapters(model, spec, seed)
