@@ -67,7 +67,9 @@ def randomise_adapters(model: torch.nn.Module, seed: int = 3) -> None:
 def peft_of(upstream: torch.nn.Module, ours: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     """PEFT's model of ``upstream`` for our adapted layers, holding our adapter values."""
     peft_model = get_peft_model(upstream, peft_config(ours, spec))
-    result = set_peft_model_state_dict(peft_model, {PEFT_PREFIX + k: v for k, v in gather_trainable(ours).items()})
+    result = set_peft_model_state_dict(
+        peft_model, {PEFT_PREFIX + k: v for k, v in gather_trainable(ours).items()}
+    )
     assert not [k for k in result.missing_keys if "lora_" in k]
     return peft_model
 
@@ -188,7 +190,10 @@ def test_init_is_seeded_and_starts_at_the_base(monkeypatch):
     for m in (a, b):
         apply_lora(m, spec)
         init_lora(m, spec, seed=11)
-    assert all(torch.equal(x, y) for x, y in zip(gather_trainable(a).values(), gather_trainable(b).values(), strict=True))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(gather_trainable(a).values(), gather_trainable(b).values(), strict=True)
+    )
     with torch.no_grad():
         assert torch.equal(a(**inputs, use_cache=False).logits, base)  # B = 0
 

@@ -20,6 +20,8 @@ def test_every_shipped_recipe_validates(name):
         "quickstart_vlm",
         "quickstart_omni",
         "quickstart_dit",
+        "quickstart_lora",
+        "qwen3_8b_lora",
         "qwen3_0.6b",
         "qwen3_1.7b",
         "qwen3_vl_2b",

@@ -122,6 +122,18 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["data"]["kind"] = draw(st.sampled_from(["text", "conversation", "multimodal"]))
     raw["train"]["samples_per_step"] = raw["train"]["samples_per_micro_batch"] = None
     raw["dit"] = {}
+    # LoRA keys only with lora.enabled (a disabled section with keys set is an error, tested in test_lora_train).
+    raw["lora"] = draw(
+        st.one_of(
+            st.just({}),
+            st.fixed_dictionaries({
+                "enabled": st.just(True), "rank": st.integers(1, 64), "alpha": st.floats(0.5, 64.0),
+                "dropout": st.sampled_from([0.0, 0.05]), "use_rslora": st.booleans(),
+                "targets": st.lists(st.sampled_from(["attention", "mlp", "q_proj"]), max_size=2, unique=True),
+                "init": st.sampled_from(["default", "gaussian"]), "export": st.sampled_from(["both", "merged"]),
+            }),
+        )
+    )  # fmt: skip
     if isinstance(raw["model"]["config"], dict):
         raw["model"]["config_overrides"] = {}  # an inline config takes its values directly
     micro = draw(st.integers(2, 4096))

@@ -33,6 +33,8 @@ from veomni.models.hf.output_capture import capture_into_compiled_block
 from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
 from veomni.models.loading.quantized import check_not_quantized
+from veomni.models.lora import LoraSpec, apply_lora, init_lora
+from veomni.models.lora.state import adapter_keys
 from veomni.models.registry import (
     DIFFUSERS_TASK,
     MODELS,
@@ -201,6 +203,9 @@ def build_model(
     freeze: Sequence[str] = (),
     compute_dtype: torch.dtype | None = None,
     from_checkpoint: bool = False,
+    lora: LoraSpec | None = None,
+    lora_dtype: torch.dtype = torch.float32,
+    lora_seed: int = 0,
 ) -> PreTrainedModel | nn.Module:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
@@ -249,6 +254,11 @@ def build_model(
         from_checkpoint: the caller fills every parameter from a training checkpoint next (a DCP resume):
             ``weights`` is not read (its ``generation_config.json`` still is) and the parameters are left
             uninitialised on a meta build (buffers computed), with no random init either.
+        lora: LoRA adapters (`veomni.models.lora`) on the layers it selects, added before FSDP2 and compilation;
+            every other parameter is frozen (stored in ``dtype``). The adapters are not read from ``weights``: they
+            start from ``lora.init`` seeded by ``lora_seed`` (the same values on any sharding), or from the PEFT
+            adapter ``lora.init_from``. Not for diffusers models yet.
+        lora_dtype: the adapters' storage dtype (the optimizer steps them; fp32 by default).
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
@@ -266,6 +276,10 @@ def build_model(
     on_meta = torch.device(init_device).type == "meta"
     config = registry.load_config(config_or_path, **dict(config_overrides or {}))
     if isinstance(config, DiffusersConfig):
+        if lora is not None:
+            raise ValueError(
+                "build_model: LoRA on diffusers models (diffusers' adapter format) is not built yet"
+            )
         # diffusers' own class either way; ops (None: diffusers' own attention code) binds veomni's kernels.
         if ops is not None:
             if backend == "hf":
@@ -303,6 +317,9 @@ def build_model(
     if freeze:
         frozen = freeze_modules(model, freeze, where="build_model(freeze=...)")
         logger.info("build_model: froze %d parameter tensors of %s", len(frozen), freeze)
+    if lora is not None:
+        # Before kernels, compilation and FSDP2: the adapters belong to the blocks that are compiled and sharded.
+        apply_lora(model, lora, adapter_dtype=lora_dtype)
     if not on_meta and parallel_state is None:
         model.to(compute)  # FSDP moves sharded models itself
     if backend == "veomni":
@@ -379,7 +396,10 @@ def build_model(
         )
     else:
         check_checkpoint_kind(weights, "transformers", f"transformers {name}")
-        report = load_weights(model, weights, mode=load_mode, ignore_unexpected=ignore_unexpected)
+        report = load_weights(
+            model, weights, mode=load_mode, ignore_unexpected=ignore_unexpected,
+            not_in_checkpoint=adapter_keys(model) if lora is not None else (),
+        )  # fmt: skip
         _attach_generation_config(model, weights)
         logger.info(
             "build_model: loaded %d tensors of %s from %s (%s, %.1f MiB read on this rank)",
@@ -402,6 +422,8 @@ def build_model(
                 name,
                 by_prefix,
             )
+    if lora is not None:
+        init_lora(model, lora, lora_seed)
     return model
 
 

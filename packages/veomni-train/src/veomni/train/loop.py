@@ -26,6 +26,7 @@ from veomni.core.master_weights import MasterWeights, master_weights_of
 from veomni.core.parallel_state import ParallelState, build_parallel_state
 from veomni.models.families import training_hooks
 from veomni.models.family import resolve
+from veomni.models.lora import save_peft_adapter
 from veomni.models.moe.expert_load import attach_expert_load_counters
 from veomni.train.checkpoint import CheckpointManager, latest_complete
 from veomni.train.checkpoint.match import config_dict
@@ -164,14 +165,14 @@ def build_run(recipe: Recipe) -> Run:
 
     # The initialisation depends on the seed alone, not on what building the data drew from the RNG.
     torch.manual_seed(recipe.train.seed)
-    # A resume overwrites every parameter: model.weights is then not read (minutes at 100B+ scale).
+    # A resume overwrites every parameter: model.weights is then not read (minutes at 100B+ scale). A LoRA
+    # checkpoint holds the adapters only, so its frozen base is read from model.weights again.
     resume_from = resume_path(recipe)
-    if resume_from is not None and recipe.model.weights is not None:
+    from_checkpoint = resume_from is not None and not recipe.lora.enabled
+    if from_checkpoint and recipe.model.weights is not None:
         log.info("resuming from %s: model weights are taken from the checkpoint, %s is not read",
                  resume_from, recipe.model.weights)  # fmt: skip
-    model = build_recipe_model(
-        recipe, config, probe, ops, state, device, from_checkpoint=resume_from is not None
-    )
+    model = build_recipe_model(recipe, config, probe, ops, state, device, from_checkpoint=from_checkpoint)
     hand_aux_loss_to_loop(model)
     routers = balanced_routers(recipe, config, model)
     masters = master_weights_of(model)
@@ -187,7 +188,7 @@ def build_run(recipe: Recipe) -> Run:
     scheduler = build_scheduler(optimizer, schedule)
     checkpoints = CheckpointManager(
         recipe.checkpoint.dir, keep_last=recipe.checkpoint.keep_last or 0,
-        async_save=recipe.checkpoint.async_save, parallel_state=state,
+        async_save=recipe.checkpoint.async_save, parallel_state=state, trained_only=recipe.lora.enabled,
     )  # fmt: skip
     run = Run(
         recipe=recipe, state=state, device=device, tokenizer=tokenizer, model=model, optimizer=optimizer,
@@ -231,8 +232,14 @@ def _save(run: Run) -> None:
 def _export(run: Run, name: str) -> Path:
     out = Path(run.recipe.checkpoint.dir) / name
     # Exports hold the fp32 master values, as the FSDP2 path's do (not their compute-dtype rounding).
+    lora = run.recipe.lora
     with run.masters.exposed() if run.masters is not None else contextlib.nullcontext():
-        run.task.export(run.model, out, run.tokenizer, run.state)
+        if not lora.enabled or lora.export in ("both", "merged"):
+            run.task.export(run.model, out, run.tokenizer, run.state)
+    if lora.enabled and lora.export in ("both", "adapter"):
+        adapter = out.with_name(out.name + "_adapter")
+        save_peft_adapter(run.model, lora.spec(), adapter, base_model_name_or_path=run.recipe.model.weights)
+        return adapter if lora.export == "adapter" else out
     return out
 
 
@@ -335,7 +342,9 @@ def train(
             try:
                 stats = train_step_on_device(run, step)
             except torch.OutOfMemoryError as err:  # snapshot while the step's tensors still hold the memory
-                raise dump_oom_snapshot(err, run.step + 1, Path(recipe.checkpoint.dir), dist.get_rank()) from None
+                raise dump_oom_snapshot(
+                    err, run.step + 1, Path(recipe.checkpoint.dir), dist.get_rank()
+                ) from None
             profiler.after_step(run.step)
             flops = 0.0 if stats["skipped"] else run.task.step_flops(step)
             pending.append((run.step, stats, t_data, step.tokens, flops))

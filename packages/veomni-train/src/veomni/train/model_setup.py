@@ -82,7 +82,9 @@ def one_rank_path(recipe: Recipe, world_size: int) -> str:
     `veomni.core.master_weights`). ``parallel.force_fsdp2`` keeps FSDP2 on one rank."""
     if world_size > 1 or recipe.parallel.force_fsdp2:
         return "fsdp2"
-    return "plain" if recipe.model.dtype == recipe.model.param_dtype else "master_weights"
+    # LoRA: the frozen base has no masters to keep, and the adapters are stored in model.param_dtype themselves.
+    plain = recipe.model.dtype == recipe.model.param_dtype or recipe.lora.enabled
+    return "plain" if plain else "master_weights"
 
 
 def build_recipe_model(
@@ -101,6 +103,11 @@ def build_recipe_model(
     path = one_rank_path(recipe, state.dims.world_size)
     ops = ops_for_eager_only_features(recipe, ops)
     args = {**_build_args(recipe, ops), "from_checkpoint": from_checkpoint}
+    if recipe.lora.enabled:
+        # The frozen base is stored in the compute dtype (no fp32 copy of weights that never change); the adapters
+        # in model.param_dtype, cast to the compute dtype by FSDP2's mixed precision like any trained parameter.
+        args |= {"lora": recipe.lora.spec(), "lora_dtype": param_dtype, "lora_seed": recipe.train.seed}
+        param_dtype = dtype
     if path == "fsdp2":
         if state.dims.world_size == 1:
             log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")

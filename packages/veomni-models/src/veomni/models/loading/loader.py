@@ -300,6 +300,7 @@ def load_weights(
     ignore_unexpected: Sequence[str] = (),
     check_config: bool = True,
     group: dist.ProcessGroup | None = None,
+    not_in_checkpoint: Sequence[str] = (),
 ) -> LoadReport:
     """Copy a safetensors checkpoint into ``model``'s parameters and persistent buffers, in place.
 
@@ -317,6 +318,8 @@ def load_weights(
         check_config: refuse a checkpoint whose ``config.json`` has another ``model_type`` (and no sub-config,
             such as ``text_config``, of the model's type).
         group: the group of ``"rank0_broadcast"`` (default: the world).
+        not_in_checkpoint: model keys the checkpoint does not hold and that are filled otherwise (LoRA adapters):
+            neither read nor reported missing.
     Returns:
         a `LoadReport`.
     Raises:
@@ -327,7 +330,8 @@ def load_weights(
     """
     if mode not in MODES:
         raise ValueError(f"load_weights: mode must be one of {MODES}, got {mode!r}")
-    targets = model_targets(model)
+    skip = set(not_in_checkpoint)
+    targets = {k: t for k, t in model_targets(model).items() if k not in skip}
     meta = [k for k, t in targets.items() if t.local.is_meta]
     if meta:
         raise ValueError(f"load_weights: {meta[:4]} are on the meta device; materialise the model first")

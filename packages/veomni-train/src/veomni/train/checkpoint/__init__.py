@@ -162,6 +162,8 @@ class CheckpointManager:
             step's ``COMPLETE`` marker (and prunes) in that thread as soon as the write finishes, so a run that dies
             before its next save still resumes from it. The next save and `wait` wait for both.
         parallel_state: the training topology (needed for expert-parallel models).
+        trained_only: save and load only the parameters that train (``requires_grad``): a LoRA run's adapters
+            (and modules trained in full), its frozen base being re-read from the model's weights on resume.
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class CheckpointManager:
         keep_last: int = 0,
         async_save: bool = False,
         parallel_state: ParallelState | None = None,
+        trained_only: bool = False,
     ):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
@@ -178,6 +181,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.async_save = async_save
         self.state = parallel_state
+        self.trained_only = trained_only
         # (the DCP write, rank 0's marking of the step as complete after it, step dir)
         self._pending: tuple[Future, Future, Path] | None = None
         self._async_group = None
@@ -211,7 +215,8 @@ class CheckpointManager:
                 shutil.rmtree(staging)  # a leftover of an interrupted save of the same step
             staging.mkdir(parents=True)
         _barrier()
-        payload = checkpoint_view(model, self.state, *state_dicts(model, optimizer))
+        model_sd, optim_sd = state_dicts(model, optimizer)
+        payload = checkpoint_view(model, self.state, self._kept(model, model_sd), optim_sd)
         failure = None
         try:
             torch.save({**rank_state, "rng": rng_state()}, staging / f"rank_{_rank():05d}.pt")
@@ -240,6 +245,13 @@ class CheckpointManager:
             dcp.save(payload, checkpoint_id=staging / "dcp")
             self._finish(staging, path)
         return path
+
+    def _kept(self, model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+        # The frozen base of a LoRA run is the model's weights, unchanged: only what trains is checkpointed.
+        if not self.trained_only:
+            return model_sd
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k in trained}
 
     def set_aside_newer(self, step: int) -> list[Path]:
         """Rename every step directory above ``step`` (complete or not) to ``<name>.abandoned`` (``.abandoned2``,
@@ -363,6 +375,7 @@ class CheckpointManager:
         path = Path(path)
         check_complete(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)  # (every parameter gets its state's tensors)
+        model_sd = self._kept(model, model_sd)
         payload = checkpoint_view(model, self.state, model_sd, optim_sd)
         if stateless := check_payload_matches(path / "dcp", payload):
             # Trained parameters no gradient had reached when the checkpoint was saved: they stay without state,
@@ -384,7 +397,7 @@ class CheckpointManager:
         if saved_groups is not None:
             payload["optim"]["param_groups"] = optim_sd["param_groups"] = saved_groups
         dcp.load(payload, checkpoint_id=path / "dcp")
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not self.trained_only))
         load_optimizer(model, optimizer, optim_sd, names)
         trainer_state = torch.load(path / "trainer.pt", weights_only=False)
         rank_file = path / f"rank_{_rank():05d}.pt"

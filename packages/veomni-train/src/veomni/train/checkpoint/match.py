@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from veomni.models.export.files import config_differences, flatten_mapping
+from veomni.train.recipe.lora_section import LORA_MEANING
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,30 @@ def saved_param_group_slots(dcp_dir: Path) -> list[dict[str, Any]] | None:
     return [slots.get(i, {}) for i in range(max(slots) + 1)]
 
 
+def _check_same_adapters(path: Path, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    # A LoRA checkpoint holds adapters of one shape and target set, a full one every weight: neither resumes as the
+    # other, and adapters of another rank or on other layers are other parameters.
+    was, is_ = bool(saved.get("enabled")), bool(now.get("enabled"))
+    if was != is_:
+        kinds = {True: "LoRA adapters only (lora.enabled: true)", False: "every weight (lora.enabled: false)"}
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds {kinds[was]}, but this run trains {kinds[is_]}; resume with the saved "
+            "lora.enabled, or start fresh (another checkpoint.dir, or checkpoint.resume=never)"
+        )
+    diff = [
+        f"lora.{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
+        for k in LORA_MEANING
+        if saved.get(k) != now.get(k)
+    ]
+    if was and diff:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds other adapters than this run's:\n  - "
+            + "\n  - ".join(diff)
+            + "\nResume with the saved lora settings, or start from its exported adapter with lora.init_from and a "
+            "fresh checkpoint.dir"
+        )
+
+
 def check_resumable(
     path: Path,
     trainer_state: Mapping[str, Any],
@@ -233,7 +258,8 @@ def check_resumable(
         recipe: this run's resolved recipe as plain data (`recipe_to_dict`).
 
     Raises:
-        CheckpointMismatchError: the saved model config describes another model.
+        CheckpointMismatchError: the saved model config describes another model, or the saved LoRA setup
+            (enabled, rank, alpha, scaling rule, targets, modules to save) differs.
 
     A changed ``model`` section of the same model, and optimizer hyperparameters that will keep their saved values
     (the optimizer's param groups and the scheduler's base lrs are state), are warned about, not refused.
@@ -249,6 +275,7 @@ def check_resumable(
             "checkpoint.resume=never)."
         )
     saved_recipe = trainer_state.get("recipe") or {}
+    _check_same_adapters(path, saved_recipe.get("lora") or {}, recipe.get("lora") or {})
     if (saved_model := saved_recipe.get("model")) is not None:
         now = recipe["model"]
         changed = [f"model.{k}: saved {saved_model.get(k)!r}, now {now[k]!r}" for k in now
@@ -262,7 +289,9 @@ def check_resumable(
         restored = [f"optim.{k}: saved {saved_optim.get(k)!r}, recipe {now[k]!r}"
                     for k in ("lr", "betas", "eps", "weight_decay") if saved_optim.get(k) != now[k]]  # fmt: skip
         if restored and now.get("on_resume") == "recipe":
-            log.info("resuming %s with the recipe's optimizer values (optim.on_resume=recipe): %s", path, restored)
+            log.info(
+                "resuming %s with the recipe's optimizer values (optim.on_resume=recipe): %s", path, restored
+            )
         elif restored:
             log.warning(
                 "resuming %s: the checkpoint's optimizer and schedule state keep the saved values of %s (the "

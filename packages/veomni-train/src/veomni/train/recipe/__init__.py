@@ -35,6 +35,7 @@ from veomni.core import ParallelDims
 from veomni.kernels import KERNELS
 from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
 from veomni.train.recipe import parse as recipe_parse
+from veomni.train.recipe.lora_section import LoraSection
 from veomni.train.recipe.parse import RecipeError
 from veomni.train.recipe.run_sections import (
     CheckpointSection,
@@ -122,9 +123,15 @@ class Recipe:
     dit: DitSection = _field(
         DitSection, "diffusion transformers (model.task=dit): condition models, noising", factory=True
     )
+    lora: LoraSection = _field(LoraSection, "LoRA adapters on a frozen base (parameter-efficient fine-tuning)", factory=True)
 
     def __attrs_post_init__(self) -> None:
         check_task_sections(self)
+        if self.lora.enabled and self.model.task == "dit":
+            raise RecipeError(
+                "lora.enabled with model.task=dit: LoRA on diffusion transformers (diffusers' adapter format) is not "
+                "built yet; train the DiT in full (lora.enabled: false)"
+            )
         if (
             self.train.tokens_per_micro_batch is not None
             and self.data.max_seq_len > self.train.tokens_per_micro_batch
@@ -302,6 +309,7 @@ __all__ = [
     "DataSection",
     "DitSection",
     "LogSection",
+    "LoraSection",
     "ModelSection",
     "OpsSection",
     "OptimSection",
