@@ -97,7 +97,7 @@ def _check_equal_peft(model_type: str, backend: str, monkeypatch: pytest.MonkeyP
         )
 
 
-@pytest.mark.parametrize("backend", ["eager", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("eager", marks=pytest.mark.slow), "torch"])
 def test_qwen3_moe_forward_backward_equal_peft(backend, monkeypatch):
     _check_equal_peft("qwen3_moe", backend, monkeypatch)
 
@@ -110,7 +110,12 @@ def test_moe_families_forward_backward_equal_peft(model_type, backend, monkeypat
 
 
 @pytest.mark.parametrize(
-    "targets", [("experts",), ("model.layers.*.mlp.experts.down_proj",), ("experts", "attention", "q_proj")]
+    "targets",
+    [
+        ("experts",),
+        pytest.param(("model.layers.*.mlp.experts.down_proj",), marks=pytest.mark.slow),
+        pytest.param(("experts", "attention", "q_proj"), marks=pytest.mark.slow),
+    ],
 )
 def test_adapter_round_trip_through_peft(targets, monkeypatch, tmp_path):
     spec = LoraSpec(rank=2, alpha=6.0, targets=targets, use_rslora=True)
@@ -151,7 +156,9 @@ def test_merged_export_equals_base_plus_update(monkeypatch, tmp_path):
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", MOE_TYPES)
+@pytest.mark.parametrize(
+    "model_type", [MOE_TYPES[0], *(pytest.param(t, marks=pytest.mark.slow) for t in MOE_TYPES[1:])]
+)
 def test_experts_group_selects_the_fused_projections(model_type):
     adapted = apply_lora(build_ours(model_type), LoraSpec(rank=2, targets=("experts",)))
     assert adapted and all(
@@ -188,3 +195,45 @@ def test_refusals(monkeypatch):
     # Without veomni's experts implementation, upstream's forward would drop the adapters: refused at the call.
     with pytest.raises(RuntimeError, match="only veomni's experts implementation applies"):
         model(input_ids=batch()["input_ids"], use_cache=False)
+
+
+def test_a_defaulted_triton_backend_becomes_torch_for_lora_experts():
+    from veomni.kernels.hardware import Hardware
+    from veomni.models.hf.experts import fit_experts_backend
+
+    model = build_ours("qwen3_moe")
+    apply_lora(model, LoraSpec(targets=("experts",)))
+    hopper = OpsConfig(hardware=Hardware(device_type="cuda", capability=(9, 0)))
+    assert hopper.moe_experts == "triton" and "moe_experts" in hopper.defaulted
+    assert fit_experts_backend(model, hopper).moe_experts == "torch"
+    # torch._grouped_mm's sync-free path needs sm_90: older GPUs get the eager loop.
+    ampere = OpsConfig(hardware=Hardware(device_type="cuda", capability=(8, 0)))
+    assert fit_experts_backend(model, ampere).moe_experts == "eager"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["qwen3_vl_moe", "qwen3_omni_moe"])
+def test_vlm_language_model_experts_round_trip_through_peft(which, tmp_path):
+    # The VLM / omni thinker classes: the experts sit under model.language_model, which PEFT's load conversion
+    # must leave in place.
+    from test_qwen3_omni_moe import pair as omni_pair
+    from test_qwen3_vl_moe import build_pair as vl_pair
+
+    upstream, ours = {"qwen3_vl_moe": vl_pair, "qwen3_omni_moe": omni_pair}[which]()
+    apply_lora(ours, SPEC)
+    apply_ops(ours, OpsConfig(**{**EAGER_OPS, "attention": "sdpa", "moe_experts": "torch"}))
+    assert any(
+        ".language_model.layers.1.mlp.experts.down_proj_lora_B" in n for n, _ in ours.named_parameters()
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits
+    save_peft_adapter(ours, SPEC, tmp_path)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(upstream, tmp_path)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
