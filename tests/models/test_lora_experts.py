@@ -237,3 +237,33 @@ def test_vlm_language_model_experts_round_trip_through_peft(which, tmp_path):
     with torch.no_grad():
         got = PeftModel.from_pretrained(upstream, tmp_path)(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_trace_the_lora_experts_kernels():
+    # fullgraph=True through the experts forward, its adapter check hook and the lora_routed torch kernel.
+    from veomni.core.compile import compile_blocks
+    from veomni.models.hf.output_capture import capture_into_compiled_block
+
+    def adapted() -> torch.nn.Module:
+        model = build_ours("qwen3_moe")
+        apply_lora(model, SPEC)
+        apply_ops(model, OpsConfig(moe_experts="torch", compile="off"))
+        with torch.no_grad():
+            for p in (p for p in model.parameters() if p.requires_grad):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+        return model
+
+    eager, compiled = adapted(), adapted()
+    compile_blocks(
+        compiled, ("model.layers.*",), backend="aot_eager", call_context=capture_into_compiled_block
+    )
+    cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    inputs = {**batch(), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 12, "max_length_k": 12}
+    want, got = step(eager, inputs), step(compiled, inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(
+                q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+            )
