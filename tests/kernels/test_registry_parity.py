@@ -107,6 +107,17 @@ CASES: dict[tuple[str, str], Case] = {
         (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8, 4)),
         {},
     ),
+    # Per-expert LoRA (rank 2, padded by the torch backend) on both projections: A [E, r, in], B [E, out, r].
+    ("moe_experts", "lora_routed"): lambda g: (
+        (_t(g, 5, 8), torch.tensor([[0, 2], [2, 2], [3, 0], [2, 3], [0, 0]], device=DEVICE), _t(g, 5, 2),
+         _t(g, 4, 8, 8), _t(g, 4, 8, 4), _t(g, 4, 2, 8), _t(g, 4, 8, 2), _t(g, 4, 2, 4), _t(g, 4, 8, 2)),
+        {"scaling": 0.5},
+    ),  # fmt: skip
+    ("moe_experts", "lora_grouped"): lambda g: (
+        (_t(g, 7, 8), torch.tensor([3, 0, 4], device=DEVICE), _t(g, 3, 8, 8), _t(g, 3, 8, 4), _t(g, 3, 2, 8),
+         _t(g, 3, 8, 2), _t(g, 3, 2, 4), _t(g, 3, 8, 2)),
+        {"scaling": 2.0},
+    ),  # fmt: skip
     # gpt-oss layout: gate_up_proj [E, H, 2I] interleaved + bias, down_proj [E, I, H] + bias (H = 8, I = 4); a
     # small limit so both clamps clip some of the random pre-activations.
     ("moe_experts", "clamped_routed"): lambda g: (

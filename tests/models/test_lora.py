@@ -35,9 +35,9 @@ from veomni.models.lora import (
     init_lora,
     load_peft_adapter,
     peft_config,
+    peft_state_dict,
     save_peft_adapter,
 )
-from veomni.models.lora.peft_format import PEFT_PREFIX
 from veomni.models.registry import config_for_class
 
 PARITY_TYPES = ["qwen3", "deepseek_v3", "qwen3_next", "gemma3_text"]
@@ -67,9 +67,7 @@ def randomise_adapters(model: torch.nn.Module, seed: int = 3) -> None:
 def peft_of(upstream: torch.nn.Module, ours: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     """PEFT's model of ``upstream`` for our adapted layers, holding our adapter values."""
     peft_model = get_peft_model(upstream, peft_config(ours, spec))
-    result = set_peft_model_state_dict(
-        peft_model, {PEFT_PREFIX + k: v for k, v in gather_trainable(ours).items()}
-    )
+    result = set_peft_model_state_dict(peft_model, peft_state_dict(ours))
     assert not [k for k in result.missing_keys if "lora_" in k]
     return peft_model
 

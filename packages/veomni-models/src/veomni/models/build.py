@@ -34,6 +34,7 @@ from veomni.models.loading.loader import load_weights
 from veomni.models.loading.materialize import buffers_init_fn, hf_init_fn
 from veomni.models.loading.quantized import check_not_quantized
 from veomni.models.lora import LoraSpec, apply_lora, init_lora
+from veomni.models.lora.experts import lora_expert_plan
 from veomni.models.lora.state import adapter_keys
 from veomni.models.registry import (
     DIFFUSERS_TASK,
@@ -363,6 +364,8 @@ def build_model(
         plan = None
         if parallel_state.ep_enabled:
             plan = _expert_plan(model, expert_plan, resolved, parallel_state.dims.ep)
+            if lora is not None:  # per-expert adapters are sliced with their experts
+                plan = lora_expert_plan(model, plan)
         elif expert_plan is not None:
             raise ValueError("build_model: expert_plan was given but parallel_state has ep=1")
         policy = default_fsdp_policy(model) if fsdp_policy is None else fsdp_policy

@@ -150,8 +150,9 @@ class LoraTargets:
 
     Attributes:
         groups: ``{group name: FQN globs}``; a recipe's ``lora.targets`` may name a group (``attention``, ``mlp``,
-            ``vision``, ...). A glob selects the plain ``nn.Linear`` modules it matches (``*`` stays in one name
-            component); every group must select at least one in the model (the conformance suite checks it).
+            ``experts``, ``vision``, ...). A glob selects the plain ``nn.Linear`` modules it matches (``*`` stays in
+            one name component), or the fused projections of the MoE experts modules it matches (per-expert
+            adapters, `veomni.models.lora.experts`); every group must select at least one in the model.
         default: the groups adapted when ``lora.targets`` is empty.
     """
 
@@ -176,6 +177,10 @@ STANDARD_LORA_GROUPS = {
 }
 """Module globs relative to one decoder block, in the names transformers gives its decoders."""
 
+EXPERTS_LORA_GROUP = "mlp.experts"
+"""The ``experts`` group (`decoder_lora` with ``experts=True``): a decoder block's fused MoE experts in transformers'
+SwiGLU layout, adapted per expert on both projections (PEFT's ``target_parameters``)."""
+
 MOE_DEFAULT = ("attention", "linear_attention")
 """Default LoRA groups of the MoE model types PEFT re-targets on load (its transformers v4 -> v5 conversion maps any
 ``*.gate_proj/up_proj/down_proj`` layer onto the fused experts): the dense MLP and shared experts stay available by
@@ -190,11 +195,14 @@ def decoder_lora(
     *,
     default: tuple[str, ...] = tuple(STANDARD_LORA_GROUPS),
     extra: Mapping[str, tuple[str, ...]] | None = None,
+    experts: bool = False,
 ) -> LoraTargets:
     """`LoraTargets` of a decoder whose blocks are ``<layers>.<i>``: the `STANDARD_LORA_GROUPS` under every prefix of
-    ``layers``, plus ``extra`` groups of whole-FQN globs (a vision tower: ``model.visual.blocks.*.attn.qkv``)."""
+    ``layers`` (and, with ``experts``, the ``experts`` group: `EXPERTS_LORA_GROUP`), plus ``extra`` groups of
+    whole-FQN globs (a vision tower: ``model.visual.blocks.*.attn.qkv``)."""
+    standard = {**STANDARD_LORA_GROUPS, **({"experts": EXPERTS_LORA_GROUP} if experts else {})}
     groups: dict[str, tuple[str, ...]] = {}
-    for name, rel in STANDARD_LORA_GROUPS.items():
+    for name, rel in standard.items():
         rels = (rel,) if isinstance(rel, str) else rel
         groups[name] = tuple(f"{prefix}.*.{r}" for prefix in layers for r in rels)
     return LoraTargets(groups={**groups, **(extra or {})}, default=default)

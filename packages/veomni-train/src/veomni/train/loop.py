@@ -238,7 +238,13 @@ def _export(run: Run, name: str) -> Path:
             run.task.export(run.model, out, run.tokenizer, run.state)
     if lora.enabled and lora.export in ("both", "adapter"):
         adapter = out.with_name(out.name + "_adapter")
-        save_peft_adapter(run.model, lora.spec(), adapter, base_model_name_or_path=run.recipe.model.weights)
+        save_peft_adapter(
+            run.model,
+            lora.spec(),
+            adapter,
+            base_model_name_or_path=run.recipe.model.weights,
+            parallel_state=run.state,
+        )
         return adapter if lora.export == "adapter" else out
     return out
 

@@ -19,7 +19,7 @@ FAMILY = ModelFamily(
                 "token_classification": f"{_MODULE}:DeepseekV3ForTokenClassification",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(default=MOE_DEFAULT),
+            lora=decoder_lora(default=MOE_DEFAULT, experts=True),
         ),
     ),
     patch_configs=("veomni.models.deepseek_v3.patch_config",),

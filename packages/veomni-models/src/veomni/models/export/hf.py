@@ -37,8 +37,7 @@ from veomni.models.export.files import (
 from veomni.models.loading.loader import converters_for
 from veomni.models.loading.safetensors_io import SafetensorsStreamWriter
 from veomni.models.loading.targets import Target, gather_target, model_targets, tie_groups, unwrapped_class
-from veomni.models.lora.layers import adapted_layers
-from veomni.models.lora.state import merge_fetcher
+from veomni.models.lora.state import has_adapters, merge_fetcher
 
 logger = logging.getLogger(__name__)
 
@@ -267,9 +266,10 @@ def export_hf(
         raise TypeError(f"export_hf needs an HF PreTrainedModel (with a config), got {type(model).__name__}")
     targets = model_targets(model)
     merge = None
-    if adapted_layers(model):
-        # A LoRA model exports merged (W + scaling * B @ A), in the base model's own key layout.
-        adapter_keys, merge = merge_fetcher(model)
+    if has_adapters(model):
+        # A LoRA model exports merged (W + scaling * B @ A; per expert for fused experts), in the base model's own
+        # key layout.
+        adapter_keys, merge = merge_fetcher(model, parallel_state)
         targets = {k: t for k, t in targets.items() if k not in adapter_keys}
     leaders = _leaders(model, targets)
     fp32 = _keep_fp32(model)

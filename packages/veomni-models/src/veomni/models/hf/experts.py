@@ -17,6 +17,12 @@ refuses, naming the flag, every experts module that differs, before a kernel cou
 clamp. A layout with kernels of its own is *claimed* explicitly (`claim_experts`): the claim names the exact
 class, the kernel variants that compute it and how to call them; only that class (not a subclass, not
 transformers' own copy of it) runs those variants, after a numeric check of its gate against the kernels'.
+
+An experts module of the generic layout that carries per-expert LoRA adapters (`veomni.models.lora.experts`: the
+module's ``lora_targets`` names the adapted projections, each with ``<name>_lora_A [E, r, in]`` /
+``<name>_lora_B [E, out, r]`` beside it) runs the ``lora_routed`` / ``lora_grouped`` variants, which add the
+adapters' update inside the grouped GEMMs (`veomni.kernels.moe_experts.lora`); the eager backend then runs the
+eager LoRA kernels (the upstream loop knows no adapters), under EP too.
 """
 
 from __future__ import annotations
@@ -38,6 +44,29 @@ from veomni.models.hf.kernel_hooks import ATTR
 logger = logging.getLogger(__name__)
 
 EXPERTS_IMPLEMENTATION = "veomni"
+LORA_ATTR = "lora_targets"
+"""Attribute of an experts module with LoRA: the adapted fused parameters (of `LORA_PROJECTIONS`), in module order."""
+LORA_PROJECTIONS = ("gate_up_proj", "down_proj")
+LORA_SUFFIXES = ("_lora_A", "_lora_B")
+"""``<projection><suffix>``: the adapter parameters beside an adapted projection, ``[E, r, in]`` and ``[E, out, r]``."""
+
+
+def experts_adapters(module: nn.Module) -> tuple[torch.Tensor | None, ...] | None:
+    """``(gate_up_A, gate_up_B, down_A, down_B)`` of an experts module with LoRA (None for an unadapted projection,
+    the ``lora_*`` kernels' argument order), or None when it has no adapters."""
+    adapted = getattr(module, LORA_ATTR, ())
+    if not adapted:
+        return None
+    return tuple(
+        getattr(module, f"{name}{suffix}") if name in adapted else None
+        for name in LORA_PROJECTIONS
+        for suffix in LORA_SUFFIXES
+    )
+
+
+def adapter_param_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of the LoRA adapter parameters on an experts module (empty without adapters)."""
+    return tuple(f"{name}{suffix}" for name in getattr(module, LORA_ATTR, ()) for suffix in LORA_SUFFIXES)
 
 
 def veomni_experts_forward(
@@ -61,7 +90,15 @@ def veomni_experts_forward(
     claim = claim_of(self)
     shards = expert_shards(self)
     shard = shards.get("gate_up_proj")
+    adapters = experts_adapters(self)
     if shard is None or shard.ep_size == 1:
+        if adapters is not None:
+            _recheck(self, backend)
+            routed = kernels.get("moe_experts", "lora_routed")
+            return routed(
+                hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, *adapters,
+                scaling=self.lora_scaling,
+            )  # fmt: skip
         if backend == "eager":
             upstream = type(self).forward.__wrapped__  # the class's own forward, under HF's dispatch wrapper
             return upstream(self, hidden_states, top_k_index, top_k_weights)
@@ -74,13 +111,13 @@ def veomni_experts_forward(
         routed = kernels.get("moe_experts", "routed")
         return routed(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
-    if backend == "eager":
+    if backend == "eager" and adapters is None:
         raise ValueError(
             "OpsConfig.moe_experts='eager' runs the upstream per-expert loop, which indexes experts by global id "
             f"and cannot run on expert-parallel shards ({type(self).__name__} holds {shard.local_experts} of "
             f"{shard.num_experts} experts); choose a grouped backend such as 'torch' or 'triton'"
         )
-    sharded = claim.params if claim is not None else ("gate_up_proj", "down_proj")
+    sharded = claim.params if claim is not None else ("gate_up_proj", "down_proj", *adapter_param_names(self))
     if any(name not in shards for name in sharded):
         raise ValueError(
             f"{type(self).__name__}: {list(sharded)} must all be expert-sharded, found {sorted(shards)}"
@@ -91,6 +128,16 @@ def veomni_experts_forward(
     if claim is not None:
         grouped = kernels.get("moe_experts", claim.grouped)
         out = grouped(rows, handle.local_expert_counts, *claim.tensors(self), **claim.options(self))
+    elif adapters is not None:
+        grouped = kernels.get("moe_experts", "lora_grouped")
+        out = grouped(
+            rows,
+            handle.local_expert_counts,
+            self.gate_up_proj,
+            self.down_proj,
+            *adapters,
+            scaling=self.lora_scaling,
+        )
     else:
         grouped = kernels.get("moe_experts", "grouped")
         out = grouped(rows, handle.local_expert_counts, self.gate_up_proj, self.down_proj)
@@ -265,7 +312,8 @@ def experts_mismatches(module: nn.Module) -> list[str]:
         value = getattr(module, name, None)
         if value is not None:
             found.append(f"{name}: expected none (the kernels neither clamp nor scale), found {value!r}")
-    params = dict(module.named_parameters(recurse=False))
+    adapters = adapter_param_names(module)  # LoRA's, which the lora_* kernels take
+    params = {n: p for n, p in module.named_parameters(recurse=False) if n not in adapters}
     if set(params) != {"gate_up_proj", "down_proj"}:
         found.append(
             f"parameters: expected exactly ['down_proj', 'gate_up_proj'], found {sorted(params)} (a kernel would "
@@ -286,8 +334,9 @@ def experts_mismatches(module: nn.Module) -> list[str]:
 
 def fit_experts_backend(model: nn.Module, ops: OpsConfig) -> OpsConfig:
     """``ops`` with a ``moe_experts`` backend that implements the kernel variants ``model``'s experts use (a
-    claimed class's, e.g. gpt-oss's ``clamped_*``, else ``routed``/``grouped``). A *defaulted* backend lacking
-    one (the NPU default has no clamped kernels) becomes ``eager``, logged; an explicit one raises naming the
+    claimed class's, e.g. gpt-oss's ``clamped_*``, else ``routed``/``grouped``; ``lora_*`` for experts with LoRA
+    adapters). A *defaulted* backend lacking one (the NPU default has no clamped kernels, triton no LoRA ones)
+    becomes ``torch`` where that runs here and has them, else ``eager``, logged; an explicit one raises naming the
     backends that have them. ``defaulted`` is unchanged."""
     backend = ops.moe_experts
     if backend == "eager":
@@ -297,6 +346,8 @@ def fit_experts_backend(model: nn.Module, ops: OpsConfig) -> OpsConfig:
         if is_hf_experts_module(module):
             claim = claim_of(module)
             needed |= {claim.routed, claim.grouped} if claim is not None else {"routed", "grouped"}
+            if experts_adapters(module) is not None:
+                needed |= {"lora_routed", "lora_grouped"}
     specs = [s for s in ops.registry.specs() if s.op == "moe_experts"]
     missing = needed - {s.variant for s in specs if s.backend == backend}
     if not missing:
@@ -308,10 +359,20 @@ def fit_experts_backend(model: nn.Module, ops: OpsConfig) -> OpsConfig:
             f"OpsConfig.moe_experts={backend!r} has no {sorted(missing)} kernels, which this model's experts "
             f"need; backends that have them: {having}"
         )
-    logger.info(
-        "apply_ops: moe_experts default %r lacks %s for this model; using 'eager'", backend, sorted(missing)
+    # LoRA experts: torch's grouped GEMMs where they run, rather than the eager loop.
+    fallback = next(
+        b
+        for b in ("torch", "eager")
+        if needed <= {s.variant for s in specs if s.backend == b}
+        and ops.registry.backend_problem("moe_experts", b, ops.hardware) is None
     )
-    return ops.replace(moe_experts="eager")
+    logger.info(
+        "apply_ops: moe_experts default %r lacks %s for this model; using %r",
+        backend,
+        sorted(missing),
+        fallback,
+    )
+    return ops.replace(moe_experts=fallback)
 
 
 def check_experts_modules(model: nn.Module, backend: str) -> int:

@@ -1,6 +1,8 @@
 """LoRA adapters over any veomni model, in PEFT's format.
 
 - `LoraSpec`: the configuration (rank, alpha, targets, rsLoRA, dropout, modules to save, init).
+- Fused MoE experts get per-expert adapters applied inside the grouped-GEMM experts kernels
+  (`veomni.models.lora.experts`), saved as PEFT's ``target_parameters``.
 - `apply_lora`: on the built model, before FSDP2 and compilation: adapt the family's (or the spec's) target
   layers and freeze the rest. `init_lora`: once materialised and loaded: fill the adapters (seeded, sharding-
   independent) or read a PEFT adapter.
@@ -16,8 +18,9 @@ import torch
 from torch import nn
 
 from veomni.models.families import lora_targets
+from veomni.models.lora.experts import adapted_experts
 from veomni.models.lora.layers import LoraLinear, adapted_layers, inject_lora
-from veomni.models.lora.peft_format import load_peft_adapter, peft_config, save_peft_adapter
+from veomni.models.lora.peft_format import load_peft_adapter, peft_config, peft_state_dict, save_peft_adapter
 from veomni.models.lora.spec import LoraSpec, select_targets
 from veomni.models.lora.state import gather_trainable, init_adapters, load_trainable, trainable_keys
 
@@ -26,6 +29,7 @@ log = logging.getLogger("veomni.models")
 __all__ = [
     "LoraLinear",
     "LoraSpec",
+    "adapted_experts",
     "adapted_layers",
     "apply_lora",
     "gather_trainable",
@@ -33,6 +37,7 @@ __all__ = [
     "load_peft_adapter",
     "load_trainable",
     "peft_config",
+    "peft_state_dict",
     "save_peft_adapter",
     "trainable_keys",
 ]
@@ -42,7 +47,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, adapter_dtype: torch.dtype =
     """Adapt ``model`` in place (before FSDP2 / compilation; meta is fine) and freeze everything else.
 
     Targets come from ``spec.targets`` or, when empty, the default groups of the family of ``model.config``'s
-    ``model_type`` (`veomni.models.family.LoraTargets`). Returns the adapted module FQNs.
+    ``model_type`` (`veomni.models.family.LoraTargets`). Returns the adapted module FQNs (and fused experts
+    projections, ``<experts>.gate_up_proj``).
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     declared = lora_targets(model_type) if isinstance(model_type, str) else None

@@ -16,11 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.models.hf.experts import LORA_SUFFIXES
+from veomni.models.lora.experts import inject_expert_lora, split_expert_target
 from veomni.models.lora.spec import LoraSpec, select_modules
 
 log = logging.getLogger("veomni.models")
 
-ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight")
+ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight", *LORA_SUFFIXES)
+"""Name endings of adapter parameters: a `LoraLinear`'s, and the per-expert ones beside fused MoE projections."""
 
 
 class LoraLinear(nn.Linear):
@@ -48,7 +51,8 @@ def inject_lora(
     *,
     adapter_dtype: torch.dtype = torch.float32,
 ) -> list[str]:
-    """Turn every module named in ``targets`` into a `LoraLinear` and freeze everything but the adapters and
+    """Turn every module named in ``targets`` into a `LoraLinear` (a fused MoE projection named there gets per-expert
+    adapters: `veomni.models.lora.experts.inject_expert_lora`) and freeze everything but the adapters and
     ``spec.modules_to_save``.
 
     Call it on the built model before FSDP2 / compilation (meta device is fine: the adapters are created where
@@ -57,7 +61,8 @@ def inject_lora(
     Args:
         model: the model (plain, possibly on meta).
         spec: the LoRA configuration (rank, scaling, dropout, modules to save).
-        targets: FQNs of plain ``nn.Linear`` modules (`select_modules` finds them).
+        targets: FQNs of plain ``nn.Linear`` modules and of fused experts projections (`select_modules` finds
+            them).
         adapter_dtype: the dtype of ``lora_A`` / ``lora_B`` (fp32 by default: small, and the optimizer steps them).
     Returns:
         the FQNs of the trainable parameters (adapters and modules to save), in ``named_parameters`` order.
@@ -68,7 +73,12 @@ def inject_lora(
             embeddings: PEFT would save a copy and untie them).
     """
     model.requires_grad_(False)
+    experts: dict[str, list[str]] = {}
     for name in targets:
+        projection = split_expert_target(model, name)
+        if projection is not None:
+            experts.setdefault(projection[0], []).append(projection[1])
+            continue
         layer = model.get_submodule(name)
         if type(layer) is not nn.Linear:
             raise TypeError(
@@ -82,12 +92,13 @@ def inject_lora(
         layer.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         layer.lora_scaling = spec.scaling
         layer.__class__ = LoraLinear
+    inject_expert_lora(model, spec, experts, adapter_dtype)
     saved = _unfreeze_modules_to_save(model, spec) if spec.modules_to_save else []
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     n_adapter = sum(p.numel() for n, p in model.named_parameters() if n.endswith(ADAPTER_PARAMS))
     log.info(
-        "lora: %d layers adapted (rank %d, scaling %g), %d adapter parameters; trained in full: %s",
-        len(targets), spec.rank, spec.scaling, n_adapter, saved or "nothing else",
+        "lora: %d layers / fused expert projections adapted (rank %d, scaling %g), %d adapter parameters; trained "
+        "in full: %s", len(targets), spec.rank, spec.scaling, n_adapter, saved or "nothing else",
     )  # fmt: skip
     return trainable
 
@@ -114,15 +125,16 @@ def adapted_layers(model: nn.Module) -> dict[str, LoraLinear]:
 
 
 def adapter_init(shape: tuple[int, ...], which: str, init: str, generator: torch.Generator) -> torch.Tensor:
-    """The initial value of one adapter matrix (``which``: ``"A"`` ``[r, in]`` or ``"B"`` ``[out, r]``), fp32 on CPU.
+    """The initial value of one adapter matrix (``which``: ``"A"`` ``[r, in]`` or ``"B"`` ``[out, r]``; experts'
+    ``[E, r, in]`` / ``[E, out, r]``), fp32 on CPU.
 
     ``default`` is ``nn.Linear``'s own init for A (Kaiming-uniform with ``a=sqrt(5)``: bound ``1/sqrt(in)``) and
-    zeros for B; ``gaussian`` draws A from ``N(0, 1/r)``; ``zeros`` zeroes both. B = 0 makes the adapted model start
-    equal to the base one.
+    zeros for B; ``gaussian`` draws A from ``N(0, 1/r)``; ``zeros`` zeroes both (PEFT's inits, per expert too). B = 0
+    makes the adapted model start equal to the base one.
     """
     if which == "B" or init == "zeros":
         return torch.zeros(shape)
     if init == "gaussian":
-        return torch.randn(shape, generator=generator) / shape[0]
-    bound = 1.0 / math.sqrt(shape[1])
+        return torch.randn(shape, generator=generator) / shape[-2]
+    bound = 1.0 / math.sqrt(shape[-1])
     return (torch.rand(shape, generator=generator) * 2 - 1) * bound

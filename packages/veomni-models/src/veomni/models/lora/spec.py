@@ -39,10 +39,12 @@ class LoraSpec:
         rank: ``r``, the inner dimension of ``B @ A``.
         alpha: the numerator of the scaling.
         dropout: dropout probability on the adapter's input (training only; 0 disables it).
-        targets: what to adapt: names of the family's target groups (``attention``, ``mlp``, ...; see
+        targets: what to adapt: names of the family's target groups (``attention``, ``mlp``, ``experts``, ...; see
             `veomni.models.family.LoraTargets`), module FQN globs (``model.layers.*.self_attn.q_proj``; ``*``
             stays within one name component), or bare leaf names (``q_proj``: every adaptable linear so named,
-            as PEFT's ``target_modules``). Empty: the family's default groups.
+            as PEFT's ``target_modules``). Fused MoE experts (`veomni.models.lora.experts`) are selected by their
+            module (``model.layers.*.mlp.experts``, or the leaf name ``experts``: both projections) or by a dotted
+            glob of one projection (``model.layers.*.mlp.experts.down_proj``). Empty: the family's default groups.
         exclude: FQN globs or leaf names removed from what ``targets`` selects.
         modules_to_save: modules trained in full beside the adapters (``lm_head``, ``model.embed_tokens``):
             FQN globs or leaf names; saved whole in the adapter file, as PEFT does.
@@ -83,6 +85,12 @@ def _selector_matches(selector: str, fqn: str) -> bool:
     return fqn_matches(selector, fqn.rsplit(".", 1)[-1])
 
 
+def _projection_matches(selector: str, param: str, owner: str) -> bool:
+    # A fused experts projection: a dotted glob of its own FQN, or any selector of its experts module (a bare
+    # "down_proj" names linear layers, as PEFT's target_modules, not the experts' fused parameter).
+    return ("." in selector and fqn_matches(selector, param)) or _selector_matches(selector, owner)
+
+
 def select_modules(
     model: nn.Module,
     entries: Sequence[tuple[str, tuple[str, ...]]],
@@ -91,20 +99,28 @@ def select_modules(
     what: str = "lora.targets",
     kinds: tuple[type, ...] = (nn.Linear,),
     optional: bool = False,
+    experts: bool = False,
 ) -> list[str]:
     """FQNs of ``model``'s modules that are instances of ``kinds``, matched by an entry's selectors and by no ``exclude``
     selector, in module order. An entry is ``(label, selectors)``: a family group and its globs, or one selector
     under its own name (a dotted selector is an FQN glob, a bare one a leaf name, as PEFT's ``target_modules``).
+    With ``experts``, the fused projections of MoE experts modules are candidates too, as parameter FQNs
+    (``<experts>.gate_up_proj``; `veomni.models.lora.experts.expert_projections`), placed at their module.
 
     Raises:
         ValueError: an entry that reaches no module of ``kinds`` (unless ``optional``: then it is skipped, but not
             every entry may be empty), or ``exclude`` removing everything.
     """
+    from veomni.models.lora.experts import expert_projections
+
     modules = [(n, m) for n, m in model.named_modules() if n]
+    projections = expert_projections(model) if experts else []
+    owner_of = dict(projections)
     found: list[str] = []
     for label, selectors in entries:
         hits = [n for n, m in modules if any(_selector_matches(s, n) for s in selectors)]
         usable = [n for n in hits if isinstance(model.get_submodule(n), kinds)]
+        usable += [p for p, o in projections if any(_projection_matches(s, p, o) for s in selectors)]
         if not usable and not optional:
             detail = (
                 f"it names {hits[:4]} (types {sorted({type(model.get_submodule(h)).__name__ for h in hits})}), "
@@ -124,10 +140,18 @@ def select_modules(
         raise ValueError(
             f"{what}: {[label for label, _ in entries]} select nothing in {type(model).__name__}"
         )
-    kept = [n for n in found if not any(_selector_matches(e, n) for e in exclude)]
+    kept = [
+        n
+        for n in found
+        if not any(
+            _projection_matches(e, n, owner_of[n]) if n in owner_of else _selector_matches(e, n)
+            for e in exclude
+        )
+    ]
     if not kept:
         raise ValueError(f"{what}: exclude {list(exclude)} removes every selected module ({found[:6]} ...)")
-    order = {n: i for i, (n, _) in enumerate(modules)}
+    order = {n: (i, 0) for i, (n, _) in enumerate(modules)}
+    order.update({p: (order[o][0], j + 1) for j, (p, o) in enumerate(projections)})
     return sorted(kept, key=order.__getitem__)
 
 
@@ -138,11 +162,11 @@ def select_targets(model: nn.Module, spec: LoraSpec, declared: LoraTargets | Non
     groups = declared.groups if declared is not None else {}
     if spec.targets:
         entries = [(s, groups.get(s, (s,))) for s in spec.targets]
-        return select_modules(model, entries, spec.exclude)
+        return select_modules(model, entries, spec.exclude, experts=True)
     if declared is None:
         raise ValueError(
             f"lora.targets is empty and {type(model).__name__}'s family declares no LoRA target groups; name module "
             "globs or leaf names (q_proj, v_proj, ...)"
         )
     entries = [(g, groups[g]) for g in declared.default]
-    return select_modules(model, entries, spec.exclude, optional=True)
+    return select_modules(model, entries, spec.exclude, optional=True, experts=True)

@@ -24,7 +24,7 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen3_5MoeTextModel",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(extra=VISION_LORA),
+            lora=decoder_lora(extra=VISION_LORA, experts=True),
         ),
         ModelTypeSpec(
             model_type="qwen3_5_moe",
@@ -35,7 +35,7 @@ FAMILY = ModelFamily(
                 "causal_lm": f"{_MODULE}:Qwen3_5MoeForCausalLM",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(extra=VISION_LORA),
+            lora=decoder_lora(extra=VISION_LORA, experts=True),
             data=DATA_VISION,
         ),
     ),

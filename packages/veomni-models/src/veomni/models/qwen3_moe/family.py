@@ -20,7 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen3MoeForQuestionAnswering",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(default=MOE_DEFAULT),
+            lora=decoder_lora(default=MOE_DEFAULT, experts=True),
         ),
     ),
     patch_configs=("veomni.models.qwen3_moe.patch_config",),

@@ -20,7 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen3NextForQuestionAnswering",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(default=MOE_DEFAULT),
+            lora=decoder_lora(default=MOE_DEFAULT, experts=True),
         ),
     ),
     patch_configs=("veomni.models.qwen3_next.patch_config",),

@@ -32,7 +32,7 @@ FAMILY = ModelFamily(
                 "any_to_any": f"{_MODULE}:Qwen3OmniMoeThinkerForConditionalGeneration",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(extra={**VISION_LORA, **AUDIO_LORA}, default=MOE_DEFAULT),
+            lora=decoder_lora(extra={**VISION_LORA, **AUDIO_LORA}, default=MOE_DEFAULT, experts=True),
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

@@ -24,7 +24,7 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen3VLMoeModel",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
-            lora=decoder_lora(extra=VISION_LORA),
+            lora=decoder_lora(extra=VISION_LORA, experts=True),
             data=DATA_VISION,
         ),
     ),

@@ -35,8 +35,9 @@ class LoraSection:
     dropout: float = _field(0.0, "dropout on the adapters' input while training (0: none)")
     targets: tuple[str, ...] = _field(
         (),
-        "what to adapt: the family's target groups (attention, linear_attention, mlp, shared_experts; vision, "
-        "merger, audio for VLM/omni models), module FQN globs (model.layers.*.self_attn.q_proj), or leaf names "
+        "what to adapt: the family's target groups (attention, linear_attention, mlp, shared_experts; experts for "
+        "MoE models: per-expert adapters on the fused experts, needs dropout 0; vision, merger, audio for VLM/omni "
+        "models), module FQN globs (model.layers.*.self_attn.q_proj, model.layers.*.mlp.experts), or leaf names "
         "(q_proj, as PEFT's target_modules); empty: the family's default groups",
     )
     exclude: tuple[str, ...] = _field((), "FQN globs or leaf names taken out of what lora.targets selects")
