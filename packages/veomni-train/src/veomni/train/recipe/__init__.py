@@ -35,6 +35,7 @@ from veomni.core import ParallelDims
 from veomni.kernels import KERNELS
 from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
 from veomni.train.recipe import parse as recipe_parse
+from veomni.train.recipe.data_section import DataSection
 from veomni.train.recipe.parse import RecipeError
 from veomni.train.recipe.run_sections import (
     CheckpointSection,
@@ -44,7 +45,6 @@ from veomni.train.recipe.run_sections import (
     TrainSection,
 )
 from veomni.train.recipe.sections import (
-    DataSection,
     ModelSection,
     OpsSection,
     ParallelSection,
