@@ -14,6 +14,7 @@ from veomni.models.family import DataRules
 from veomni.train.data.encode import Encoder
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
 from veomni.train.data.plan import DatasetIndex, index_dataset
+from veomni.train.data.presets import FormattedSource, open_rows
 from veomni.train.data.row_formats import check_some_media
 from veomni.train.data.sources import DataError, RowSource
 from veomni.train.recipe import DataSection, Recipe
@@ -60,11 +61,11 @@ def index_files(
     *,
     group: dist.ProcessGroup | None = None,
     what: str = "data",
-) -> tuple[RowSource, DatasetIndex]:
+) -> tuple[RowSource | FormattedSource, DatasetIndex]:
     """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
     ``data.on_bad_row`` and, when skipped, are logged per kind, and rows that ``data.overlong`` left out or cut are
     counted in a warning (``what`` names the file list)."""
-    source = RowSource(files, data.format, encoder.columns, getattr(encoder, "optional_columns", ()))
+    source = open_rows(data, files, encoder)
     index = index_dataset(
         source,
         encoder,

@@ -134,7 +134,7 @@ def detect_format(path: str, format: str) -> str:
         return "parquet"
     raise DataError(
         f"{path}: cannot tell the format from the extension (expected .jsonl, .json or .parquet); "
-        "set data.format to jsonl or parquet"
+        "set data.file_format to jsonl or parquet"
     )
 
 
@@ -201,7 +201,7 @@ def _check_text_file(path: str) -> None:
                 return
             found = f"bytes that are not UTF-8 text (offset {err.start})"
     raise DataError(
-        f"{path}: read as jsonl (data.format), but the file holds {found}; set data.format: auto to decide by "
+        f"{path}: read as jsonl (data.file_format), but the file holds {found}; set data.file_format: auto to decide by "
         "extension, or the format the file really has"
     )
 

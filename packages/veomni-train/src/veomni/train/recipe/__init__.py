@@ -60,7 +60,7 @@ BUILTIN_PREFIX = "builtin://"
 DIT_KINDS = ("dit", "dit_latents")
 # The data fields the clip pipeline (veomni.train.tasks.dit_setup, veomni-dit-embed) reads; the rest belong to the token
 # pipeline. eval_files has a check of its own.
-DIT_DATA_FIELDS = ("train_files", "eval_files", "format", "kind", "media_root", "shuffle", "num_workers")
+DIT_DATA_FIELDS = ("train_files", "eval_files", "file_format", "kind", "media_root", "shuffle", "num_workers")
 
 
 def check_task_sections(recipe: Recipe) -> None:

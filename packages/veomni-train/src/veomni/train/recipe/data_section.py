@@ -5,6 +5,7 @@ how they become token samples. Its fields are documented in their metadata like 
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Literal
 
@@ -20,8 +21,22 @@ class DataSection:
     eval_files: tuple[str, ...] = _field(
         (), "evaluation data files, read whole every train.eval_interval steps", path=True
     )
-    format: Literal["auto", "jsonl", "parquet"] = _field(
+    file_format: Literal["auto", "jsonl", "parquet"] = _field(
         "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
+    )
+    format: str | None = _field(
+        None,
+        "row format preset, converted to the rows of data.kind as they are read: sharegpt (conversations of "
+        "from/value), alpaca (instruction/input/output), openai (messages with content parts, weight), llava "
+        "(image + conversations with <image>; kind multimodal), messages (native role/content rows), text (one "
+        "string per row), pretokenized (input_ids with optional labels or loss_mask, no tokenizer call); None: "
+        "rows already in the shape of data.kind (docs/train.md, Format presets)",
+    )
+    columns: dict = _field(
+        dict,
+        "with data.format: the dataset's names for the columns (and message keys) the preset reads, as "
+        "{preset_name: dataset_name}, e.g. {conversations: dialog, from: speaker}",
+        factory=True,
     )
     kind: str = _field(
         "conversation",
@@ -139,6 +154,7 @@ class DataSection:
             )
         if self.chat_template is not None:
             self._check_chat_template()
+        self._check_format()
         # The token pipelines of kind text and conversation read none of the media fields: set, they would be ignored.
         readers = {"media_root": ("multimodal", "dit"), "patches_per_micro_batch": ("multimodal",),
                    "video_fps": ("multimodal",), "video_max_frames": ("multimodal",),
@@ -162,4 +178,48 @@ class DataSection:
             raise RecipeError(
                 f"data.chat_template: expected a built-in name ({', '.join(BUILTIN_CHAT_TEMPLATES)}) or a Jinja "
                 f"file, found {self.chat_template!r} (no such built-in or file)"
+            )
+
+    def _check_format(self) -> None:
+        """data.format names a preset for data.kind, and data.columns renames only what the preset reads."""
+        from veomni.train.data.presets import PRESETS
+
+        if self.format is None:
+            if self.columns:
+                raise RecipeError(
+                    f"data.columns: renames the columns a data.format preset reads, but data.format is null; found "
+                    f"{self.columns} (set data.format, or name the field with data.messages_field / text_field)"
+                )
+            return
+        if self.format in ("auto", "jsonl", "parquet"):
+            raise RecipeError(
+                f"data.format: {self.format!r} is a file format; data.format names the row format "
+                f"({', '.join(PRESETS)}) and the file format is data.file_format"
+            )
+        if self.format not in PRESETS:
+            close = difflib.get_close_matches(self.format, list(PRESETS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise RecipeError(
+                f"data.format: expected one of {list(PRESETS)} or null, found {self.format!r}{hint}"
+            )
+        preset = PRESETS[self.format]
+        if self.kind not in preset.kinds:
+            raise RecipeError(
+                f"data.format: {self.format} rows are converted for data.kind in {list(preset.kinds)}, but "
+                f"data.kind is {self.kind!r}"
+                + ("; LLaVA rows hold images: use data.kind: multimodal" if self.format == "llava" else "")
+            )
+        for key, value in self.columns.items():
+            if key not in preset.names:
+                close = difflib.get_close_matches(key, list(preset.names), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise RecipeError(
+                    f"data.columns: {key!r} is not a column the {self.format} preset reads{hint}; it reads "
+                    f"{list(preset.names)}"
+                )
+            if not isinstance(value, str) or not value:
+                raise RecipeError(f"data.columns.{key}: expected a column name, found {value!r}")
+        if self.format == "pretokenized" and self.chat_template is not None:
+            raise RecipeError(
+                f"data.chat_template: pretokenized rows are not rendered; found {self.chat_template!r} (remove it)"
             )
