@@ -112,7 +112,8 @@ def check_trained_tokens(
             f"{what}: no trained token in {list(files)} ({index.num_rows} rows, {index.total_tokens} tokens, every "
             "label masked); check data.kind, data.assistant_only_loss and the rows' loss-mask field"
         )
-    for path, trained, (a, b) in zip(files, per_file, spans, strict=True):
+    # Per opened file: a glob or a directory in ``files`` stands for several.
+    for path, trained, (a, b) in zip([f.path for f in source.files], per_file, spans, strict=True):
         if b == a:
             log.warning("%s: %s holds no row", what, path)
         elif trained == 0:
