@@ -93,6 +93,7 @@ _module_globs = st.from_regex(r"[a-z_]{1,8}(\.([a-z_]{1,8}|\*|[0-9]{1,2})){0,3}"
 FIELD_VALUES = {
     "data.format": st.none(),  # drawn with data.kind in `recipes`
     "data.columns": st.just({}),
+    "data.dataset": st.none(),  # the train_files above are the data; tests/train/test_hf_datasets.py covers it
     "optim.lr_multipliers": st.dictionaries(_module_globs, st.floats(0.0, 10.0), max_size=3),
     "model.freeze": st.lists(_module_globs, max_size=3).map(tuple),
     "model.config_overrides": st.fixed_dictionaries(

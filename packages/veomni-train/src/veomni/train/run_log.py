@@ -27,7 +27,9 @@ def bad_rows(run: Run) -> dict[str, Any]:
     """The rows the indexes left out (data.on_bad_row=skip), per file list: total and per kind."""
     out = {}
     for what, data in (("train_files", run.train_data), ("eval_files", run.eval_data)):
-        if data is not None:
+        if data is not None and hasattr(data, "bad_rows"):  # a stream counts the bad rows it has met
+            out[what] = data.bad_rows()
+        elif data is not None:
             out[what] = {"total": len(data.index.bad), "by_kind": data.index.bad.counts()}
     return out
 

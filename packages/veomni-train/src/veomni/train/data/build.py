@@ -14,9 +14,10 @@ from veomni.models.family import DataRules
 from veomni.train.data.encode import Encoder
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
 from veomni.train.data.plan import DatasetIndex, index_dataset
-from veomni.train.data.presets import FormattedSource, open_rows
+from veomni.train.data.presets import FormattedSource, open_rows, row_format
 from veomni.train.data.row_formats import check_some_media
 from veomni.train.data.sources import DataError, RowSource
+from veomni.train.data.stream import StreamData
 from veomni.train.recipe import DataSection, Recipe
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def build_train_data(
     vision_metadata: Callable[..., Any] | None = None,
     data_rules: DataRules | None = None,
     model_config: Any = None,
-) -> TrainData:
+) -> TrainData | StreamData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given). ``vision_metadata``, ``data_rules``, ``model_config``: the task's model-side inputs
     (`encoder_for`)."""
@@ -206,10 +207,11 @@ def build_train_data(
         data_rules=data_rules,
         model_config=model_config,
     )
-    source, index = index_files(
-        recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
-    )
-    check_trained_tokens(source, index, recipe.data.train_files, "data.train_files", encoder)
+    if recipe.data.dataset is not None and recipe.data.dataset.get("streaming"):
+        return _stream_data(recipe, encoder, topology, pad_token_id(tokenizer), pin_memory)
+    what = "data.train_files" if recipe.data.train_files else "data.dataset"
+    source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group, what=what)
+    check_trained_tokens(source, index, [f.path for f in source.files], what, encoder)
     return TrainData(
         source,
         encoder,
@@ -226,6 +228,31 @@ def build_train_data(
         pin_memory=pin_memory,
         patches_per_micro_batch=recipe.data.patches_per_micro_batch,
         on_bad_row=recipe.data.on_bad_row,
+    )
+
+
+def _stream_data(
+    recipe: Recipe, encoder: Encoder, topology: DataTopology, pad_id: int, pin_memory: bool
+) -> StreamData:
+    """The `StreamData` of a ``data.dataset`` with ``streaming: true`` (no index: packed as it is read)."""
+    from veomni.train.data.hf_sources import describe_spec, load_dataset_spec
+
+    data = recipe.data
+    fmt = row_format(data)
+    return StreamData(
+        load_dataset_spec(data.dataset),
+        encoder,
+        None if fmt is None else fmt.convert,
+        describe_spec(data.dataset),
+        topology=topology,
+        tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
+        grad_accum=recipe.grad_accum(topology.dp_size),
+        max_seq_len=data.max_seq_len,
+        overlong=data.overlong,
+        pad_id=pad_id,
+        num_workers=data.num_workers,
+        pin_memory=pin_memory,
+        on_bad_row=data.on_bad_row,
     )
 
 

@@ -359,9 +359,24 @@ class FormattedSource:
 
 
 def open_rows(data: Any, files: Sequence[str], encoder: Any) -> RowSource | FormattedSource:
-    """The rows of ``files`` as ``encoder`` reads them: a `RowSource` of the encoder's columns, or one of the
-    preset's columns converted by `FormattedSource` when ``data.format`` is set."""
+    """The rows ``encoder`` reads: of ``files``, or of ``data.dataset`` when ``files`` is empty (through
+    ``datasets.load_dataset``); a `RowSource` of the encoder's columns, or of the preset's columns converted by
+    `FormattedSource` when ``data.format`` is set."""
     fmt = row_format(data)
     if fmt is None:
-        return RowSource(files, data.file_format, encoder.columns, getattr(encoder, "optional_columns", ()))
-    return FormattedSource(RowSource(files, data.file_format, fmt.columns, fmt.optional_columns), fmt)
+        columns, optional = encoder.columns, getattr(encoder, "optional_columns", ())
+    else:
+        columns, optional = fmt.columns, fmt.optional_columns
+    if files:
+        source = RowSource(files, data.file_format, columns, optional)
+    else:
+        from veomni.train.data.hf_sources import HFRows, describe_spec, load_dataset_spec
+
+        if data.dataset.get("streaming"):
+            raise DataError(
+                "data.dataset: a streaming dataset has no random access to index; it is read by the stream "
+                "pipeline (veomni.train.data.stream), not as rows"
+            )
+        what = describe_spec(data.dataset)
+        source = RowSource.of([HFRows(load_dataset_spec(data.dataset), what, columns, optional)], what)
+    return source if fmt is None else FormattedSource(source, fmt)

@@ -145,6 +145,11 @@ class Recipe:
                 f"{attention!r} runs no kernel that checkpointing can keep; pick one of {keepable} or set "
                 "ac_keep_attention: false"
             )
+        streaming = self.data.dataset is not None and self.data.dataset.get("streaming")
+        if streaming and self.train.steps is None:
+            raise RecipeError(
+                "train.epochs: a streaming dataset has no step count per epoch (it is not indexed); set train.steps"
+            )
         if self.train.eval_interval is not None and not self.data.eval_files:
             raise RecipeError(
                 "train.eval_interval is set but data.eval_files is empty: there is nothing to evaluate"
@@ -244,15 +249,17 @@ def recipe_from_dict(raw: Mapping[str, Any]) -> Recipe:
 def resolve_path(value: Any, *, hub_ids: bool = False) -> Any:
     """Make a path value absolute: ``builtin://X`` -> the packaged asset X, relative -> from the current directory.
 
-    Tuples are resolved item by item; None, mappings (inline model configs) and the words ``auto``/``never``
-    (checkpoint.resume) are returned unchanged. Absolute paths are fixed points, so resolving is idempotent.
-    With ``hub_ids``, a value that names no local path and reads as a Hub id (``org/name[@revision]``) is kept
+    Tuples are resolved item by item; None, mappings (inline model configs), URLs (``scheme://...``) and the words
+    ``auto``/``never`` (checkpoint.resume) are returned unchanged. Absolute paths are fixed points, so resolving is
+    idempotent. With ``hub_ids``, a value that names no local path and reads as a Hub id (``org/name[@revision]``) is kept
     as written: `veomni.train.hub.fetch_hub_sources` fetches it when the run starts.
     """
     if isinstance(value, tuple):
         return tuple(resolve_path(v, hub_ids=hub_ids) for v in value)
     if not isinstance(value, str) or value in ("auto", "never"):
         return value
+    if "://" in value and not value.startswith(BUILTIN_PREFIX):
+        return value  # a URL (s3://, file://, memory://, ...): read through fsspec as written
     if hub_ids:
         from veomni.train.hub import hub_id
 

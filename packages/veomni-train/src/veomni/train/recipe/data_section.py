@@ -7,22 +7,90 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import attrs
 
 from veomni.train.recipe.parse import RecipeError
-from veomni.train.recipe.sections import _field, _required
+from veomni.train.recipe.sections import _field
+
+# Keys of data.dataset that hold local paths (resolved when the recipe is loaded, as other paths are); its ``path``
+# is a builder name (json), a Hub id or a directory, resolved only when it names an existing local path.
+DATASET_PATH_KEYS = ("data_files", "data_dir", "cache_dir")
+
+
+def resolve_dataset_paths(value: Any, resolve: Callable[[Any], Any]) -> Any:
+    """``data.dataset`` with its local paths made absolute (`DATASET_PATH_KEYS`; ``path`` when it exists here)."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for key in DATASET_PATH_KEYS:
+        item = out.get(key)
+        if isinstance(item, str):
+            out[key] = resolve(item)
+        elif isinstance(item, list | tuple):
+            out[key] = [resolve(v) if isinstance(v, str) else v for v in item]
+        elif isinstance(item, dict):
+            out[key] = {
+                k: resolve(v) if isinstance(v, str) else [resolve(x) for x in v] for k, v in item.items()
+            }
+    path = out.get("path")
+    if isinstance(path, str) and not _is_url(path):
+        local = os.path.expanduser(path)
+        if path.startswith("builtin://") or os.path.exists(local):
+            out["path"] = resolve(path)
+    return out
+
+
+def _is_url(value: str) -> bool:
+    return "://" in value and not value.startswith("builtin://")
+
+
+def _check_dataset(spec: dict) -> None:
+    """data.dataset: load_dataset's arguments; ``path`` required, the keys named in load_dataset's signature typed
+    as it takes them (others are builder options, which the builder checks)."""
+    if not isinstance(spec.get("path"), str) or not spec["path"]:
+        raise RecipeError(
+            f"data.dataset: needs path (a builder name such as json or parquet, a directory or a Hub id); found {spec}"
+        )
+    for key in ("split", "name", "revision", "cache_dir", "data_dir"):
+        if spec.get(key) is not None and not isinstance(spec[key], str):
+            raise RecipeError(f"data.dataset.{key}: expected a string, found {spec[key]!r}")
+    if not isinstance(spec.get("streaming", False), bool):
+        raise RecipeError(f"data.dataset.streaming: expected true or false, found {spec['streaming']!r}")
+    close = difflib.get_close_matches
+    for key in spec:
+        typo = close(
+            key, ["data_files", "data_dir", "split", "streaming", "cache_dir", "revision", "name"], n=1
+        )
+        if typo and typo[0] != key and key not in ("path", "storage_options", "token", "num_proc"):
+            raise RecipeError(f"data.dataset: unknown key {key!r} (did you mean {typo[0]!r}?)")
 
 
 @attrs.frozen(kw_only=True)
 class DataSection:
-    train_files: tuple[str, ...] = _required("training data files (a list; .jsonl or .parquet)", path=True)
+    train_files: tuple[str, ...] = _field(
+        (),
+        "training data (a list): .jsonl, .parquet and .arrow files, globs, directories of them, save_to_disk "
+        "directories, and URLs of any of these (s3://, gs://, hdfs://, https://, file://: read through fsspec); "
+        "give this or data.dataset",
+        path=True,
+    )
+    dataset: dict | None = _field(
+        None,
+        "instead of data.train_files: the arguments of datasets.load_dataset, e.g. {path: json, data_files: "
+        "[a.jsonl], split: train} or {path: org/name, split: train}; streaming: true reads an IterableDataset "
+        "without an index (docs/train.md, HF datasets)",
+        path=resolve_dataset_paths,
+    )
     eval_files: tuple[str, ...] = _field(
         (), "evaluation data files, read whole every train.eval_interval steps", path=True
     )
-    file_format: Literal["auto", "jsonl", "parquet"] = _field(
-        "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
+    file_format: Literal["auto", "jsonl", "parquet", "arrow"] = _field(
+        "auto",
+        "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet, .arrow: arrow); "
+        "save_to_disk directories are recognised by their files",
     )
     format: str | None = _field(
         None,
@@ -126,8 +194,23 @@ class DataSection:
             data_kind(self.kind)
         except ValueError as err:
             raise RecipeError(str(err)) from None
-        if not self.train_files:
-            raise RecipeError("data.train_files: expected at least one file, found an empty list")
+        if bool(self.train_files) == (self.dataset is not None):
+            raise RecipeError(
+                "data: give the training data as data.train_files (a non-empty list) or data.dataset, exactly one; "
+                f"found train_files={list(self.train_files)}, dataset={self.dataset}"
+            )
+        if self.dataset is not None:
+            _check_dataset(self.dataset)
+            if self.dataset.get("streaming") and self.shuffle:
+                raise RecipeError(
+                    "data.shuffle: a streaming dataset (data.dataset.streaming: true) is read in stream order, since "
+                    "a shuffle buffer is not a resumable position; set data.shuffle: false (shuffle the corpus "
+                    "beforehand)"
+                )
+            if self.dataset.get("streaming") and self.kind not in ("text", "conversation"):
+                raise RecipeError(
+                    f"data.dataset.streaming: streams train data.kind text or conversation, found {self.kind!r}"
+                )
         if self.max_seq_len < 2:
             raise RecipeError(f"data.max_seq_len: expected >= 2, found {self.max_seq_len}")
         if self.num_workers < 0:
