@@ -93,7 +93,8 @@ _module_globs = st.from_regex(r"[a-z_]{1,8}(\.([a-z_]{1,8}|\*|[0-9]{1,2})){0,3}"
 FIELD_VALUES = {
     "data.format": st.none(),  # drawn with data.kind in `recipes`
     "data.columns": st.just({}),
-    "data.dataset": st.none(),  # the train_files above are the data; tests/train/test_hf_datasets.py covers it
+    "data.dataset": st.none(),
+    "data.sources": st.just(()),  # tests/train/test_mixtures.py covers mixtures  # the train_files above are the data; tests/train/test_hf_datasets.py covers it
     "optim.lr_multipliers": st.dictionaries(_module_globs, st.floats(0.0, 10.0), max_size=3),
     "model.freeze": st.lists(_module_globs, max_size=3).map(tuple),
     "model.config_overrides": st.fixed_dictionaries(
@@ -212,6 +213,8 @@ COUPLED = [
         "data.kind",
         "data.use_audio_in_video",
         "data.chat_template",
+        "data.format",  # a preset converts rows for some kinds, and renames only the columns it reads
+        "data.columns",
         *(f"data.{name}" for name in MEDIA_FIELDS),
     },
 ]

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from veomni.models.family import DataRules
 from veomni.train.data.encode import Encoder
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
+from veomni.train.data.mixture import MixtureData, MixturePart
 from veomni.train.data.plan import DatasetIndex, index_dataset
 from veomni.train.data.presets import FormattedSource, open_rows, row_format
 from veomni.train.data.row_formats import check_some_media
@@ -163,24 +164,26 @@ def check_content_tokens(
     )
 
 
-def check_task_and_kind(recipe: Recipe) -> None:
-    """``data.kind`` is one the task trains on: listed by the task's ``data_kinds``, or a data kind that names the
-    task itself (`veomni.train.data.kinds.DataKind.tasks`); a `DataError` otherwise."""
+def check_task_and_kind(recipe: Recipe, name: str | None = None) -> None:
+    """``data.kind`` (or the kind ``name``, a mixture source's) is one the task trains on: listed by the task's
+    ``data_kinds``, or a data kind that names the task itself (`veomni.train.data.kinds.DataKind.tasks`); a
+    `DataError` otherwise."""
     from veomni.train.data.kinds import data_kind
     from veomni.train.tasks import task_class
 
+    name = recipe.data.kind if name is None else name
     task = task_class(recipe.model.task)
     kinds = task.data_kinds
-    if recipe.data.kind in kinds:
+    if name in kinds:
         return
     try:
-        kind = data_kind(recipe.data.kind)
+        kind = data_kind(name)
     except ValueError as err:
         raise DataError(str(err)) from None
     if task.name not in kind.tasks:
         raise DataError(
             f"model.task={recipe.model.task!r} trains on data.kind in {list(kinds)} (or a data kind naming the "
-            f"task), found {recipe.data.kind!r}"
+            f"task), found {name!r}"
             + (f", which trains with model.task in {list(kind.tasks)}" if kind.tasks else "")
         )
 
@@ -195,18 +198,15 @@ def build_train_data(
     vision_metadata: Callable[..., Any] | None = None,
     data_rules: DataRules | None = None,
     model_config: Any = None,
-) -> TrainData | StreamData:
+) -> TrainData | StreamData | MixtureData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given). ``vision_metadata``, ``data_rules``, ``model_config``: the task's model-side inputs
     (`encoder_for`)."""
+    options = dict(vision_metadata=vision_metadata, data_rules=data_rules, model_config=model_config)
+    if recipe.data.sources:
+        return _mixture_data(recipe, tokenizer, topology, group, pin_memory, options)
     check_task_and_kind(recipe)
-    encoder = encoder_for(
-        recipe.data,
-        tokenizer,
-        vision_metadata=vision_metadata,
-        data_rules=data_rules,
-        model_config=model_config,
-    )
+    encoder = encoder_for(recipe.data, tokenizer, **options)
     if recipe.data.dataset is not None and recipe.data.dataset.get("streaming"):
         return _stream_data(recipe, encoder, topology, pad_token_id(tokenizer), pin_memory)
     what = "data.train_files" if recipe.data.train_files else "data.dataset"
@@ -216,6 +216,45 @@ def build_train_data(
         source,
         encoder,
         index,
+        topology=topology,
+        tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
+        grad_accum=recipe.grad_accum(topology.dp_size),
+        seed=recipe.train.seed,
+        shuffle=recipe.data.shuffle,
+        max_seq_len=recipe.data.max_seq_len,
+        overlong=recipe.data.overlong,
+        num_workers=recipe.data.num_workers,
+        pad_id=pad_token_id(tokenizer),
+        pin_memory=pin_memory,
+        patches_per_micro_batch=recipe.data.patches_per_micro_batch,
+        on_bad_row=recipe.data.on_bad_row,
+    )
+
+
+def _mixture_data(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    topology: DataTopology,
+    group: dist.ProcessGroup | None,
+    pin_memory: bool,
+    options: dict[str, Any],
+) -> MixtureData:
+    """The `MixtureData` of ``data.sources``: each source indexed as one dataset is, with its own section."""
+    from veomni.train.recipe.data_sources import source_section
+
+    parts = []
+    for i, entry in enumerate(recipe.data.sources):
+        data = source_section(recipe.data, i)
+        check_task_and_kind(recipe, data.kind)
+        encoder = encoder_for(data, tokenizer, **options)
+        what = f"data.sources[{i}] ({entry['name']})"
+        source, index = index_files(data, data.train_files, encoder, group=group, what=what)
+        check_trained_tokens(source, index, [f.path for f in source.files], what, encoder)
+        parts.append(
+            MixturePart(entry["name"], source, encoder, index, entry.get("weight"), entry.get("epochs"))
+        )
+    return MixtureData(
+        parts,
         topology=topology,
         tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
         grad_accum=recipe.grad_accum(topology.dp_size),

@@ -145,6 +145,11 @@ class Recipe:
                 f"{attention!r} runs no kernel that checkpointing can keep; pick one of {keepable} or set "
                 "ac_keep_attention: false"
             )
+        if self.data.sources and "weight" in self.data.sources[0] and self.train.steps is None:
+            raise RecipeError(
+                "train.epochs: a mixture by weight has no epochs (its sources are drawn from, each at its own pace); "
+                "set train.steps, or give each source epochs"
+            )
         streaming = self.data.dataset is not None and self.data.dataset.get("streaming")
         if streaming and self.train.steps is None:
             raise RecipeError(

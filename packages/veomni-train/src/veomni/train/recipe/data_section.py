@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
+from veomni.train.recipe.data_sources import check_sources, resolve_source_paths
 from veomni.train.recipe.parse import RecipeError
 from veomni.train.recipe.sections import _field
 
@@ -83,6 +84,14 @@ class DataSection:
         "[a.jsonl], split: train} or {path: org/name, split: train}; streaming: true reads an IterableDataset "
         "without an index (docs/train.md, HF datasets)",
         path=resolve_dataset_paths,
+    )
+    sources: tuple[dict, ...] = _field(
+        (),
+        "instead of data.train_files / data.dataset: a mixture, a list of {name, files | dataset, weight | epochs} "
+        "(weight: the source's share of the tokens; epochs: passes over it per round of the mixture), each "
+        "optionally with its own format, columns, kind, file_format, text_field, messages_field, loss_mask_field "
+        "(docs/train.md, Mixtures)",
+        path=resolve_source_paths,
     )
     eval_files: tuple[str, ...] = _field(
         (), "evaluation data files, read whole every train.eval_interval steps", path=True
@@ -194,11 +203,15 @@ class DataSection:
             data_kind(self.kind)
         except ValueError as err:
             raise RecipeError(str(err)) from None
-        if bool(self.train_files) == (self.dataset is not None):
+        given = [bool(self.train_files), self.dataset is not None, bool(self.sources)]
+        if sum(given) != 1:
             raise RecipeError(
-                "data: give the training data as data.train_files (a non-empty list) or data.dataset, exactly one; "
-                f"found train_files={list(self.train_files)}, dataset={self.dataset}"
+                "data: give the training data as data.train_files (a non-empty list), data.dataset or data.sources, "
+                f"exactly one; found train_files={list(self.train_files)}, dataset={self.dataset}, "
+                f"sources={list(self.sources)}"
             )
+        if self.sources:
+            check_sources(self)
         if self.dataset is not None:
             _check_dataset(self.dataset)
             if self.dataset.get("streaming") and self.shuffle:
