@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from veomni.models.family import DataRules
 from veomni.train.data.encode import Encoder
+from veomni.train.data.index_cache import cached_index, index_key, store_index
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
 from veomni.train.data.mixture import MixtureData, MixturePart
 from veomni.train.data.plan import DatasetIndex, index_dataset
@@ -64,20 +65,25 @@ def index_files(
     group: dist.ProcessGroup | None = None,
     what: str = "data",
 ) -> tuple[RowSource | FormattedSource, DatasetIndex]:
-    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
+    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given; read from
+    ``data.index_cache`` instead when it holds this index, `veomni.train.data.index_cache`); bad rows follow
     ``data.on_bad_row`` and, when skipped, are logged per kind, and rows that ``data.overlong`` left out or cut are
     counted in a warning (``what`` names the file list)."""
     source = open_rows(data, files, encoder)
-    index = index_dataset(
-        source,
-        encoder,
-        max_seq_len=data.max_seq_len,
-        overlong=data.overlong,
-        num_workers=data.num_workers,
-        group=group,
-        on_bad_row=data.on_bad_row,
-        max_bad_fraction=data.max_bad_fraction,
-    )
+    key = None if data.index_cache is None else index_key(data, source, encoder)
+    index, cache_path = cached_index(data.index_cache, key, what, group)
+    if index is None:
+        index = index_dataset(
+            source,
+            encoder,
+            max_seq_len=data.max_seq_len,
+            overlong=data.overlong,
+            num_workers=data.num_workers,
+            group=group,
+            on_bad_row=data.on_bad_row,
+            max_bad_fraction=data.max_bad_fraction,
+        )
+        store_index(cache_path, index, group, what)
     if data.kind == "multimodal":
         good = np.setdiff1d(np.arange(index.num_rows), index.bad.rows)
         check_some_media(source, data.messages_field, good, what)

@@ -192,6 +192,13 @@ class DataSection:
         "on_bad_row=skip: the most bad rows a dataset may hold, as a fraction of its rows; more (or every row) "
         "is an error, since that is a broken path or field rather than a few broken rows",
     )
+    index_cache: str | None = _field(
+        None,
+        "a directory caching each dataset's exact token index, keyed by its files, the tokenizer and chat template, "
+        "and these settings: a later start or resume with the same key reads it instead of tokenising every row "
+        "(None: no cache)",
+        path=True,
+    )
     shuffle: bool = _field(True, "shuffle samples every epoch (seeded by train.seed and the epoch)")
     num_workers: int = _field(2, "DataLoader worker processes that read, tokenise and pack (0: in process)")
 
