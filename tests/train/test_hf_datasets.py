@@ -136,9 +136,9 @@ def test_errors_name_the_dataset(saved, tmp_path):
     [
         (
             {"train_files": ("a.jsonl",), "dataset": {"path": "json"}},
-            "data.train_files .* or data.dataset, exactly one",
+            "data.train_files .*, data.dataset or data.sources, exactly one",
         ),
-        ({}, "data.train_files .* or data.dataset, exactly one"),
+        ({}, "data.train_files .*, data.dataset or data.sources, exactly one"),
         ({"dataset": {"data_files": "a.jsonl"}}, "data.dataset: needs path"),
         ({"dataset": {"path": "json", "splt": "train"}}, "unknown key 'splt' \\(did you mean 'split'\\?\\)"),
         (
