@@ -181,5 +181,5 @@ def test_data_files_accept_globs_and_shard_directories(tmp_path):
     with pytest.raises(DataError, match=r"part-\*\.parquet: the pattern matches no file"):
         RowSource([str(shards / "part-*.parquet")], "auto", ["text"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet file"):
+    with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet, .arrow file and not a save_to_disk dataset"):
         RowSource([str(tmp_path / "empty")], "auto", ["text"])

@@ -120,7 +120,8 @@ def expand_data_files(entries: Sequence[str]) -> list[str]:
             found = [os.path.join(entry, n) for n in names if n.lower().endswith(DATA_SUFFIXES)]
             if not found:
                 raise DataError(
-                    f"{entry}: a directory with no {', '.join(DATA_SUFFIXES)} file; it holds {names[:10]}"
+                    f"{entry}: a directory with no {', '.join(DATA_SUFFIXES)} file and not a save_to_disk dataset; it "
+                    f"holds {names[:10]}"
                 )
             out += found
         else:
