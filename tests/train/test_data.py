@@ -277,3 +277,19 @@ def test_over_long_rows_of_every_file_list_are_counted_in_a_warning(tmp_path, ca
     assert warnings == [
         f"data.eval_files: 2 of 3 rows are longer than data.max_seq_len=10 and were {what} (data.overlong={overlong})"
     ]
+
+
+def test_trained_tokens_are_checked_per_file_of_a_glob(tmp_path, caplog):
+    from veomni.train.data.build import check_trained_tokens
+
+    write_jsonl(tmp_path / "a.jsonl", [chat("q", "a")])
+    untrained = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss_mask": 0}]
+    }
+    write_jsonl(tmp_path / "b.jsonl", [untrained])
+    encoder = build_encoder(tokenizer(), "conversation")
+    files = [str(tmp_path / "*.jsonl")]
+    source = RowSource(files, "auto", encoder.columns)
+    index = index_dataset(source, encoder, max_seq_len=64, overlong="error")
+    check_trained_tokens(source, index, files, "data.train_files")
+    assert f"{tmp_path / 'b.jsonl'} holds 1 rows but no trained token" in caplog.text

@@ -30,7 +30,7 @@ def _quickstart_rows_as_parquet(tmp_path):
 
 def test_a_parquet_run_with_a_log_file_and_a_profiled_step(tmp_path, capsys):
     # One short quickstart run (each costs ~40 s on 2 cores) holds three first-contact paths: the user's parquet
-    # file on the command line (data.format: auto), log.file, and log.profile_steps.
+    # file on the command line (data.file_format: auto), log.file, and log.profile_steps.
     data, out, log_file = _quickstart_rows_as_parquet(tmp_path), tmp_path / "run", tmp_path / "logs" / "train.log"
     code = main([
         "quickstart", f"--data.train_files=[{data}]", f"--log.file={log_file}", "--train.log_interval=1",
@@ -54,12 +54,12 @@ def test_a_parquet_run_with_a_log_file_and_a_profiled_step(tmp_path, capsys):
 def test_a_parquet_file_read_as_jsonl_is_one_line_about_the_file(tmp_path, capsys):
     data = _quickstart_rows_as_parquet(tmp_path)
     code = main([
-        "quickstart", f"--data.train_files=[{data}]", "--data.format=jsonl",
+        "quickstart", f"--data.train_files=[{data}]", "--data.file_format=jsonl",
         f"--checkpoint.dir={tmp_path / 'run'}", *SHORT,
     ])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2
-    assert f"{data}: read as jsonl (data.format), but the file holds a parquet file" in err
+    assert f"{data}: read as jsonl (data.file_format), but the file holds a parquet file" in err
     assert "on_bad_row" not in err and "line 1" not in err and "Traceback" not in err
 
 
@@ -181,5 +181,5 @@ def test_data_files_accept_globs_and_shard_directories(tmp_path):
     with pytest.raises(DataError, match=r"part-\*\.parquet: the pattern matches no file"):
         RowSource([str(shards / "part-*.parquet")], "auto", ["text"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet file"):
+    with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet, .arrow file and not a save_to_disk dataset"):
         RowSource([str(tmp_path / "empty")], "auto", ["text"])

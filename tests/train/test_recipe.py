@@ -91,6 +91,10 @@ def _value(tp: typing.Any) -> st.SearchStrategy:
 # Fields whose values are checked beyond their type: drawn from what the check accepts.
 _module_globs = st.from_regex(r"[a-z_]{1,8}(\.([a-z_]{1,8}|\*|[0-9]{1,2})){0,3}", fullmatch=True)
 FIELD_VALUES = {
+    "data.format": st.none(),  # drawn with data.kind in `recipes`
+    "data.columns": st.just({}),
+    "data.dataset": st.none(),
+    "data.sources": st.just(()),  # tests/train/test_mixtures.py covers mixtures  # the train_files above are the data; tests/train/test_hf_datasets.py covers it
     "optim.lr_multipliers": st.dictionaries(_module_globs, st.floats(0.0, 10.0), max_size=3),
     "model.freeze": st.lists(_module_globs, max_size=3).map(tuple),
     "model.config_overrides": st.fixed_dictionaries(
@@ -160,6 +164,18 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["data"]["chat_template"] = (
         None if raw["data"]["kind"] == "text" else draw(st.sampled_from([None, "chatml", "qwen3"]))
     )
+    # A format preset converts rows for the kinds it names; data.columns renames what it reads.
+    from veomni.train.data.presets import PRESETS
+
+    presets = [name for name, preset in PRESETS.items() if raw["data"]["kind"] in preset.kinds]
+    raw["data"]["format"] = draw(st.sampled_from([None, *presets]))
+    if raw["data"]["format"] is not None:
+        names = PRESETS[raw["data"]["format"]].names
+        raw["data"]["columns"] = draw(
+            st.dictionaries(st.sampled_from(names), st.sampled_from(["a", "1e4"]), max_size=2)
+        )
+    if raw["data"]["format"] == "pretokenized":
+        raw["data"]["chat_template"] = None  # token rows are not rendered
     first = draw(st.integers(1, 50))
     raw["log"]["profile_steps"] = draw(st.sampled_from([None, [first, first + draw(st.integers(0, 5))]]))
     if raw["data"]["video_frame_pixels"] is not None:
@@ -205,7 +221,14 @@ COUPLED = [
     {"parallel.activation_checkpointing", "parallel.ac_keep_attention"},
     {"parallel.sp", "parallel.async_ulysses"},
     {"model.config", "model.config_overrides", "model.weights", "model.tokenizer"},
-    {"data.kind", "data.use_audio_in_video", "data.chat_template", *(f"data.{name}" for name in MEDIA_FIELDS)},
+    {
+        "data.kind",
+        "data.use_audio_in_video",
+        "data.chat_template",
+        "data.format",  # a preset converts rows for some kinds, and renames only the columns it reads
+        "data.columns",
+        *(f"data.{name}" for name in MEDIA_FIELDS),
+    },
 ]
 
 
@@ -434,7 +457,9 @@ def test_an_entry_of_a_mapping_field_the_file_leaves_at_its_default_can_be_set(t
 
 def test_a_module_glob_of_lr_multipliers_is_one_key_on_the_command_line():
     # `--optim.lr_multipliers.model.visual=0.1` sets the glob "model.visual", not {"model": {"visual": 0.1}}.
-    recipe = load_recipe("quickstart-vlm", ["--optim.lr_multipliers.model.visual=0.1", "--optim.lr_multipliers.x.*=2"])
+    recipe = load_recipe(
+        "quickstart-vlm", ["--optim.lr_multipliers.model.visual=0.1", "--optim.lr_multipliers.x.*=2"]
+    )
     assert recipe.optim.lr_multipliers == {"model.visual": 0.1, "x.*": 2}
 
 

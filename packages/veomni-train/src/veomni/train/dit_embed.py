@@ -121,7 +121,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     cond = condition_configs(recipe, rules)
     check_compatible(config, cond, recipe, rules)
     data = recipe.data
-    source = RowSource(data.train_files, data.format, ["caption"], MEDIA_COLUMNS)
+    source = RowSource(data.train_files, data.file_format, ["caption"], MEDIA_COLUMNS)
     shapes = index_dit(source, data.media_root, shape_rule(config, cond))
     meta = _meta(recipe, _digest(shapes, list(data.train_files)), len(shapes), shard_size)
     if (out / META).is_file():

@@ -144,6 +144,7 @@ class StepMetrics:
     elapsed_s: float | None = None
     eta_s: float | None = None
     moe_imbalance: float | None = None  # the largest max/mean expert load of any MoE layer (veomni.models.moe.expert_load)
+    source_losses: dict[str, float] | None = None  # a mixture's mean loss per source (shown with log.source_losses)
 
 
 def format_duration(seconds: float) -> str:
@@ -171,6 +172,8 @@ def console_line(m: StepMetrics) -> str:
     ]
     if m.moe_imbalance is not None:
         parts.append(f"moe max/mean {m.moe_imbalance:.2f}")
+    if m.source_losses:
+        parts.append(" ".join(f"{name} {loss:.4f}" for name, loss in m.source_losses.items()))
     if m.elapsed_s is not None:
         parts.append(f"elapsed {format_duration(m.elapsed_s)}")
     if m.eta_s is not None:

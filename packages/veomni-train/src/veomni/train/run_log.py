@@ -27,7 +27,9 @@ def bad_rows(run: Run) -> dict[str, Any]:
     """The rows the indexes left out (data.on_bad_row=skip), per file list: total and per kind."""
     out = {}
     for what, data in (("train_files", run.train_data), ("eval_files", run.eval_data)):
-        if data is not None:
+        if data is not None and hasattr(data, "bad_rows"):  # a stream counts the bad rows it has met
+            out[what] = data.bad_rows()
+        elif data is not None:
             out[what] = {"total": len(data.index.bad), "by_kind": data.index.bad.counts()}
     return out
 
@@ -46,6 +48,21 @@ def report_replaced(run: Run, metrics_file: Path | None) -> None:
             log.warning(
                 "data: %s rows were bad only when encoded and were trained as pad-only fillers", union
             )
+
+
+def window_source_losses(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """A mixture's mean loss per source over a log window's trained steps, weighted by each step's trained tokens
+    of that source (`veomni.train.step.read_stats`' ``sources``); sources with no trained token are left out."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for step in stats:
+        for name, numbers in step.get("sources", {}).items():
+            counts.setdefault(name, 0)
+            sums.setdefault(name, 0.0)
+            if numbers["trained_tokens"]:
+                sums[name] += numbers["loss"] * numbers["trained_tokens"]
+                counts[name] += numbers["trained_tokens"]
+    return {name: sums[name] / counts[name] for name in sums if counts[name]}
 
 
 def _json_safe(value: Any) -> Any:
@@ -166,6 +183,9 @@ def log_window(
     moe = load_summary(read_expert_loads(run.model, run.expert_layers)) if run.expert_layers else None
     if moe is not None:
         metrics = attrs.evolve(metrics, moe_imbalance=moe["moe_imbalance"])
+    sources = window_source_losses([w[0] for w in trained])
+    if sources and run.recipe.log.source_losses:
+        metrics = attrs.evolve(metrics, source_losses=sources)
     if dist.get_rank() == 0:
         if moe is not None:
             append_jsonl(Path(run.recipe.checkpoint.dir) / "metrics.jsonl", {"step": run.step, **moe})
@@ -179,4 +199,5 @@ def log_window(
             values["peak_memory_gib"] = metrics.peak_memory_gib
         if moe is not None:
             values.update({k: v for k, v in moe.items() if isinstance(v, float)})
+        values.update({f"loss/{name}": loss for name, loss in sources.items()})
         sinks.write(run.step, values)

@@ -102,11 +102,28 @@ def train_step(run: Run, step: Step) -> dict[str, float]:
 
 def read_stats(pending: list[dict[str, Any]]) -> list[dict[str, float]]:
     """Host floats of `train_step_on_device` results: every device value of the list read in one transfer (one
-    host sync for the whole list)."""
-    keys = ("loss", "grad_norm")
-    on_device = [s[k] for s in pending for k in keys if isinstance(s[k], torch.Tensor)]
-    values = iter(torch.stack([v.float() for v in on_device]).tolist() if on_device else [])
-    return [{k: (next(values) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in pending]
+    host sync for the whole list). A mixture's step gets ``sources``: per source its ``tokens``, ``trained_tokens``
+    and mean ``loss`` over its trained tokens (None where the step held none of them)."""
+    on_device = [v.float().reshape(-1) for s in pending for v in s.values() if isinstance(v, torch.Tensor)]
+    values = iter(torch.cat(on_device).tolist() if on_device else [])
+    out = []
+    for s in pending:
+        stats = {k: (v if not isinstance(v, torch.Tensor) else [next(values) for _ in range(v.numel())]
+                     if v.dim() else next(values)) for k, v in s.items()}  # fmt: skip
+        if "source_loss" in stats:
+            stats["sources"] = _source_stats(stats.pop("source_loss"), stats.pop("source_counts"))
+        out.append(stats)
+    return out
+
+
+def _source_stats(sums: list[float], counts: tuple[tuple[str, int, int], ...]) -> dict[str, dict[str, Any]]:
+    """Each source's numbers of a step: its loss sums (each over the step's global trained-token count, as every
+    micro-batch's loss is) turned into its mean over its own trained tokens."""
+    total = sum(trained for _, _, trained in counts)
+    return {
+        name: {"tokens": tokens, "trained_tokens": trained, "loss": value * total / trained if trained else None}
+        for value, (name, tokens, trained) in zip(sums, counts, strict=True)
+    }
 
 
 def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
@@ -123,15 +140,20 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     # dtype, which would round the count in bf16 and make it inf in fp16 above 65504 tokens (a zero loss).
     num_items = torch.full((), step.valid_tokens, device=run.device, dtype=torch.int64)
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
+    # A mixture's micro-batch holds one source's rows (batch["source"]), so its loss is that source's: exact.
+    per_source = torch.zeros(len(step.sources), device=run.device, dtype=torch.float32) if step.sources else None
     for i, batch in enumerate(step.micro_batches):
         if isinstance(run.model, FSDPModule):
             set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
         if run.graphs is not None:
             kwargs = run.task.model_kwargs(batch, run.device, num_items)
             kwargs = static_packing(kwargs, run.recipe.train.tokens_per_micro_batch)
-            loss_sum += run.graphs(kwargs, 1.0 / (grad_accum * run.state.dims.dp)).float()
+            micro_loss = run.graphs(kwargs, 1.0 / (grad_accum * run.state.dims.dp)).float()
         else:
-            loss_sum += _forward_backward(run, batch, num_items, grad_accum).float()
+            micro_loss = _forward_backward(run, batch, num_items, grad_accum).float()
+        loss_sum += micro_loss
+        if per_source is not None:
+            per_source[batch["source"]] += micro_loss
     lr = current_lr(run)
     # On the one-rank master-weights path the gradients are the fp32 masters' (run.trained), as FSDP2's would be.
     try:
@@ -158,8 +180,13 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     run.scheduler.step()
     # Captured graphs accumulate into the gradient tensors they were captured with: zero them, keep them.
     run.optimizer.zero_grad(set_to_none=run.graphs is None)
-    dist.all_reduce(loss_sum, group=run.state.loss_group)
-    return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0}
+    if per_source is None:
+        dist.all_reduce(loss_sum, group=run.state.loss_group)
+        return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0}
+    sums = torch.cat([loss_sum.view(1), per_source])  # one all-reduce for the step's and the sources' losses
+    dist.all_reduce(sums, group=run.state.loss_group)
+    return {"loss": sums[0], "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0,
+            "source_loss": sums[1:], "source_counts": step.sources}  # fmt: skip
 
 
 @torch.no_grad()

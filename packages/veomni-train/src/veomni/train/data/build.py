@@ -12,10 +12,14 @@ from transformers import PreTrainedTokenizerBase
 
 from veomni.models.family import DataRules
 from veomni.train.data.encode import Encoder
+from veomni.train.data.index_cache import cached_index, index_key, store_index
 from veomni.train.data.loader import DataTopology, EvalData, TrainData
+from veomni.train.data.mixture import MixtureData, MixturePart
 from veomni.train.data.plan import DatasetIndex, index_dataset
+from veomni.train.data.presets import FormattedSource, open_rows, row_format
 from veomni.train.data.row_formats import check_some_media
 from veomni.train.data.sources import DataError, RowSource
+from veomni.train.data.stream import StreamData
 from veomni.train.recipe import DataSection, Recipe
 
 log = logging.getLogger(__name__)
@@ -60,21 +64,26 @@ def index_files(
     *,
     group: dist.ProcessGroup | None = None,
     what: str = "data",
-) -> tuple[RowSource, DatasetIndex]:
-    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given); bad rows follow
+) -> tuple[RowSource | FormattedSource, DatasetIndex]:
+    """Open ``files`` and tokenise every row once (split over ``group``'s ranks when given; read from
+    ``data.index_cache`` instead when it holds this index, `veomni.train.data.index_cache`); bad rows follow
     ``data.on_bad_row`` and, when skipped, are logged per kind, and rows that ``data.overlong`` left out or cut are
     counted in a warning (``what`` names the file list)."""
-    source = RowSource(files, data.format, encoder.columns, getattr(encoder, "optional_columns", ()))
-    index = index_dataset(
-        source,
-        encoder,
-        max_seq_len=data.max_seq_len,
-        overlong=data.overlong,
-        num_workers=data.num_workers,
-        group=group,
-        on_bad_row=data.on_bad_row,
-        max_bad_fraction=data.max_bad_fraction,
-    )
+    source = open_rows(data, files, encoder)
+    key = None if data.index_cache is None else index_key(data, source, encoder)
+    index, cache_path = cached_index(data.index_cache, key, what, group)
+    if index is None:
+        index = index_dataset(
+            source,
+            encoder,
+            max_seq_len=data.max_seq_len,
+            overlong=data.overlong,
+            num_workers=data.num_workers,
+            group=group,
+            on_bad_row=data.on_bad_row,
+            max_bad_fraction=data.max_bad_fraction,
+        )
+        store_index(cache_path, index, group, what)
     if data.kind == "multimodal":
         good = np.setdiff1d(np.arange(index.num_rows), index.bad.rows)
         check_some_media(source, data.messages_field, good, what)
@@ -111,7 +120,8 @@ def check_trained_tokens(
             f"{what}: no trained token in {list(files)} ({index.num_rows} rows, {index.total_tokens} tokens, every "
             "label masked); check data.kind, data.assistant_only_loss and the rows' loss-mask field"
         )
-    for path, trained, (a, b) in zip(files, per_file, spans, strict=True):
+    # Per opened file: a glob or a directory in ``files`` stands for several.
+    for path, trained, (a, b) in zip([f.path for f in source.files], per_file, spans, strict=True):
         if b == a:
             log.warning("%s: %s holds no row", what, path)
         elif trained == 0:
@@ -160,24 +170,26 @@ def check_content_tokens(
     )
 
 
-def check_task_and_kind(recipe: Recipe) -> None:
-    """``data.kind`` is one the task trains on: listed by the task's ``data_kinds``, or a data kind that names the
-    task itself (`veomni.train.data.kinds.DataKind.tasks`); a `DataError` otherwise."""
+def check_task_and_kind(recipe: Recipe, name: str | None = None) -> None:
+    """``data.kind`` (or the kind ``name``, a mixture source's) is one the task trains on: listed by the task's
+    ``data_kinds``, or a data kind that names the task itself (`veomni.train.data.kinds.DataKind.tasks`); a
+    `DataError` otherwise."""
     from veomni.train.data.kinds import data_kind
     from veomni.train.tasks import task_class
 
+    name = recipe.data.kind if name is None else name
     task = task_class(recipe.model.task)
     kinds = task.data_kinds
-    if recipe.data.kind in kinds:
+    if name in kinds:
         return
     try:
-        kind = data_kind(recipe.data.kind)
+        kind = data_kind(name)
     except ValueError as err:
         raise DataError(str(err)) from None
     if task.name not in kind.tasks:
         raise DataError(
             f"model.task={recipe.model.task!r} trains on data.kind in {list(kinds)} (or a data kind naming the "
-            f"task), found {recipe.data.kind!r}"
+            f"task), found {name!r}"
             + (f", which trains with model.task in {list(kind.tasks)}" if kind.tasks else "")
         )
 
@@ -192,22 +204,20 @@ def build_train_data(
     vision_metadata: Callable[..., Any] | None = None,
     data_rules: DataRules | None = None,
     model_config: Any = None,
-) -> TrainData:
+) -> TrainData | StreamData | MixtureData:
     """The resumable training iterator of this rank (indexes the training files first; every rank must call it
     when ``group`` is given). ``vision_metadata``, ``data_rules``, ``model_config``: the task's model-side inputs
     (`encoder_for`)."""
+    options = dict(vision_metadata=vision_metadata, data_rules=data_rules, model_config=model_config)
+    if recipe.data.sources:
+        return _mixture_data(recipe, tokenizer, topology, group, pin_memory, options)
     check_task_and_kind(recipe)
-    encoder = encoder_for(
-        recipe.data,
-        tokenizer,
-        vision_metadata=vision_metadata,
-        data_rules=data_rules,
-        model_config=model_config,
-    )
-    source, index = index_files(
-        recipe.data, recipe.data.train_files, encoder, group=group, what="data.train_files"
-    )
-    check_trained_tokens(source, index, recipe.data.train_files, "data.train_files", encoder)
+    encoder = encoder_for(recipe.data, tokenizer, **options)
+    if recipe.data.dataset is not None and recipe.data.dataset.get("streaming"):
+        return _stream_data(recipe, encoder, topology, pad_token_id(tokenizer), pin_memory)
+    what = "data.train_files" if recipe.data.train_files else "data.dataset"
+    source, index = index_files(recipe.data, recipe.data.train_files, encoder, group=group, what=what)
+    check_trained_tokens(source, index, [f.path for f in source.files], what, encoder)
     return TrainData(
         source,
         encoder,
@@ -224,6 +234,70 @@ def build_train_data(
         pin_memory=pin_memory,
         patches_per_micro_batch=recipe.data.patches_per_micro_batch,
         on_bad_row=recipe.data.on_bad_row,
+    )
+
+
+def _mixture_data(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    topology: DataTopology,
+    group: dist.ProcessGroup | None,
+    pin_memory: bool,
+    options: dict[str, Any],
+) -> MixtureData:
+    """The `MixtureData` of ``data.sources``: each source indexed as one dataset is, with its own section."""
+    from veomni.train.recipe.data_sources import source_section
+
+    parts = []
+    for i, entry in enumerate(recipe.data.sources):
+        data = source_section(recipe.data, i)
+        check_task_and_kind(recipe, data.kind)
+        encoder = encoder_for(data, tokenizer, **options)
+        what = f"data.sources[{i}] ({entry['name']})"
+        source, index = index_files(data, data.train_files, encoder, group=group, what=what)
+        check_trained_tokens(source, index, [f.path for f in source.files], what, encoder)
+        parts.append(
+            MixturePart(entry["name"], source, encoder, index, entry.get("weight"), entry.get("epochs"))
+        )
+    return MixtureData(
+        parts,
+        topology=topology,
+        tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
+        grad_accum=recipe.grad_accum(topology.dp_size),
+        seed=recipe.train.seed,
+        shuffle=recipe.data.shuffle,
+        max_seq_len=recipe.data.max_seq_len,
+        overlong=recipe.data.overlong,
+        num_workers=recipe.data.num_workers,
+        pad_id=pad_token_id(tokenizer),
+        pin_memory=pin_memory,
+        patches_per_micro_batch=recipe.data.patches_per_micro_batch,
+        on_bad_row=recipe.data.on_bad_row,
+    )
+
+
+def _stream_data(
+    recipe: Recipe, encoder: Encoder, topology: DataTopology, pad_id: int, pin_memory: bool
+) -> StreamData:
+    """The `StreamData` of a ``data.dataset`` with ``streaming: true`` (no index: packed as it is read)."""
+    from veomni.train.data.hf_sources import describe_spec, load_dataset_spec
+
+    data = recipe.data
+    fmt = row_format(data)
+    return StreamData(
+        load_dataset_spec(data.dataset),
+        encoder,
+        None if fmt is None else fmt.convert,
+        describe_spec(data.dataset),
+        topology=topology,
+        tokens_per_micro_batch=recipe.train.tokens_per_micro_batch,
+        grad_accum=recipe.grad_accum(topology.dp_size),
+        max_seq_len=data.max_seq_len,
+        overlong=data.overlong,
+        pad_id=pad_id,
+        num_workers=data.num_workers,
+        pin_memory=pin_memory,
+        on_bad_row=data.on_bad_row,
     )
 
 

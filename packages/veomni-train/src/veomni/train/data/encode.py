@@ -311,7 +311,14 @@ def encode_row(
         DataError: a bad row, naming file and row; `OverlongError` for an over-long one the policy refuses.
     """
     ref = source.ref(index)
-    ids, trained, *rest = encoder(source[index], ref)
+    return encode_value(source[index], ref, index, encoder, max_seq_len, overlong)
+
+
+def encode_value(
+    row: dict[str, Any], ref: RowRef, index: int, encoder: Encoder, max_seq_len: int, overlong: str
+) -> Sample | None:
+    """`encode_row` for a row read already (``ref``: where it is from; ``index``: its number in its source)."""
+    ids, trained, *rest = encoder(row, ref)
     media = rest[0] if rest else None
     truncated = False
     if len(ids) > max_seq_len:

@@ -52,6 +52,10 @@ def _text(data: Any, tokenizer: Any, **options: Any) -> Any:
         raise ValueError(
             f"a vision layout function was given for data.kind={data.kind!r}, which has no images"
         )
+    if getattr(data, "format", None) == "pretokenized":
+        from veomni.train.data.pretokenized import PretokenizedEncoder
+
+        return PretokenizedEncoder(tokenizer)
     return build_encoder(
         tokenizer,
         data.kind,

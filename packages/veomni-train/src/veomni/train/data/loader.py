@@ -85,6 +85,8 @@ class Step:
             here without communication (``veomni.core.global_token_count`` over the batches gives the same).
         patches: vision patches of the whole step over all DP ranks (multimodal data; 0 for text).
         sample_tokens: every packed sample's tokens over all DP ranks (the attention FLOPs of the whole step).
+        sources: a mixture's ``(name, tokens, valid_tokens)`` of every source over all DP ranks (``data.sources``,
+            each micro-batch's ``"source"`` the position of its source here); empty for one source.
     """
 
     step: int
@@ -94,6 +96,7 @@ class Step:
     valid_tokens: int
     patches: int = 0
     sample_tokens: tuple[int, ...] = ()
+    sources: tuple[tuple[str, int, int], ...] = ()
 
 
 class _PackedRows(Dataset):

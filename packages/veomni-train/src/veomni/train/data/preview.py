@@ -197,18 +197,12 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
     else:
         data = build_train_data(recipe, tokenizer, topology, **options)
         s = data.summary()
-        out.write(
-            f"train data: {s['rows']:,} rows, {s['samples']:,} samples, {s['tokens']:,} tokens "
-            f"({s['trained_tokens']:,} trained), {s['truncated']} truncated, {s['dropped']} dropped "
-            f"(max_seq_len {recipe.data.max_seq_len}, overlong: {recipe.data.overlong})\n"
-            f"packing: {s['micro_batches_per_epoch']} micro-batches per epoch of <= {budget:,} tokens "
-            f"({100 * s['packing_efficiency']:.1f}% full); grad_accum {s['grad_accum']} x dp {topology.dp_size} "
-            f"per step; {s['steps_per_epoch']} steps per epoch, {s['micro_batches_left_out_per_epoch']} "
-            f"micro-batch(es) left out at the epoch's end\n"
-            f"steps: {total_steps(recipe, data)}"
-            + (f" ({recipe.train.epochs} epochs)" if recipe.train.steps is None else " (train.steps)")
-            + "\n"
-        )
+        if "stream" in s:  # a streaming dataset: no index, so no counts before it is read
+            out.write(
+                f"train data: the stream {s['stream']}, packed as it is read; steps: {recipe.train.steps}\n"
+            )
+        else:
+            _write_summary(out, s, recipe, budget, topology, total_steps(recipe, data))
         batches = []
         steps = iter(data)
         while len(batches) < opts["--n"]:
@@ -229,6 +223,22 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
     out.write(f"legend: trained tokens as plain text, tokens without loss {legend}\n")
     for label, batch in batches:
         _print_batch(out, label, batch, budget, tokenizer, source, opts)
+
+
+def _write_summary(out: TextIO, s: dict, recipe: Any, budget: int, topology: Any, steps: int) -> None:
+    """The indexed training data's counts, packing and step arithmetic."""
+    out.write(
+        f"train data: {s['rows']:,} rows, {s['samples']:,} samples, {s['tokens']:,} tokens "
+        f"({s['trained_tokens']:,} trained), {s['truncated']} truncated, {s['dropped']} dropped "
+        f"(max_seq_len {recipe.data.max_seq_len}, overlong: {recipe.data.overlong})\n"
+        f"packing: {s['micro_batches_per_epoch']} micro-batches per epoch of <= {budget:,} tokens "
+        f"({100 * s['packing_efficiency']:.1f}% full); grad_accum {s['grad_accum']} x dp {topology.dp_size} "
+        f"per step; {s['steps_per_epoch']} steps per epoch, {s['micro_batches_left_out_per_epoch']} "
+        f"micro-batch(es) left out at the epoch's end\n"
+        f"steps: {steps}"
+        + (f" ({recipe.train.epochs} epochs)" if recipe.train.steps is None else " (train.steps)")
+        + "\n"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

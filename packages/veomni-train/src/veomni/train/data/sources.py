@@ -2,8 +2,9 @@
 
 A `RowSource` concatenates its files into one index space ``0 .. len - 1``. Rows are read on demand: jsonl files
 are indexed once (the byte offset of every non-blank line) and read with a seek; parquet files load only the
-columns a row needs, once per process. Objects pickle without their open handles, so DataLoader workers can
-receive them under any start method.
+columns a row needs, once per process. HF ``datasets`` data (``save_to_disk`` directories, ``.arrow`` shards,
+remote URLs, ``data.dataset``) is read through that library (`veomni.train.data.hf_sources`). Objects pickle
+without their open handles, so DataLoader workers can receive them under any start method.
 """
 
 from __future__ import annotations
@@ -94,16 +95,22 @@ class RowRef:
         return f"{self.file} row {self.row} (0-based)"
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+FILE_FORMATS = ("jsonl", "parquet", "arrow")
 
 
 def expand_data_files(entries: Sequence[str]) -> list[str]:
     """Each entry as the files it names, in order: a file itself; a glob (``data/*.jsonl``, ``**`` recursive) its
-    matches, sorted; a directory its ``.jsonl`` / ``.json`` / ``.parquet`` files (not recursive), sorted. A
-    pattern or directory naming no data file is an error (a typo must not shrink the dataset silently)."""
+    matches, sorted; a ``save_to_disk`` directory or a URL itself; another directory its ``.jsonl`` / ``.json`` /
+    ``.parquet`` / ``.arrow`` files (not recursive), sorted. A pattern or directory naming no data file is an error
+    (a typo must not shrink the dataset silently)."""
+    from veomni.train.data.hf_sources import is_disk_dataset, is_url
+
     out: list[str] = []
     for entry in entries:
-        if any(c in entry for c in "*?["):
+        if is_url(entry) or (os.path.isdir(entry) and is_disk_dataset(entry)):
+            out.append(entry)
+        elif any(c in entry for c in "*?["):
             matches = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
             if not matches:
                 raise DataError(f"{entry}: the pattern matches no file")
@@ -113,7 +120,8 @@ def expand_data_files(entries: Sequence[str]) -> list[str]:
             found = [os.path.join(entry, n) for n in names if n.lower().endswith(DATA_SUFFIXES)]
             if not found:
                 raise DataError(
-                    f"{entry}: a directory with no {', '.join(DATA_SUFFIXES)} file; it holds {names[:10]}"
+                    f"{entry}: a directory with no {', '.join(DATA_SUFFIXES)} file and not a save_to_disk dataset; it "
+                    f"holds {names[:10]}"
                 )
             out += found
         else:
@@ -122,19 +130,29 @@ def expand_data_files(entries: Sequence[str]) -> list[str]:
 
 
 def detect_format(path: str, format: str) -> str:
-    """``jsonl`` or ``parquet`` for ``path``: ``format`` itself, or by extension when it is ``auto``."""
-    if format in ("jsonl", "parquet"):
-        return format
+    """How ``path`` is read: ``hf_disk`` (a ``save_to_disk`` directory, local or URL), ``remote`` (another URL,
+    by its extension), else ``format`` itself, or by extension when it is ``auto`` (``jsonl``, ``parquet``,
+    ``arrow``)."""
+    from veomni.train.data.hf_sources import is_disk_dataset, is_url
+
+    if format not in ("auto", *FILE_FORMATS):
+        raise DataError(f"data file format must be auto, {', '.join(FILE_FORMATS)}; found {format!r}")
+    if is_url(path):
+        return "hf_disk" if is_disk_dataset(path) else "remote"
+    if os.path.isdir(path) and is_disk_dataset(path):
+        return "hf_disk"
     if format != "auto":
-        raise DataError(f"data format must be auto, jsonl or parquet; found {format!r}")
+        return format
     lower = path.lower()
     if lower.endswith((".jsonl", ".json")):
         return "jsonl"
     if lower.endswith(".parquet"):
         return "parquet"
+    if lower.endswith(".arrow"):
+        return "arrow"
     raise DataError(
-        f"{path}: cannot tell the format from the extension (expected .jsonl, .json or .parquet); "
-        "set data.format to jsonl or parquet"
+        f"{path}: cannot tell the format from the extension (expected .jsonl, .json, .parquet or .arrow, or a "
+        "save_to_disk directory); set data.file_format"
     )
 
 
@@ -201,7 +219,7 @@ def _check_text_file(path: str) -> None:
                 return
             found = f"bytes that are not UTF-8 text (offset {err.start})"
     raise DataError(
-        f"{path}: read as jsonl (data.format), but the file holds {found}; set data.format: auto to decide by "
+        f"{path}: read as jsonl (data.file_format), but the file holds {found}; set data.file_format: auto to decide by "
         "extension, or the format the file really has"
     )
 
@@ -234,7 +252,7 @@ class ParquetFile:
         return self._num_rows
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None}
+        return {**self.__dict__, "_table": None, "_json": {}}
 
     def ref(self, row: int) -> RowRef:
         return RowRef(self.path, row)
@@ -244,7 +262,34 @@ class ParquetFile:
             import pyarrow.parquet as pq
 
             self._table = pq.read_table(self.path, columns=self.columns)
-        return {**{c: self._table.column(c)[row].as_py() for c in self.columns}, **dict.fromkeys(self.absent)}
+            self._json = {c: _has_json(self._table.schema.field(c).type) for c in self.columns}
+        values = {}
+        for c in self.columns:
+            value = self._table.column(c)[row].as_py()
+            values[c] = _decode_json(value, self._table.schema.field(c).type) if self._json[c] else value
+        return {**values, **dict.fromkeys(self.absent)}
+
+
+def _has_json(arrow_type: Any) -> bool:
+    """Whether a column type holds arrow's JSON extension type anywhere (HF ``datasets`` writes mixed-shape
+    objects, e.g. messages of which only some have a loss mask, that way)."""
+    if getattr(arrow_type, "extension_name", None) == "arrow.json":
+        return True
+    return any(_has_json(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+
+
+def _decode_json(value: Any, arrow_type: Any) -> Any:
+    """``value`` (``as_py`` of a ``arrow_type`` value) with its JSON-extension strings parsed, as the JSON they are."""
+    if value is None:
+        return None
+    if getattr(arrow_type, "extension_name", None) == "arrow.json":
+        return json.loads(value) if isinstance(value, str) else value
+    if isinstance(value, list) and hasattr(arrow_type, "value_type"):
+        return [_decode_json(v, arrow_type.value_type) for v in value]
+    if isinstance(value, dict) and arrow_type.num_fields:
+        fields = {arrow_type.field(i).name: arrow_type.field(i).type for i in range(arrow_type.num_fields)}
+        return {k: _decode_json(v, fields[k]) if k in fields else v for k, v in value.items()}
+    return value
 
 
 class RowSource:
@@ -263,18 +308,37 @@ class RowSource:
     ) -> None:
         if not files:
             raise DataError("no data files given")
-        self.files: list[JsonlFile | ParquetFile] = []
+        opened: list[Any] = []
         for path in expand_data_files(files):
             kind = detect_format(path, format)
-            self.files.append(JsonlFile(path) if kind == "jsonl" else ParquetFile(path, columns, optional))
+            if kind == "jsonl":
+                opened.append(JsonlFile(path))
+            elif kind == "parquet":
+                opened.append(ParquetFile(path, columns, optional))
+            else:
+                from veomni.train.data.hf_sources import open_hf_file
+
+                opened.append(open_hf_file(path, kind, columns, optional))
+        self._open(opened, list(files))
+
+    @classmethod
+    def of(cls, files: Sequence[Any], what: str) -> RowSource:
+        """A source over row files opened already (each with ``len``, ``read``, ``ref`` and ``path``, e.g. an
+        `veomni.train.data.hf_sources.HFRows`); ``what`` names them in errors."""
+        source = cls.__new__(cls)
+        source._open(list(files), [what])
+        return source
+
+    def _open(self, files: list[Any], described: list[str]) -> None:
+        self.files: list[Any] = files
         self._starts = np.cumsum([0] + [len(f) for f in self.files]).tolist()
         if self._starts[-1] == 0:
-            raise DataError(f"the data files hold no rows: {list(files)}")
+            raise DataError(f"the data files hold no rows: {described}")
 
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def _locate(self, index: int) -> tuple[JsonlFile | ParquetFile, int]:
+    def _locate(self, index: int) -> tuple[Any, int]:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} is out of range for {len(self)} rows")
         file_no = bisect.bisect_right(self._starts, index) - 1

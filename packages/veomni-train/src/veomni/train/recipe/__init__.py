@@ -35,6 +35,7 @@ from veomni.core import ParallelDims
 from veomni.kernels import KERNELS
 from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
 from veomni.train.recipe import parse as recipe_parse
+from veomni.train.recipe.data_section import DataSection
 from veomni.train.recipe.lora_section import LoraSection
 from veomni.train.recipe.parse import RecipeError
 from veomni.train.recipe.run_sections import (
@@ -45,7 +46,6 @@ from veomni.train.recipe.run_sections import (
     TrainSection,
 )
 from veomni.train.recipe.sections import (
-    DataSection,
     ModelSection,
     OpsSection,
     ParallelSection,
@@ -61,7 +61,7 @@ BUILTIN_PREFIX = "builtin://"
 DIT_KINDS = ("dit", "dit_latents")
 # The data fields the clip pipeline (veomni.train.tasks.dit_setup, veomni-dit-embed) reads; the rest belong to the token
 # pipeline. eval_files has a check of its own.
-DIT_DATA_FIELDS = ("train_files", "eval_files", "format", "kind", "media_root", "shuffle", "num_workers")
+DIT_DATA_FIELDS = ("train_files", "eval_files", "file_format", "kind", "media_root", "shuffle", "num_workers")
 
 
 def check_task_sections(recipe: Recipe) -> None:
@@ -151,6 +151,16 @@ class Recipe:
                 f"parallel.ac_keep_attention: true saves the attention kernel's output, but ops.attention "
                 f"{attention!r} runs no kernel that checkpointing can keep; pick one of {keepable} or set "
                 "ac_keep_attention: false"
+            )
+        if self.data.sources and "weight" in self.data.sources[0] and self.train.steps is None:
+            raise RecipeError(
+                "train.epochs: a mixture by weight has no epochs (its sources are drawn from, each at its own pace); "
+                "set train.steps, or give each source epochs"
+            )
+        streaming = self.data.dataset is not None and self.data.dataset.get("streaming")
+        if streaming and self.train.steps is None:
+            raise RecipeError(
+                "train.epochs: a streaming dataset has no step count per epoch (it is not indexed); set train.steps"
             )
         if self.train.eval_interval is not None and not self.data.eval_files:
             raise RecipeError(
@@ -251,15 +261,17 @@ def recipe_from_dict(raw: Mapping[str, Any]) -> Recipe:
 def resolve_path(value: Any, *, hub_ids: bool = False) -> Any:
     """Make a path value absolute: ``builtin://X`` -> the packaged asset X, relative -> from the current directory.
 
-    Tuples are resolved item by item; None, mappings (inline model configs) and the words ``auto``/``never``
-    (checkpoint.resume) are returned unchanged. Absolute paths are fixed points, so resolving is idempotent.
-    With ``hub_ids``, a value that names no local path and reads as a Hub id (``org/name[@revision]``) is kept
+    Tuples are resolved item by item; None, mappings (inline model configs), URLs (``scheme://...``) and the words
+    ``auto``/``never`` (checkpoint.resume) are returned unchanged. Absolute paths are fixed points, so resolving is
+    idempotent. With ``hub_ids``, a value that names no local path and reads as a Hub id (``org/name[@revision]``) is kept
     as written: `veomni.train.hub.fetch_hub_sources` fetches it when the run starts.
     """
     if isinstance(value, tuple):
         return tuple(resolve_path(v, hub_ids=hub_ids) for v in value)
     if not isinstance(value, str) or value in ("auto", "never"):
         return value
+    if "://" in value and not value.startswith(BUILTIN_PREFIX):
+        return value  # a URL (s3://, file://, memory://, ...): read through fsspec as written
     if hub_ids:
         from veomni.train.hub import hub_id
 

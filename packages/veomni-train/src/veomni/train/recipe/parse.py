@@ -4,7 +4,8 @@ Generic machinery behind `veomni.train.recipe`: it knows nothing about the recip
 attrs class whose fields are either nested attrs classes (sections) or leaves of the supported types: bool, int,
 float, str, dict, ``Literal[...]``, ``tuple[X, ...]`` / ``tuple[X, Y]`` (lists in YAML) and unions with None.
 Leaf metadata: ``help`` (one line), ``required`` (no default), ``path`` (run through the caller's resolver;
-``path="hub"``: called with ``hub_ids=True``, for fields that may also name a Hugging Face Hub repository).
+``path="hub"``: called with ``hub_ids=True``, for fields that may also name a Hugging Face Hub repository; a
+callable ``path``: called as ``path(value, resolver)``, for values holding paths among other things).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def _build_fields(
         try:
             value = convert(raw[name], tp, key)
             path_kind = field.metadata.get("path")
-            if path_kind == "hub":
+            if callable(path_kind):
+                value = path_kind(value, resolve_path)
+            elif path_kind == "hub":
                 value = resolve_path(value, hub_ids=True)
             elif path_kind:
                 value = resolve_path(value)

@@ -190,6 +190,11 @@ class LogSection:
     wandb_project: str | None = _field(
         None, "log to this Weights & Biases project (needs veomni-train[wandb])"
     )
+    source_losses: bool = _field(
+        False,
+        "with data.sources: show each source's mean loss of the log window on the console line (metrics.jsonl, "
+        "TensorBoard and W&B always get them: sources and loss/<name>)",
+    )
     profile_steps: tuple[int, int] | None = _field(
         None,
         "[a, b]: profile steps a..b (1-based, inclusive) with the torch profiler: a Chrome trace per rank and a "

@@ -1,13 +1,13 @@
 """The sections of a training recipe (`veomni.train.recipe.Recipe`): one attrs class per YAML section, every field
 typed and documented in its metadata (``help``: the ``--help`` text; ``path``: resolved when loaded;
 ``required``). Validation that needs one section only lives here; what spans sections is in ``recipe.py``.
-This module holds what is trained on what (model, data, parallel, ops); `veomni.train.recipe.run_sections` how
-the run goes (optim, train, checkpoint, log, dit).
+This module holds what is trained on what (model, parallel, ops; the data section is in
+`veomni.train.recipe.data_section`); `veomni.train.recipe.run_sections` how the run goes (optim, train, checkpoint,
+log, dit).
 """
 
 from __future__ import annotations
 
-import os
 import typing
 from typing import Any, Literal
 
@@ -145,157 +145,6 @@ def _check_inline_config(config: dict) -> None:
         check_config_keys(config["model_type"], values, "model.config")
     except (ValueError, KeyError) as err:
         raise RecipeError(str(err).strip("'\"")) from None
-
-
-@attrs.frozen(kw_only=True)
-class DataSection:
-    train_files: tuple[str, ...] = _required("training data files (a list; .jsonl or .parquet)", path=True)
-    eval_files: tuple[str, ...] = _field(
-        (), "evaluation data files, read whole every train.eval_interval steps", path=True
-    )
-    format: Literal["auto", "jsonl", "parquet"] = _field(
-        "auto", "file format; auto decides by extension (.jsonl/.json: jsonl, .parquet: parquet)"
-    )
-    kind: str = _field(
-        "conversation",
-        "text: pre-training on one string per row, every token trained; conversation: role/content messages "
-        "rendered by the tokenizer's chat template; multimodal: conversations whose content may list text, "
-        "image and video parts, expanded by the model's image and video processors (model.task=vlm); dit: rows of "
-        "{video: <frames directory or list of frame files>, caption} or {image: <file>, caption} (model.task=dit); "
-        "dit_latents: the latents.jsonl of veomni-dit-embed (conditions encoded offline, model.task=dit); or a "
-        "user's data kind: a name registered with veomni.train.data.kinds.register_data_kind, or "
-        "'package.module:Factory'",
-    )
-    media_root: str | None = _field(
-        None,
-        "kind=multimodal, dit: directory that relative image/frame paths in the rows are read from (dit: None "
-        "reads them relative to the data file's directory)",
-        path=True,
-    )
-    patches_per_micro_batch: int | None = _field(
-        None,
-        "kind=multimodal: vision patches one micro-batch may hold (the second packing budget beside "
-        "train.tokens_per_micro_batch; None: no limit); a row above it is an error naming it",
-    )
-    video_fps: float | None = _field(
-        None,
-        "kind=multimodal: frames per second sampled from video files, and the rate a frame-list video without "
-        "its own fps was taken at (None: the model's video processor config, fps)",
-    )
-    video_max_frames: int | None = _field(
-        None,
-        "kind=multimodal: most frames sampled from one video file; a frame list above it is an error (None: the "
-        "model's video processor config, max_frames)",
-    )
-    video_frame_pixels: tuple[int, int] | None = _field(
-        None,
-        "kind=multimodal, model.task=omni: [min, max] pixels of one resized video frame (the processor call's "
-        "videos_kwargs size; None: the thinker's processor's own, 128 to 768 merged patches: of 28 x 28 pixels for "
-        "Qwen2.5-Omni, 32 x 32 for Qwen3-Omni-MoE)",
-    )
-    use_audio_in_video: bool = _field(
-        False,
-        "kind=multimodal, model.task=omni: decode every video file's audio track and interleave it with the "
-        "video's frames by time (the processor's use_audio_in_video: per seconds_per_chunk chunk for Qwen2.5-Omni, "
-        "token by token for Qwen3-Omni-MoE); a video without audio is an error",
-    )
-    text_field: str = _field("text", "kind=text: the row's field holding the text")
-    messages_field: str = _field("messages", "kind=conversation: the row's field holding the message list")
-    chat_template: str | None = _field(
-        None,
-        "kind=conversation, multimodal: the chat template to render conversations with, replacing the tokenizer's "
-        "own and saved with the HF export: a built-in name (chatml, qwen3, qwen3_keep_thinking) or a Jinja file "
-        "(None: the tokenizer's)",
-    )
-    loss_mask_field: str | None = _field(
-        "loss_mask",
-        "kind=conversation: per-message field (0/1 or bool) that overrides the default loss choice",
-    )
-    assistant_only_loss: bool = _field(
-        True, "kind=conversation: train on assistant messages only (the role headers are never trained)"
-    )
-    add_eos: bool = _field(True, "kind=text: append the tokenizer's EOS token to every text")
-    max_seq_len: int = _field(2048, "longest sample in tokens (at most train.tokens_per_micro_batch)")
-    overlong: Literal["truncate", "drop", "error"] = _field(
-        "truncate",
-        "a sample longer than max_seq_len: keep its first max_seq_len tokens, leave it out, or stop with an "
-        "error naming file and row (counts are reported by the data summary)",
-    )
-    on_bad_row: Literal["error", "skip"] = _field(
-        "error",
-        "a row that cannot be read or encoded (invalid JSON, a malformed conversation, a missing or corrupt image, "
-        "placeholders not matching images, an image over data.patches_per_micro_batch): stop with an error "
-        "naming file and row, or leave it out and report it (per kind at startup, in the data summary and "
-        "metrics.jsonl); over-long rows follow data.overlong instead",
-    )
-    max_bad_fraction: float = _field(
-        0.01,
-        "on_bad_row=skip: the most bad rows a dataset may hold, as a fraction of its rows; more (or every row) "
-        "is an error, since that is a broken path or field rather than a few broken rows",
-    )
-    shuffle: bool = _field(True, "shuffle samples every epoch (seeded by train.seed and the epoch)")
-    num_workers: int = _field(2, "DataLoader worker processes that read, tokenise and pack (0: in process)")
-
-    def __attrs_post_init__(self) -> None:
-        # Imported here: the data kinds live with the data pipeline (a user's import-path kind is imported now).
-        from veomni.train.data.kinds import data_kind
-
-        try:
-            data_kind(self.kind)
-        except ValueError as err:
-            raise RecipeError(str(err)) from None
-        if not self.train_files:
-            raise RecipeError("data.train_files: expected at least one file, found an empty list")
-        if self.max_seq_len < 2:
-            raise RecipeError(f"data.max_seq_len: expected >= 2, found {self.max_seq_len}")
-        if self.num_workers < 0:
-            raise RecipeError(f"data.num_workers: expected >= 0, found {self.num_workers}")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise RecipeError(f"data.max_bad_fraction: expected 0 <= x <= 1, found {self.max_bad_fraction}")
-        if self.patches_per_micro_batch is not None and self.patches_per_micro_batch < 1:
-            raise RecipeError(
-                f"data.patches_per_micro_batch: expected >= 1, found {self.patches_per_micro_batch}"
-            )
-        if self.video_fps is not None and not self.video_fps > 0:
-            raise RecipeError(f"data.video_fps: expected > 0, found {self.video_fps}")
-        if self.video_max_frames is not None and self.video_max_frames < 1:
-            raise RecipeError(f"data.video_max_frames: expected >= 1, found {self.video_max_frames}")
-        pixels = self.video_frame_pixels
-        if pixels is not None and not 0 < pixels[0] <= pixels[1]:
-            raise RecipeError(
-                f"data.video_frame_pixels: expected [min, max] with 0 < min <= max, found {list(pixels)}"
-            )
-        if self.use_audio_in_video and self.kind != "multimodal":
-            raise RecipeError(
-                f"data.use_audio_in_video: videos are read by data.kind=multimodal (model.task=omni) only, but "
-                f"data.kind is {self.kind!r}"
-            )
-        if self.chat_template is not None:
-            self._check_chat_template()
-        # The token pipelines of kind text and conversation read none of the media fields: set, they would be ignored.
-        readers = {"media_root": ("multimodal", "dit"), "patches_per_micro_batch": ("multimodal",),
-                   "video_fps": ("multimodal",), "video_max_frames": ("multimodal",),
-                   "video_frame_pixels": ("multimodal",)}  # fmt: skip
-        for name, kinds in readers.items():
-            if getattr(self, name) is not None and self.kind in ("text", "conversation"):
-                raise RecipeError(
-                    f"data.{name}: read for data.kind {', '.join(kinds)} only, but data.kind is {self.kind!r}; "
-                    f"found {getattr(self, name)!r} (remove it)"
-                )
-
-    def _check_chat_template(self) -> None:
-        from veomni.train.data.chat_template import BUILTIN_CHAT_TEMPLATES
-
-        if self.kind not in ("conversation", "multimodal"):
-            raise RecipeError(
-                f"data.chat_template: conversations are rendered for data.kind conversation and multimodal only, but "
-                f"data.kind is {self.kind!r}; found {self.chat_template!r} (remove it)"
-            )
-        if self.chat_template not in BUILTIN_CHAT_TEMPLATES and not os.path.isfile(self.chat_template):
-            raise RecipeError(
-                f"data.chat_template: expected a built-in name ({', '.join(BUILTIN_CHAT_TEMPLATES)}) or a Jinja "
-                f"file, found {self.chat_template!r} (no such built-in or file)"
-            )
 
 
 @attrs.frozen(kw_only=True)

@@ -192,7 +192,7 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     data = recipe.data
     columns, optional = (["shard", "index", "shape", "caption"], ()) if offline else (["caption"], MEDIA_COLUMNS)
     train_data = DitData(
-        RowSource(data.train_files, data.format, columns, optional), media_root=data.media_root, rule=shape_rule(config, cond),
+        RowSource(data.train_files, data.file_format, columns, optional), media_root=data.media_root, rule=shape_rule(config, cond),
         topology=topology, samples_per_micro_batch=recipe.train.samples_per_micro_batch,
         grad_accum=recipe.grad_accum(topology.dp_size), seed=recipe.train.seed, shuffle=data.shuffle,
         num_workers=data.num_workers, pin_memory=device.type == "cuda", latents=offline,
