@@ -30,9 +30,10 @@ from transformers import (
     SeedOssConfig,
 )
 
-CHECKS = ("parity", "parity_sdpa", "packed", "sp", "export")
+CHECKS = ("parity", "parity_sdpa", "packed", "sp", "async_sp", "export")
 """The suite's checks: bitwise parity with upstream (eager attention; ``parity_sdpa``: both on transformers' sdpa),
-packed == per-document, SP == one process, export round trip."""
+packed == per-document, SP == one process (``async_sp``: with the async Ulysses exchange, where the family declares
+it), export round trip."""
 
 VOCAB = 128
 

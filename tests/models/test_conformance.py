@@ -6,7 +6,9 @@ config in `conformance_table`, passes the same four checks on CPU (gloo for SP):
 - packed: one packed row with veomni's varlen kwargs equals each document run alone (logits, loss, gradients),
   and the same row without the packing information does not (the check can fail);
 - sp: Ulysses SP over 2 gloo ranks equals one process (logits, summed-loss gradients), where the model type lists
-  the ``sp`` fast path;
+  the ``sp`` fast path; again with the async exchange (``parallel.async_ulysses``) where its family declares
+  attention classes with the async branch (`veomni.models.family.ModelTypeSpec.async_ulysses`), and every SP model
+  type of every family either declares them or says why it has none;
 - export: a checkpoint upstream wrote, built through the registry, exported with `export_hf` and reloaded with
   plain transformers, gives upstream's weights (same keys, same values, same file layout) and our logits.
 
@@ -18,6 +20,7 @@ combinations) stays in the per-family modules.
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 
 import pytest
@@ -37,6 +40,8 @@ from veomni.core.sp import gather_sequence, slice_sequence
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.export.hf import export_hf
+from veomni.models.families import FAMILIES, family_of
+from veomni.models.hf.async_sp import check_async_ulysses, enable_async_ulysses
 from veomni.models.hf.attention import packed_kwargs
 from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.registry import MODELS, config_for_class
@@ -214,13 +219,15 @@ def test_packed_row_equals_documents_run_alone(model_type):
 # ---------------------------------------------------------------- Ulysses SP == one process
 
 
-def _sp_case(ctx, model_type: str) -> dict[str, float]:
+def _sp_case(ctx, model_type: str, exchange: str = "sync") -> dict[str, float]:
     """One packed row of odd length (the SP padding path runs) through our adapter, whole and sliced over the
-    ranks: the largest logit error, the worst gradient error in units of its tolerance, missing gradients."""
+    ranks (``exchange`` ``"async"``: the attention's projections overlapping the exchange): the largest logit
+    error, the worst gradient error in units of its tolerance, missing gradients, async attention layers."""
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
     group = state.sp_group
     model = build_ours(model_type, **ROWS[model_type].sp_overrides)
     apply_ops(model, OpsConfig(**EAGER_OPS))
+    layers = enable_async_ulysses(model, model_type) if exchange == "async" else 0
     inputs = batch(lengths=(7, 1, 5), seed=4)
     ids, positions = inputs["input_ids"], inputs["position_ids"]
     labels = torch.cat([inputs["labels"][:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # pre-shifted
@@ -238,7 +245,7 @@ def _sp_case(ctx, model_type: str) -> dict[str, float]:
                       sp_unpadded_len=ids.shape[1], **kwargs).logits  # fmt: skip
     summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
     full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
-    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0, "missing": 0}
+    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0, "missing": 0, "async": layers}
     for name, p in model.named_parameters():
         if p.grad is None:
             worst["missing"] += 1
@@ -250,13 +257,44 @@ def _sp_case(ctx, model_type: str) -> dict[str, float]:
     return worst
 
 
+@pytest.mark.parametrize("exchange", ["sync", "async"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_sp_equals_single_process(dist_pools, model_type):
-    row_for(model_type, "sp")
+def test_sp_equals_single_process(dist_pools, model_type, exchange):
+    row_for(model_type, "sp" if exchange == "sync" else "async_sp")
     if "sp" not in MODELS.entry(model_type).fast_paths:
         pytest.skip(f"{model_type} does not list the 'sp' fast path")
-    for worst in dist_pools.get(2).run(_sp_case, model_type):
+    spec = family_of(model_type).spec(model_type)
+    if exchange == "async" and not spec.async_ulysses:
+        pytest.skip(f"{model_type} has no async Ulysses path: {spec.no_async_ulysses}")
+    for worst in dist_pools.get(2).run(_sp_case, model_type, exchange):
         assert worst["missing"] == 0 and worst["logits"] < 1e-4 and worst["grad"] <= 1.0, worst
+        # Every attention layer took the async path (the tiny configs have no layer without attention).
+        want_async = (
+            ROWS[model_type].config().get_text_config().num_hidden_layers if exchange == "async" else 0
+        )
+        assert worst["async"] == want_async, worst
+
+
+SP_TYPES = sorted(
+    (family.name, spec.model_type)
+    for family in FAMILIES
+    for spec in family.model_types
+    if "sp" in spec.fast_paths
+)
+
+
+@pytest.mark.parametrize("family_name, model_type", SP_TYPES)
+def test_every_sp_model_type_declares_its_async_ulysses_path_or_why_not(family_name, model_type):
+    """A declared class's forward really has the async branch; a model type without one is refused before any
+    model is built, with its family's reason."""
+    spec = family_of(model_type).spec(model_type)
+    if spec.async_ulysses:
+        for cls in check_async_ulysses(model_type):
+            assert "async_ulysses_active(self" in inspect.getsource(cls.forward), cls
+        return
+    with pytest.raises(ValueError) as err:
+        check_async_ulysses(model_type)
+    assert spec.no_async_ulysses in str(err.value) and "parallel.async_ulysses=false" in str(err.value)
 
 
 # ---------------------------------------------------------------- export round trip

@@ -160,6 +160,12 @@ class ModelTypeSpec:
             the model, and the diffusers build binds no kernels and no Ulysses SP to it. Its ``fast_paths``
             must say what it implements: ``"sp"`` iff ``sequence_parallel``, ``"fused_kernels"`` iff
             ``bind_kernels``.
+        async_ulysses: ``"module:Class"`` of every attention class whose forward has the async Ulysses branch
+            (``parallel.async_ulysses``: it asks `veomni.models.hf.async_sp.async_ulysses_active` and overlaps its
+            projections with the exchange); empty: the model has no such path.
+        no_async_ulysses: why ``parallel.async_ulysses`` is refused for this model. A model with ``"sp"`` in its
+            ``fast_paths`` gives exactly one of ``async_ulysses`` and ``no_async_ulysses``; one without gives
+            neither (the refusal then says it has no Ulysses SP at all).
     """
 
     model_type: str
@@ -169,10 +175,14 @@ class ModelTypeSpec:
     data: DataRules | None = None
     library: str = "transformers"
     diffusion: DiffusionRules | None = None
+    async_ulysses: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    no_async_ulysses: str | None = None
 
     def __attrs_post_init__(self) -> None:
         for task, target in self.classes.items():
             _target(target, f"model_type {self.model_type!r} / {task}")
+        for target in self.async_ulysses:
+            _target(target, f"model_type {self.model_type!r} / async_ulysses")
         if self.library not in ("transformers", "diffusers"):
             raise ValueError(
                 f"model_type {self.model_type!r}: library must be 'transformers' or 'diffusers', got {self.library!r}"
@@ -183,6 +193,23 @@ class ModelTypeSpec:
             )
         if self.diffusion is not None:
             self._check_diffusion(self.diffusion)
+        self._check_async_ulysses()
+
+    def _check_async_ulysses(self) -> None:
+        declared = {
+            "async_ulysses": bool(self.async_ulysses),
+            "no_async_ulysses": self.no_async_ulysses is not None,
+        }
+        if "sp" in self.fast_paths and sum(declared.values()) != 1:
+            raise ValueError(
+                f"model_type {self.model_type!r} supports sp: declare either async_ulysses (its attention classes "
+                f"with the async branch) or no_async_ulysses (why it has none), found {declared}"
+            )
+        if "sp" not in self.fast_paths and any(declared.values()):
+            raise ValueError(
+                f"model_type {self.model_type!r} declares {[k for k, v in declared.items() if v]} but has no 'sp' "
+                f"in its fast_paths {sorted(self.fast_paths)}: async Ulysses is a form of Ulysses SP"
+            )
 
     def _check_diffusion(self, rules: DiffusionRules) -> None:
         if self.library != "diffusers":

@@ -23,6 +23,7 @@ FAMILY = ModelFamily(
                 "sequence_classification": f"{_MODULE}:Gemma3TextForSequenceClassification",
             },
             fast_paths={"sp", "fused_kernels"},
+            async_ulysses=(f"{_MODULE}:Gemma3Attention",),
         ),
     ),
     patch_configs=("veomni.models.gemma3.patch_config",),

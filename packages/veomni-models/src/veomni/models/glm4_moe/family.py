@@ -15,6 +15,7 @@ FAMILY = ModelFamily(
             # transformers has only the causal LM and the base model for glm4_moe (no classification or QA heads).
             classes={"causal_lm": f"{_MODULE}:Glm4MoeForCausalLM", "base": f"{_MODULE}:Glm4MoeModel"},
             fast_paths={"sp", "ep", "fused_kernels"},
+            async_ulysses=(f"{_MODULE}:Glm4MoeAttention",),
         ),
     ),
     patch_configs=("veomni.models.glm4_moe.patch_config",),

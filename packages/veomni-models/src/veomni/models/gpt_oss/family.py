@@ -19,6 +19,8 @@ FAMILY = ModelFamily(
                 "token_classification": f"{_MODULE}:GptOssForTokenClassification",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            no_async_ulysses="GptOssAttention runs upstream's forward (sinks and sliding windows through the "
+            "attention interface), which has no async branch",
         ),
     ),
     patch_configs=("veomni.models.gpt_oss.patch_config",),

@@ -231,6 +231,29 @@ def apply_rope(
     return upstream(query, key, cos, sin)
 
 
+def apply_partial_rope(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    upstream: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial RoPE (the first ``R`` dims of each head rotated, rotate-half layout; the rest passed through)
+    through ``module``'s kernel set (``rope/partial``), or the model's own ``upstream`` when it has none / eager.
+
+    Args:
+        query: ``[B, Hq, S, D]``; key: ``[B, Hkv, S, D]``; cos, sin: ``[B, S, R]`` with ``R <= D`` (the tables'
+            width is the rotary width, as the models' ``partial_rotary_factor`` makes them).
+    Returns:
+        the rotated ``(query, key)``, same shapes and dtype.
+    """
+    kernels = getattr(module, ATTR, None)
+    if kernels is not None and kernels.config.rope != "eager":
+        return kernels.get("rope", "partial")(query, key, cos, sin, rotary_dim=cos.shape[-1])
+    return upstream(query, key, cos, sin)
+
+
 def apply_rope_vision(
     module: nn.Module,
     query: torch.Tensor,

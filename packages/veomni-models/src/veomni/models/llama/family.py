@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:LlamaForQuestionAnswering",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="LlamaAttention's patched forward has no async branch (only its RoPE call is patched)",
         ),
     ),
     patch_configs=("veomni.models.llama.patch_config",),

@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen2ForQuestionAnswering",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="Qwen2Attention's patched forward has no async branch (only its RoPE call is patched)",
         ),
     ),
     patch_configs=("veomni.models.qwen2.patch_config",),

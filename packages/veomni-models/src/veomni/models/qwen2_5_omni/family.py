@@ -25,6 +25,8 @@ FAMILY = ModelFamily(
                 "any_to_any": f"{_MODULE}:Qwen2_5OmniThinkerForConditionalGeneration",
             },
             fast_paths={"sp"},
+            no_async_ulysses="the thinker's text attention reuses Qwen2-VL's patched forward (mrope), which "
+            "has no async branch",
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

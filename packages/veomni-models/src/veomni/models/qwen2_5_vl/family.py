@@ -24,6 +24,8 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen2_5_VLModel",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="its text attention reuses Qwen2-VL's patched forward (mrope), which has no async "
+            "branch",
             data=DATA_UNTIMED,
         ),
     ),

@@ -24,6 +24,7 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen2VLModel",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="Qwen2VLAttention's patched forward (mrope) has no async branch",
             data=DATA_UNTIMED,
         ),
     ),

@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen3ForQuestionAnswering",
             },
             fast_paths={"sp", "fused_kernels"},
+            async_ulysses=(f"{_MODULE}:Qwen3Attention",),
         ),
     ),
     patch_configs=("veomni.models.qwen3.patch_config",),

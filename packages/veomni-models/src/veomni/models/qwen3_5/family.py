@@ -13,6 +13,12 @@ DATA_VISION = DataRules(
 )
 """How the data pipeline lays out this family's multimodal rows."""
 
+NO_ASYNC_ULYSSES = (
+    "its Gated DeltaNet layers run their own head-split exchange (veomni.models.qwen3_next.sp) and its gated "
+    "full attention (partial RoPE, output gate) has no async branch"
+)
+"""Why ``parallel.async_ulysses`` is refused for this family's model types."""
+
 FAMILY = ModelFamily(
     name="qwen3_5",
     model_types=(
@@ -25,6 +31,7 @@ FAMILY = ModelFamily(
                 "sequence_classification": f"{_MODULE}:Qwen3_5TextForSequenceClassification",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses=NO_ASYNC_ULYSSES,
         ),
         ModelTypeSpec(
             model_type="qwen3_5",
@@ -35,6 +42,7 @@ FAMILY = ModelFamily(
                 "causal_lm": f"{_MODULE}:Qwen3_5ForCausalLM",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses=NO_ASYNC_ULYSSES,
             data=DATA_VISION,
         ),
     ),

@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:Qwen3MoeForQuestionAnswering",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            async_ulysses=(f"{_MODULE}:Qwen3MoeAttention",),
         ),
     ),
     patch_configs=("veomni.models.qwen3_moe.patch_config",),

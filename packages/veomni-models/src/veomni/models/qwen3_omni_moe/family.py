@@ -24,6 +24,8 @@ FAMILY = ModelFamily(
                 "any_to_any": f"{_MODULE}:Qwen3OmniMoeThinkerForConditionalGeneration",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            no_async_ulysses="the thinker's text attention has no async branch (only its mrope call is "
+            "patched)",
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

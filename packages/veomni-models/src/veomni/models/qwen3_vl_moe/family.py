@@ -24,6 +24,8 @@ FAMILY = ModelFamily(
                 "base": f"{_MODULE}:Qwen3VLMoeModel",
             },
             fast_paths={"sp", "ep", "fused_kernels"},
+            no_async_ulysses="Qwen3VLMoeTextAttention's patched forward has no async branch (only its mrope "
+            "call is patched)",
             data=DATA_VISION,
         ),
     ),

@@ -20,6 +20,7 @@ FAMILY = ModelFamily(
                 "question_answering": f"{_MODULE}:SeedOssForQuestionAnswering",
             },
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="SeedOssAttention's patched forward has no async branch (only its RoPE call is patched)",
         ),
     ),
     patch_configs=("veomni.models.seed_oss.patch_config",),

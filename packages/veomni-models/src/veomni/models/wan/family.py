@@ -26,6 +26,8 @@ FAMILY = ModelFamily(
             library="diffusers",
             classes={"diffusion_transformer": "diffusers:WanTransformer3DModel"},
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="its Ulysses SP is its own attention processor (veomni.models.wan.sp), which has "
+            "no async variant",
             diffusion=DIFFUSION,
         ),
     ),
