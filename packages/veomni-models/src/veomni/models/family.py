@@ -123,6 +123,8 @@ class DiffusionRules:
             videos)`` and ``empty_prompt_embeds()``.
         condition_error: the exception class the condition side raises for a bad condition directory (bad input:
             the trainer reports its message without a traceback).
+        modes: ``{mode: what it conditions on}``, the condition modes the family trains (the recipe's ``dit.mode``;
+            the first is the default, `condition_mode`); every ``mode`` argument below is one of them.
         condition_configs: ``callable(root, mode, shift)`` returns the condition side read from its configs alone
             (`veomni.models.diffusers.rules.ConditionConfigs`): no model is built.
         compatibility: ``callable(values, cond, mode=, max_sequence_length=)`` returns the transformer config
@@ -132,6 +134,9 @@ class DiffusionRules:
             prompt_dropout_prob=, empty_prompt_embeds=)`` turns one micro-batch's conditions into the
             transformer's noised inputs and the velocity target (per-sample lists keyed by the forward's
             arguments, plus ``training_target``).
+        weight_counts: ``callable(model)`` returns the transformer's matmul weights by what each multiplies (video
+            tokens, text or image context tokens, once per sample) and its attention shape
+            (`veomni.models.diffusers.rules.WeightCounts`), for the task's FLOPs count; ``model`` may be on meta.
     """
 
     bind_kernels: str | None = attrs.field(default=None, validator=_optional_target("DiffusionRules"))
@@ -142,6 +147,25 @@ class DiffusionRules:
     condition_configs: str = attrs.field(validator=_required_target("DiffusionRules"))
     compatibility: str = attrs.field(validator=_required_target("DiffusionRules"))
     flow_matching_inputs: str = attrs.field(validator=_required_target("DiffusionRules"))
+    weight_counts: str = attrs.field(validator=_required_target("DiffusionRules"))
+    modes: Mapping[str, str] = attrs.field(converter=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.modes or not all(isinstance(m, str) and m for m in self.modes):
+            raise ValueError(f"DiffusionRules.modes: expected {{mode name: description}}, got {self.modes!r}")
+
+    def condition_mode(self, mode: str | None) -> str:
+        """``mode`` checked against `modes`; None: the first (the family's default).
+
+        Raises:
+            ValueError: ``mode`` is not one of `modes` (the message lists them with what each conditions on).
+        """
+        if mode is None:
+            return next(iter(self.modes))
+        if mode not in self.modes:
+            offered = "; ".join(f"{name}: {what}" for name, what in self.modes.items())
+            raise ValueError(f"condition mode {mode!r} is not one this model trains ({offered})")
+        return mode
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,11 @@ DIFFUSION = DiffusionRules(
     condition_configs="veomni.models.wan.rules:condition_configs",
     compatibility="veomni.models.wan.rules:compatibility",
     flow_matching_inputs="veomni.models.wan.condition:flow_matching_inputs",
+    weight_counts="veomni.models.wan.rules:weight_counts",
+    modes={
+        "t2v": "text-to-video",
+        "i2v": "image-to-video (the first frame's VAE latents and CLIP image embeddings condition each sample)",
+    },
 )
 """What the diffusers build and the dit task ask of a Wan2.1 transformer."""
 
