@@ -25,7 +25,7 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
+from adapter_helpers import run, sp_against_one_process
 from conformance_table import CHECKS, ROWS, Row
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -35,8 +35,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from veomni.core.parallel_dims import ParallelDims
-from veomni.core.parallel_state import build_parallel_state, use_parallel_state
-from veomni.core.sp import gather_sequence, slice_sequence
+from veomni.core.parallel_state import build_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.export.hf import export_hf
@@ -123,17 +122,6 @@ def batch(lengths: tuple[int, ...] = DOCUMENTS, rows: int = 1, seed: int = 1) ->
 def no_aux(model: torch.nn.Module) -> dict[str, bool]:
     # The MoE load-balancing loss is a statistic of the whole row: a packed row and its documents differ in it.
     return {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-
-
-def run(
-    model: torch.nn.Module, inputs: dict, **extra
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits ``[B, S, V]``, loss and every parameter's gradient of one forward and backward (no cache)."""
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs, use_cache=False, **extra)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads
 
 
 # ---------------------------------------------------------------- the table covers the registry
@@ -224,37 +212,17 @@ def _sp_case(ctx, model_type: str, exchange: str = "sync") -> dict[str, float]:
     ranks (``exchange`` ``"async"``: the attention's projections overlapping the exchange): the largest logit
     error, the worst gradient error in units of its tolerance, missing gradients, async attention layers."""
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    group = state.sp_group
     model = build_ours(model_type, **ROWS[model_type].sp_overrides)
     apply_ops(model, OpsConfig(**EAGER_OPS))
     layers = enable_async_ulysses(model, model_type) if exchange == "async" else 0
     inputs = batch(lengths=(7, 1, 5), seed=4)
     ids, positions = inputs["input_ids"], inputs["position_ids"]
     labels = torch.cat([inputs["labels"][:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # pre-shifted
-
-    def summed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
     kwargs = dict(packed_kwargs(positions), use_cache=False, **no_aux(model))
-    ref = model(input_ids=ids, position_ids=positions, **kwargs).logits
-    summed(ref, labels).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    with use_parallel_state(state):
-        local = model(input_ids=slice_sequence(ids, 1, group), position_ids=slice_sequence(positions, 1, group),
-                      sp_unpadded_len=ids.shape[1], **kwargs).logits  # fmt: skip
-    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
-    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
-    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0, "missing": 0, "async": layers}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            worst["missing"] += 1
-            continue
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)  # each rank holds its tokens' share of the gradient
-        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
-        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
-    return worst
+    worst = sp_against_one_process(
+        model, state, ids, positions, labels, whole=kwargs, sharded=dict(kwargs, sp_unpadded_len=ids.shape[1])
+    )
+    return {**worst, "async": layers}
 
 
 @pytest.mark.parametrize("exchange", ["sync", "async"])

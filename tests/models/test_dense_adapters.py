@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from adapter_helpers import DEVICE, sp_against_one_process
 from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
@@ -29,7 +29,7 @@ from transformers.models.seed_oss.modeling_seed_oss import SeedOssForCausalLM as
 
 from veomni.core.parallel_dims import ParallelDims
 from veomni.core.parallel_state import build_parallel_state, use_parallel_state
-from veomni.core.sp import gather_sequence, slice_sequence
+from veomni.core.sp import slice_sequence
 from veomni.kernels import OpsConfig, resolve_kernels
 from veomni.models.gemma3.generated.patched_modeling_gemma3 import Gemma3ForCausalLM
 from veomni.models.hf.attention import packed_kwargs
@@ -38,9 +38,6 @@ from veomni.models.llama.generated.patched_modeling_llama import LlamaForCausalL
 from veomni.models.qwen2.generated.patched_modeling_qwen2 import Qwen2ForCausalLM
 from veomni.models.qwen3.generated.patched_modeling_qwen3 import Qwen3ForCausalLM
 from veomni.models.seed_oss.generated.patched_modeling_seed_oss import SeedOssForCausalLM
-
-# On a GPU runner the same checks run on CUDA (Triton compiled); on CPU, Triton runs through its interpreter.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Every op eager: the hardware defaults (e.g. the fused cross-entropy on CUDA) must not sneak into a comparison.
 EAGER_OPS = dict(rms_norm="eager", rope="eager", swiglu="eager", cross_entropy="eager")
@@ -253,10 +250,6 @@ def packed_row(lengths: list[int], seed: int = 4) -> tuple[torch.Tensor, torch.T
     return ids, positions, labels
 
 
-def summed_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
-
 # Gemma 3 with a window of 3 inside the 5- and 7-token documents, which under SP applies to global positions across
 # the ranks' shards.
 SP_OVERRIDES = {"gemma3": dict(sliding_window=3)}
@@ -265,36 +258,17 @@ SP_OVERRIDES = {"gemma3": dict(sliding_window=3)}
 def _sp_case(ctx, model_name: str, mode: str, extra: dict) -> dict[str, float]:
     # One packed row of three documents through our adapter with veomni_sdpa, whole vs sliced over the SP ranks.
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    group = state.sp_group
     torch.manual_seed(0)
     model = MODELS[model_name][2](tiny_config(model_name, **SP_OVERRIDES[model_name], **extra))
     if model_name in OFFSET_NORMS:
         randomise_norms(model)
     apply_ops(model, OpsConfig(**EAGER_OPS, attention="sdpa"))
     ids, positions, labels = packed_row([5, 1, 7])
-
-    ref = model(input_ids=ids, position_ids=positions, **packed_kwargs(positions)).logits
-    summed_ce(ref, labels).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
     # cu_unpadded: the packing's cu_seqlens and the true length; positions: the ranks derive the packing from the
     # gathered position_ids.
-    kwargs = {**packed_kwargs(positions), "sp_unpadded_len": ids.shape[1]} if mode == "cu_unpadded" else {}
-    with use_parallel_state(state):
-        local = model(
-            input_ids=slice_sequence(ids, 1, group),
-            position_ids=slice_sequence(positions, 1, group),
-            **kwargs,
-        ).logits
-    summed_ce(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
-    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
-    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0}
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)
-        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
-        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
-    return worst
+    whole = packed_kwargs(positions)
+    sharded = {**whole, "sp_unpadded_len": ids.shape[1]} if mode == "cu_unpadded" else {}
+    return sp_against_one_process(model, state, ids, positions, labels, whole=whole, sharded=sharded)
 
 
 def _starts(lengths: list[int]) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ What runs where:
   ``first_k_dense_replace`` dense layers and the shared experts, both ``Glm4MoeMLP``) reuse the Qwen3 config's
   functions: same maths.
 - Attention is upstream's forward (GQA, ``attention_bias`` on q/k/v, optional q/k norm before the transpose) with
-  the RoPE call through ``kernels.get('rope', 'partial')`` (`veomni.models.hf.kernel_hooks.apply_partial_rope`):
+  the RoPE call through ``kernels.get('rope', 'partial')`` (`veomni.models.hf.kernel_hooks.apply_rope`):
   GLM rotates only the first ``head_dim * partial_rotary_factor`` dims of each head in the rotate-half layout (the
   config defaults the factor to 0.5) and passes the rest through, which is the partial kernel's contract with
   ``rotary_dim = cos.shape[-1]``. Under ``parallel.async_ulysses`` it branches off to Qwen3's async path
@@ -57,11 +57,11 @@ config.override_method(
 )(mlp_forward)
 
 
-config.add_import("from veomni.models.hf.kernel_hooks import apply_partial_rope")
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
 config.replace_call(
     "Glm4MoeAttention.forward",
     "apply_rotary_pos_emb",
-    "apply_partial_rope(self, __args__, apply_rotary_pos_emb)",
+    "apply_rope(self, __args__, apply_rotary_pos_emb, 'partial')",
     description="partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial')",
 )
 # Under parallel.async_ulysses: Q and K as upstream makes them (optional per-head norm before the transpose), each
@@ -71,7 +71,7 @@ q, k = self.q_proj(x).view(hidden_shape), self.k_proj(x).view(hidden_shape)
 if self.use_qk_norm:
     q, k = self.q_norm(q), self.k_norm(k)
 cos, sin = position_embeddings
-q, k = apply_partial_rope(self, q.transpose(1, 2), k.transpose(1, 2), cos, sin, apply_rotary_pos_emb)
+q, k = apply_rope(self, q.transpose(1, 2), k.transpose(1, 2), cos, sin, apply_rotary_pos_emb, "partial")
 """
 async_ulysses_branch(
     config,

@@ -19,7 +19,7 @@
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
-#   - add_import: from veomni.models.hf.kernel_hooks import apply_partial_rope
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
 # ====================================================================================================
 
@@ -68,7 +68,7 @@ from veomni.models.hf.pretrained import check_backbone_loaded
 from veomni.models.hf.masks import create_causal_mask
 from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
-from veomni.models.hf.kernel_hooks import apply_partial_rope
+from veomni.models.hf.kernel_hooks import apply_rope
 from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
 
 
@@ -251,8 +251,8 @@ class Glm4MoeAttention(nn.Module):
                 if self.use_qk_norm:
                     q, k = self.q_norm(q), self.k_norm(k)
                 cos, sin = position_embeddings
-                q, k = apply_partial_rope(
-                    self, q.transpose(1, 2), k.transpose(1, 2), cos, sin, apply_rotary_pos_emb
+                q, k = apply_rope(
+                    self, q.transpose(1, 2), k.transpose(1, 2), cos, sin, apply_rotary_pos_emb, "partial"
                 )
                 yield "q", q.transpose(1, 2)
                 yield "k", k.transpose(1, 2)
@@ -278,8 +278,8 @@ class Glm4MoeAttention(nn.Module):
 
         cos, sin = position_embeddings
         # [PATCHED] partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial')
-        query_states, key_states = apply_partial_rope(
-            self, query_states, key_states, cos, sin, apply_rotary_pos_emb
+        query_states, key_states = apply_rope(
+            self, query_states, key_states, cos, sin, apply_rotary_pos_emb, "partial"
         )
 
         if past_key_values is not None:
