@@ -30,9 +30,10 @@ from transformers import (
     SeedOssConfig,
 )
 
-CHECKS = ("parity", "parity_sdpa", "packed", "sp", "export")
+CHECKS = ("parity", "parity_sdpa", "packed", "sp", "async_sp", "export")
 """The suite's checks: bitwise parity with upstream (eager attention; ``parity_sdpa``: both on transformers' sdpa),
-packed == per-document, SP == one process, export round trip."""
+packed == per-document, SP == one process (``async_sp``: with the async Ulysses exchange, where the family declares
+it), export round trip."""
 
 VOCAB = 128
 
@@ -156,9 +157,10 @@ GLM4_MOE = dict(
 GDN_SP_OVERRIDES = {f"text_config.{k}": v for k, v in HYBRID_SP.items()}
 
 # Gemma 3: a sliding layer (window 5, shorter than the test rows) then a global one, each with its own RoPE base, a
-# softmax scale from query_pre_attn_scalar, and a final logit soft-cap small enough to bite.
+# softmax scale from query_pre_attn_scalar, a final logit soft-cap small enough to bite, and tied embeddings as the
+# released checkpoints have (no lm_head.weight on disk; under SP the LM head is the embedding's weight).
 GEMMA3 = dict(
-    DENSE, sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+    DENSE, tie_word_embeddings=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
     final_logit_softcapping=0.5, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
         "full_attention": {"rope_type": "default", "rope_theta": 5000.0},

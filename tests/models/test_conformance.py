@@ -6,7 +6,9 @@ config in `conformance_table`, passes the same four checks on CPU (gloo for SP):
 - packed: one packed row with veomni's varlen kwargs equals each document run alone (logits, loss, gradients),
   and the same row without the packing information does not (the check can fail);
 - sp: Ulysses SP over 2 gloo ranks equals one process (logits, summed-loss gradients), where the model type lists
-  the ``sp`` fast path;
+  the ``sp`` fast path; again with the async exchange (``parallel.async_ulysses``) where its family declares
+  attention classes with the async branch (`veomni.models.family.ModelTypeSpec.async_ulysses`), and every SP model
+  type of every family either declares them or says why it has none;
 - export: a checkpoint upstream wrote, built through the registry, exported with `export_hf` and reloaded with
   plain transformers, gives upstream's weights (same keys, same values, same file layout) and our logits.
 
@@ -18,11 +20,12 @@ combinations) stays in the per-family modules.
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
+from adapter_helpers import run, sp_against_one_process
 from conformance_table import CHECKS, ROWS, Row
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -32,11 +35,12 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from veomni.core.parallel_dims import ParallelDims
-from veomni.core.parallel_state import build_parallel_state, use_parallel_state
-from veomni.core.sp import gather_sequence, slice_sequence
+from veomni.core.parallel_state import build_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.export.hf import export_hf
+from veomni.models.families import FAMILIES, family_of
+from veomni.models.hf.async_sp import check_async_ulysses, enable_async_ulysses
 from veomni.models.hf.attention import packed_kwargs
 from veomni.models.hf.kernel_hooks import apply_ops
 from veomni.models.registry import MODELS, config_for_class
@@ -118,17 +122,6 @@ def batch(lengths: tuple[int, ...] = DOCUMENTS, rows: int = 1, seed: int = 1) ->
 def no_aux(model: torch.nn.Module) -> dict[str, bool]:
     # The MoE load-balancing loss is a statistic of the whole row: a packed row and its documents differ in it.
     return {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-
-
-def run(
-    model: torch.nn.Module, inputs: dict, **extra
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits ``[B, S, V]``, loss and every parameter's gradient of one forward and backward (no cache)."""
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs, use_cache=False, **extra)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads
 
 
 # ---------------------------------------------------------------- the table covers the registry
@@ -214,49 +207,62 @@ def test_packed_row_equals_documents_run_alone(model_type):
 # ---------------------------------------------------------------- Ulysses SP == one process
 
 
-def _sp_case(ctx, model_type: str) -> dict[str, float]:
+def _sp_case(ctx, model_type: str, exchange: str = "sync") -> dict[str, float]:
     """One packed row of odd length (the SP padding path runs) through our adapter, whole and sliced over the
-    ranks: the largest logit error, the worst gradient error in units of its tolerance, missing gradients."""
+    ranks (``exchange`` ``"async"``: the attention's projections overlapping the exchange): the largest logit
+    error, the worst gradient error in units of its tolerance, missing gradients, async attention layers."""
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    group = state.sp_group
     model = build_ours(model_type, **ROWS[model_type].sp_overrides)
     apply_ops(model, OpsConfig(**EAGER_OPS))
+    layers = enable_async_ulysses(model, model_type) if exchange == "async" else 0
     inputs = batch(lengths=(7, 1, 5), seed=4)
     ids, positions = inputs["input_ids"], inputs["position_ids"]
     labels = torch.cat([inputs["labels"][:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # pre-shifted
-
-    def summed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
     kwargs = dict(packed_kwargs(positions), use_cache=False, **no_aux(model))
-    ref = model(input_ids=ids, position_ids=positions, **kwargs).logits
-    summed(ref, labels).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    with use_parallel_state(state):
-        local = model(input_ids=slice_sequence(ids, 1, group), position_ids=slice_sequence(positions, 1, group),
-                      sp_unpadded_len=ids.shape[1], **kwargs).logits  # fmt: skip
-    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
-    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
-    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0, "missing": 0}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            worst["missing"] += 1
-            continue
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)  # each rank holds its tokens' share of the gradient
-        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
-        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
-    return worst
+    worst = sp_against_one_process(
+        model, state, ids, positions, labels, whole=kwargs, sharded=dict(kwargs, sp_unpadded_len=ids.shape[1])
+    )
+    return {**worst, "async": layers}
 
 
+@pytest.mark.parametrize("exchange", ["sync", "async"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_sp_equals_single_process(dist_pools, model_type):
-    row_for(model_type, "sp")
+def test_sp_equals_single_process(dist_pools, model_type, exchange):
+    row_for(model_type, "sp" if exchange == "sync" else "async_sp")
     if "sp" not in MODELS.entry(model_type).fast_paths:
         pytest.skip(f"{model_type} does not list the 'sp' fast path")
-    for worst in dist_pools.get(2).run(_sp_case, model_type):
+    spec = family_of(model_type).spec(model_type)
+    if exchange == "async" and not spec.async_ulysses:
+        pytest.skip(f"{model_type} has no async Ulysses path: {spec.no_async_ulysses}")
+    for worst in dist_pools.get(2).run(_sp_case, model_type, exchange):
         assert worst["missing"] == 0 and worst["logits"] < 1e-4 and worst["grad"] <= 1.0, worst
+        # Every attention layer took the async path (the tiny configs have no layer without attention).
+        want_async = (
+            ROWS[model_type].config().get_text_config().num_hidden_layers if exchange == "async" else 0
+        )
+        assert worst["async"] == want_async, worst
+
+
+SP_TYPES = sorted(
+    (family.name, spec.model_type)
+    for family in FAMILIES
+    for spec in family.model_types
+    if "sp" in spec.fast_paths
+)
+
+
+@pytest.mark.parametrize("family_name, model_type", SP_TYPES)
+def test_every_sp_model_type_declares_its_async_ulysses_path_or_why_not(family_name, model_type):
+    """A declared class's forward really has the async branch; a model type without one is refused before any
+    model is built, with its family's reason."""
+    spec = family_of(model_type).spec(model_type)
+    if spec.async_ulysses:
+        for cls in check_async_ulysses(model_type):
+            assert "async_ulysses_active(self" in inspect.getsource(cls.forward), cls
+        return
+    with pytest.raises(ValueError) as err:
+        check_async_ulysses(model_type)
+    assert spec.no_async_ulysses in str(err.value) and "parallel.async_ulysses=false" in str(err.value)
 
 
 # ---------------------------------------------------------------- export round trip

@@ -6,11 +6,11 @@ the MoE FLOPs count, export -> plain transformers generate, and FP8 checkpoints 
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
+from adapter_helpers import assert_router_bias_is_an_fp32_buffer, packed_batch, run, upstream_pair
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM as UpstreamDeepseekV3
@@ -27,7 +27,6 @@ from veomni.models.registry import MODELS
 from veomni.train.flops import query_width
 from veomni.train.tasks.text import TextTask
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EAGER_OPS = dict(
     rms_norm="eager", rope="eager", swiglu="eager", moe_experts="eager", cross_entropy="eager",
     load_balancing_loss="eager",
@@ -65,31 +64,7 @@ def randomize_router_bias(model: torch.nn.Module, seed: int = 5) -> None:
 
 def build_pair(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
     config = tiny_config(**overrides)
-    torch.manual_seed(0)
-    upstream = UpstreamDeepseekV3(copy.deepcopy(config))
-    randomize_router_bias(upstream)
-    upstream.to(DEVICE)
-    ours = DeepseekV3ForCausalLM(config).to(DEVICE)
-    missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
-    assert not missing and not unexpected
-    return upstream, ours
-
-
-def packed_batch(lengths=(5, 8, 4), seed: int = 1) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (1, sum(lengths)), generator=gen)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = ids.clone()
-    labels[0, torch.cumsum(torch.tensor((0, *lengths[:-1])), 0)] = -100
-    return {"input_ids": ids.to(DEVICE), "position_ids": positions.to(DEVICE), "labels": labels.to(DEVICE)}
-
-
-def run(model: torch.nn.Module, inputs: dict, **extra) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs, use_cache=False, **extra)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return (None if out.logits is None else out.logits.detach()), out.loss.detach(), grads
+    return upstream_pair(UpstreamDeepseekV3, DeepseekV3ForCausalLM, config, perturb=randomize_router_bias)
 
 
 # The interleaved q-LoRA layout (this file's default config) is the conformance row (tests/models/test_conformance.py).
@@ -208,11 +183,7 @@ def test_generation_with_the_latent_cache_matches_upstream():
 
 
 def test_router_bias_is_an_fp32_buffer_in_a_bf16_build():
-    model = build_model(tiny_config(), ops=OpsConfig(**EAGER_OPS), dtype=torch.bfloat16)
-    router = model.model.layers[1].mlp.gate
-    assert "e_score_correction_bias" in dict(router.named_buffers())
-    assert "e_score_correction_bias" not in dict(model.named_parameters())
-    assert router.e_score_correction_bias.dtype == torch.float32 and router.weight.dtype == torch.bfloat16
+    assert_router_bias_is_an_fp32_buffer(tiny_config(), OpsConfig(**EAGER_OPS))
 
 
 def test_registry_and_parallel_plan():

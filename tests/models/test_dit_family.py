@@ -35,6 +35,8 @@ RULES = {
     "condition_configs": "veomni.models.wan.rules:condition_configs",
     "compatibility": "veomni.models.wan.rules:compatibility",
     "flow_matching_inputs": "veomni.models.wan.condition:flow_matching_inputs",
+    "weight_counts": "veomni.models.wan.rules:weight_counts",
+    "modes": {"t2v": "text-to-video"},
 }
 
 
@@ -60,6 +62,8 @@ def test_every_diffusion_rule_resolves():
     assert [spec.model_type for spec in declared] == [WAN]
     for spec in declared:
         for field in DiffusionRules.__attrs_attrs__:
+            if field.name == "modes":  # names, not targets
+                continue
             target = getattr(spec.diffusion, field.name)
             if target is not None:
                 assert callable(resolve(target)), f"{spec.model_type}.{field.name}: {target}"
@@ -82,6 +86,36 @@ def test_fast_paths_must_match_the_rules():
         ValueError, match="DiffusionRules.compatibility: expected a 'package.module:attribute'"
     ):
         DiffusionRules(**(RULES | {"compatibility": "no_colon"}))
+
+
+def test_the_family_names_its_condition_modes():
+    rules = find_diffusion_rules(WAN)
+    assert list(rules.modes) == ["t2v", "i2v"]
+    assert rules.condition_mode(None) == "t2v" and rules.condition_mode("i2v") == "i2v"
+    with pytest.raises(ValueError, match="condition mode 'v2v' is not one this model trains \\(t2v: text-to-video; "
+                       "i2v: image-to-video"):  # fmt: skip
+        rules.condition_mode("v2v")
+    with pytest.raises(ValueError, match="DiffusionRules.modes: expected"):
+        DiffusionRules(**(RULES | {"modes": {}}))
+
+
+def test_wan_weight_counts_sort_its_matrices_by_what_they_multiply():
+    """Text and image context weights, timestep weights and per-token weights partition the matrices (the I2V
+    model has every kind); the attention shape is the config's."""
+    from veomni.models.diffusers.rules import WeightCounts
+
+    with torch.device("meta"):
+        model = diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, image_dim=16, added_kv_proj_dim=24,
+        )  # fmt: skip
+    counts = resolve(find_diffusion_rules(WAN).weight_counts)(model)
+    assert isinstance(counts, WeightCounts) and (counts.layers, counts.width) == (2, 24)
+    matrices = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "scale_shift_table" not in n
+    )
+    assert counts.token + counts.text + counts.image + counts.sample == matrices
+    assert min(counts.token, counts.text, counts.image, counts.sample) > 0
 
 
 def test_a_diffusers_model_without_rules_is_named():

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import adapter_helpers
 import pytest
 import torch
 import torch.distributed as dist
+from adapter_helpers import DEVICE, upstream_pair
 from dist_harness import backend_params
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as UpstreamQwen3Moe
@@ -21,7 +23,6 @@ from veomni.models.hf.experts import register_hf_experts
 from veomni.models.hf.kernel_hooks import apply_ops, attach_kernels
 from veomni.models.qwen3_moe.generated.patched_modeling_qwen3_moe import Qwen3MoeForCausalLM
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EAGER_OPS = dict(
     rms_norm="eager", rope="eager", swiglu="eager", moe_experts="eager", cross_entropy="eager",
     load_balancing_loss="eager",
@@ -45,23 +46,12 @@ def tiny_config(**overrides) -> Qwen3MoeConfig:
 
 
 def build_pair(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
-    config = tiny_config(**overrides)
-    torch.manual_seed(0)
-    upstream = UpstreamQwen3Moe(copy.deepcopy(config)).to(DEVICE)  # apply_ops edits the config it is given
-    ours = Qwen3MoeForCausalLM(config).to(DEVICE)
-    missing, unexpected = ours.load_state_dict(upstream.state_dict(), strict=True)
-    assert not missing and not unexpected
-    return upstream, ours
+    return upstream_pair(UpstreamQwen3Moe, Qwen3MoeForCausalLM, tiny_config(**overrides))
 
 
 def packed_batch(lengths=(7, 12, 5), seed: int = 1) -> dict[str, torch.Tensor]:
-    """One packed row of documents; labels stay inside documents (each document's first token is unlabelled)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (1, sum(lengths)), generator=gen)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = ids.clone()
-    labels[0, torch.cumsum(torch.tensor((0, *lengths[:-1])), 0)] = -100
-    return {"input_ids": ids.to(DEVICE), "position_ids": positions.to(DEVICE), "labels": labels.to(DEVICE)}
+    """`adapter_helpers.packed_batch` over this module's documents (7, 12, 5)."""
+    return adapter_helpers.packed_batch(lengths, seed)
 
 
 def run(

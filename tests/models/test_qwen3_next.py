@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from adapter_helpers import sp_against_one_process
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as upstream_modeling
 
@@ -205,39 +205,18 @@ def test_sp_head_counts_must_divide():
 
 def _sp_case(ctx, lengths: tuple[int, ...], by_positions: bool = False) -> dict[str, float]:
     state = build_parallel_state(ParallelDims(sp=ctx.world_size), ctx.device_type)
-    group = state.sp_group
     # Heads divisible by the SP size: 4 key heads, 8 value heads (grouped 2:1).
     _, model = build_pair(linear_num_key_heads=4, linear_num_value_heads=8, num_key_value_heads=4)
     apply_ops(model, OpsConfig(**EAGER_OPS))
     inputs = batch(lengths=lengths, seed=4)
     ids, positions = inputs["input_ids"], inputs["position_ids"]
     labels = torch.cat([inputs["labels"][:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # pre-shifted
-
-    def summed(logits, target):
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
-    kw = dict(packed_kwargs(positions), output_router_logits=False, use_cache=False)
-    ref = model(input_ids=ids, position_ids=positions, **kw).logits
-    if by_positions:  # each rank's slice of the positions only, and the config's use_cache (HF Trainer's call)
-        kw = dict(output_router_logits=False)
-    summed(ref, labels).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    with use_parallel_state(state):
-        local = model(input_ids=slice_sequence(ids, 1, group), position_ids=slice_sequence(positions, 1, group),
-                      sp_unpadded_len=ids.shape[1], **kw).logits  # fmt: skip
-    summed(local, slice_sequence(labels, 1, group, pad_value=-100)).backward()
-    full = gather_sequence(local.detach(), group, dim=1, equal_sizes=True)[:, : ids.shape[1]]
-    worst = {"logits": (full - ref.detach()).abs().max().item(), "grad": 0.0, "missing": 0}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            worst["missing"] += 1
-            continue
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)
-        tol = 1e-5 * ref_grads[name].abs().max() + 1e-6
-        worst["grad"] = max(worst["grad"], ((grad - ref_grads[name]).abs().max() / tol).item())
-    return worst
+    whole = dict(packed_kwargs(positions), output_router_logits=False, use_cache=False)
+    # by_positions: each rank's slice of the positions only, and the config's use_cache (HF Trainer's call).
+    sharded = dict(output_router_logits=False) if by_positions else dict(whole)
+    return sp_against_one_process(
+        model, state, ids, positions, labels, whole=whole, sharded=dict(sharded, sp_unpadded_len=ids.shape[1])
+    )
 
 
 # SP 2 with the cu_seq_lens_q kwargs: tests/models/test_conformance.py (sp).

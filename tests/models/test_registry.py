@@ -221,3 +221,19 @@ def test_architecture_task_reads_the_class_a_config_names():
     assert MODELS.architecture_task(Qwen3Config(architectures=["LlamaForCausalLM"])) is None
     # An unregistered model type: transformers' Auto mappings.
     assert MODELS.architecture_task(GPT2Config(architectures=["GPT2LMHeadModel"])) == "causal_lm"
+
+
+def test_a_model_type_with_sp_declares_its_async_ulysses_path_or_why_not():
+    from veomni.models.family import ModelTypeSpec
+
+    sp = dict(model_type="x", config="a:C", fast_paths={"sp"})
+    with pytest.raises(ValueError, match="supports sp: declare either async_ulysses .* or no_async_ulysses"):
+        ModelTypeSpec(**sp)
+    with pytest.raises(ValueError, match="supports sp: declare either"):
+        ModelTypeSpec(**sp, async_ulysses=("a:Attention",), no_async_ulysses="why")
+    with pytest.raises(ValueError, match="async_ulysses: expected a 'package.module:attribute' string"):
+        ModelTypeSpec(**sp, async_ulysses=("Attention",))
+    with pytest.raises(ValueError, match="declares \\['no_async_ulysses'\\] but has no 'sp'"):
+        ModelTypeSpec(model_type="x", config="a:C", no_async_ulysses="why")
+    assert ModelTypeSpec(**sp, no_async_ulysses="why").no_async_ulysses == "why"
+    assert ModelTypeSpec(**sp, async_ulysses=["a:Attention"]).async_ulysses == ("a:Attention",)

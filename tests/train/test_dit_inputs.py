@@ -62,6 +62,21 @@ def test_a_diffusers_model_no_family_declares_is_refused(dist_pools, tmp_path):
     assert "WanTransformer3DModel (family 'wan')" in message
 
 
+def test_the_condition_mode_is_the_familys(tmp_path):
+    """dit.mode is checked against the transformer family's modes (DiffusionRules.modes); null takes its first."""
+    from veomni.train.preflight import PreflightError
+    from veomni.train.tasks.dit_setup import dit_rules, transformer_config, with_condition_mode
+
+    raw = dit_recipe(str(tmp_path))
+    raw["dit"]["mode"] = None
+    recipe = recipe_from_dict(raw)
+    rules = dit_rules(transformer_config(recipe))
+    assert with_condition_mode(recipe, rules).dit.mode == "t2v"
+    raw["dit"]["mode"] = "v2v"
+    with pytest.raises(PreflightError, match=r"dit.mode: condition mode 'v2v' is not one this model trains \(t2v: "):
+        with_condition_mode(recipe_from_dict(raw), rules)
+
+
 @pytest.mark.parametrize("length", [512, 500, 1024])
 def test_i2v_prompt_length_must_be_the_one_wan_splits_at(tmp_path, length):
     # Wan's image-conditioned cross-attention takes the context's last 512 tokens as the prompt and the rest as

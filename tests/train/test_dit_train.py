@@ -209,10 +209,13 @@ def test_offline_export_of_a_dit_checkpoint_equals_the_in_loop_one(dist_pools, t
 
 
 def test_flops_match_torch_flop_counter():
-    """`DitFlops.sample` = 3 x the forward FLOPs torch's FlopCounterMode counts on one sample (matmuls, the
-    patch convolution, attention), up to the biases and norms neither counts the same way."""
+    """`DitFlops.sample` (from the family's weight counts) = 3 x the forward FLOPs torch's FlopCounterMode counts
+    on one sample (matmuls, the patch convolution, attention), up to the biases and norms neither counts the same
+    way."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from veomni.models.diffusers.rules import find_diffusion_rules
+    from veomni.models.family import resolve
     from veomni.train.tasks.dit import DitFlops
 
     config = WanTransformer3DModel.load_config(QUICKSTART / "transformer")
@@ -222,7 +225,8 @@ def test_flops_match_torch_flop_counter():
     hidden = torch.randn(1, 4, 2, 4, 6)  # 2 x 2 x 3 = 12 tokens
     with FlopCounterMode(display=False) as counter:
         model(hidden, torch.tensor([500.0]), torch.randn(1, text_len, 32))
-    ours = DitFlops.for_model(model, text_len, 0).sample(12)
+    counts = resolve(find_diffusion_rules("WanTransformer3DModel").weight_counts)(model)
+    ours = DitFlops.from_counts(counts, text_len, 0).sample(12)
     assert ours == pytest.approx(3 * counter.get_total_flops(), rel=1e-2)
 
 

@@ -45,6 +45,15 @@ GLM4_MOE = {
     "attention_bias": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 512, "tie_word_embeddings": False,
 }  # fmt: skip
 MODELS = {"dense": DENSE, "moe": MOE, "gpt_oss": GPT_OSS, "glm4_moe": GLM4_MOE}
+# Gemma 3 (text): 16-token sliding and full layers with their own RoPE bases, (1 + w) norms, a final soft-cap; for
+# the async Ulysses test (its layouts are the conformance suite's SP cell).
+GEMMA3 = {
+    **DENSE, "model_type": "gemma3_text", "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+    },
+}  # fmt: skip
 
 
 def initial_weights(model: dict, out: str) -> str:
@@ -459,12 +468,12 @@ def _async_vs_sync(ctx, raw: dict, n: int) -> list[tuple[dict, dict]]:
     return enabled, out
 
 
-@pytest.mark.parametrize("model_name", ["dense", "moe"])
-def test_async_ulysses_trains_like_the_sync_path(dist_pools, references, tmp_path, model_name):
+@pytest.mark.parametrize("model_name", ["dense", "moe", "glm4_moe", "gemma3"])
+def test_async_ulysses_trains_like_the_sync_path(dist_pools, tmp_path, model_name):
     """parallel.async_ulysses on SP2 (gloo): the same losses and grad norms as the synchronous exchange, with
     activation checkpointing (the recompute takes the async path again)."""
-    model = MODELS[model_name]
-    weights, reference = references[model_name]
+    model = {**MODELS, "gemma3": GEMMA3}[model_name]
+    weights = initial_weights(model, str(tmp_path / "init"))
     raw = tiny_recipe(str(tmp_path), model, weights=weights, sp=2)
     raw["parallel"]["activation_checkpointing"] = True
     enabled, steps = dist_pools.get(2, "gloo").run(_async_vs_sync, raw, STEPS)[0]
@@ -476,6 +485,23 @@ def test_async_ulysses_trains_like_the_sync_path(dist_pools, references, tmp_pat
     no_sp["parallel"]["async_ulysses"] = True
     with pytest.raises(RecipeError, match="parallel.async_ulysses: true overlaps the Ulysses exchange, but"):
         recipe_from_dict(no_sp)
+
+
+def test_async_ulysses_is_refused_before_the_build_with_the_familys_reason(tmp_path):
+    """A model type whose family declares no async branch is refused before anything is built, naming why."""
+    from veomni.train.model_setup import _async_ulysses_type, model_config
+    from veomni.train.preflight import PreflightError
+
+    raw = tiny_recipe(str(tmp_path), GPT_OSS, sp=2)
+    raw["parallel"]["async_ulysses"] = True
+    recipe = recipe_from_dict(raw)
+    refused = r"'gpt_oss' \(family 'gpt_oss'\) has no async Ulysses path: GptOss"
+    with pytest.raises(PreflightError, match=refused):
+        _async_ulysses_type(recipe, model_config(recipe))
+    raw = tiny_recipe(str(tmp_path), GEMMA3, sp=2)
+    raw["parallel"]["async_ulysses"] = True
+    recipe = recipe_from_dict(raw)
+    assert _async_ulysses_type(recipe, model_config(recipe)) == "gemma3_text"
 
 
 @pytest.mark.parametrize("feature", ["async_ulysses", "ac_keep_attention"])

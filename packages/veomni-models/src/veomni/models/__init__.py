@@ -6,8 +6,7 @@ a family (``veomni.models.<family>.family``) does not pull in the registry.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from veomni.models.public_names import lazy_public_names
 
 _PUBLIC = {
     "MODELS": "veomni.models.registry",
@@ -23,17 +22,4 @@ _PUBLIC = {
     "export_dcp_to_hf": "veomni.models.export.hf",
 }
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(
-            f"module 'veomni.models' has no attribute {name!r}; its public names are {__all__}"
-        )
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_public_names(__name__, _PUBLIC)

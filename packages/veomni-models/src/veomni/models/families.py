@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from veomni.models.family import DataRules, LoraTargets, ModelFamily, ModelTypeSpec, TrainingHooks
+from veomni.models.family import DataRules, LoraTargets, ModelFamily, ModelTypeSpec, TrainingHooks, resolve
 
 FAMILY_MODULES: tuple[str, ...] = (
     "veomni.models.llama.family",
@@ -89,6 +89,28 @@ def training_hooks(model_type: str) -> TrainingHooks:
     """The trainer's hooks for ``model_type``'s family; none for a model no family declares."""
     hit = _MODEL_TYPES.get(model_type)
     return TrainingHooks() if hit is None else hit[0].hooks
+
+
+def async_ulysses_classes(model_type: str) -> tuple[type, ...]:
+    """The attention classes of ``model_type`` whose forward has the async Ulysses branch, imported
+    (`veomni.models.family.ModelTypeSpec.async_ulysses`).
+
+    Raises:
+        ValueError: ``model_type`` has none; the message gives its family's reason (``no_async_ulysses``), or says
+            that it has no Ulysses SP or that no family declares it.
+    """
+    hit = _MODEL_TYPES.get(model_type)
+    if hit is None:
+        raise ValueError(
+            f"model_type {model_type!r} is declared by no veomni family, so it has no async Ulysses path"
+        )
+    family, spec = hit
+    if spec.async_ulysses:
+        return tuple(resolve(target) for target in spec.async_ulysses)
+    reason = spec.no_async_ulysses or f"it has no Ulysses SP (fast_paths {sorted(spec.fast_paths)})"
+    raise ValueError(
+        f"model_type {model_type!r} (family {family.name!r}) has no async Ulysses path: {reason}"
+    )
 
 
 def patch_config_modules() -> list[str]:

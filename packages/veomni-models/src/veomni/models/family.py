@@ -123,6 +123,8 @@ class DiffusionRules:
             videos)`` and ``empty_prompt_embeds()``.
         condition_error: the exception class the condition side raises for a bad condition directory (bad input:
             the trainer reports its message without a traceback).
+        modes: ``{mode: what it conditions on}``, the condition modes the family trains (the recipe's ``dit.mode``;
+            the first is the default, `condition_mode`); every ``mode`` argument below is one of them.
         condition_configs: ``callable(root, mode, shift)`` returns the condition side read from its configs alone
             (`veomni.models.diffusers.rules.ConditionConfigs`): no model is built.
         compatibility: ``callable(values, cond, mode=, max_sequence_length=)`` returns the transformer config
@@ -132,6 +134,9 @@ class DiffusionRules:
             prompt_dropout_prob=, empty_prompt_embeds=)`` turns one micro-batch's conditions into the
             transformer's noised inputs and the velocity target (per-sample lists keyed by the forward's
             arguments, plus ``training_target``).
+        weight_counts: ``callable(model)`` returns the transformer's matmul weights by what each multiplies (video
+            tokens, text or image context tokens, once per sample) and its attention shape
+            (`veomni.models.diffusers.rules.WeightCounts`), for the task's FLOPs count; ``model`` may be on meta.
     """
 
     bind_kernels: str | None = attrs.field(default=None, validator=_optional_target("DiffusionRules"))
@@ -142,6 +147,25 @@ class DiffusionRules:
     condition_configs: str = attrs.field(validator=_required_target("DiffusionRules"))
     compatibility: str = attrs.field(validator=_required_target("DiffusionRules"))
     flow_matching_inputs: str = attrs.field(validator=_required_target("DiffusionRules"))
+    weight_counts: str = attrs.field(validator=_required_target("DiffusionRules"))
+    modes: Mapping[str, str] = attrs.field(converter=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.modes or not all(isinstance(m, str) and m for m in self.modes):
+            raise ValueError(f"DiffusionRules.modes: expected {{mode name: description}}, got {self.modes!r}")
+
+    def condition_mode(self, mode: str | None) -> str:
+        """``mode`` checked against `modes`; None: the first (the family's default).
+
+        Raises:
+            ValueError: ``mode`` is not one of `modes` (the message lists them with what each conditions on).
+        """
+        if mode is None:
+            return next(iter(self.modes))
+        if mode not in self.modes:
+            offered = "; ".join(f"{name}: {what}" for name, what in self.modes.items())
+            raise ValueError(f"condition mode {mode!r} is not one this model trains ({offered})")
+        return mode
 
 
 @attrs.frozen(kw_only=True)
@@ -245,6 +269,12 @@ class ModelTypeSpec:
             must say what it implements: ``"sp"`` iff ``sequence_parallel``, ``"fused_kernels"`` iff
             ``bind_kernels``.
         lora: where LoRA adapters go (`LoraTargets`); None: a LoRA recipe must name its target modules itself.
+        async_ulysses: ``"module:Class"`` of every attention class whose forward has the async Ulysses branch
+            (``parallel.async_ulysses``: it asks `veomni.models.hf.async_sp.async_ulysses_active` and overlaps its
+            projections with the exchange); empty: the model has no such path.
+        no_async_ulysses: why ``parallel.async_ulysses`` is refused for this model. A model with ``"sp"`` in its
+            ``fast_paths`` gives exactly one of ``async_ulysses`` and ``no_async_ulysses``; one without gives
+            neither (the refusal then says it has no Ulysses SP at all).
     """
 
     model_type: str
@@ -255,10 +285,14 @@ class ModelTypeSpec:
     library: str = "transformers"
     diffusion: DiffusionRules | None = None
     lora: LoraTargets | None = None
+    async_ulysses: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    no_async_ulysses: str | None = None
 
     def __attrs_post_init__(self) -> None:
         for task, target in self.classes.items():
             _target(target, f"model_type {self.model_type!r} / {task}")
+        for target in self.async_ulysses:
+            _target(target, f"model_type {self.model_type!r} / async_ulysses")
         if self.library not in ("transformers", "diffusers"):
             raise ValueError(
                 f"model_type {self.model_type!r}: library must be 'transformers' or 'diffusers', got {self.library!r}"
@@ -269,6 +303,23 @@ class ModelTypeSpec:
             )
         if self.diffusion is not None:
             self._check_diffusion(self.diffusion)
+        self._check_async_ulysses()
+
+    def _check_async_ulysses(self) -> None:
+        declared = {
+            "async_ulysses": bool(self.async_ulysses),
+            "no_async_ulysses": self.no_async_ulysses is not None,
+        }
+        if "sp" in self.fast_paths and sum(declared.values()) != 1:
+            raise ValueError(
+                f"model_type {self.model_type!r} supports sp: declare either async_ulysses (its attention classes "
+                f"with the async branch) or no_async_ulysses (why it has none), found {declared}"
+            )
+        if "sp" not in self.fast_paths and any(declared.values()):
+            raise ValueError(
+                f"model_type {self.model_type!r} declares {[k for k, v in declared.items() if v]} but has no 'sp' "
+                f"in its fast_paths {sorted(self.fast_paths)}: async Ulysses is a form of Ulysses SP"
+            )
 
     def _check_diffusion(self, rules: DiffusionRules) -> None:
         if self.library != "diffusers":

@@ -6,8 +6,7 @@ that module needs.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from veomni.models.public_names import lazy_public_names
 
 _PUBLIC = {
     "Recipe": "veomni.train.recipe",
@@ -24,15 +23,4 @@ _PUBLIC = {
     "task_class": "veomni.train.tasks",
 }
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'veomni.train' has no attribute {name!r}; its public names are {__all__}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_public_names(__name__, _PUBLIC)

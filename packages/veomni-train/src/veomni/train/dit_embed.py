@@ -104,6 +104,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
         load_condition,
         shape_rule,
         transformer_config,
+        with_condition_mode,
     )
 
     if recipe.model.task != "dit" or recipe.data.kind != "dit":
@@ -118,6 +119,7 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     out = Path(out)
     config = transformer_config(recipe)
     rules = dit_rules(config)
+    recipe = with_condition_mode(recipe, rules)
     cond = condition_configs(recipe, rules)
     check_compatible(config, cond, recipe, rules)
     data = recipe.data

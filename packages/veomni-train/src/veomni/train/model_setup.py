@@ -21,7 +21,7 @@ from veomni.core.parallel_state import ParallelState
 from veomni.kernels import Hardware, detect_hardware
 from veomni.models.build import build_model, default_fsdp_policy
 from veomni.models.diffusers.build import is_diffusers_model
-from veomni.models.hf.async_sp import enable_async_ulysses
+from veomni.models.hf.async_sp import check_async_ulysses, enable_async_ulysses
 from veomni.models.registry import MODELS
 from veomni.train.preflight import PreflightError
 from veomni.train.recipe import Recipe
@@ -98,6 +98,7 @@ def build_recipe_model(
     ``probe`` is `meta_instance` of ``config`` (block patterns); ``ops`` a validated `OpsConfig`;
     ``from_checkpoint``: a resume fills every parameter next, so ``model.weights`` is not read
     (`veomni.models.build.build_model`)."""
+    async_type = _async_ulysses_type(recipe, config)  # refused before anything is built
     dtype, param_dtype = DTYPES[recipe.model.dtype], DTYPES[recipe.model.param_dtype]
     policy = _fsdp_policy(recipe, probe, dtype, param_dtype)
     path = one_rank_path(recipe, state.dims.world_size)
@@ -112,7 +113,10 @@ def build_recipe_model(
         if state.dims.world_size == 1:
             log.info("one rank, parallel.force_fsdp2: training through FSDP2 on a one-rank mesh")
         model = build_model(config, parallel_state=state, dtype=param_dtype, fsdp_policy=policy, **args)
-        return _maybe_async_ulysses(recipe, model)
+        if async_type is not None:
+            log.info("parallel.async_ulysses: %d attention layers overlap projections with the exchange",
+                     enable_async_ulysses(model, async_type))  # fmt: skip
+        return model
     # One rank: FSDP2 would only add per-block hooks and parameter copies (42% of the step time of Qwen3-1.7B on
     # one H100 in pure bf16, half the throughput with mixed precision; notebook/benchmarks-log.md), so the model stays a
     # plain module.
@@ -161,12 +165,18 @@ def ops_for_eager_only_features(recipe: Recipe, ops: Any) -> Any:
     return ops.with_compile("off")
 
 
-def _maybe_async_ulysses(recipe: Recipe, model: nn.Module) -> nn.Module:
-    # SP (and so async_ulysses, which needs sp > 1) exists only on the FSDP2 path.
-    if recipe.parallel.async_ulysses:
-        log.info("parallel.async_ulysses: %d attention layers overlap projections with the exchange",
-                 enable_async_ulysses(model))  # fmt: skip
-    return model
+def _async_ulysses_type(recipe: Recipe, config: PretrainedConfig | str) -> str | None:
+    # The model_type whose family's attention classes get the async path (a PreflightError giving the family's
+    # reason when it has none); None when parallel.async_ulysses is off. SP (and so async_ulysses, which needs
+    # sp > 1) exists only on the FSDP2 path.
+    if not recipe.parallel.async_ulysses:
+        return None
+    model_type = MODELS.load_config(config).model_type if isinstance(config, str) else config.model_type
+    try:
+        check_async_ulysses(model_type)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+    return model_type
 
 
 def _build_args(recipe: Recipe, ops: Any) -> dict[str, Any]:

@@ -20,6 +20,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(default=MOE_DEFAULT, experts=True),
+            no_async_ulysses="MLA has no async branch: q and k come from low-rank latents and share one rotary key "
+            "across heads, values have a head size of their own",
         ),
     ),
     patch_configs=("veomni.models.deepseek_v3.patch_config",),

@@ -19,6 +19,7 @@ from veomni.models.family import DiffusionRules, resolve
 __all__ = [
     "ConditionConfigs",
     "Mismatch",
+    "WeightCounts",
     "diffusion_models",
     "diffusion_rules",
     "find_diffusion_rules",
@@ -65,6 +66,29 @@ class Mismatch:
     found: Any
     expected: Any
     why: str
+
+
+@attrs.frozen(kw_only=True)
+class WeightCounts:
+    """A diffusion transformer's matmul weights (element counts) by what each multiplies, and its self-attention
+    shape (`DiffusionRules.weight_counts`): the dit task's FLOPs count (`veomni.train.tasks.dit.DitFlops`).
+
+    Attributes:
+        token: weights multiplying each video token (patch embedding, blocks, output projection).
+        text: weights multiplying each text context token (the text embedder, the cross-attention's keys and
+            values).
+        image: weights multiplying each image context token; 0 without an image condition.
+        sample: weights that run once per sample (the timestep embedding).
+        layers: self-attention layers.
+        width: their ``heads * head_dim`` (attention score and value FLOPs).
+    """
+
+    token: int
+    text: int
+    image: int
+    sample: int
+    layers: int
+    width: int
 
 
 def diffusion_models() -> dict[str, str]:

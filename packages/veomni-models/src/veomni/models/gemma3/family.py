@@ -24,6 +24,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(),
+            async_ulysses=(f"{_MODULE}:Gemma3Attention",),
         ),
     ),
     patch_configs=("veomni.models.gemma3.patch_config",),

@@ -6,12 +6,15 @@ What is Gemma-specific, and how each piece is routed (transformers 5.23's ``mode
 - ``Gemma3RMSNorm`` scales by ``1 + weight`` in fp32 (weights zero-initialised): the ``rms_norm/offset`` kernel,
   whose eager oracle is exactly upstream's maths (never the ``standard`` ``weight * x`` variant). The same forward
   serves the four per-layer norms, the final norm and the q/k norms.
-- ``Gemma3Attention``: q/k norms (after the head transpose, as upstream), RoPE via ``rope/full`` on the tables of
-  the layer's type (``rope_parameters["sliding_attention"]`` / ``["full_attention"]``, the local and global
-  bases, which upstream's rotary module already selects per layer), softmax scale ``query_pre_attn_scalar**-0.5``
-  and the per-layer ``sliding_window`` handed to the attention function, as upstream does. A config setting
-  ``attn_logit_softcapping`` is refused at construction (`veomni.models.gemma3.guards.check_attention_softcap`):
-  upstream ignores the field, so no backend choice could be both faithful to it and to upstream.
+- ``Gemma3Attention``: upstream's forward (q/k norms after the head transpose, softmax scale
+  ``query_pre_attn_scalar**-0.5``, the per-layer ``sliding_window`` handed to the attention function) with its
+  RoPE call through ``rope/full`` on the tables of the layer's type (``rope_parameters["sliding_attention"]`` /
+  ``["full_attention"]``, the local and global bases, which upstream's rotary module already selects per layer).
+  Under ``parallel.async_ulysses`` it takes Qwen3's async branch (`veomni.models.qwen3.patch_config.qwen3_attention`:
+  V, then normed and rotated Q and K, each exchanged as soon as it exists; the norms act on the head dim, so
+  norming before the transpose is upstream's maths). A config setting ``attn_logit_softcapping`` is refused at
+  construction (`veomni.models.gemma3.guards.check_attention_softcap`): upstream ignores the field, so no backend
+  choice could be both faithful to it and to upstream.
 - ``Gemma3MLP`` is GELU-tanh gated (``hidden_activation``), not SwiGLU: it runs upstream's maths; an explicitly
   chosen ``swiglu`` kernel is refused (`veomni.models.gemma3.guards.check_swiglu_choice`), a defaulted one unused.
 - The embedding's ``sqrt(hidden_size)`` scale is upstream's ``Gemma3TextScaledWordEmbedding`` (a non-persistent
@@ -27,25 +30,20 @@ unpatched and not registered. Regenerate with ``uv run patchgen veomni.models.ge
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from patchgen.config import PatchConfig
-from transformers.models.gemma3.modeling_gemma3 import (
-    ALL_ATTENTION_FUNCTIONS,
-    Cache,
-    TransformersKwargs,
-    Unpack,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
 
 from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
 from veomni.models.heads.seq_cls import seq_cls_forward
-from veomni.models.hf.kernel_hooks import apply_rope
 from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
-from veomni.models.qwen3.patch_config import SEQ_CLS_FORWARD, SEQ_CLS_INIT, causal_lm_forward, seq_cls_init
+from veomni.models.qwen3.patch_config import (
+    SEQ_CLS_FORWARD,
+    SEQ_CLS_INIT,
+    causal_lm_forward,
+    qwen3_attention,
+    seq_cls_init,
+)
 from veomni.models.qwen3_next.patch_config import offset_rms_norm_forward
 
 config = PatchConfig(
@@ -89,54 +87,12 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return down_proj
 
 
-@config.override_method(
-    "Gemma3Attention.forward",
-    description="RoPE via kernels.get('rope', 'full') on the layer type's tables; q/k norms, scale and window as "
-    "upstream",
+qwen3_attention(
+    config,
+    "Gemma3Attention",
+    anchor="query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    rope="RoPE via kernels.get('rope', 'full') on the layer type's tables",
 )
-def attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: torch.Tensor = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[TransformersKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-
-    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-    query_states = self.q_norm(query_states)
-    key_states = self.k_norm(key_states)
-
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
-
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward
-    )
-
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=self.attention_dropout if self.training else 0.0,
-        scaling=self.scaling,
-        sliding_window=self.sliding_window,
-        **kwargs,
-    )
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
 
 
 config.override_method(

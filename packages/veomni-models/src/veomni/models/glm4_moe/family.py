@@ -16,6 +16,7 @@ FAMILY = ModelFamily(
             classes={"causal_lm": f"{_MODULE}:Glm4MoeForCausalLM", "base": f"{_MODULE}:Glm4MoeModel"},
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(default=MOE_DEFAULT, experts=True),
+            async_ulysses=(f"{_MODULE}:Glm4MoeAttention",),
         ),
     ),
     patch_configs=("veomni.models.glm4_moe.patch_config",),

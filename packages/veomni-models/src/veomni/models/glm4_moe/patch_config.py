@@ -7,9 +7,11 @@ What runs where:
   ``first_k_dense_replace`` dense layers and the shared experts, both ``Glm4MoeMLP``) reuse the Qwen3 config's
   functions: same maths.
 - Attention is upstream's forward (GQA, ``attention_bias`` on q/k/v, optional q/k norm before the transpose) with
-  the RoPE call through ``kernels.get('rope', 'partial')``: GLM rotates only the first
-  ``head_dim * partial_rotary_factor`` dims of each head in the rotate-half layout (the config defaults the factor
-  to 0.5) and passes the rest through, which is the partial kernel's contract with ``rotary_dim = cos.shape[-1]``.
+  the RoPE call through ``kernels.get('rope', 'partial')`` (`veomni.models.hf.kernel_hooks.apply_rope`):
+  GLM rotates only the first ``head_dim * partial_rotary_factor`` dims of each head in the rotate-half layout (the
+  config defaults the factor to 0.5) and passes the rest through, which is the partial kernel's contract with
+  ``rotary_dim = cos.shape[-1]``. Under ``parallel.async_ulysses`` it branches off to Qwen3's async path
+  (`veomni.models.qwen3.patch_config.async_ulysses_branch`) with GLM's own Q/K projections.
 - The router (``Glm4MoeTopkRouter``) is upstream's, untouched: fp32 sigmoid scores, ``e_score_correction_bias``
   added for the choice only, group-limited top-k (``n_group`` groups scored by their top-2 sum, ``topk_group``
   kept), weights from the unbiased scores, ``norm_topk_prob`` and ``routed_scaling_factor``. Upstream already
@@ -28,23 +30,12 @@ Regenerate with ``uv run patchgen veomni.models.glm4_moe.patch_config``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
 from patchgen.config import PatchConfig
-from transformers.cache_utils import Cache
-from transformers.models.glm4_moe.modeling_glm4_moe import (
-    ALL_ATTENTION_FUNCTIONS,
-    FlashAttentionKwargs,
-    Unpack,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
 
 from veomni.models.deepseek_v3.patch_config import causal_lm_forward, get_parallel_plan
 from veomni.models.hf.masks import use_veomni_masks
 from veomni.models.hf.pretrained import upstream_checkpoint_io
-from veomni.models.qwen3.patch_config import mlp_forward, rms_norm_forward
+from veomni.models.qwen3.patch_config import async_ulysses_branch, mlp_forward, rms_norm_forward
 
 config = PatchConfig(
     source_module="transformers.models.glm4_moe.modeling_glm4_moe",
@@ -66,65 +57,29 @@ config.override_method(
 )(mlp_forward)
 
 
-@config.override_method(
+config.add_import("from veomni.models.hf.kernel_hooks import apply_rope")
+config.replace_call(
     "Glm4MoeAttention.forward",
-    description="partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial'); q/k norm and biases as "
-    "upstream",
+    "apply_rotary_pos_emb",
+    "apply_rope(self, __args__, apply_rotary_pos_emb, 'partial')",
+    description="partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial')",
 )
-def attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-
-    query_states = self.q_proj(hidden_states).view(hidden_shape)
-    key_states = self.k_proj(hidden_states).view(hidden_shape)
-    value_states = self.v_proj(hidden_states).view(hidden_shape)
-
-    if self.use_qk_norm:  # per head, before the transpose, as upstream
-        query_states = self.q_norm(query_states)
-        key_states = self.k_norm(key_states)
-
-    query_states = query_states.transpose(1, 2)
-    key_states = key_states.transpose(1, 2)
-    value_states = value_states.transpose(1, 2)
-
-    cos, sin = position_embeddings  # [B, S, R] with R = head_dim * partial_rotary_factor
-    kernels = getattr(self, "veomni_kernels", None)
-    if kernels is not None and kernels.config.rope != "eager":
-        query_states, key_states = kernels.get("rope", "partial")(
-            query_states, key_states, cos, sin, rotary_dim=cos.shape[-1]
-        )
-    else:
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward
-    )
-
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        **kwargs,
-    )
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
-
+# Under parallel.async_ulysses: Q and K as upstream makes them (optional per-head norm before the transpose), each
+# exchanged as soon as it is rotated. GLM's attention has no sliding window.
+PROJECT_QK = """
+q, k = self.q_proj(x).view(hidden_shape), self.k_proj(x).view(hidden_shape)
+if self.use_qk_norm:
+    q, k = self.q_norm(q), self.k_norm(k)
+cos, sin = position_embeddings
+q, k = apply_rope(self, q.transpose(1, 2), k.transpose(1, 2), cos, sin, apply_rotary_pos_emb, "partial")
+"""
+async_ulysses_branch(
+    config,
+    "Glm4MoeAttention",
+    "query_states = self.q_proj(hidden_states).view(hidden_shape)",
+    project_qk=PROJECT_QK,
+    sliding_window=False,
+)
 
 config.override_method(
     "Glm4MoeForCausalLM.forward",

@@ -20,6 +20,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(),
+            no_async_ulysses="GptOssAttention runs upstream's forward (sinks and sliding windows through the "
+            "attention interface), which has no async branch",
         ),
     ),
     patch_configs=("veomni.models.gpt_oss.patch_config",),

@@ -5,7 +5,8 @@ patched attention ``forward`` (Qwen3's, see its patch config) asks `async_ulysse
 this module a generator that projects V, then Q and K (norms, RoPE on local positions) and yields each as
 soon as it exists (`veomni.core.sp.async_ulysses_attention` starts its all-to-all at once). Everything else is
 what the synchronous path does (`veomni.models.hf.attention.veomni_attention_forward`): the same kernel, packing,
-features and checks.
+features and checks. A family declares which of its attention classes have the branch
+(`veomni.models.family.ModelTypeSpec.async_ulysses`), or why it has none (``no_async_ulysses``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from veomni.core.sp import async_ulysses_attention
+from veomni.models.families import async_ulysses_classes
 from veomni.models.hf.attention import PREFIX
 from veomni.models.hf.attention_inputs import (
     attention_features,
@@ -27,29 +29,43 @@ from veomni.models.hf.attention_inputs import (
     sp_kernel_kwargs,
 )
 
-__all__ = ["ASYNC_ULYSSES_CLASSES", "async_sp_attention", "async_ulysses_active", "enable_async_ulysses"]
+__all__ = ["async_sp_attention", "async_ulysses_active", "check_async_ulysses", "enable_async_ulysses"]
 
 ATTR = "veomni_async_ulysses"
-# veomni's patched attention classes whose forward has the async branch.
-ASYNC_ULYSSES_CLASSES = frozenset({"Qwen3Attention", "Qwen3MoeAttention"})
 
 
-def enable_async_ulysses(model: nn.Module) -> int:
-    """Turn the async path on for every attention module of ``model`` that has it; returns how many.
+def check_async_ulysses(model_type: str) -> tuple[type, ...]:
+    """The attention classes of ``model_type`` with the async path, as its family declares them
+    (`veomni.models.family.ModelTypeSpec.async_ulysses`); callable before the model is built.
 
     Raises:
-        ValueError: ``model`` has none (its adapter has no async branch: use the synchronous path).
+        ValueError: ``model_type`` has no async path; the message gives its family's reason.
     """
+    try:
+        return async_ulysses_classes(model_type)
+    except ValueError as err:
+        raise ValueError(f"parallel.async_ulysses: {err}; set parallel.async_ulysses=false") from None
+
+
+def enable_async_ulysses(model: nn.Module, model_type: str) -> int:
+    """Turn the async path on for every attention module of ``model`` that has it (`check_async_ulysses` of
+    ``model_type`` says which classes); returns how many.
+
+    Raises:
+        ValueError: ``model_type`` has no async path (the message gives its family's reason), or ``model`` holds
+            none of the declared classes.
+    """
+    classes = check_async_ulysses(model_type)
     count = 0
     for module in model.modules():
-        cls = type(module)
-        if cls.__name__ in ASYNC_ULYSSES_CLASSES and cls.__module__.startswith("veomni.models."):
+        if isinstance(module, classes):
             object.__setattr__(module, ATTR, True)
             count += 1
     if not count:
+        names = sorted(f"{c.__module__}.{c.__qualname__}" for c in classes)
         raise ValueError(
-            f"parallel.async_ulysses: {type(model).__name__} has no attention module with the async path "
-            f"(veomni adapters of {sorted(ASYNC_ULYSSES_CLASSES)}); set parallel.async_ulysses=false"
+            f"parallel.async_ulysses: {type(model).__name__} (model_type {model_type!r}) holds none of the attention "
+            f"classes its family declares with the async path ({names}); set parallel.async_ulysses=false"
         )
     return count
 

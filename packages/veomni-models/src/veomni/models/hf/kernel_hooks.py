@@ -219,18 +219,25 @@ def apply_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     upstream: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    variant: str = "full",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE through ``module``'s kernel set, or the model's own ``upstream`` function when it has none / eager.
 
     Args:
-        query: ``[B, Hq, S, D]``; key: ``[B, Hkv, S, D]``; cos, sin: ``[B, S, D]`` (HF's position embeddings).
+        query: ``[B, Hq, S, D]``; key: ``[B, Hkv, S, D]``; cos, sin: ``[B, S, R]`` (HF's position embeddings).
+        variant: ``"full"`` (``R == D``) or ``"partial"``: the first ``R <= D`` dims of each head rotate
+            (rotate-half layout) and the rest pass through, the ``rope/partial`` kernel with ``rotary_dim = R``.
     Returns:
         the rotated ``(query, key)``, same shapes and dtype.
     """
+    if variant not in ("full", "partial"):
+        raise ValueError(f"apply_rope: variant must be 'full' or 'partial', got {variant!r}")
     kernels = getattr(module, ATTR, None)
-    if kernels is not None and kernels.config.rope != "eager":
-        return kernels.get("rope", "full")(query, key, cos, sin)
-    return upstream(query, key, cos, sin)
+    if kernels is None or kernels.config.rope == "eager":
+        return upstream(query, key, cos, sin)
+    if variant == "partial":
+        return kernels.get("rope", "partial")(query, key, cos, sin, rotary_dim=cos.shape[-1])
+    return kernels.get("rope", "full")(query, key, cos, sin)
 
 
 def apply_rope_vision(

@@ -21,6 +21,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(),
+            no_async_ulysses="Qwen2Attention's patched forward has no async branch (only its RoPE call is patched)",
         ),
     ),
     patch_configs=("veomni.models.qwen2.patch_config",),

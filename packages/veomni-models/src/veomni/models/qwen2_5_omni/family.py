@@ -26,6 +26,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp"},
             lora=decoder_lora(extra={**VISION_LORA, **AUDIO_LORA}),
+            no_async_ulysses="the thinker's text attention reuses Qwen2-VL's patched forward (mrope), which "
+            "has no async branch",
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

@@ -25,6 +25,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA),
+            no_async_ulysses="its text attention reuses Qwen2-VL's patched forward (mrope), which has no async "
+            "branch",
             data=DATA_UNTIMED,
         ),
     ),

@@ -25,6 +25,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA),
+            no_async_ulysses="Qwen2VLAttention's patched forward (mrope) has no async branch",
             data=DATA_UNTIMED,
         ),
     ),

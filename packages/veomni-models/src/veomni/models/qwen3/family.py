@@ -21,6 +21,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(),
+            async_ulysses=(f"{_MODULE}:Qwen3Attention",),
         ),
     ),
     patch_configs=("veomni.models.qwen3.patch_config",),

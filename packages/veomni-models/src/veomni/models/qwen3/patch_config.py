@@ -7,6 +7,8 @@ with an op set to ``eager``) computes exactly what transformers computes. Regene
 
 from __future__ import annotations
 
+import textwrap
+
 import torch
 from patchgen.config import PatchConfig
 from transformers.cache_utils import Cache
@@ -83,39 +85,67 @@ def rope_via_kernels(patch_config: PatchConfig, attention: str, description: str
     )
 
 
-# parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+# parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated. __PROJECT_QK__ is
+# the family's code binding q and k ([B, H, S/P, D]) from x; __WINDOW__ hands the module's sliding window on.
 ASYNC_ULYSSES = """
 if async_ulysses_active(self, past_key_values):
     # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
     def project(x):
         yield "v", self.v_proj(x).view(hidden_shape)
-        q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
-        q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
+__PROJECT_QK__
         yield "q", q.transpose(1, 2)
         yield "k", k.transpose(1, 2)
 
     attn_output = async_sp_attention(
         self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
-        scaling=self.scaling, sliding_window=self.sliding_window,
+        scaling=self.scaling,__WINDOW__
         dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
     )  # fmt: skip
     return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
 """
+# Qwen3's Q and K: per-head norms (over the last dim, so before the head transpose as upstream), full RoPE.
+NORMED_QK = """
+q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
+k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
+q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
+"""
+QWEN3_ANCHOR = "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"
 
 
-def qwen3_attention(patch_config: PatchConfig, attention: str) -> None:
-    """Qwen3-style attention (q/k norms): RoPE via the kernel set, and under ``parallel.async_ulysses`` the
-    projections overlapping the Ulysses exchange (veomni.models.hf.async_sp)."""
-    rope_via_kernels(patch_config, attention)
+def async_ulysses_branch(
+    patch_config: PatchConfig, attention: str, anchor: str, *, project_qk: str = NORMED_QK,
+    sliding_window: bool = True,
+) -> None:  # fmt: skip
+    """Insert before ``anchor`` (the first projection statement of upstream's ``<attention>.forward``) the branch
+    taken under ``parallel.async_ulysses`` (veomni.models.hf.async_sp): a generator yields V, then Q and K as the
+    code ``project_qk`` makes them from ``x``, and each one's exchange starts as soon as it exists.
+
+    Args:
+        project_qk: statements binding ``q`` and ``k`` ``[B, H, S/P, D]`` (normed and rotated on local positions)
+            from ``x`` ``[B, S/P, hidden]``, with ``hidden_shape`` and ``position_embeddings`` in scope.
+        sliding_window: the module has ``self.sliding_window`` and upstream hands it to the attention function.
+    """
     patch_config.add_import("from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active")
+    project = textwrap.indent(textwrap.dedent(project_qk).strip("\n"), " " * 8)  # the generator's body
+    code = ASYNC_ULYSSES.replace("__PROJECT_QK__", project)
+    code = code.replace("__WINDOW__", " sliding_window=self.sliding_window," if sliding_window else "")
     patch_config.insert_before(
         f"{attention}.forward",
-        "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
-        ASYNC_ULYSSES,
+        anchor,
+        code,
         description="under parallel.async_ulysses the projections overlap the Ulysses exchange "
         "(veomni.models.hf.async_sp)",
     )
+
+
+def qwen3_attention(
+    patch_config: PatchConfig, attention: str, *, anchor: str = QWEN3_ANCHOR, rope: str = ROPE
+) -> None:
+    """Qwen3-style attention (q/k norms): RoPE via the kernel set (``rope``: its description), and under
+    ``parallel.async_ulysses`` the projections overlapping the Ulysses exchange (veomni.models.hf.async_sp),
+    branched off before ``anchor``, upstream's first projection statement."""
+    rope_via_kernels(patch_config, attention, rope)
+    async_ulysses_branch(patch_config, attention, anchor)
 
 
 qwen3_attention(config, "Qwen3Attention")

@@ -13,6 +13,12 @@ DATA_VISION = DataRules(
 )
 """How the data pipeline lays out this family's multimodal rows."""
 
+NO_ASYNC_ULYSSES = (
+    "its Gated DeltaNet layers run their own head-split exchange (veomni.models.qwen3_next.sp) and its gated "
+    "full attention (partial RoPE, output gate) has no async branch"
+)
+"""Why ``parallel.async_ulysses`` is refused for this family's model types."""
+
 FAMILY = ModelFamily(
     name="qwen3_5",
     model_types=(
@@ -26,6 +32,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA),
+            no_async_ulysses=NO_ASYNC_ULYSSES,
         ),
         ModelTypeSpec(
             model_type="qwen3_5",
@@ -37,6 +44,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA),
+            no_async_ulysses=NO_ASYNC_ULYSSES,
             data=DATA_VISION,
         ),
     ),

@@ -13,6 +13,12 @@ DATA_VISION = DataRules(
 )
 """How the data pipeline lays out this family's multimodal rows."""
 
+NO_ASYNC_ULYSSES = (
+    "its Gated DeltaNet layers run their own head-split exchange (veomni.models.qwen3_next.sp) and its gated "
+    "full attention (partial RoPE, output gate) has no async branch"
+)
+"""Why ``parallel.async_ulysses`` is refused for this family's model types."""
+
 FAMILY = ModelFamily(
     name="qwen3_5_moe",
     model_types=(
@@ -25,6 +31,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA, experts=True),
+            no_async_ulysses=NO_ASYNC_ULYSSES,
         ),
         ModelTypeSpec(
             model_type="qwen3_5_moe",
@@ -36,6 +43,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA, experts=True),
+            no_async_ulysses=NO_ASYNC_ULYSSES,
             data=DATA_VISION,
         ),
     ),

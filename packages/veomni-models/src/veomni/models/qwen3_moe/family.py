@@ -21,6 +21,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(default=MOE_DEFAULT, experts=True),
+            async_ulysses=(f"{_MODULE}:Qwen3MoeAttention",),
         ),
     ),
     patch_configs=("veomni.models.qwen3_moe.patch_config",),

@@ -6,6 +6,12 @@ from veomni.models.family import MOE_DEFAULT, ModelFamily, ModelTypeSpec, decode
 
 _MODULE = "veomni.models.qwen3_next.generated.patched_modeling_qwen3_next"
 
+NO_ASYNC_ULYSSES = (
+    "its Gated DeltaNet layers run their own head-split exchange (veomni.models.qwen3_next.sp) and its gated "
+    "full attention (partial RoPE, output gate) has no async branch"
+)
+"""Why ``parallel.async_ulysses`` is refused for this family."""
+
 FAMILY = ModelFamily(
     name="qwen3_next",
     model_types=(
@@ -21,6 +27,7 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(default=MOE_DEFAULT, experts=True),
+            no_async_ulysses=NO_ASYNC_ULYSSES,
         ),
     ),
     patch_configs=("veomni.models.qwen3_next.patch_config",),

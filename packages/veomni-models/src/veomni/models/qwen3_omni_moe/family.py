@@ -33,6 +33,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(extra={**VISION_LORA, **AUDIO_LORA}, default=MOE_DEFAULT, experts=True),
+            no_async_ulysses="the thinker's text attention has no async branch (only its mrope call is "
+            "patched)",
             data=DATA_OMNI,
         ),
         ModelTypeSpec(

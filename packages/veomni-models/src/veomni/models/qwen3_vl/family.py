@@ -25,6 +25,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA),
+            no_async_ulysses="Qwen3VLTextAttention's patched forward has no async branch (only its mrope call is "
+            "patched)",
             data=DATA_VISION,
         ),
     ),

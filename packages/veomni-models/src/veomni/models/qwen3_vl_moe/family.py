@@ -25,6 +25,8 @@ FAMILY = ModelFamily(
             },
             fast_paths={"sp", "ep", "fused_kernels"},
             lora=decoder_lora(extra=VISION_LORA, experts=True),
+            no_async_ulysses="Qwen3VLMoeTextAttention's patched forward has no async branch (only its mrope "
+            "call is patched)",
             data=DATA_VISION,
         ),
     ),

@@ -15,6 +15,11 @@ DIFFUSION = DiffusionRules(
     condition_configs="veomni.models.wan.rules:condition_configs",
     compatibility="veomni.models.wan.rules:compatibility",
     flow_matching_inputs="veomni.models.wan.condition:flow_matching_inputs",
+    weight_counts="veomni.models.wan.rules:weight_counts",
+    modes={
+        "t2v": "text-to-video",
+        "i2v": "image-to-video (the first frame's VAE latents and CLIP image embeddings condition each sample)",
+    },
 )
 """What the diffusers build and the dit task ask of a Wan2.1 transformer."""
 
@@ -26,6 +31,8 @@ FAMILY = ModelFamily(
             library="diffusers",
             classes={"diffusion_transformer": "diffusers:WanTransformer3DModel"},
             fast_paths={"sp", "fused_kernels"},
+            no_async_ulysses="its Ulysses SP is its own attention processor (veomni.models.wan.sp), which has "
+            "no async variant",
             diffusion=DIFFUSION,
         ),
     ),

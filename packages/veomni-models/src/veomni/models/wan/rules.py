@@ -1,5 +1,6 @@
 """What the ``dit`` task asks of Wan2.1 before anything is built (`veomni.models.wan.family.DIFFUSION`): the
-condition side read from a pipeline directory's configs, and whether a transformer config fits it.
+condition side read from a pipeline directory's configs, whether a transformer config fits it, and the
+transformer's weights by what they multiply (its FLOPs count).
 
 Only configs are read (VAE, scheduler, text and image encoder widths): no text encoder or VAE is loaded, so an
 offline run (conditions precomputed by ``veomni-dit-embed``) keeps them off the GPUs.
@@ -13,12 +14,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from torch import nn
+
 from veomni.models.diffusers.flow_matching import schedule_from_scheduler_config
-from veomni.models.diffusers.rules import ConditionConfigs, Mismatch
+from veomni.models.diffusers.rules import ConditionConfigs, Mismatch, WeightCounts
 from veomni.models.wan.kernels import WAN_TEXT_CONTEXT_LEN
 from veomni.models.wan.pipeline_dir import locate_wan_components
 
-__all__ = ["compatibility", "condition_configs"]
+__all__ = ["compatibility", "condition_configs", "weight_counts"]
+
+# WanTransformer3DModel's parameters (name fragments) that multiply context tokens rather than video tokens, or
+# run once per sample; every other matrix multiplies each video token.
+_TEXT_PARAMS = ("condition_embedder.text_embedder.", ".attn2.to_k.", ".attn2.to_v.", ".attn2.to_kv.")
+_IMAGE_PARAMS = ("condition_embedder.image_embedder.", ".attn2.add_k_proj.", ".attn2.add_v_proj.",
+                 ".attn2.to_added_kv.")  # fmt: skip
+_SAMPLE_PARAMS = ("condition_embedder.time_embedder.", "condition_embedder.time_proj.")
 
 
 def condition_configs(root: str | Path, mode: Literal["t2v", "i2v"], shift: float | None) -> ConditionConfigs:
@@ -90,3 +100,29 @@ def compatibility(
             "Wan's image-conditioned cross-attention takes the last 512 context tokens as the prompt",
         ))  # fmt: skip
     return [Mismatch(key, found, want, why) for key, found, want, why in checks if found != want]
+
+
+def weight_counts(model: nn.Module) -> WeightCounts:
+    """``model``'s (a ``WanTransformer3DModel``, on meta or not) matrices by what they multiply: text context
+    (the text embedder, the cross-attention's keys and values), image context (the CLIP embedder, the I2V
+    cross-attention's added keys and values), once per sample (the timestep embedding), each video token (the
+    rest); vectors and the modulation tables (``scale_shift_table``) are not matmul weights."""
+    counts = {"token": 0, "text": 0, "image": 0, "sample": 0}
+    for name, param in model.named_parameters():
+        if param.dim() < 2 or "scale_shift_table" in name:
+            continue
+        dotted = f".{name}"
+        if any(k in dotted or name.startswith(k) for k in _TEXT_PARAMS):
+            counts["text"] += param.numel()
+        elif any(k in dotted or name.startswith(k) for k in _IMAGE_PARAMS):
+            counts["image"] += param.numel()
+        elif any(name.startswith(k) for k in _SAMPLE_PARAMS):
+            counts["sample"] += param.numel()
+        else:
+            counts["token"] += param.numel()
+    config = model.config
+    return WeightCounts(
+        **counts,
+        layers=int(config.num_layers),
+        width=int(config.num_attention_heads * config.attention_head_dim),
+    )

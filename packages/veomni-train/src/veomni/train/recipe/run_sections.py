@@ -233,8 +233,11 @@ class DitSection:
         "configs with random weights seeded by train.seed (toy runs such as the quickstart; a real run never "
         "wants it)",
     )
-    mode: Literal["t2v", "i2v"] = _field(
-        "t2v", "t2v: text-to-video; i2v: image-to-video (first-frame latents and CLIP image embeddings)"
+    mode: str | None = _field(
+        None,
+        "the condition mode, one the transformer's family trains (its DiffusionRules.modes; Wan2.1: t2v "
+        "text-to-video, i2v image-to-video from first-frame latents and CLIP image embeddings); null: the "
+        "family's first (Wan2.1: t2v)",
     )
     max_sequence_length: int = _field(512, "prompt length in tokens (Wan's pipelines use 512)")
     latent_sample_mode: Literal["sample", "mode"] = _field(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -28,13 +28,11 @@ from torch import nn
 from veomni.core.parallel_state import ParallelState
 from veomni.train.data import Step
 
+if TYPE_CHECKING:
+    from veomni.models.diffusers.rules import WeightCounts
+
 log = logging.getLogger(__name__)
 
-# Parameters (name fragments) that multiply context tokens rather than video tokens, or run once per sample.
-_TEXT_PARAMS = ("condition_embedder.text_embedder.", ".attn2.to_k.", ".attn2.to_v.", ".attn2.to_kv.")
-_IMAGE_PARAMS = ("condition_embedder.image_embedder.", ".attn2.add_k_proj.", ".attn2.add_v_proj.",
-                 ".attn2.to_added_kv.")  # fmt: skip
-_SAMPLE_PARAMS = ("condition_embedder.time_embedder.", "condition_embedder.time_proj.")
 _INPUT_KEYS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
 
 
@@ -67,25 +65,13 @@ class DitFlops:
     image_len: int
 
     @classmethod
-    def for_model(cls, probe: nn.Module, text_len: int, image_len: int) -> DitFlops:
-        token = text = image = sample = 0
-        for name, param in probe.named_parameters():
-            if param.dim() < 2 or "scale_shift_table" in name:
-                continue
-            dotted = f".{name}"
-            if any(k in dotted or name.startswith(k) for k in _TEXT_PARAMS):
-                text += param.numel()
-            elif any(k in dotted or name.startswith(k) for k in _IMAGE_PARAMS):
-                image += param.numel()
-            elif any(name.startswith(k) for k in _SAMPLE_PARAMS):
-                sample += param.numel()
-            else:
-                token += param.numel()
-        config = probe.config
+    def from_counts(cls, counts: WeightCounts, text_len: int, image_len: int) -> DitFlops:
+        """The FLOPs of a transformer whose weights its family counted (`DiffusionRules.weight_counts`), for
+        ``text_len`` prompt tokens and ``image_len`` image-condition tokens per sample."""
         return cls(
-            per_token=6.0 * token, per_sample=6.0 * (text * text_len + image * image_len + sample),
-            layers=int(config.num_layers), width=int(config.num_attention_heads * config.attention_head_dim),
-            text_len=text_len, image_len=image_len if image else 0,
+            per_token=6.0 * counts.token,
+            per_sample=6.0 * (counts.text * text_len + counts.image * image_len + counts.sample),
+            layers=counts.layers, width=counts.width, text_len=text_len, image_len=image_len if counts.image else 0,
         )  # fmt: skip
 
     def sample(self, tokens: int) -> float:

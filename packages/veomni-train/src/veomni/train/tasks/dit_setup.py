@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -74,6 +75,16 @@ def dit_rules(config: Any) -> DiffusionRules:
         return diffusion_rules(config.class_name, f"model.task=dit ({config.source})")
     except ValueError as err:
         raise PreflightError(str(err)) from None
+
+
+def with_condition_mode(recipe: Recipe, rules: DiffusionRules) -> Recipe:
+    """``recipe`` with ``dit.mode`` resolved by the family (`DiffusionRules.condition_mode`: null takes its first
+    mode), or a `PreflightError` listing the modes it trains. Everything after reads the resolved mode."""
+    try:
+        mode = rules.condition_mode(recipe.dit.mode)
+    except ValueError as err:
+        raise PreflightError(f"dit.mode: {err}") from None
+    return attrs.evolve(recipe, dit=attrs.evolve(recipe.dit, mode=mode))
 
 
 def noising_config(recipe: Recipe, rules: DiffusionRules) -> Any:
@@ -167,6 +178,7 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
     ops = recipe.ops.to_ops_config(hardware=_hardware(device))
     config = transformer_config(recipe)
     rules = dit_rules(config)
+    recipe = with_condition_mode(recipe, rules)
     probe = _probe(recipe, config, state.dims.sp)
     # Ulysses SP is the family's DiffusionRules.sequence_parallel, applied by the diffusers build; the registry's
     # fast paths say whether it has one.
@@ -201,7 +213,9 @@ def dit_setup(recipe: Recipe, state: ParallelState, device: torch.device) -> Any
         encoder=encoder, vae_config=cond.vae, schedule=cond.schedule, noising=noising, empty_prompt=empty,
         compute_dtype=getattr(torch, recipe.model.dtype), sp=state.dims.sp,
         make_inputs=resolve(rules.flow_matching_inputs),
-        flops=DitFlops.for_model(probe, recipe.dit.max_sequence_length, cond.image_tokens),
+        flops=DitFlops.from_counts(
+            resolve(rules.weight_counts)(probe), recipe.dit.max_sequence_length, cond.image_tokens
+        ),
     )  # fmt: skip
     if dist.get_rank() == 0:
         log.info(

@@ -11,16 +11,18 @@
 #   - add_method Gemma3PreTrainedModel.__init__: refuse a config setting attn_logit_softcapping (upstream never applies it), before any weight is allocated
 #   - override_method Gemma3RMSNorm.forward: (1 + weight) RMSNorm via kernels.get('rms_norm', 'offset')
 #   - override_method Gemma3MLP.forward: upstream's GELU-tanh gated MLP; an explicitly chosen swiglu kernel (silu) is refused
-#   - override_method Gemma3Attention.forward: RoPE via kernels.get('rope', 'full') on the layer type's tables; q/k norms, scale and window as upstream
 #   - override_method Gemma3ForCausalLM.forward: LM head, final logit soft-cap and loss via lm_logits_and_loss (a fused linear cross-entropy gets the hidden states, the LM-head weight and the soft-cap; no [T, V] logits)
 #   - add_method Gemma3TextForSequenceClassification.__init__: build this module's patched base model (upstream's AutoModel.from_config builds transformers' own)
 #   - add_method Gemma3TextForSequenceClassification.forward: classification CE via kernels.get('cross_entropy', 'seq_cls') on the pooled hidden states
+#   - replace_call Gemma3Attention.forward: RoPE via kernels.get('rope', 'full') on the layer type's tables
+#   - insert_before Gemma3Attention.forward: under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
 #   - drop_import_names: create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask, create_sliding_window_causal_mask
 #   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
+#   - add_import: from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
 #   - add_import: from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 #   - add_import: from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 # ====================================================================================================
@@ -90,6 +92,7 @@ from veomni.models.hf.masks import create_causal_mask, create_sliding_window_cau
 from veomni.models.hf.kernel_hooks import apply_rope
 from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.models.gemma3.guards import check_attention_softcap, check_swiglu_choice
+from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
 from veomni.models.heads.seq_cls import init_sequence_classifier, sequence_classification_forward
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
@@ -372,7 +375,6 @@ class Gemma3Attention(nn.Module):
         self.q_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
 
-    # [PATCHED] RoPE via kernels.get('rope', 'full') on the layer type's tables; q/k norms, scale and window as upstream
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -383,6 +385,23 @@ class Gemma3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        # [PATCHED] under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
+        if async_ulysses_active(self, past_key_values):
+            # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+            def project(x):
+                yield "v", self.v_proj(x).view(hidden_shape)
+                q = self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)
+                k = self.k_norm(self.k_proj(x).view(hidden_shape)).transpose(1, 2)
+                q, k = apply_rope(self, q, k, *position_embeddings, apply_rotary_pos_emb)
+                yield "q", q.transpose(1, 2)
+                yield "k", k.transpose(1, 2)
+
+            attn_output = async_sp_attention(
+                self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
+                scaling=self.scaling, sliding_window=self.sliding_window,
+                dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+            )  # fmt: skip
+            return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -392,6 +411,7 @@ class Gemma3Attention(nn.Module):
         key_states = self.k_norm(key_states)
 
         cos, sin = position_embeddings
+        # [PATCHED] RoPE via kernels.get('rope', 'full') on the layer type's tables
         query_states, key_states = apply_rope(self, query_states, key_states, cos, sin, apply_rotary_pos_emb)
 
         if past_key_values is not None:

@@ -10,14 +10,17 @@
 #   - add_method Glm4MoePreTrainedModel.from_pretrained: transformers' from_pretrained, refusing a checkpoint that leaves backbone weights uninitialised (veomni.models.hf.pretrained.check_backbone_loaded)
 #   - override_method Glm4MoeRMSNorm.forward: RMSNorm via kernels.get('rms_norm', 'standard')
 #   - override_method Glm4MoeMLP.forward: SwiGLU via kernels.get('swiglu', 'standard') (dense layers and shared experts)
-#   - override_method Glm4MoeAttention.forward: partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial'); q/k norm and biases as upstream
 #   - override_method Glm4MoeForCausalLM.forward: LM head + loss via lm_logits_and_loss (fused linear cross-entropy gets hidden states + LM-head weight); no aux loss, as upstream
 #   - add_method Glm4MoeForCausalLM.get_parallel_plan: expert parallelism: shard the fused routed-expert tensors on dim 0 (experts) across the EP group; shared experts, dense layers and the router stay replicated
+#   - replace_call Glm4MoeAttention.forward: partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial')
+#   - insert_before Glm4MoeAttention.forward: under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
 #   - drop_import_names: create_causal_mask
 #   - add_import: from veomni.models.hf.pretrained import check_backbone_loaded
 #   - add_import: from veomni.models.hf.masks import create_causal_mask
 #   - add_import: from veomni.models.heads.causal_lm import lm_logits_and_loss
 #   - add_import: from veomni.core.ep import ExpertPlan
+#   - add_import: from veomni.models.hf.kernel_hooks import apply_rope
+#   - add_import: from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
 # ====================================================================================================
 
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -65,6 +68,8 @@ from veomni.models.hf.pretrained import check_backbone_loaded
 from veomni.models.hf.masks import create_causal_mask
 from veomni.models.heads.causal_lm import lm_logits_and_loss
 from veomni.core.ep import ExpertPlan
+from veomni.models.hf.kernel_hooks import apply_rope
+from veomni.models.hf.async_sp import async_sp_attention, async_ulysses_active
 
 
 class Glm4MoeRotaryEmbedding(nn.Module):
@@ -227,7 +232,6 @@ class Glm4MoeAttention(nn.Module):
             self.q_norm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    # [PATCHED] partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial'); q/k norm and biases as upstream
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -238,12 +242,33 @@ class Glm4MoeAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        # [PATCHED] under parallel.async_ulysses the projections overlap the Ulysses exchange (veomni.models.hf.async_sp)
+        if async_ulysses_active(self, past_key_values):
+            # parallel.async_ulysses: V's exchange starts while Q and K are projected, normed and rotated.
+            def project(x):
+                yield "v", self.v_proj(x).view(hidden_shape)
+                q, k = self.q_proj(x).view(hidden_shape), self.k_proj(x).view(hidden_shape)
+                if self.use_qk_norm:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                cos, sin = position_embeddings
+                q, k = apply_rope(
+                    self, q.transpose(1, 2), k.transpose(1, 2), cos, sin, apply_rotary_pos_emb, "partial"
+                )
+                yield "q", q.transpose(1, 2)
+                yield "k", k.transpose(1, 2)
+
+            attn_output = async_sp_attention(
+                self, hidden_states, project, attention_mask, query_heads=self.config.num_attention_heads,
+                scaling=self.scaling,
+                dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+            )  # fmt: skip
+            return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
 
         query_states = self.q_proj(hidden_states).view(hidden_shape)
         key_states = self.k_proj(hidden_states).view(hidden_shape)
         value_states = self.v_proj(hidden_states).view(hidden_shape)
 
-        if self.use_qk_norm:  # per head, before the transpose, as upstream
+        if self.use_qk_norm:  # main diff from Llama
             query_states = self.q_norm(query_states)
             key_states = self.k_norm(key_states)
 
@@ -251,14 +276,11 @@ class Glm4MoeAttention(nn.Module):
         key_states = key_states.transpose(1, 2)
         value_states = value_states.transpose(1, 2)
 
-        cos, sin = position_embeddings  # [B, S, R] with R = head_dim * partial_rotary_factor
-        kernels = getattr(self, "veomni_kernels", None)
-        if kernels is not None and kernels.config.rope != "eager":
-            query_states, key_states = kernels.get("rope", "partial")(
-                query_states, key_states, cos, sin, rotary_dim=cos.shape[-1]
-            )
-        else:
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        cos, sin = position_embeddings
+        # [PATCHED] partial RoPE (partial_rotary_factor) via kernels.get('rope', 'partial')
+        query_states, key_states = apply_rope(
+            self, query_states, key_states, cos, sin, apply_rotary_pos_emb, "partial"
+        )
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
