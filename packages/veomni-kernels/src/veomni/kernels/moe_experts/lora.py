@@ -98,20 +98,23 @@ def _branch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -
     return (F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(x.dtype)
 
 
-def _expert(rows: torch.Tensor, params: tuple, scaling: float) -> torch.Tensor:
+def _expert(rows: torch.Tensor, params: tuple[torch.Tensor | None, ...], scaling: float) -> torch.Tensor:
     w1, w2, a1, b1, a2, b2 = params
+    assert w1 is not None and w2 is not None
     gate_up = F.linear(rows, w1)
-    if a1 is not None:
+    if a1 is not None and b1 is not None:
         gate_up = gate_up + _branch(rows, a1, b1, scaling)
     gate, up = gate_up.chunk(2, dim=-1)
     h = F.silu(gate) * up
     out = F.linear(h, w2)
-    if a2 is not None:
+    if a2 is not None and b2 is not None:
         out = out + _branch(h, a2, b2, scaling)
     return out
 
 
-def _expert_params(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, adapters: Adapters, e: int) -> tuple:
+def _expert_params(
+    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, adapters: Adapters, e: int
+) -> tuple[torch.Tensor | None, ...]:
     return (gate_up_proj[e], down_proj[e], *(t[e] if t is not None else None for t in adapters))
 
 
@@ -207,8 +210,9 @@ def _torch_branch(
     from veomni.kernels.moe_experts.torch_impl import _GroupedMM
 
     a, b = _padded(a, b)
-    low = _GroupedMM.apply(x.to(a.dtype), ends, a)  # [N, r]
-    return (_GroupedMM.apply(low, ends, b) * scaling).to(x.dtype)
+    low: torch.Tensor = _GroupedMM.apply(x.to(a.dtype), ends, a)  # [N, r]
+    high: torch.Tensor = _GroupedMM.apply(low, ends, b)
+    return (high * scaling).to(x.dtype)
 
 
 def _torch_rows(
@@ -226,7 +230,7 @@ def _torch_rows(
 
     a1, b1, a2, b2 = adapters
     ends = offsets[1:]
-    gate_up = _GroupedMM.apply(x, ends, gate_up_proj)
+    gate_up: torch.Tensor = _GroupedMM.apply(x, ends, gate_up_proj)
     if a1 is not None and b1 is not None:
         gate_up = gate_up + _torch_branch(x, ends, a1, b1, scaling)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -234,7 +238,7 @@ def _torch_rows(
     if row_weights is not None:
         # Linear in h: the routing weight scales the base and the adapter term alike (as torch_impl does).
         h = h * row_weights.to(h.dtype).unsqueeze(-1)
-    out = _GroupedMM.apply(h, ends, down_proj)
+    out: torch.Tensor = _GroupedMM.apply(h, ends, down_proj)
     if a2 is not None and b2 is not None:
         out = out + _torch_branch(h, ends, a2, b2, scaling)
     return out
