@@ -214,7 +214,9 @@ def profile_calls(
         return None
     events = list(prof.events())
     kernels = [
-        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
     ]
     row: dict[str, Any] = {
         "gpu_busy_fraction": min(1.0, union_us(kernels) / wall_us),

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from veomni.models.diffusers.flow_matching import FlowMatchingSchedule
 from veomni.models.wan.condition import flow_matching_inputs
+from veomni.models.wan.rules import weight_counts as wan_weight_counts
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 from veomni.train.tasks.dit import DitFlops
@@ -370,7 +371,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     )
     with torch.device("meta"):
         probe = WanTransformer3DModel.from_config(config)
-    flops = DitFlops.for_model(probe, text_len=text[0], image_len=0)
+    flops = DitFlops.from_counts(wan_weight_counts(probe), text_len=text[0], image_len=0)
     del probe
     steps = make_steps(args.warmup + args.steps, args.batch, args.size, dtype, args.seed + 1, device)
     result: dict[str, Any] = {

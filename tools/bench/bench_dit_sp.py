@@ -45,6 +45,7 @@ from veomni.core.parallel_state import build_parallel_state, use_parallel_state
 from veomni.kernels import OpsConfig
 from veomni.models.build import build_model
 from veomni.models.diffusers.build import dit_ops
+from veomni.models.wan.rules import weight_counts as wan_weight_counts
 from veomni.train.loop import setup_distributed
 from veomni.train.metrics import peak_flops
 from veomni.train.optim import build_adamw
@@ -80,7 +81,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add = p.add_argument
     add("--out", required=True, help="where rank 0 writes the JSON (rewritten after every configuration)")
     add("--size", choices=tuple(SIZES), default="i2v_14b")
-    add("--sp", default=None, help="comma-separated SP degrees in run order (default: world, world/2, ..., 1)")
+    add(
+        "--sp", default=None, help="comma-separated SP degrees in run order (default: world, world/2, ..., 1)"
+    )
     add("--steps", type=int, default=2, help="timed optimizer steps per configuration")
     add("--warmup", type=int, default=1, help="untimed optimizer steps first")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
@@ -150,7 +153,10 @@ def write_config(size: str, directory: str) -> str:
     """A diffusers ``config.json`` for the size (what `build_model` reads as a DiT config); returns the dir."""
     import diffusers
 
-    values = SIZES[size][0] | {"_class_name": "WanTransformer3DModel", "_diffusers_version": diffusers.__version__}
+    values = SIZES[size][0] | {
+        "_class_name": "WanTransformer3DModel",
+        "_diffusers_version": diffusers.__version__,
+    }
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(values, f)
     return directory
@@ -202,7 +208,9 @@ def run_config(args: argparse.Namespace, sp: int, config_dir: str, device: torch
     with torch.device("meta"):
         from diffusers import WanTransformer3DModel
 
-        flops = DitFlops.for_model(WanTransformer3DModel(**config), text_len, image_len).sample(tokens)
+        flops = DitFlops.from_counts(
+            wan_weight_counts(WanTransformer3DModel(**config)), text_len, image_len
+        ).sample(tokens)
     peak = peak_flops(device) if device.type == "cuda" else None
     mem = max_over_ranks(
         [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB]

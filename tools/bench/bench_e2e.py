@@ -174,12 +174,16 @@ def _profile(
 
     def run() -> None:
         for micro_batches in steps:
-            num_items = torch.full((), sum(b["num_valid"] for b in micro_batches), device=s.device, dtype=torch.int64)
+            num_items = torch.full(
+                (), sum(b["num_valid"] for b in micro_batches), device=s.device, dtype=torch.int64
+            )
             contender.step(micro_batches, num_items)
 
     out = os.path.join(s.profile_dir, f"{name}.txt")
     profiled = profile_calls(run, s.device, out, steps=len(steps))
-    print(f"[bench_e2e] profile of {name}:\n" + "\n".join(Path(out).read_text().splitlines()[:22]), flush=True)
+    print(
+        f"[bench_e2e] profile of {name}:\n" + "\n".join(Path(out).read_text().splitlines()[:22]), flush=True
+    )
     return profiled
 
 

@@ -58,9 +58,17 @@ def checked_experts(experts: int) -> list[int]:
 
 
 def gemm_cases(
-    experts: int, hidden: int, inter: int, rows: int, ends: torch.Tensor, checked: list[int], device: torch.device,
+    experts: int,
+    hidden: int,
+    inter: int,
+    rows: int,
+    ends: torch.Tensor,
+    checked: list[int],
+    device: torch.device,
     dtype: torch.dtype,
-) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], torch.Tensor], float]]:
+) -> dict[
+    str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], torch.Tensor], float]
+]:
     """name -> (grouped call, per-expert loop reference over the ``checked`` experts (concatenated rows, or stacked
     for the weight gradients), dense call of equal FLOPs, FLOPs)."""
     # Drawn on the device: DeepSeek's gate/up weights alone are 7.5e9 values, minutes of CPU randn.
@@ -125,7 +133,9 @@ def gemm_cases(
     }
 
 
-def run_shape(name: str, dims: tuple[int, int, int, int], routing: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_shape(
+    name: str, dims: tuple[int, int, int, int], routing: str, args: argparse.Namespace
+) -> dict[str, Any]:
     """Every GEMM of one shape and routing: ms, TFLOP/s, the dense ceiling and the check against the loop."""
     experts, hidden, inter, rows = dims
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -147,7 +157,11 @@ def run_shape(name: str, dims: tuple[int, int, int, int], routing: str, args: ar
         del got, picked
         g_ms = median_ms(grouped, device, args.warmup, args.reps)
         d_ms = median_ms(dense, device, args.warmup, args.reps)
-        total_grouped, total_dense, total_flops = total_grouped + g_ms, total_dense + d_ms, total_flops + flops
+        total_grouped, total_dense, total_flops = (
+            total_grouped + g_ms,
+            total_dense + d_ms,
+            total_flops + flops,
+        )
         result["gemms"][gemm] = {
             "grouped_ms": g_ms, "dense_ms": d_ms, "grouped_tflops": flops / g_ms / 1e9,
             "dense_tflops": flops / d_ms / 1e9, "dense_over_grouped_speed": g_ms / d_ms, "rel_err_vs_loop": err,

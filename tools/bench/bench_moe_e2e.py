@@ -213,7 +213,9 @@ class HF:
 
     def step(self, index: int, batch: dict[str, Any], valid_tokens: int) -> dict[str, float]:
         """As `Veomni.step`, plus ``aux_loss``: HF's load-balancing loss, averaged over the ranks."""
-        num_items = torch.tensor(valid_tokens, device=self.device, dtype=torch.int64)  # as the trainer passes it
+        num_items = torch.tensor(
+            valid_tokens, device=self.device, dtype=torch.int64
+        )  # as the trainer passes it
         out = self.model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
             shift_labels=batch["labels"], num_items_in_batch=num_items, output_router_logits=True,

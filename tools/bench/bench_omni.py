@@ -229,7 +229,9 @@ TEXT_BLOCKS = "model.language_model.layers.*"
 def tower_marks(model: torch.nn.Module) -> list[Any]:
     """Hooks marking the towers' phases for `idle_by_phase`: each tower's forward (and the text model after it),
     and its backward from the moment the gradient of its output arrives. Returns the handles to remove."""
-    holder = getattr(model, "model", model)  # veomni's thinker holds the towers one level down, HF's on itself
+    holder = getattr(
+        model, "model", model
+    )  # veomni's thinker holds the towers one level down, HF's on itself
     hooks = []
     for label, tower in (("audio", holder.audio_tower), ("vision", holder.visual)):
 
@@ -239,7 +241,9 @@ def tower_marks(model: torch.nn.Module) -> list[Any]:
             if hidden.requires_grad:
                 hidden.register_hook(lambda grad, label=label: mark(f"backward: {label} tower"))
 
-        hooks.append(tower.register_forward_pre_hook(lambda m, a, label=label: mark(f"forward: {label} tower")))
+        hooks.append(
+            tower.register_forward_pre_hook(lambda m, a, label=label: mark(f"forward: {label} tower"))
+        )
         hooks.append(tower.register_forward_hook(after))
     return hooks
 

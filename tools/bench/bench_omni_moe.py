@@ -172,7 +172,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized thinker (smoke test)")
-    p.add_argument("--contenders", default="veomni,hf", help=f"comma list, run in this order, of {CONTENDERS}")
+    p.add_argument(
+        "--contenders", default="veomni,hf", help=f"comma list, run in this order, of {CONTENDERS}"
+    )
     p.add_argument("--text-layers", type=int, default=8)
     p.add_argument("--vit-blocks", type=int, default=8)
     p.add_argument("--audio-layers", type=int, default=8)

@@ -65,7 +65,11 @@ def make_batch(cli: Any, device: torch.device) -> dict[str, torch.Tensor]:
     mask = torch.arange(cli.seq_len)[None] < lengths[:, None]
     ids = ids.masked_fill(~mask, 0)
     labels = torch.randint(0, cli.num_labels, (cli.batch,), generator=gen)
-    return {"input_ids": ids.to(device), "attention_mask": mask.long().to(device), "labels": labels.to(device)}
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": mask.long().to(device),
+        "labels": labels.to(device),
+    }
 
 
 def build(name: str, config: Qwen3Config, state: dict[str, torch.Tensor], cli: Any, dtype, device) -> Any:
@@ -108,7 +112,12 @@ def run_contender(name: str, model: Any, batch: dict, cli: Any, device: torch.de
         row["ops"] = {f: getattr(kernels.config, f) for f in ("attention", "rms_norm", "rope", "swiglu",
                                                               "cross_entropy")}  # fmt: skip
     row["decoder_class"] = f"{type(model.model).__module__}.{type(model.model).__name__}"
-    return {"row": row, "loss": out.loss.detach().float(), "logits": out.logits.detach().float(), "grads": grads}
+    return {
+        "row": row,
+        "loss": out.loss.detach().float(),
+        "logits": out.logits.detach().float(),
+        "grads": grads,
+    }
 
 
 def bench(cli: Any) -> dict[str, Any]:
@@ -142,11 +151,16 @@ def bench(cli: Any) -> dict[str, Any]:
         if reference is None:
             reference = got
         row["reference"] = reference["row"]["impl"]
-        errs = {"loss": rel_err(got["loss"], reference["loss"]), "logits": rel_err(got["logits"], reference["logits"])}
+        errs = {
+            "loss": rel_err(got["loss"], reference["loss"]),
+            "logits": rel_err(got["logits"], reference["logits"]),
+        }
         errs |= {f"d_{n}": rel_err(got["grads"][n], reference["grads"][n]) for n in CHECKED_GRADS}
         row["errors"] = errs
         row["agrees"] = all(e <= tol for e in errs.values())
-        hf = next((r for r in result["rows"] if r["impl"] == "hf" and "ms" in r), None)  # None: not run, or failed
+        hf = next(
+            (r for r in result["rows"] if r["impl"] == "hf" and "ms" in r), None
+        )  # None: not run, or failed
         if name != "hf" and hf is not None:
             row["speedup_vs_hf"] = hf["ms"] / row["ms"]
         result["rows"].append(row)
@@ -156,7 +170,9 @@ def bench(cli: Any) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--size", choices=sorted(SHAPES), default="full")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (full: 28, tiny: 2)")
@@ -165,7 +181,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-labels", type=int, default=4)
     parser.add_argument("--attention", default="sdpa", help="HF and veomni attention backend name")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, run in this order")
+    parser.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="comma-separated, run in this order"
+    )
     cli = parser.parse_args(argv)
     cli.contenders = cli.contenders.split(",")
     unknown = sorted(set(cli.contenders) - set(CONTENDERS))

@@ -315,8 +315,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--ops", default="", help="OpsConfig overrides, e.g. attention=flash_attn_3,rope=eager")
     add("--no-ac", dest="ac", action="store_false", help="turn activation checkpointing off")
     add("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
-    add("--async-ulysses", action="store_true",
-        help="parallel.async_ulysses on the SP > 1 configurations (projections overlap the exchange)")
+    add(
+        "--async-ulysses",
+        action="store_true",
+        help="parallel.async_ulysses on the SP > 1 configurations (projections overlap the exchange)",
+    )
     add("--same-data", action="store_true", help="every dp rank trains dp rank 0's document (parity check)")
     add("--seed", type=int, default=0, help="initial weights and data")
     add("--lr", type=float, default=1e-5)

@@ -205,7 +205,9 @@ def packed_vlm_batches(
     # Image positions are the same rule for Qwen2.5-VL and Qwen3-VL (t = 1); Qwen2.5-VL's tower also gets its window
     # layout from the collator, as in the trainer.
     positions = Qwen3VLPositions(int(config.image_token_id), int(vision.spatial_merge_size))
-    if video_fraction:  # clips: the model's own rule (`veomni.models.qwen2_vl.positions`), images the same as above
+    if (
+        video_fraction
+    ):  # clips: the model's own rule (`veomni.models.qwen2_vl.positions`), images the same as above
         positions = Qwen2VLPositions.from_config(config)
     vision_metadata = WindowIndex.from_config(vision) if config.model_type == "qwen2_5_vl" else None
     batches, index = [], 0
@@ -293,7 +295,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not 0.0 <= args.video_fraction <= 1.0 - args.image_fraction:
         p.error(f"--video-fraction must be in [0, 1 - --image-fraction], got {args.video_fraction}")
     if args.video_fraction and args.model != "qwen2_5_vl_7b":
-        p.error(f"--video-fraction: clips are laid out for --model qwen2_5_vl_7b only, got --model {args.model}")
+        p.error(
+            f"--video-fraction: clips are laid out for --model qwen2_5_vl_7b only, got --model {args.model}"
+        )
     for flag in ("seq_len", "grad_accum", "steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -333,7 +337,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         unit = (config.vision_config.patch_size * config.vision_config.spatial_merge_size) ** 2
         longest = max(h * w for h, w in sizes) // unit * temporal + 96 + 384 + 2
         if longest > args.seq_len:
-            raise SystemExit(f"--seq-len {args.seq_len} is below the longest clip conversation ({longest} tokens)")
+            raise SystemExit(
+                f"--seq-len {args.seq_len} is below the longest clip conversation ({longest} tokens)"
+            )
     cpu_batches = packed_vlm_batches(
         n_steps * args.grad_accum, args.seq_len, config, args.image_fraction, sizes, args.seed + 1,
         args.video_fraction, temporal,

@@ -26,7 +26,9 @@ def _oracle(q, k, v, cu, causal):
         ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
         s = qs @ ks.transpose(-1, -2) / q.shape[-1] ** 0.5
         if causal:
-            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            s = s.masked_fill(
+                torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+            )
         outs.append((s.softmax(-1) @ vs).transpose(0, 1))
     return torch.cat(outs)
 

@@ -114,6 +114,7 @@ MODELS = {
     "qwen3_5_9b_8l": (Qwen3_5Config, QWEN3_5_9B_8L, TINY_3_5, "Qwen3.5-9B architecture, 8 of 32 text layers"),
 }
 
+
 def vlm_config(tiny: bool, model: str = "qwen3_vl_2b") -> Qwen3VLConfig | Qwen2_5_VLConfig:
     """``model``'s config (`MODELS`; or its tiny smoke config), KV cache off as in training."""
     cls, full, small, _ = MODELS[model]

@@ -37,6 +37,9 @@ DONE_KEY = f"veomni/attempt_{_ATTEMPT}/done_ranks"
 STOPPED_EXIT_CODE = 2
 """The exit code of a rank stopped because another failed (as the failing rank's, for bad input)."""
 
+_EXIT_GRACE_S = 1.0
+"""Seconds a failing rank lingers once every rank has counted itself stopped."""
+
 
 def _store() -> dist.Store | None:
     """The default process group's store on a multi-rank run; None on one rank or without a group."""
@@ -66,6 +69,9 @@ def publish_failure(
         while done < world and time.monotonic() < deadline:
             time.sleep(0.05)
             done = store.add(DONE_KEY, 0)
+    # A stopped rank counts itself just before its ``os._exit``: leaving at once can still beat that exit, and
+    # torchrun's agent would then SIGTERM it (exit code -15 instead of 2) on a loaded machine.
+    time.sleep(_EXIT_GRACE_S)
 
 
 def peer_failure(rank: int, wait: datetime.timedelta = datetime.timedelta(seconds=5)) -> str | None:
