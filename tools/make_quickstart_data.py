@@ -9,6 +9,8 @@ What is written:
     train.jsonl, eval.jsonl   one ``{"messages": [{"role", "content"[, "loss_mask"]}, ...]}`` object per line.
                               Short templated tasks (arithmetic, word games, a small table of made-up facts)
                               that a ~2M-parameter model learns within a minute, so the loss visibly falls.
+    pairs.jsonl               preference pairs (``quickstart_dpo``): one-question train rows as ``{"prompt",
+                              "chosen", "rejected"}``, the rejected answer another question's.
     tokenizer/                byte-level BPE (vocab `VOCAB_SIZE`) with ChatML-style role tokens and a chat
                               template; ``transformers.AutoTokenizer.from_pretrained(dir)`` loads it offline.
 """
@@ -168,6 +170,23 @@ def make_rows(n: int, rng: random.Random) -> list[dict]:
     return [_conversation(rng) for _ in range(n)]
 
 
+def make_pairs(rows: list[dict], rng: random.Random) -> list[dict]:
+    """Preference pairs from the one-question ``rows``: the prompt and the right answer (chosen), and the answer of
+    another question drawn from ``rng`` (rejected)."""
+    single = [r["messages"] for r in rows if len(r["messages"]) - (r["messages"][0]["role"] == "system") == 2]
+    pairs = []
+    for messages in single:
+        wrong = rng.choice(single)[-1]["content"]
+        while wrong == messages[-1]["content"]:
+            wrong = rng.choice(single)[-1]["content"]
+        pairs.append({
+            "prompt": messages[:-1],
+            "chosen": [{"role": "assistant", "content": messages[-1]["content"]}],
+            "rejected": [{"role": "assistant", "content": wrong}],
+        })  # fmt: skip
+    return pairs
+
+
 def _tokenizer_corpus(rows: list[dict]) -> Iterator[str]:
     # Message text and role names only: the role markers are special tokens and must not grow merges.
     for row in rows:
@@ -222,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "tokenizer").mkdir(parents=True, exist_ok=True)
     _write_jsonl(out / "train.jsonl", train)
     _write_jsonl(out / "eval.jsonl", evaluation)
+    # Its own generator: the rows and the tokenizer above stay what they were before pairs existed.
+    _write_jsonl(out / "pairs.jsonl", make_pairs(train, random.Random(SEED + 1)))
     train_tokenizer(train, out / "tokenizer")
     print(
         f"wrote {len(train)} train rows, {len(evaluation)} eval rows and a {VOCAB_SIZE}-token tokenizer to {out}"

@@ -197,6 +197,9 @@ def build_run(recipe: Recipe) -> Run:
         expert_layers=attach_expert_load_counters(model),
         loss_scale=DynamicLossScale(device) if recipe.model.dtype == "float16" else None,
     )  # fmt: skip
+    attach = getattr(task, "attach", None)  # models a task trains beside (dpo: its frozen reference)
+    if attach is not None:
+        attach(run)
     if recipe.train.cuda_graphs:
         run.graphs = make_graphs(run)
     resume_run(run, resume_from)

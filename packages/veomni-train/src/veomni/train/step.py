@@ -64,7 +64,9 @@ def _backward(run: Run, outputs: Any, aux_scale: float) -> torch.Tensor:
     # FSDP averages gradients over the world; the objective is a sum over ranks (veomni.core.loss).
     objective = objective * run.state.dims.world_size
     if run.loss_scale is not None:
-        objective = objective * run.loss_scale.scale  # fp16 (veomni.train.numerics); a tensor CUDA graphs replay
+        objective = (
+            objective * run.loss_scale.scale
+        )  # fp16 (veomni.train.numerics); a tensor CUDA graphs replay
     objective.backward()
     return loss.detach()
 
@@ -121,7 +123,11 @@ def _source_stats(sums: list[float], counts: tuple[tuple[str, int, int], ...]) -
     micro-batch's loss is) turned into its mean over its own trained tokens."""
     total = sum(trained for _, _, trained in counts)
     return {
-        name: {"tokens": tokens, "trained_tokens": trained, "loss": value * total / trained if trained else None}
+        name: {
+            "tokens": tokens,
+            "trained_tokens": trained,
+            "loss": value * total / trained if trained else None,
+        }
         for value, (name, tokens, trained) in zip(sums, counts, strict=True)
     }
 
@@ -138,10 +144,18 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     # A fill kernel, not torch.tensor: a copy from pageable host memory would make the host wait for the GPU. An
     # integer: FSDP2 mixed precision and the master-weights path cast every floating forward input to the compute
     # dtype, which would round the count in bf16 and make it inf in fp16 above 65504 tokens (a zero loss).
-    num_items = torch.full((), step.valid_tokens, device=run.device, dtype=torch.int64)
+    normaliser = getattr(run.task, "step_normaliser", None)  # a task normalising by other counts (pairs)
+    if normaliser is not None:
+        num_items = normaliser(step, run.device)
+    else:
+        num_items = torch.full((), step.valid_tokens, device=run.device, dtype=torch.int64)
+    task_metrics = getattr(run.task, "step_metrics", None)  # per micro-batch shares, summed over the step
+    metric_sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
     # A mixture's micro-batch holds one source's rows (batch["source"]), so its loss is that source's: exact.
-    per_source = torch.zeros(len(step.sources), device=run.device, dtype=torch.float32) if step.sources else None
+    per_source = (
+        torch.zeros(len(step.sources), device=run.device, dtype=torch.float32) if step.sources else None
+    )
     for i, batch in enumerate(step.micro_batches):
         if isinstance(run.model, FSDPModule):
             set_grad_sync(run.model, is_last_microstep=i == grad_accum - 1)
@@ -152,6 +166,9 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
         else:
             micro_loss = _forward_backward(run, batch, num_items, grad_accum).float()
         loss_sum += micro_loss
+        if task_metrics is not None:
+            for name, value in task_metrics().items():
+                metric_sums[name] = metric_sums[name] + value if name in metric_sums else value.float()
         if per_source is not None:
             per_source[batch["source"]] += micro_loss
     lr = current_lr(run)
@@ -180,13 +197,25 @@ def train_step_on_device(run: Run, step: Step) -> dict[str, Any]:
     run.scheduler.step()
     # Captured graphs accumulate into the gradient tensors they were captured with: zero them, keep them.
     run.optimizer.zero_grad(set_to_none=run.graphs is None)
-    if per_source is None:
-        dist.all_reduce(loss_sum, group=run.state.loss_group)
-        return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0}
-    sums = torch.cat([loss_sum.view(1), per_source])  # one all-reduce for the step's and the sources' losses
+    # One all-reduce for the step's loss, a mixture's per-source losses and the task's metrics.
+    names = sorted(metric_sums)
+    parts = [
+        loss_sum.view(1),
+        *([] if per_source is None else [per_source]),
+        *(metric_sums[n].view(1) for n in names),
+    ]
+    sums = torch.cat(parts)
     dist.all_reduce(sums, group=run.state.loss_group)
-    return {"loss": sums[0], "grad_norm": grad_norm.detach().float(), "lr": lr, "skipped": 0.0,
-            "source_loss": sums[1:], "source_counts": step.sources}  # fmt: skip
+    stats: dict[str, Any] = {
+        "loss": sums[0],
+        "grad_norm": grad_norm.detach().float(),
+        "lr": lr,
+        "skipped": 0.0,
+    }
+    if per_source is not None:
+        stats |= {"source_loss": sums[1 : 1 + len(step.sources)], "source_counts": step.sources}
+    stats |= dict(zip(names, sums[len(sums) - len(names) :], strict=True))
+    return stats
 
 
 @torch.no_grad()
@@ -197,7 +226,9 @@ def evaluate(run: Run) -> dict[str, float]:
     run.model.eval()
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
     tokens = 0
-    one = torch.ones((), device=run.device, dtype=torch.int64)  # each batch's loss stays a sum (Task protocol)
+    one = torch.ones(
+        (), device=run.device, dtype=torch.int64
+    )  # each batch's loss stays a sum (Task protocol)
     for batch in run.eval_data:
         kwargs = run.task.model_kwargs(batch, run.device, one)
         kwargs.pop("output_router_logits", None)

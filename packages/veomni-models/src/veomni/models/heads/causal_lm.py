@@ -5,6 +5,10 @@ kernel (a fused linear cross-entropy never materialises ``[T, V]`` logits) and t
 Otherwise (no kernels attached, or ``eager``) the upstream code runs unchanged: LM head, the config's final logit
 soft-cap where it sets one (``final_logit_softcapping``, as Gemma's forwards apply it), then HF's loss function.
 
+Inside `capture_token_log_probs` the same forwards compute no loss: they hand each position's log-probability of
+its target to the capture instead (chunked over positions, never ``[T, V]`` at once), which is what preference
+and RL objectives are built from.
+
 Normalisation follows HF's convention so trainers need no special case: the loss is the token-loss sum divided
 by ``num_items_in_batch`` when given (a trainer passes the global valid-token count of the whole optimizer step,
 which gives veomni-core's "objective = sum over ranks" convention), else by the local valid count — 0, not NaN,
@@ -13,12 +17,15 @@ when every label is ignored.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_utils import slice_logits_to_keep
 
 from veomni.core.fsdp import forward_through
@@ -28,6 +35,24 @@ from veomni.models.hf.attention_inputs import current_sp_state
 from veomni.models.hf.kernel_hooks import ATTR
 
 IGNORE_INDEX = -100
+
+_CAPTURE: ContextVar[list[torch.Tensor] | None] = ContextVar("veomni_token_log_probs", default=None)
+
+LOG_PROB_CHUNK = 1024
+"""Positions per chunk of the log-prob head: ``[chunk, V]`` fp32 logits live at a time (600 MiB at V = 150k)."""
+
+
+@contextlib.contextmanager
+def capture_token_log_probs() -> Iterator[list[torch.Tensor]]:
+    """Within the block, a veomni causal-LM forward given ``labels`` or ``shift_labels`` returns ``loss=None`` and
+    appends to the yielded list the fp32 ``[B, S]`` log-probability of each position's target (0 where the target
+    is ignored), differentiable w.r.t. the hidden states and the LM head. One tensor per forward, in call order."""
+    captured: list[torch.Tensor] = []
+    token = _CAPTURE.set(captured)
+    try:
+        yield captured
+    finally:
+        _CAPTURE.reset(token)
 
 
 def lm_logits_and_loss(
@@ -58,6 +83,19 @@ def lm_logits_and_loss(
     wants_loss = labels is not None or shift_labels is not None
     kernels = getattr(model, ATTR, None)
     text_config = model.config.get_text_config()
+    capture = _CAPTURE.get()
+    if wants_loss and capture is not None:
+        ignore_index = loss_kwargs.get("ignore_index", IGNORE_INDEX)
+        if shift_labels is None:
+            assert labels is not None
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        capture.append(
+            forward_through(
+                model.lm_head, _head_log_probs, hidden_states, shift_labels.to(hidden_states.device),
+                ignore_index=ignore_index, logit_softcap=getattr(text_config, "final_logit_softcapping", None),
+            )
+        )  # fmt: skip
+        return None, None
     if wants_loss and kernels is not None and kernels.config.cross_entropy != "eager":
         # Through the head's forward hooks: an FSDP unit of its own is gathered, and its gradient reduced, as
         # for a call of lm_head (veomni.core.fsdp.forward_through).
@@ -85,6 +123,62 @@ def lm_logits_and_loss(
             logits=logits, labels=target, vocab_size=text_config.vocab_size, **loss_kwargs
         )
     return logits, loss
+
+
+def _head_log_probs(
+    head: nn.Module, hidden_states: torch.Tensor, targets: torch.Tensor, *, ignore_index: int,
+    logit_softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    return linear_token_log_probs(
+        hidden_states, head.weight, targets, ignore_index=ignore_index, logit_softcap=logit_softcap
+    )
+
+
+def linear_token_log_probs(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    logit_softcap: float | None = None,
+    chunk: int = LOG_PROB_CHUNK,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T)[target]`` per position, ``chunk`` positions at a time; each chunk is
+    recomputed in the backward (`torch.utils.checkpoint`), so at most one ``[chunk, V]`` fp32 block is alive.
+
+    Args:
+        hidden_states: ``[..., H]`` in the compute dtype; weight: ``[V, H]``.
+        targets: int64 ``[...]``, ``ignore_index`` where there is none.
+        logit_softcap: ``tanh(z / c) * c`` on the logits first, as the loss applies it.
+    Returns:
+        fp32 ``[...]``: the targets' log-probabilities, 0 at ignored positions.
+    """
+    if targets.shape != hidden_states.shape[:-1]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must match the hidden states' positions {tuple(hidden_states.shape[:-1])}"
+        )
+    flat, flat_targets = hidden_states.reshape(-1, hidden_states.shape[-1]), targets.reshape(-1)
+    pieces = [
+        checkpoint(_chunk_log_probs, flat[i : i + chunk], weight, flat_targets[i : i + chunk], ignore_index,
+                   logit_softcap, use_reentrant=False)
+        for i in range(0, flat.shape[0], chunk)
+    ]  # fmt: skip
+    return torch.cat(pieces).view(targets.shape)
+
+
+def _chunk_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    valid = targets != ignore_index
+    picked = logits.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0)
 
 
 def _head_loss(

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ __all__ = [
     "adapted_experts",
     "adapted_layers",
     "apply_lora",
+    "disabled_adapters",
     "gather_trainable",
     "init_lora",
     "load_peft_adapter",
@@ -55,6 +58,23 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, adapter_dtype: torch.dtype =
     targets = select_targets(model, spec, declared)
     inject_lora(model, spec, targets, adapter_dtype=adapter_dtype)
     return targets
+
+
+@contextlib.contextmanager
+def disabled_adapters(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s adapters add nothing (each adapted layer's and experts module's scaling is 0):
+    the model computes its frozen base, as PEFT's ``disable_adapter`` does -- the reference model of preference
+    training with LoRA, without a second copy of the weights. ``lora.modules_to_save`` copies are not reverted, so
+    a caller that needs the exact base refuses them."""
+    adapted = [*adapted_layers(model).values(), *adapted_experts(model).values()]
+    saved = [m.lora_scaling for m in adapted]
+    for module in adapted:
+        module.lora_scaling = 0.0
+    try:
+        yield
+    finally:
+        for module, scaling in zip(adapted, saved, strict=True):
+            module.lora_scaling = scaling
 
 
 def init_lora(model: nn.Module, spec: LoraSpec, seed: int) -> None:

@@ -323,11 +323,11 @@ def encode_value(
     truncated = False
     if len(ids) > max_seq_len:
         if media is not None and overlong == "truncate":
-            raise OverlongError(
-                f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}; a multimodal row cannot be "
-                "truncated (the cut would split image placeholders from their pixels): set data.overlong to drop "
-                "or error, or raise data.max_seq_len"
-            )
+            why = getattr(
+                media, "uncuttable", "a multimodal row cannot be truncated (the cut would split image placeholders "
+                "from their pixels): set data.overlong to drop or error, or raise data.max_seq_len",
+            )  # fmt: skip
+            raise OverlongError(f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}; {why}")
         if overlong == "error":
             raise OverlongError(f"{ref}: {len(ids)} tokens, longer than data.max_seq_len={max_seq_len}")
         if overlong == "drop":

@@ -1,6 +1,7 @@
 """Data kinds by name: what ``data.kind`` selects, i.e. how a row becomes a token sample.
 
-Built in: ``text``, ``conversation`` (`veomni.train.data.encode`), ``multimodal`` (`veomni.train.data.encoders`:
+Built in: ``text``, ``conversation`` (`veomni.train.data.encode`), ``preference`` (chosen/rejected pairs,
+`veomni.train.data.pairs`), ``multimodal`` (`veomni.train.data.encoders`:
 the encoder the model's family declares), and ``dit`` / ``dit_latents``, which the dit task reads with its own
 pipeline (`veomni.train.data.dit`). A user adds a kind without editing this package, either way:
 
@@ -73,8 +74,15 @@ def _multimodal(data: Any, tokenizer: Any, **options: Any) -> Any:
     return multimodal_encoder(data, tokenizer, **options)
 
 
+def _preference(data: Any, tokenizer: Any, **options: Any) -> Any:
+    from veomni.train.data.pairs import preference_encoder
+
+    return preference_encoder(data, tokenizer, **options)
+
+
 BUILTIN_DATA_KINDS: Mapping[str, DataKind] = {
     "text": DataKind("text", _text),
+    "preference": DataKind("preference", _preference),
     "conversation": DataKind("conversation", _text),
     "multimodal": DataKind("multimodal", _multimodal),
     "dit": DataKind("dit", None),

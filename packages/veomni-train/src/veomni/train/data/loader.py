@@ -178,7 +178,8 @@ class _PackedRows(Dataset):
         """What takes a bad row's place in a worker (module docstring): the indexed token count of pad ids,
         nothing trained, no image."""
         ids = np.full(int(self.index.lengths[row]), self.collate_args["pad_id"], dtype=np.int64)
-        media = None
+        filler_media = getattr(self.encoder, "filler_media", None)  # pairs: two segments, as every pair sample
+        media = None if filler_media is None else filler_media(len(ids))
         if self.multimodal:
             from veomni.train.data.multimodal_batch import MediaSample
 

@@ -3,7 +3,8 @@
 `collate` turns the samples of one micro-batch into the batch dict the training loop consumes:
 
 1. Pack (on the full sequence, before any SP split): concatenate the samples into one row of L tokens;
-   ``position_ids`` restart at 0 for each sample; labels are shifted *per sample*: ``labels[t]`` is the next
+   ``position_ids`` restart at 0 for each sample (and at each segment of a sample that has several: the two
+   answers of a preference pair); labels are shifted *per sample*: ``labels[t]`` is the next
    token of the same sample when that token is trained, else -100, and each sample's last position is -100, so
    no label crosses a sample boundary.
 2. SP (``sp_size`` P > 1): pad the row to a multiple of P: ``input_ids`` with ``pad_id``, labels with -100, and
@@ -54,6 +55,18 @@ def shifted_labels(input_ids: np.ndarray, trained: np.ndarray) -> np.ndarray:
     return labels
 
 
+def sample_positions(sample: Sample) -> np.ndarray:
+    """Position ids of one sample: ``0 .. n-1``, restarting at each of its ``media.segment_starts`` when it has
+    them (a preference pair: chosen and rejected answers are two attention segments of one sample,
+    `veomni.train.data.pairs`). int64 ``[n]``."""
+    n = len(sample.input_ids)
+    starts = getattr(sample.media, "segment_starts", ())
+    if not starts:
+        return np.arange(n, dtype=np.int64)
+    bounds = [0, *starts, n]
+    return np.concatenate([np.arange(b - a, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
 def collate(
     samples: Sequence[Sample], *, sp_rank: int = 0, sp_size: int = 1, pad_id: int = 0
 ) -> dict[str, Any]:
@@ -64,7 +77,7 @@ def collate(
         raise ValueError(f"sp_rank {sp_rank} is out of range for sp_size {sp_size}")
     input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64)
     labels = np.concatenate([shifted_labels(s.input_ids, s.trained) for s in samples])
-    positions = np.concatenate([np.arange(len(s.input_ids), dtype=np.int64) for s in samples])
+    positions = np.concatenate([sample_positions(s) for s in samples])
     batch = _finish(
         torch.from_numpy(input_ids),
         torch.from_numpy(labels),

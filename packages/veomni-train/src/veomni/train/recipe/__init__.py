@@ -1,7 +1,7 @@
 """Training recipes: a strict attrs schema loaded from YAML with ``--section.field=value`` overrides.
 
-A recipe has nine sections (model, data, parallel, ops, optim, train, checkpoint, log, dit; their classes are in
-`veomni.train.recipe.sections`); every field is typed and documented in its metadata, which `recipe_help` turns
+A recipe has eleven sections (model, data, parallel, ops, optim, train, checkpoint, log, dit, lora, dpo; their
+classes are in `veomni.train.recipe.sections`, ``run_sections``, ``lora_section`` and ``dpo_section``); every field is typed and documented in its metadata, which `recipe_help` turns
 into the ``--help`` text. Loading is strict: an unknown key
 (in the YAML or an override) is an error with a did-you-mean, a value of the wrong type is an error naming the
 field, the expected type and what was found, and every problem of a file is reported at once.
@@ -36,6 +36,7 @@ from veomni.kernels import KERNELS
 from veomni.kernels.attention.features import CHECKPOINT_KEEPABLE
 from veomni.train.recipe import parse as recipe_parse
 from veomni.train.recipe.data_section import DataSection
+from veomni.train.recipe.dpo_section import DpoSection
 from veomni.train.recipe.lora_section import LoraSection
 from veomni.train.recipe.parse import RecipeError
 from veomni.train.recipe.run_sections import (
@@ -124,9 +125,15 @@ class Recipe:
         DitSection, "diffusion transformers (model.task=dit): condition models, noising", factory=True
     )
     lora: LoraSection = _field(LoraSection, "LoRA adapters on a frozen base (parameter-efficient fine-tuning)", factory=True)
+    dpo: DpoSection = _field(
+        DpoSection, "preference optimisation (model.task=dpo): the pair loss and its coefficients", factory=True
+    )
 
     def __attrs_post_init__(self) -> None:
         check_task_sections(self)
+        if self.model.task != "dpo" and self.dpo != DpoSection():
+            changed = [k for k, v in attrs.asdict(self.dpo).items() if v != attrs.asdict(DpoSection())[k]]
+            raise RecipeError(f"dpo: {['dpo.' + k for k in changed]} set, but model.task={self.model.task!r} (not dpo)")
         if self.lora.enabled and self.model.task == "dit":
             raise RecipeError(
                 "lora.enabled with model.task=dit: LoRA on diffusion transformers (diffusers' adapter format) is not "
@@ -321,6 +328,7 @@ __all__ = [
     "DataSection",
     "DitSection",
     "LogSection",
+    "DpoSection",
     "LoraSection",
     "ModelSection",
     "OpsSection",
