@@ -93,7 +93,9 @@ def _assert_parity(got, want, dtype, *, temperature=1.0, grad_tol=None) -> None:
         if a is not None:
             assert a.dtype == torch.float32 and a.shape == b.shape, (name, a.dtype, a.shape, b.shape)
             assert bool(torch.isfinite(a).all()), name
-            torch.testing.assert_close(a, b, rtol=VALUE_RTOL[dtype], atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                a, b, rtol=VALUE_RTOL[dtype], atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            )
     for name, a, b in (("d_hidden", got[2], want[2]), ("d_weight", got[3], want[3])):
         assert (a is None) == (b is None), name
         if a is not None:
@@ -108,7 +110,9 @@ def _assert_parity(got, want, dtype, *, temperature=1.0, grad_tol=None) -> None:
 @pytest.mark.parametrize(("softcap", "temperature"), [(None, 1.0), (2.5, 0.6), (30.0, 1.7)])
 def test_eager_equals_log_softmax_gather_and_entropy_formula(dtype, softcap, temperature) -> None:  # noqa: ANN001
     h, w, targets, _, _ = _inputs(11, 24, 53, dtype)
-    logps, ent = eager.linear_log_probs(h, w, targets, logit_softcap=softcap, temperature=temperature, entropy=True)
+    logps, ent = eager.linear_log_probs(
+        h, w, targets, logit_softcap=softcap, temperature=temperature, entropy=True
+    )
     logits = (h @ w.t()).float()  # the GEMM in the input dtype, then fp32, as HF's LM head
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -162,7 +166,9 @@ def _cases(draw):  # noqa: ANN001, ANN202
 
 def _check_case(case, backend: str) -> None:  # noqa: ANN001
     n, hidden, vocab, dtype, softcap, temperature, ignore_every, frozen, use, entropy, chunk, block = case
-    h, w, targets, g_logp, g_ent = _inputs(n, hidden, vocab, dtype, ignore_every=ignore_every, frozen_weight=frozen)
+    h, w, targets, g_logp, g_ent = _inputs(
+        n, hidden, vocab, dtype, ignore_every=ignore_every, frozen_weight=frozen
+    )
     kw = {"logit_softcap": softcap, "temperature": temperature, "entropy": entropy, "use": use}
     want = _oracle(h, w, targets, g_logp, g_ent, **kw)
     if backend == "triton":
@@ -270,7 +276,9 @@ def test_bad_inputs_raise_clear_errors(backend: str) -> None:
     fn = _fn(backend)
     h, w, targets, _, _ = _inputs(6, 8, 11, torch.float32)
     name = f"log_probs \\({backend}\\)"
-    with pytest.raises(TypeError, match=rf"{name}: weight dtype torch.bfloat16 must equal hidden dtype torch.float32"):
+    with pytest.raises(
+        TypeError, match=rf"{name}: weight dtype torch.bfloat16 must equal hidden dtype torch.float32"
+    ):
         fn(h, w.bfloat16(), targets)
     with pytest.raises(TypeError, match=r"targets must be int64 token ids, got torch.int32"):
         fn(h, w, targets.int())

@@ -31,7 +31,9 @@ DEFAULT_CHUNK_TOKENS = 1024
 """Rows per chunk: at V = 151,936 a chunk's fp32 logits and gradient take 2 x 594 MiB."""
 
 
-def _scaled_logits(x: torch.Tensor, weight: torch.Tensor, softcap: float | None, temperature: float) -> torch.Tensor:
+def _scaled_logits(
+    x: torch.Tensor, weight: torch.Tensor, softcap: float | None, temperature: float
+) -> torch.Tensor:
     """``[C, V]`` fp32 ``s = softcap(x @ W^T) / temperature`` (the GEMM rounded to x's dtype first, as eager)."""
     s = F.linear(x, weight).float()
     if softcap is not None:

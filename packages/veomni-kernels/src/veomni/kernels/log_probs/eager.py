@@ -54,7 +54,9 @@ def check_inputs(
             f"{tuple(hidden.shape[:-1])}"
         )
     if weight.shape[0] < 1:
-        raise ValueError(f"{name}: weight must have at least one vocabulary row, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name}: weight must have at least one vocabulary row, got shape {tuple(weight.shape)}"
+        )
     if hidden.device != weight.device or targets.device != hidden.device:
         raise ValueError(
             f"{name}: hidden, weight and targets must share a device, got {hidden.device}, {weight.device}, "
