@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veomni.kernels import KERNELS
+from veomni.kernels import KERNELS, Hardware, OpsConfig, resolve_kernels
 from veomni.kernels.log_probs import chunked, eager, triton_impl
 from veomni.kernels.log_probs.triton_impl import LaunchConfig
 
@@ -317,10 +317,18 @@ def test_backend_specific_arguments_are_checked(monkeypatch: pytest.MonkeyPatch)
         triton_impl.linear_log_probs(h, w, targets, config=LaunchConfig(4, 24, 1))
 
 
-def test_registered_backends() -> None:
+def test_registered_backends_and_ops_config_selection() -> None:
     assert KERNELS.backends("log_probs") == ["chunked", "eager", "triton"]
     assert KERNELS.variants("log_probs") == ["linear"]
-    assert KERNELS.get("log_probs", "linear", "chunked").factory() is chunked.linear_log_probs
+    cpu = Hardware(device_type="cpu")
+    assert OpsConfig(hardware=cpu).log_probs == "eager"
+    assert OpsConfig(hardware=Hardware(device_type="cuda", capability=(9, 0))).log_probs == "triton"
+    kernels = resolve_kernels(OpsConfig(log_probs="chunked", hardware=cpu))
+    assert kernels.get("log_probs", "linear") is chunked.linear_log_probs
+    with pytest.raises(
+        ValueError, match=r"log_probs='triton' cannot run here.*Runnable here: \['chunked', 'eager'\]"
+    ):
+        OpsConfig(log_probs="triton", hardware=cpu)
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real shapes

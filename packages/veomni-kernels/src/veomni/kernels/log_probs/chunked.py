@@ -74,8 +74,10 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 h = -(logp_all.exp() * logp_all).sum(dim=-1)
                 ent[rows] = torch.where(valid[rows], h, 0.0)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.params = (ignore_index, softcap, temperature, chunk_tokens)
+        ctx.params = (ignore_index, softcap, temperature, want_entropy, chunk_tokens)
         ctx.set_materialize_grads(False)
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)  # the empty placeholder the wrapper turns into None
         return logps, ent
 
     @staticmethod
@@ -84,12 +86,12 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         ctx: Any, grad_logps: torch.Tensor | None, grad_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        ignore_index, softcap, temperature, chunk_tokens = ctx.params
+        ignore_index, softcap, temperature, want_entropy, chunk_tokens = ctx.params
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not want_entropy:
+            grad_ent = None  # the empty placeholder output
         if (grad_logps is None and grad_ent is None) or not (need_dx or need_dw):
             return None, None, None, None, None, None, None, None
-        if grad_ent is not None and ent.numel() == 0:
-            grad_ent = None  # the empty placeholder returned when entropy was not asked for
         n, h = hidden.shape
         dx = torch.empty((n, h), dtype=hidden.dtype, device=hidden.device) if need_dx else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None

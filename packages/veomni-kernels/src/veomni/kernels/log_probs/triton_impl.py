@@ -209,6 +209,8 @@ class _LinearLogProbs(torch.autograd.Function):
         ctx.save_for_backward(x, weight, y, lse2, ent)
         ctx.params = (ignore_index, softcap, temperature, want_entropy, cfg)
         ctx.set_materialize_grads(False)
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)  # the empty placeholder the wrapper turns into None
         return logps, ent
 
     @staticmethod
