@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from veomni.kernels import KERNELS, Hardware, OpsConfig, resolve_kernels
 from veomni.kernels.log_probs import chunked, eager, triton_impl
@@ -256,6 +257,35 @@ def test_deterministic_and_linear_in_the_upstream_gradients(backend: str) -> Non
     # fp32 logit gradient by 4 exactly, and so every rounded gradient.
     c = _fwd_bwd(_fn(backend), h, w, targets, 4 * g_logp, 4 * g_ent, **kw)
     assert torch.equal(c[2], 4 * a[2]) and torch.equal(c[3], 4 * a[3])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any floating-point tensor an op produces (Triton's interpreter
+    moves kernel arguments through byte-typed storages, which are not logits and are left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_full_logits_tensor_is_materialised(backend: str) -> None:
+    tokens, hidden, vocab, chunk = 64, 8, 300, 16
+    h, w, targets, g_logp, g_ent = _inputs(tokens, hidden, vocab, torch.float32)
+    kw = {"config": LaunchConfig(chunk, 128, 1)} if backend == "triton" else {"chunk_tokens": chunk}
+    with _LargestTensor() as probe:
+        _fwd_bwd(_fn(backend), h, w, targets, g_logp, g_ent, entropy=True, logit_softcap=5.0, **kw)
+    assert probe.largest == chunk * vocab < tokens * vocab
+    with _LargestTensor() as eager_probe:
+        _fwd_bwd(eager.linear_log_probs, h, w, targets, g_logp, g_ent, entropy=True)
+    assert eager_probe.largest >= tokens * vocab  # the probe does see a full logits tensor when one exists
 
 
 @pytest.mark.triton_cpu
