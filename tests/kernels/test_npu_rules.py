@@ -39,6 +39,7 @@ def test_npu_allow_lists_exclude_every_gpu_backend():
     assert npu_backends("rms_norm") == ["eager", "npu", "torch"]
     assert npu_backends("attention") == ["eager", "npu", "sdpa"]
     assert npu_backends("cross_entropy") == ["chunk_loss", "eager"]
+    assert npu_backends("log_probs") == ["chunked", "eager"]
     assert npu_backends("swiglu") == ["eager"]
     assert npu_backends("moe_experts") == ["eager", "npu"]
     assert npu_backends("rope_vision") == npu_backends("rope") == ["eager", "npu"]
@@ -63,6 +64,7 @@ def test_npu_host_with_torch_npu_selects_npu_kernels():
         "gated_delta_rule": "eager",
         "causal_conv1d": "eager",
         "rms_norm_gated": "eager",
+        "log_probs": "chunked",
     }
     assert ops.defaulted == frozenset(op_fields())
     assert not ops.compile_enabled  # "auto" compiles on CUDA only
@@ -81,6 +83,7 @@ def test_npu_host_with_torch_npu_selects_npu_kernels():
         ("swiglu", "triton", "['eager']"),
         ("moe_experts", "triton", "['eager', 'npu']"),
         ("load_balancing_loss", "triton", "['eager']"),
+        ("log_probs", "triton", "['chunked', 'eager']"),
     ],
 )
 def test_gpu_backends_are_rejected_on_npu_listing_the_allowed(field, gpu_backend, allowed):

@@ -92,6 +92,16 @@ CASES: dict[tuple[str, str], Case] = {
         (_t(g, 4, 16), _t(g, 3, 16), torch.randint(0, 3, (4,), generator=g).to(DEVICE)),
         {},
     ),
+    # (hidden [T, H], LM-head weight, targets); one target ignored, soft-cap and temperature on, entropy returned
+    # so the walk's random probes send a gradient through both outputs at once.
+    ("log_probs", "linear"): lambda g: (
+        (
+            _t(g, 9, 16),
+            _t(g, 13, 16),
+            torch.randint(0, 13, (9,), generator=g).index_fill(0, torch.tensor([4]), -100).to(DEVICE),
+        ),
+        {"logit_softcap": 3.0, "temperature": 0.7, "entropy": True},
+    ),
     # H = 8, I = 4: 16-byte fp32 rows for torch._grouped_mm. Token 1 routes to expert 2 twice; expert 1 is empty.
     ("moe_experts", "routed"): lambda g: (
         (

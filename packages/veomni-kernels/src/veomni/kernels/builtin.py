@@ -161,6 +161,10 @@ BUILTIN: list[tuple[str, str, str, str, Requirement]] = [
     ("causal_conv1d", "standard", "fla", f"{_K}.linear_attention.fla_impl:causal_conv1d_fla", FLA),
     ("rms_norm_gated", "standard", "eager", f"{_K}.linear_attention.eager:rms_norm_gated_eager", ANYWHERE),
     ("rms_norm_gated", "standard", "fla", f"{_K}.linear_attention.fla_impl:rms_norm_gated_fla", FLA),
+    # Per-token target log-probs and entropy from hidden states + LM head (DPO, policy-gradient tasks).
+    ("log_probs", "linear", "eager", f"{_K}.log_probs.eager:linear_log_probs", ANYWHERE),
+    ("log_probs", "linear", "chunked", f"{_K}.log_probs.chunked:linear_log_probs", ANYWHERE),
+    ("log_probs", "linear", "triton", f"{_K}.log_probs.triton_impl:linear_log_probs", TRITON),
     # Interleaved-pair rotary on [B, S, H, D] (Wan and other video DiTs; rope/interleaved.py).
     ("rope", "interleaved", "eager", f"{_K}.rope.interleaved:apply_rope_interleaved_eager", ANYWHERE),
     ("rope", "interleaved", "triton", f"{_K}.rope.interleaved_triton:apply_rope_interleaved_triton", TRITON),

@@ -41,6 +41,8 @@ DEFAULT_BACKENDS: Mapping[str, Mapping[str, str]] = {
     "gated_delta_rule": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
     "causal_conv1d": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
     "rms_norm_gated": {"cuda": "fla", "npu": "eager", "cpu": "eager"},
+    # Per-token log-probs (+ entropy) from the LM head, for preference and RL losses; NPU: the portable chunks.
+    "log_probs": {"cuda": "triton", "npu": "chunked", "cpu": "eager"},
 }
 FALLBACK_BACKENDS: Mapping[str, str] = {"attention": "sdpa"}
 # Ops only some models call: a default of theirs that falls back is reported when a model first takes the kernel
@@ -84,7 +86,7 @@ class OpsConfig:
 
     Attributes:
         attention, cross_entropy, rms_norm, rope, rope_vision, swiglu, moe_experts, load_balancing_loss,
-        gated_delta_rule, causal_conv1d, rms_norm_gated:
+        gated_delta_rule, causal_conv1d, rms_norm_gated, log_probs:
             backend names (``eager``, ``triton``, ``torch``, ``liger``, ``sdpa``, ``npu``, ...) or None for the
             hardware default.
         compile: ``torch.compile`` each decoder block (``fullgraph=True``, veomni's Triton kernels inside as
@@ -107,6 +109,7 @@ class OpsConfig:
     gated_delta_rule: str | None = _backend_field()
     causal_conv1d: str | None = _backend_field()
     rms_norm_gated: str | None = _backend_field()
+    log_probs: str | None = _backend_field()
     compile: str = attrs.field(default="auto", validator=_compile_choice)
     hardware: Hardware = attrs.field(factory=detect_hardware)
     registry: KernelRegistry = attrs.field(default=KERNELS, repr=False, eq=False)

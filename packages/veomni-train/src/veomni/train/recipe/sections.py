@@ -220,6 +220,9 @@ class OpsSection:
     rms_norm_gated: str | None = _field(
         None, "Gated DeltaNet output norm RMSNorm(x)*silu(z) backend (eager, fla)"
     )
+    log_probs: str | None = _field(
+        None, "per-token log-probs/entropy from the LM head (eager, chunked, triton)"
+    )
     compile: Literal["auto", "on", "off"] = _field(
         "auto",
         "torch.compile each decoder block with the chosen kernels inside: auto (on for CUDA, off elsewhere), on, off",
