@@ -163,5 +163,55 @@ def test_packed_pairs_equal_separate_rows():
     for batch in (as_pair, as_rows):
         with torch.no_grad(), capture_token_log_probs() as got:
             ours(**task.model_kwargs(batch, torch.device("cpu"), torch.ones((), dtype=torch.int64)))
-        results.append(got[0])
+        results.append(got[0][0])
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def pairs_from_cpo_batch(batch: dict) -> dict:
+    """CPO/ORPO collators pad chosen and rejected separately, labels -100 outside the answer: as veomni packs them."""
+    rows = []
+    for side in ("chosen", "rejected"):
+        for i in range(batch[f"{side}_input_ids"].shape[0]):
+            keep = batch[f"{side}_attention_mask"][i].bool()
+            rows.append((batch[f"{side}_input_ids"][i][keep], (batch[f"{side}_labels"][i][keep] != -100).long()))
+    width = max(len(ids) for ids, _ in rows)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - len(t)))
+
+    input_ids = torch.stack([pad(ids) for ids, _ in rows])
+    attention = torch.stack([pad(torch.ones_like(ids)) for ids, _ in rows])
+    completion = torch.stack([pad(mask) for _, mask in rows])
+    return packed_batch(input_ids, attention, completion)
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_and_gradients_equal_trl(tmp_path, loss):
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    hf, ours = models()
+    common = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(PAIRS), report_to=[], use_cpu=True, bf16=False,
+        save_strategy="no", max_length=None, disable_dropout=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    if loss == "simpo":
+        args, trainer_cls, beta = CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5, **common), CPOTrainer, 2.0
+    else:
+        args, trainer_cls, beta = ORPOConfig(beta=0.1, **common), ORPOTrainer, 0.1
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    trainer = trainer_cls(model=hf, args=args, train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=tokenizer)
+    inputs = next(iter(trainer.get_train_dataloader()))
+    hf.train()
+    theirs, logged = trainer.get_batch_loss_metrics(hf, inputs, train_eval="train")
+    theirs.backward()
+
+    task = DpoTask.for_model(ours)
+    task.settings = DpoSection(loss=loss, beta=beta)
+    ours.train()
+    value, grads = ours_loss_and_grads(task, ours, pairs_from_cpo_batch(inputs))
+    assert value == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+    assert_grads_close(grads, hf)
+    metrics = task.step_metrics()
+    assert float(metrics["rewards/margin"]) == pytest.approx(float(logged["rewards/margins"]), rel=1e-5, abs=1e-6)
+    assert float(metrics["rewards/accuracy"]) == pytest.approx(float(logged["rewards/accuracies"]), abs=1e-6)

@@ -145,6 +145,7 @@ class StepMetrics:
     eta_s: float | None = None
     moe_imbalance: float | None = None  # the largest max/mean expert load of any MoE layer (veomni.models.moe.expert_load)
     source_losses: dict[str, float] | None = None  # a mixture's mean loss per source (shown with log.source_losses)
+    task_metrics: dict[str, float] | None = None  # the task's own means (dpo: rewards), shown by short name
 
 
 def format_duration(seconds: float) -> str:
@@ -174,6 +175,10 @@ def console_line(m: StepMetrics) -> str:
         parts.append(f"moe max/mean {m.moe_imbalance:.2f}")
     if m.source_losses:
         parts.append(" ".join(f"{name} {loss:.4f}" for name, loss in m.source_losses.items()))
+    if m.task_metrics:
+        parts.append(
+            " ".join(f"{name.rsplit('/', 1)[-1]} {value:.4g}" for name, value in m.task_metrics.items())
+        )
     if m.elapsed_s is not None:
         parts.append(f"elapsed {format_duration(m.elapsed_s)}")
     if m.eta_s is not None:

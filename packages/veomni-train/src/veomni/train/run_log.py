@@ -183,6 +183,11 @@ def log_window(
     moe = load_summary(read_expert_loads(run.model, run.expert_layers)) if run.expert_layers else None
     if moe is not None:
         metrics = attrs.evolve(metrics, moe_imbalance=moe["moe_imbalance"])
+    names = getattr(run.task, "metric_names", ())  # the task's own per-step means (dpo: rewards, log-probs)
+    task_metrics = {n: sum(w[0][n] for w in trained) / len(trained) for n in names if n in trained[-1][0]}
+    if task_metrics:
+        shown = getattr(run.task, "console_metrics", names)
+        metrics = attrs.evolve(metrics, task_metrics={n: v for n, v in task_metrics.items() if n in shown})
     sources = window_source_losses([w[0] for w in trained])
     if sources and run.recipe.log.source_losses:
         metrics = attrs.evolve(metrics, source_losses=sources)
@@ -200,4 +205,5 @@ def log_window(
         if moe is not None:
             values.update({k: v for k, v in moe.items() if isinstance(v, float)})
         values.update({f"loss/{name}": loss for name, loss in sources.items()})
+        values.update(task_metrics)
         sinks.write(run.step, values)

@@ -6,8 +6,8 @@ Otherwise (no kernels attached, or ``eager``) the upstream code runs unchanged: 
 soft-cap where it sets one (``final_logit_softcapping``, as Gemma's forwards apply it), then HF's loss function.
 
 Inside `capture_token_log_probs` the same forwards compute no loss: they hand each position's log-probability of
-its target to the capture instead (chunked over positions, never ``[T, V]`` at once), which is what preference
-and RL objectives are built from.
+its target to the capture instead (the ``log_probs`` kernel: chunked or fused, never ``[T, V]`` at once), which is
+what preference and RL objectives are built from.
 
 Normalisation follows HF's convention so trainers need no special case: the loss is the token-loss sum divided
 by ``num_items_in_batch`` when given (a trainer passes the global valid-token count of the whole optimizer step,
@@ -25,30 +25,34 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.modeling_utils import slice_logits_to_keep
 
 from veomni.core.fsdp import forward_through
 from veomni.core.sp.real_tokens import real_token_mask
+from veomni.kernels.log_probs.chunked import linear_log_probs as chunked_log_probs
 from veomni.kernels.moe_loss import load_balancing_loss_global
 from veomni.models.hf.attention_inputs import current_sp_state
 from veomni.models.hf.kernel_hooks import ATTR
 
 IGNORE_INDEX = -100
 
-_CAPTURE: ContextVar[list[torch.Tensor] | None] = ContextVar("veomni_token_log_probs", default=None)
-
-LOG_PROB_CHUNK = 1024
-"""Positions per chunk of the log-prob head: ``[chunk, V]`` fp32 logits live at a time (600 MiB at V = 150k)."""
+_CAPTURE: ContextVar[tuple[list[tuple[torch.Tensor, torch.Tensor | None]], bool] | None] = ContextVar(
+    "veomni_token_log_probs", default=None
+)
 
 
 @contextlib.contextmanager
-def capture_token_log_probs() -> Iterator[list[torch.Tensor]]:
+def capture_token_log_probs(
+    entropy: bool = False,
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """Within the block, a veomni causal-LM forward given ``labels`` or ``shift_labels`` returns ``loss=None`` and
-    appends to the yielded list the fp32 ``[B, S]`` log-probability of each position's target (0 where the target
-    is ignored), differentiable w.r.t. the hidden states and the LM head. One tensor per forward, in call order."""
-    captured: list[torch.Tensor] = []
-    token = _CAPTURE.set(captured)
+    appends ``(logps, entropy)`` to the yielded list: fp32 ``[B, S]`` log-probabilities of each position's target
+    and, with ``entropy``, the entropy of its next-token distribution (else None); 0 where the target is ignored,
+    differentiable w.r.t. the hidden states and the LM head. Computed by the model's ``log_probs`` kernel
+    (`veomni.kernels.log_probs`: chunked or fused, never ``[T, V]`` outside the eager oracle); one entry per
+    forward, in call order."""
+    captured: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    token = _CAPTURE.set((captured, entropy))
     try:
         yield captured
     finally:
@@ -85,14 +89,17 @@ def lm_logits_and_loss(
     text_config = model.config.get_text_config()
     capture = _CAPTURE.get()
     if wants_loss and capture is not None:
+        captured, entropy = capture
         ignore_index = loss_kwargs.get("ignore_index", IGNORE_INDEX)
         if shift_labels is None:
             assert labels is not None
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        capture.append(
+        kernel = kernels.get("log_probs", "linear") if kernels is not None else chunked_log_probs
+        captured.append(
             forward_through(
-                model.lm_head, _head_log_probs, hidden_states, shift_labels.to(hidden_states.device),
+                model.lm_head, _head_log_probs, kernel, hidden_states, shift_labels.to(hidden_states.device),
                 ignore_index=ignore_index, logit_softcap=getattr(text_config, "final_logit_softcapping", None),
+                entropy=entropy,
             )
         )  # fmt: skip
         return None, None
@@ -126,59 +133,18 @@ def lm_logits_and_loss(
 
 
 def _head_log_probs(
-    head: nn.Module, hidden_states: torch.Tensor, targets: torch.Tensor, *, ignore_index: int,
-    logit_softcap: float | None,
-) -> torch.Tensor:  # fmt: skip
-    return linear_token_log_probs(
-        hidden_states, head.weight, targets, ignore_index=ignore_index, logit_softcap=logit_softcap
+    head: nn.Module, kernel: Callable[..., Any], hidden_states: torch.Tensor, targets: torch.Tensor, *,
+    ignore_index: int, logit_softcap: float | None, entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    result: tuple[torch.Tensor, torch.Tensor | None] = kernel(
+        hidden_states,
+        head.weight,
+        targets,
+        ignore_index=ignore_index,
+        logit_softcap=logit_softcap,
+        entropy=entropy,
     )
-
-
-def linear_token_log_probs(
-    hidden_states: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    logit_softcap: float | None = None,
-    chunk: int = LOG_PROB_CHUNK,
-) -> torch.Tensor:
-    """``log_softmax(hidden @ weight.T)[target]`` per position, ``chunk`` positions at a time; each chunk is
-    recomputed in the backward (`torch.utils.checkpoint`), so at most one ``[chunk, V]`` fp32 block is alive.
-
-    Args:
-        hidden_states: ``[..., H]`` in the compute dtype; weight: ``[V, H]``.
-        targets: int64 ``[...]``, ``ignore_index`` where there is none.
-        logit_softcap: ``tanh(z / c) * c`` on the logits first, as the loss applies it.
-    Returns:
-        fp32 ``[...]``: the targets' log-probabilities, 0 at ignored positions.
-    """
-    if targets.shape != hidden_states.shape[:-1]:
-        raise ValueError(
-            f"targets {tuple(targets.shape)} must match the hidden states' positions {tuple(hidden_states.shape[:-1])}"
-        )
-    flat, flat_targets = hidden_states.reshape(-1, hidden_states.shape[-1]), targets.reshape(-1)
-    pieces = [
-        checkpoint(_chunk_log_probs, flat[i : i + chunk], weight, flat_targets[i : i + chunk], ignore_index,
-                   logit_softcap, use_reentrant=False)
-        for i in range(0, flat.shape[0], chunk)
-    ]  # fmt: skip
-    return torch.cat(pieces).view(targets.shape)
-
-
-def _chunk_log_probs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    softcap: float | None,
-) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    valid = targets != ignore_index
-    picked = logits.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0)
+    return result
 
 
 def _head_loss(

@@ -24,6 +24,8 @@ The batch (one rank's view)::
     seq_len         int            L, the packed length before SP padding
     padded_len      int            L rounded up to a multiple of P (== L without SP)
     sample_index    list[int]      row indices of the packed samples, in order
+    next_ids        int64 [1, S]   segmented samples only: each position's next token in its segment, trained or
+                                   not (-100 at a segment's end), sliced like the labels
     is_padding      bool           True only for the filler batches that even out evaluation across ranks
 """
 
@@ -87,6 +89,12 @@ def collate(
         pad_id,
     )
     batch["sample_index"] = [s.index for s in samples]
+    if any(getattr(s.media, "segment_starts", ()) for s in samples):
+        # Segmented samples (preference pairs) also get every position's next token within its segment, trained or
+        # not: ORPO's NLL term scores the prompt too (TRL's). Sliced for this SP rank like the labels.
+        every = np.concatenate([shifted_labels(s.input_ids, sample_positions(s) > 0) for s in samples])
+        full = pad_to_length(torch.from_numpy(every), 0, batch["padded_len"], value=IGNORE_INDEX)
+        batch["next_ids"] = slice_for_rank(full, 0, sp_rank, sp_size).reshape(1, -1).contiguous()
     return batch
 
 

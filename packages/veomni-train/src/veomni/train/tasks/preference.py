@@ -2,7 +2,7 @@
 
 Each pair is one packed sample of two segments (`veomni.train.data.pairs`): segment ``2i`` holds pair i's chosen
 answer, ``2i + 1`` its rejected one. The policy's forward hands back per-token log-probabilities instead of a loss
-(`veomni.models.heads.causal_lm.capture_token_log_probs`: the LM head runs in chunks, never ``[T, V]``), which are
+(`veomni.models.heads.causal_lm.capture_token_log_probs`: the ``log_probs`` kernel, never ``[T, V]``), which are
 summed per segment; under Ulysses SP each rank holds a slice of the row, so the per-segment sums are all-reduced
 over the SP group (an autograd-aware all-reduce: its backward sums the SP ranks' gradients, so each rank's share of
 ``loss / sp`` back-propagates the whole pair loss into its own tokens).
@@ -66,11 +66,14 @@ class PairLayout:
         segment: int64 ``[S]``: each local position's segment (``2 * pairs`` for the SP padding).
         valid: bool ``[pairs]``: False for a bad row's stand-in (``data.on_bad_row: skip``).
         chosen_tokens: trained positions of the valid pairs' chosen answers on this rank.
+        chosen_positions: positions with a next token in the valid pairs' chosen segments (prompt included: ORPO's
+            NLL, as TRL scores it) on this rank.
     """
 
     segment: torch.Tensor
     valid: torch.Tensor
     chosen_tokens: int
+    chosen_positions: int
 
     @property
     def pairs(self) -> int:
@@ -98,9 +101,11 @@ def pair_layout(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> PairLay
     labels = batch["labels"][0].numpy()
     is_chosen = (segment % 2 == 0) & (segment < 2 * pairs)
     chosen_valid = is_chosen & np.asarray(valid.tolist() + [False], dtype=bool)[segment // 2]
+    next_ids = batch["next_ids"][0].numpy()
     layout = PairLayout(
-        torch.from_numpy(segment), valid, int(((labels != IGNORE_INDEX) & chosen_valid).sum())
-    )
+        torch.from_numpy(segment), valid, int(((labels != IGNORE_INDEX) & chosen_valid).sum()),
+        int(((next_ids != IGNORE_INDEX) & chosen_valid).sum()),
+    )  # fmt: skip
     if isinstance(batch, dict):
         batch["pair_layout"] = layout
     return layout
@@ -134,6 +139,8 @@ class DpoTask:
     lora_reference: bool = False
     _metrics: dict[str, torch.Tensor] = attrs.field(factory=dict)
     name: ClassVar[str] = "dpo"
+    metric_names: ClassVar[tuple[str, ...]] = METRICS
+    console_metrics: ClassVar[tuple[str, ...]] = ("rewards/margin", "rewards/accuracy")
     model_task: ClassVar[str] = "causal_lm"
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
 
@@ -194,12 +201,15 @@ class DpoTask:
     def forward(
         self, model: nn.Module, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
     ) -> PairOutputs:
-        """The pair loss of one micro-batch; ``num_items``: `step_normaliser`'s ``[pairs, chosen tokens]``."""
+        """The pair loss of one micro-batch; ``num_items``: `step_normaliser`'s counts."""
         from veomni.models.heads.causal_lm import capture_token_log_probs
 
         layout = pair_layout(batch, *self._sp())
         kwargs = self.model_kwargs(batch, device, num_items)
-        labels = kwargs["shift_labels"]
+        labels = kwargs["shift_labels"]  # the answers' targets
+        # Every position's next token in its segment is scored (the kernel's cost is per position either way): the
+        # answer sums keep the trained ones, ORPO's NLL all of the chosen segment's.
+        kwargs["shift_labels"] = next_ids = batch["next_ids"].to(device, non_blocking=True)
         segment = layout.segment.to(device, non_blocking=True)
         reference = None
         if self.settings.needs_reference:
@@ -218,16 +228,20 @@ class DpoTask:
         token_logps = _one(got)
         sums, counts = self._segment_sums(token_logps, labels, segment, layout.pairs)
         valid = layout.valid.to(device, non_blocking=True)
-        pairs, chosen_tokens = num_items[0], num_items[1]
+        pairs = num_items[0]
         per_pair, rewards = self._pair_losses(sums, counts, reference, valid)
         sp = self._sp()[1]
         weight = valid.float() / (pairs * sp)
         loss = (per_pair * weight).sum()
-        nll_weight = 1.0 if self.settings.loss == "orpo" else self.settings.sft_weight
+        orpo = self.settings.loss == "orpo"
+        nll_weight = 1.0 if orpo else self.settings.sft_weight
         if nll_weight:
             chosen = (segment % 2 == 0) & (segment < 2 * layout.pairs)
             chosen = chosen & torch.cat([valid, valid.new_zeros(1)])[segment // 2]
-            nll = -(token_logps.view(-1) * chosen).sum() / chosen_tokens.clamp(min=1)
+            # ORPO (TRL's): the whole chosen sequence, prompt included; DPO + SFT: the chosen answer's tokens.
+            scored = (next_ids if orpo else labels).view(-1) != IGNORE_INDEX
+            count = num_items[2] if orpo else num_items[1]
+            nll = -(token_logps.view(-1) * (chosen & scored)).sum() / count.clamp(min=1)
             loss = loss + nll_weight * nll
         chosen_logps, rejected_logps = self._answer_logps(sums, counts)
         chosen_reward, rejected_reward = rewards
@@ -296,12 +310,16 @@ class DpoTask:
         return -F.logsigmoid(beta * delta), rewards
 
     def step_normaliser(self, step: Step, device: torch.device) -> torch.Tensor:
-        """``[pairs, chosen tokens]`` of the whole step over every rank, int64 on ``device`` (one all-reduce)."""
+        """``[pairs, chosen answer tokens, chosen positions]`` of the whole step over every rank (`PairLayout`),
+        int64 on ``device`` (one all-reduce)."""
         sp_rank, sp = self._sp()
         layouts = [pair_layout(batch, sp_rank, sp) for batch in step.micro_batches]
         # Every SP rank of a group holds the same pairs: counted once each (the SP ranks' counts are summed).
         pairs = sum(int(layout.valid.sum()) for layout in layouts) if sp_rank == 0 else 0
-        counts = torch.tensor([pairs, sum(layout.chosen_tokens for layout in layouts)], dtype=torch.int64)
+        counts = torch.tensor(
+            [pairs, sum(lay.chosen_tokens for lay in layouts), sum(lay.chosen_positions for lay in layouts)],
+            dtype=torch.int64,
+        )
         counts = counts.to(device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             assert self.state is not None
@@ -334,13 +352,13 @@ class DpoTask:
         return train * (4 / 3) if self.settings.needs_reference else train
 
 
-def _one(captured: list[torch.Tensor]) -> torch.Tensor:
+def _one(captured: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
     if len(captured) != 1:
         raise PreflightError(
             f"model.task=dpo reads per-token log-probabilities from veomni's LM head, but the forward handed back "
             f"{len(captured)} (model.backend must be veomni, not hf)"
         )
-    return captured[0]
+    return captured[0][0]
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
