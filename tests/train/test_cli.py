@@ -21,6 +21,7 @@ def test_every_shipped_recipe_validates(name):
         "quickstart_omni",
         "quickstart_dit",
         "quickstart_lora",
+        "quickstart_dpo",
         "qwen3_8b_lora",
         "qwen3_0.6b",
         "qwen3_1.7b",
