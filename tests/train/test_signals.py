@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,12 +64,24 @@ def test_sigterm_saves_a_complete_checkpoint_exits_143_and_the_run_resumes(tmp_p
     proc = _start(run_dir)
     _wait_for_trained_steps(run_dir, [proc], 2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate()
+    out, err = proc.communicate()
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err
+    # Piped output, as in a redirected log: no bar redraws (no carriage return anywhere), one plain line per
+    # log_interval with the wall-clock time, the elapsed time and the ETA, and the signal's lines each on its own.
+    assert "\r" not in out and "\r" not in err
+    steps = [line for line in out.splitlines() if " step " in line and "| loss " in line]
+    assert len(steps) >= 2
+    assert all(
+        re.match(r"\[\d\d:\d\d:\d\d\] step \d+/100000 \| loss .* \| elapsed \S+ \| eta \S+$", line)
+        for line in steps
+    )
+    assert all(line.startswith("veomni-train: ") for line in err.splitlines() if "veomni-train: " in line)
     assert "veomni-train: SIGTERM: saving a checkpoint at the next step boundary; SIGTERM again stops" in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("veomni-train: stopped on SIGTERM after step ") and "checkpoint.resume=auto" in last
+    assert (
+        last.startswith("veomni-train: stopped on SIGTERM after step ") and "checkpoint.resume=auto" in last
+    )
     saved = latest_complete(run_dir)
     step = int(saved.name.removeprefix("step_"))
     assert f"after step {step}: saved {saved}" in last and step >= 2
@@ -96,6 +109,26 @@ def test_ctrl_c_with_save_on_signal_off_stops_at_once_in_one_line(tmp_path):
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("veomni-train: interrupted: stopped at once")
     assert latest_complete(run_dir) is None
+
+
+def _loading_torch(pid: int) -> bool:
+    """Whether process ``pid`` has begun to import torch (its native library is mapped)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's mappings from /proc")
+def test_ctrl_c_while_torch_is_still_importing_is_one_line(tmp_path):
+    # Sent while torch is being imported (seconds; the CLI's own module imports only the standard library), long
+    # before any model is built: Python code runs there, so the SIGINT becomes a KeyboardInterrupt.
+    proc = _start(tmp_path / "run")
+    while not _loading_torch(proc.pid):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["veomni-train: interrupted: stopped at once"], err[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):

@@ -11,27 +11,44 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from veomni.train.recipe import RecipeError, builtin_recipes, dump_recipe, load_recipe, recipe_help
-
+# Only the standard library at import time: importing torch (through the recipe module) takes seconds, and a Ctrl-C
+# in those seconds must end in `main`'s one line, not in a traceback from the import machinery.
 if TYPE_CHECKING:
     from veomni.train.rank_failure import FailureWatch
 
-USAGE = (
-    "usage: veomni-train RECIPE [--section.field=value ...] [--print]\n"
-    "       torchrun --nproc-per-node N -m veomni.train.cli RECIPE [...]\n"
-    f"RECIPE: a YAML file or one of the built-in recipes: {', '.join(builtin_recipes())}\n"
-)
+
+def _usage() -> str:
+    from veomni.train.recipe import builtin_recipes
+
+    return (
+        "usage: veomni-train RECIPE [--section.field=value ...] [--print]\n"
+        "       torchrun --nproc-per-node N -m veomni.train.cli RECIPE [...]\n"
+        f"RECIPE: a YAML file or one of the built-in recipes: {', '.join(builtin_recipes())}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``veomni-train`` with ``argv`` (default: the command line); returns the exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before training began (torch and the model code are still being imported) or after it ended:
+        # nothing is half-written, so one line and the shell's usual status for SIGINT.
+        print("veomni-train: interrupted: stopped at once", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from veomni.train.recipe import RecipeError, dump_recipe, load_recipe, recipe_help
+
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or "--help" in args or "-h" in args:
-        print(USAGE + "\nrecipe fields:\n" + recipe_help())
+        print(_usage() + "\nrecipe fields:\n" + recipe_help())
         return 0 if args else 2
     show = "--print" in args
     args = [a for a in args if a != "--print"]
     if not args or args[0].startswith("--"):
-        print(f"veomni-train: the recipe comes first (a name or a YAML path), found {args[:1] or 'none'}\n" + USAGE,
+        print(f"veomni-train: the recipe comes first (a name or a YAML path), found {args[:1] or 'none'}\n" + _usage(),
               file=sys.stderr)  # fmt: skip
         return 2
     try:
@@ -80,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         # Asked twice (or before the loop began): nothing more is written; a save cut short has no COMPLETE
         # marker, so resume=auto skips it. The process group is left alone: a peer may be gone already.
         _stop_watch(watch, rank, None)
-        print("veomni-train: interrupted: stopped at once, nothing saved for the current step", file=sys.stderr)
+        print(
+            "veomni-train: interrupted: stopped at once, nothing saved for the current step", file=sys.stderr
+        )
         return 130
     except (PreflightError, DataError, CheckpointMismatchError, CheckpointFileError) as err:
         # Bad input, explained by the message itself: no traceback to wade through.
@@ -122,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_third_party_bars() -> None:
-    # Redirected output: transformers' and the Hub's tqdm bars would redraw with carriage returns into the log.
+    # Redirected output: transformers', the Hub's and datasets' tqdm bars would redraw with carriage returns into
+    # the log. The variables reach the data loader's worker processes too, and are read when those libraries are
+    # first imported (after this); a value the user set is kept.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
 
