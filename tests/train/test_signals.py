@@ -111,6 +111,36 @@ def test_ctrl_c_with_save_on_signal_off_stops_at_once_in_one_line(tmp_path):
     assert latest_complete(run_dir) is None
 
 
+def test_a_second_ctrl_c_stops_at_once_without_a_complete_checkpoint(tmp_path):
+    """The user's double Ctrl-C: the first asks for a save at the next step boundary, the second (sent as soon as
+    the first is acknowledged, so before that save can finish) stops the process there and then."""
+    run_dir = tmp_path / "run"
+    with (tmp_path / "stdout.txt").open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "veomni.train.cli", *LONG_RUN, f"--checkpoint.dir={run_dir}"],
+            stdout=out, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        _wait_for_trained_steps(run_dir, [proc], 1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.stderr is not None
+        seen = []
+        while not (line := proc.stderr.readline()).startswith("veomni-train: SIGINT: saving a checkpoint"):
+            assert line, "".join(seen)[-3000:]  # the process ended without acknowledging the first Ctrl-C
+            seen.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait()
+    assert proc.returncode == 130, rest[-3000:]
+    assert "Traceback" not in rest
+    assert rest.strip().splitlines()[-1] == (
+        "veomni-train: interrupted: stopped at once, nothing saved for the current step"
+    )
+    # Whatever the save had begun to write carries no COMPLETE marker, so checkpoint.resume=auto never takes it.
+    assert latest_complete(run_dir) is None
+    assert not list(run_dir.glob("step_*/COMPLETE"))
+
+
 def _loading_torch(pid: int) -> bool:
     """Whether process ``pid`` has begun to import torch (its native library is mapped)."""
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
