@@ -61,7 +61,7 @@ def _wait_for_trained_steps(run_dir: Path, procs: list[subprocess.Popen], steps:
 
 def test_sigterm_saves_a_complete_checkpoint_exits_143_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(run_dir)
+    proc = _start(run_dir, "--log.file=auto")
     _wait_for_trained_steps(run_dir, [proc], 2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate()
@@ -89,13 +89,24 @@ def test_sigterm_saves_a_complete_checkpoint_exits_143_and_the_run_resumes(tmp_p
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(logged) == step
 
+    # log.file=auto: train.log beside the checkpoints holds the same lines, stamped, and ends with the last one.
+    log_lines = (run_dir / "train.log").read_text().splitlines()
+    assert "\r" not in "".join(log_lines)
+    assert any("INFO veomni.train.console: step 2/100000 | loss " in line for line in log_lines)
+    assert log_lines[-1].endswith(f"WARNING veomni.train.console: {last}")
+
     resumed = subprocess.run(
         [sys.executable, "-m", "veomni.train.cli", *LONG_RUN, f"--checkpoint.dir={run_dir}",
-         "--checkpoint.resume=auto", f"--train.steps={step + 2}"],
+         "--checkpoint.resume=auto", f"--train.steps={step + 2}", "--log.file=auto"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "done: 2 steps" in resumed.stdout
+    log_lines = (run_dir / "train.log").read_text().splitlines()  # appended to
+    assert any(line.endswith(f"console: {last}") for line in log_lines)
+    assert log_lines[-1].endswith(
+        "INFO veomni.train.console: done: 2 steps, loss " + resumed.stdout.split(", loss ")[-1].strip()
+    )
 
 
 def test_ctrl_c_with_save_on_signal_off_stops_at_once_in_one_line(tmp_path):

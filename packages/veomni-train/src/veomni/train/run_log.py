@@ -132,22 +132,34 @@ def write_line(progress, line: str) -> None:
         print(line, flush=True)
 
 
-def attach_log_file(path: str, rank: int) -> None:
-    """Append this process's log records (INFO on rank 0, WARNING elsewhere) and rank 0's console lines to
-    ``path`` (its directory created). Each rank appends whole lines, so several ranks can share one file."""
+def attach_log_file(path: str, rank: int) -> logging.Handler:
+    """Append this process's log records (INFO on rank 0, WARNING elsewhere), rank 0's console lines and the CLI's
+    last line to ``path`` (its directory created). Each rank appends whole lines, so several ranks can share one
+    file. Returns the handler, for `detach_log_file`."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     handler.setFormatter(
-        logging.Formatter(f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+        logging.Formatter(
+            f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"
+        )
     )
     logging.getLogger().addHandler(handler)
     # The file gets what the docstring promises whatever the console's configuration (an embedding program may
     # have set the root logger to WARNING).
     logging.getLogger("veomni").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    if rank == 0:
-        CONSOLE.addHandler(handler)
-        CONSOLE.setLevel(logging.INFO)
+    # Every rank: only rank 0 writes console lines, and another rank's last line is an error, which its level lets
+    # through.
+    CONSOLE.addHandler(handler)
+    CONSOLE.setLevel(logging.INFO)
+    return handler
+
+
+def detach_log_file(handler: logging.Handler) -> None:
+    """Stop copying to the file `attach_log_file` opened, and close it."""
+    logging.getLogger().removeHandler(handler)
+    CONSOLE.removeHandler(handler)
+    handler.close()
 
 
 def log_window(
