@@ -142,7 +142,7 @@ def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, ca
                  f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert "holds PyTorch pickle weights ['pytorch_model.bin'] but no safetensors" in err
+    assert "holds PyTorch pickle weights ['pytorch_model.bin'] but no safetensors (read whole into every" in err
     assert "save_pretrained(out)" in err
 
 
