@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
+import yaml
 
 from veomni.train.cli import main
 from veomni.train.doctor import report
-from veomni.train.recipe import builtin_recipes, load_recipe, recipe_fields
+from veomni.train.recipe import RECIPES_DIR, builtin_recipes, load_recipe, recipe_fields
 
 
 @pytest.mark.parametrize("name", builtin_recipes())
@@ -176,3 +178,20 @@ def test_following_the_divergence_advice_trains_past_the_diverged_step(tmp_path,
     )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r and not r.get("diverged")][-2:] == [3, 4]
+
+
+@pytest.mark.parametrize("name", builtin_recipes())
+def test_a_recipe_reading_downloaded_weights_says_how_to_download_them(name):
+    # The recipes' comments are the first thing a user copies: `hf download` (huggingface_hub's current CLI), into
+    # the directory model.weights reads, or into one the comments then convert into it.
+    text = (RECIPES_DIR / f"{name}.yaml").read_text()
+    weights = yaml.safe_load(text)["model"].get("weights")
+    if not (isinstance(weights, str) and weights.startswith("checkpoints/")):
+        return
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert "huggingface-cli" not in comments
+    downloads = re.findall(r"^#\s+hf download [\w.-]+/[\w.-]+ --local-dir (\S+)$", comments, re.MULTILINE)
+    assert downloads, f"{name}: no '#   hf download ORG/NAME --local-dir DIR' line"
+    assert any(weights == d or weights.startswith(d + "/") for d in downloads) or weights in comments, (
+        name, weights, downloads,
+    )  # fmt: skip
