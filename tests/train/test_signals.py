@@ -152,6 +152,36 @@ def test_a_second_ctrl_c_stops_at_once_without_a_complete_checkpoint(tmp_path):
     assert not list(run_dir.glob("step_*/COMPLETE"))
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (/proc's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the signal mask from /proc")
+def test_sigterm_while_the_model_is_built_stops_before_the_first_step(tmp_path):
+    # A scheduler's SIGTERM during a long load. Python itself never catches SIGTERM: once the process does, the
+    # trainer's handler is in place (from the start of train()), and the build takes seconds more.
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    while not _catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "veomni-train: stopped on SIGTERM after step 0: nothing saved (checkpoint.dir holds no state); run the "
+        "same command with checkpoint.resume=auto to continue"
+    )
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()  # no step was trained
+    assert latest_complete(run_dir) is None
+
+
 def _loading_torch(pid: int) -> bool:
     """Whether process ``pid`` has begun to import torch (its native library is mapped)."""
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
