@@ -132,6 +132,25 @@ def test_a_weights_path_that_does_not_exist_is_one_line(tmp_path, capsys):
     assert f"model.weights: no such file or directory: {tmp_path / 'nowhere'}" in err
 
 
+def test_weights_that_cannot_give_the_config_are_one_line(tmp_path, capsys):
+    # With model.config null the config is read from model.weights: a safetensors file was parsed as JSON (a
+    # UnicodeDecodeError blamed on model.config_overrides), a directory without config.json was a traceback.
+    weights = _cached_snapshot(tmp_path / "hub", "x/y")
+    common = ["--model.config=null", "--model.tokenizer=null", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT]
+    assert main(["quickstart", f"--model.weights={weights / 'model.safetensors'}", *common]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"veomni-train: PreflightError: model.weights: {weights / 'model.safetensors'} is a file, and with "
+        f"model.config null the model config is read from the weights: give the checkpoint directory ({weights}, "
+        "if it holds config.json), or set model.config"
+    )
+    (weights / "config.json").unlink()
+    assert main(["quickstart", f"--model.weights={weights}", *common]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"model.weights: {weights} holds no config.json to read the model config from; set model.config" in err
+
+
 def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, capsys):
     weights = _cached_snapshot(tmp_path / "hub", "x/y")
     for f in weights.glob("*.safetensors"):

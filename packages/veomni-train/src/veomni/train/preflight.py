@@ -181,6 +181,19 @@ def check_model_sources(recipe: Recipe) -> None:
                 "org/name[@revision])"
             )
     weights = Path(model.weights) if model.weights is not None else None
+    if weights is not None and model.config is None:
+        # The config is read from the weights (a file would be parsed as JSON; a directory needs config.json).
+        if not weights.is_dir():
+            raise PreflightError(
+                f"model.weights: {weights} is a file, and with model.config null the model config is read from the "
+                f"weights: give the checkpoint directory ({weights.parent}, if it holds config.json), or set "
+                "model.config"
+            )
+        if not (weights / "config.json").is_file():
+            raise PreflightError(
+                f"model.weights: {weights} holds no config.json to read the model config from; set model.config "
+                "(a config.json, its directory, or an inline mapping with model_type)"
+            )
     if weights is None or not weights.is_dir():
         return
     names = sorted(p.name for p in weights.iterdir())
