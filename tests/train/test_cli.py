@@ -4,12 +4,15 @@ errors exit 2 with the reason, and veomni-doctor reports the kernel backends."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
+import yaml
 
 from veomni.train.cli import main
 from veomni.train.doctor import report
-from veomni.train.recipe import builtin_recipes, load_recipe, recipe_fields
+from veomni.train.recipe import RECIPES_DIR, builtin_recipes, load_recipe, recipe_fields
 
 
 @pytest.mark.parametrize("name", builtin_recipes())
@@ -144,3 +147,52 @@ def test_a_diverged_run_exits_1_naming_the_step_without_a_traceback(tmp_path, ca
     records = [json.loads(line, parse_constant=refuse) for line in lines]
     diverged = [r for r in records if r.get("diverged")]
     assert len(diverged) == 1 and "NaN" in (diverged[0]["loss"], diverged[0]["grad_norm"])
+
+
+def test_following_the_divergence_advice_trains_past_the_diverged_step(tmp_path, capsys, caplog):
+    from test_loop import DENSE, tiny_recipe
+
+    from veomni.train.recipe import recipe_from_dict, save_recipe
+
+    # A healthy run saves step 2; resumed at lr 1e30 (taken: optim.on_resume=recipe) it diverges after it; the
+    # resume the message advises (a lower lr, optim.on_resume=recipe) then trains past that step.
+    raw = tiny_recipe(str(tmp_path / "run"), DENSE, steps=2, tokens_per_step=256, tokens_per_micro_batch=256)
+    raw["optim"].update({"lr": 1e-3, "warmup_steps": 0, "max_grad_norm": None})
+    raw["checkpoint"].update({"save_final": True, "resume": "auto"})
+    path = save_recipe(recipe_from_dict(raw), tmp_path / "run.yaml")
+    assert main([str(path)]) == 0, capsys.readouterr().err[-2000:]
+    capsys.readouterr()
+
+    assert main([str(path), "--train.steps=4", "--optim.lr=1e30", "--optim.on_resume=recipe"]) == 1
+    err = capsys.readouterr().err
+    assert "TrainingDivergedError: step " in err and "Traceback" not in err
+    assert "step_00000002" in err and "lower --optim.lr and --optim.on_resume=recipe" in err
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="veomni"):
+        code = main([str(path), "--train.steps=4", "--optim.lr=1e-4", "--optim.on_resume=recipe"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert "done: 2 steps" in capsys.readouterr().out
+    assert (
+        "with the recipe's optimizer values (optim.on_resume=recipe): ['optim.lr: saved 0.001, recipe 0.0001']"
+        in caplog.text
+    )
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r and not r.get("diverged")][-2:] == [3, 4]
+
+
+@pytest.mark.parametrize("name", builtin_recipes())
+def test_a_recipe_reading_downloaded_weights_says_how_to_download_them(name):
+    # The recipes' comments are the first thing a user copies: `hf download` (huggingface_hub's current CLI), into
+    # the directory model.weights reads, or into one the comments then convert into it.
+    text = (RECIPES_DIR / f"{name}.yaml").read_text()
+    weights = yaml.safe_load(text)["model"].get("weights")
+    if not (isinstance(weights, str) and weights.startswith("checkpoints/")):
+        return
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert "huggingface-cli" not in comments
+    downloads = re.findall(r"^#\s+hf download [\w.-]+/[\w.-]+ --local-dir (\S+)$", comments, re.MULTILINE)
+    assert downloads, f"{name}: no '#   hf download ORG/NAME --local-dir DIR' line"
+    assert any(weights == d or weights.startswith(d + "/") for d in downloads) or weights in comments, (
+        name, weights, downloads,
+    )  # fmt: skip

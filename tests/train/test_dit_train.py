@@ -245,6 +245,9 @@ def test_offline_embedding_resumes_and_trains_like_online(dist_pools, reference,
     first = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "48 samples in 3 shards" in first.stdout and "(3 encoded now" in first.stdout
+    # Piped: no bar redraws, a plain line per shard.
+    assert "\r" not in first.stderr
+    assert "embed: 3/3 shards of rank 0 | elapsed " in first.stderr
     # Running again encodes just what is missing or cut short (a partial copy, a crash mid-write).
     (out / "shards" / "00001.safetensors").unlink()
     cut = out / "shards" / "00002.safetensors"

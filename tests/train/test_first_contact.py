@@ -3,7 +3,6 @@ whole-file mistake is one line about the file, not a row-level hint that leads n
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -133,6 +132,25 @@ def test_a_weights_path_that_does_not_exist_is_one_line(tmp_path, capsys):
     assert f"model.weights: no such file or directory: {tmp_path / 'nowhere'}" in err
 
 
+def test_weights_that_cannot_give_the_config_are_one_line(tmp_path, capsys):
+    # With model.config null the config is read from model.weights: a safetensors file was parsed as JSON (a
+    # UnicodeDecodeError blamed on model.config_overrides), a directory without config.json was a traceback.
+    weights = _cached_snapshot(tmp_path / "hub", "x/y")
+    common = ["--model.config=null", "--model.tokenizer=null", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT]
+    assert main(["quickstart", f"--model.weights={weights / 'model.safetensors'}", *common]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"veomni-train: PreflightError: model.weights: {weights / 'model.safetensors'} is a file, and with "
+        f"model.config null the model config is read from the weights: give the checkpoint directory ({weights}, "
+        "if it holds config.json), or set model.config"
+    )
+    (weights / "config.json").unlink()
+    assert main(["quickstart", f"--model.weights={weights}", *common]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"model.weights: {weights} holds no config.json to read the model config from; set model.config" in err
+
+
 def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, capsys):
     weights = _cached_snapshot(tmp_path / "hub", "x/y")
     for f in weights.glob("*.safetensors"):
@@ -142,18 +160,22 @@ def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, ca
                  f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert "holds PyTorch pickle weights ['pytorch_model.bin'] but no safetensors" in err
+    assert "holds PyTorch pickle weights ['pytorch_model.bin'] but no safetensors (read whole into every" in err
     assert "save_pretrained(out)" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed here")
-def test_a_sink_whose_extra_is_missing_is_one_line_before_the_build(tmp_path, capsys):
-    code = main(["quickstart", f"--log.tensorboard_dir={tmp_path / 'tb'}", f"--checkpoint.dir={tmp_path / 'run'}",
-                 *SHORT])  # fmt: skip
+@pytest.mark.parametrize(("field", "extra"), [("log.tensorboard_dir", "tensorboard"), ("log.wandb_project", "wandb")])
+def test_a_sink_whose_extra_is_missing_is_one_line_before_the_build(tmp_path, capsys, monkeypatch, field, extra):
+    # None in sys.modules is how Python itself marks a module as not importable: find_spec answers None and
+    # `import` raises, as without the package (so the test holds where the extras are installed too).
+    monkeypatch.setitem(sys.modules, extra, None)
+    code = main(["quickstart", f"--{field}={tmp_path / 'sink'}", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert "log.tensorboard_dir is set but tensorboard is not installed" in err
-    assert "uv sync --all-packages --extra tensorboard" in err
+    assert err.strip().splitlines() == [
+        f"veomni-train: PreflightError: {field} is set but {extra} is not installed: pip install "
+        f"'veomni-train[{extra}]' (in a checkout of this repository: uv sync --all-packages --extra {extra})"
+    ]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran
 
 

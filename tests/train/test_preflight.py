@@ -129,6 +129,12 @@ def test_a_resume_path_that_is_no_checkpoint_fails_before_the_data_is_read(dist_
     raw["checkpoint"]["resume"] = str(tmp_path / "step_00000100")
     raw["data"]["train_files"] = [str(tmp_path / "missing.jsonl")]
     (error,) = dist_pools.get(1, "gloo").run(_preflight_error, raw)
+    assert error == (
+        f"checkpoint.resume: no such directory: {tmp_path / 'step_00000100'} (expected auto, never, or a step_* "
+        "directory with a COMPLETE marker)"
+    ), error
+    (tmp_path / "step_00000100").mkdir()
+    (error,) = dist_pools.get(1, "gloo").run(_preflight_error, raw)
     assert (
         error.startswith("checkpoint.resume: ") and "step_00000100 is not a complete checkpoint" in error
     ), error

@@ -97,6 +97,8 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     from veomni.train.data.dit import MEDIA_COLUMNS, index_dit, load_clip, row_root, sample_frames
     from veomni.train.data.sources import RowSource
     from veomni.train.loop import setup_distributed
+    from veomni.train.metrics import format_duration
+    from veomni.train.run_log import RunClock
     from veomni.train.tasks.dit_setup import (
         check_compatible,
         condition_configs,
@@ -143,12 +145,14 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
     n_shards = math.ceil(len(shapes) / shard_size)
     mine = list(range(rank, n_shards, world))
     todo = [k for k in mine if not _shard_done(out / SHARDS / f"{k:05d}.safetensors")]
+    # A bar on a terminal; redirected (a log file, a pipe), one plain line per shard instead of `\r` redraws.
     progress = (
         tqdm(total=len(mine), initial=len(mine) - len(todo), desc="embed", unit="shard")
-        if rank == 0
+        if rank == 0 and sys.stderr.isatty()
         else None
     )
-    for k in todo:
+    clock = RunClock(len(mine) - len(todo), len(mine))
+    for i, k in enumerate(todo):
         tensors: dict[str, torch.Tensor] = {}
         for row in range(k * shard_size, min(len(shapes), (k + 1) * shard_size)):
             ref = source.ref(row)
@@ -159,6 +163,13 @@ def embed(recipe: Recipe, out: str | os.PathLike, shard_size: int = 64) -> dict[
         _write_atomic(out / SHARDS / f"{k:05d}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
         if progress is not None:
             progress.update(1)
+        elif rank == 0:
+            done = len(mine) - len(todo) + i + 1
+            eta = clock.eta(done)
+            log.info(
+                "embed: %d/%d shards of rank 0 | elapsed %s | eta %s",
+                done, len(mine), format_duration(clock.elapsed()), "n/a" if eta is None else format_duration(eta),
+            )  # fmt: skip
     if progress is not None:
         progress.close()
     dist.barrier()
@@ -232,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             if key == "--out":
                 out = value
+            elif not value.isdigit() or int(value) < 1:
+                print(
+                    f"veomni-dit-embed: --shard-size: expected a whole number >= 1, found {value!r}",
+                    file=sys.stderr,
+                )
+                return 2
             else:
                 shard_size = int(value)
         else:
@@ -249,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, PreflightError, DataError) as err:
         print(f"veomni-dit-embed: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Each shard is written atomically, so what is on disk is whole; running again encodes the rest.
+        print("veomni-dit-embed: interrupted: the shards written so far are kept; run it again to go on",
+              file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -266,6 +266,16 @@ def train(
     recipe: Recipe, *, on_step: Callable[[int, dict[str, float]], None] | None = None
 ) -> dict[str, Any]:
     """Run the job the recipe describes. Returns the per-step losses, eval results and output paths."""
+    # Signals are caught from the start: one that comes while the model loads (a scheduler's SIGTERM during a long
+    # build) stops the run before its first step, with one line, instead of killing it.
+    stop = StopRequests(None) if recipe.checkpoint.save_on_signal else None
+    with stop if stop is not None else contextlib.nullcontext():
+        return _train(recipe, stop, on_step)
+
+
+def _train(
+    recipe: Recipe, stop: StopRequests | None, on_step: Callable[[int, dict[str, float]], None] | None
+) -> dict[str, Any]:
     run = build_run(recipe)
     rank0 = dist.get_rank() == 0
     # One JSON line per step (appended, so a resumed run continues the same file): the run's loss curve.
@@ -332,14 +342,17 @@ def train(
 
     # Signals stop the run at a step boundary with a saved state; the ranks agree on the boundary (a CPU
     # all-reduce per step, which never waits for the GPU).
-    stop = StopRequests(cpu_group()) if recipe.checkpoint.save_on_signal else None
+    if stop is not None:
+        stop.join(cpu_group())
     profiler = StepProfiler(
         recipe.log.profile_steps, Path(recipe.checkpoint.dir) / "profile", dist.get_rank(), run.device
     )
     # The bar is closed however the loop ends, so an error is printed on a line of its own, not after the bar.
     try:
-        if stop is not None:
-            stop.install()
+        if stop is not None and (signal_name := stop.agreed()) is not None:
+            # Asked while the model was built: stop before training, with nothing new to save.
+            newest = latest_complete(recipe.checkpoint.dir)
+            raise TrainingStopped(signal_name, run.step, None if newest is None else str(newest))
         data_iter = iter(run.train_data)
         while run.step < run.total_steps:
             t0 = time.perf_counter()
@@ -395,8 +408,6 @@ def train(
             if stop is not None and (signal_name := stop.agreed()) is not None:
                 _stop_on_signal(run, signal_name, read_pending)
     finally:
-        if stop is not None:
-            stop.restore()
         if progress is not None:
             progress.close()
     if run.skipped_steps and rank0:

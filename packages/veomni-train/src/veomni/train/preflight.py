@@ -166,8 +166,10 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 def check_model_sources(recipe: Recipe) -> None:
     """``model.weights`` / ``model.config`` / ``model.tokenizer`` name what exists (after Hub ids were fetched),
-    and a weights directory holds safetensors: PyTorch pickle weights are refused with the conversion to run
-    (unpickling a downloaded file can run code; safetensors cannot)."""
+    and a weights directory holds safetensors: PyTorch pickle weights are refused with the conversion to run.
+    Refused rather than read with ``torch.load(weights_only=True)``: the loader reads each rank's own region of each
+    tensor from safetensors (``safe_open(...).get_slice``), while a pickle file can only be read whole, into every
+    rank's host memory at once (16 GB per rank for an 8B model); converting once costs one load."""
     model = recipe.model
     sources = {"weights": model.weights, "tokenizer": model.tokenizer}
     if isinstance(model.config, str):
@@ -179,6 +181,19 @@ def check_model_sources(recipe: Recipe) -> None:
                 "org/name[@revision])"
             )
     weights = Path(model.weights) if model.weights is not None else None
+    if weights is not None and model.config is None:
+        # The config is read from the weights (a file would be parsed as JSON; a directory needs config.json).
+        if not weights.is_dir():
+            raise PreflightError(
+                f"model.weights: {weights} is a file, and with model.config null the model config is read from the "
+                f"weights: give the checkpoint directory ({weights.parent}, if it holds config.json), or set "
+                "model.config"
+            )
+        if not (weights / "config.json").is_file():
+            raise PreflightError(
+                f"model.weights: {weights} holds no config.json to read the model config from; set model.config "
+                "(a config.json, its directory, or an inline mapping with model_type)"
+            )
     if weights is None or not weights.is_dir():
         return
     names = sorted(p.name for p in weights.iterdir())
@@ -187,9 +202,10 @@ def check_model_sources(recipe: Recipe) -> None:
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise PreflightError(
-            f"model.weights: {weights} holds PyTorch pickle weights {pickles[:4]} but no safetensors; convert them "
-            "once with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out) (or the "
-            "model's own Auto class) writes model.safetensors"
+            f"model.weights: {weights} holds PyTorch pickle weights {pickles[:4]} but no safetensors (read whole "
+            "into every rank's memory, so not read here); convert them once with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out) (or the model's own Auto class) writes "
+            "model.safetensors"
         )
     raise PreflightError(f"model.weights: {weights} holds no *.safetensors weights; it holds {names[:20]}")
 

@@ -3,6 +3,7 @@ bad-row reports of `veomni.train.loop.train`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch.distributed as dist
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from veomni.models.moe.expert_load import load_summary, read_expert_loads
 from veomni.train.metrics import Sinks, StepMetrics, console_line, window_peak_memory_gib
@@ -110,11 +113,25 @@ def progress_bar(run: Run, rank0: bool):
     run left a 31 KB line of 504 redraws): there the metric lines, with elapsed time and ETA, are the progress."""
     if not rank0 or not sys.stderr.isatty():
         return None
-    from tqdm import tqdm
-
-    return tqdm(
+    return _Bar(
         total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True, leave=False
     )
+
+
+class _Bar(tqdm):
+    """A tqdm bar that, while drawn, writes the console's log records above itself (through `tqdm.write`): printed
+    plainly, a warning would land on the end of the bar's line."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._redirect: contextlib.ExitStack | None = contextlib.ExitStack()
+        self._redirect.enter_context(logging_redirect_tqdm())
+
+    def close(self) -> None:
+        if getattr(self, "_redirect", None) is not None:  # close may run again (tqdm's __del__)
+            self._redirect.close()
+            self._redirect = None
+        super().close()
 
 
 CONSOLE = logging.getLogger("veomni.train.console")  # the console lines, for `attach_log_file` only
@@ -132,22 +149,34 @@ def write_line(progress, line: str) -> None:
         print(line, flush=True)
 
 
-def attach_log_file(path: str, rank: int) -> None:
-    """Append this process's log records (INFO on rank 0, WARNING elsewhere) and rank 0's console lines to
-    ``path`` (its directory created). Each rank appends whole lines, so several ranks can share one file."""
+def attach_log_file(path: str, rank: int) -> logging.Handler:
+    """Append this process's log records (INFO on rank 0, WARNING elsewhere), rank 0's console lines and the CLI's
+    last line to ``path`` (its directory created). Each rank appends whole lines, so several ranks can share one
+    file. Returns the handler, for `detach_log_file`."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     handler.setFormatter(
-        logging.Formatter(f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+        logging.Formatter(
+            f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"
+        )
     )
     logging.getLogger().addHandler(handler)
     # The file gets what the docstring promises whatever the console's configuration (an embedding program may
     # have set the root logger to WARNING).
     logging.getLogger("veomni").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    if rank == 0:
-        CONSOLE.addHandler(handler)
-        CONSOLE.setLevel(logging.INFO)
+    # Every rank: only rank 0 writes console lines, and another rank's last line is an error, which its level lets
+    # through.
+    CONSOLE.addHandler(handler)
+    CONSOLE.setLevel(logging.INFO)
+    return handler
+
+
+def detach_log_file(handler: logging.Handler) -> None:
+    """Stop copying to the file `attach_log_file` opened, and close it."""
+    logging.getLogger().removeHandler(handler)
+    CONSOLE.removeHandler(handler)
+    handler.close()
 
 
 def log_window(

@@ -2,7 +2,9 @@
 
 The first signal only sets a flag; the loop asks `StopRequests.agreed` at every step boundary, the ranks agree
 through one CPU all-reduce (a rank that got no signal stops with the others), and the loop saves a complete
-checkpoint and raises `TrainingStopped`. The same SIGINT or SIGTERM a second time means "now": it raises
+checkpoint and raises `TrainingStopped`. The handlers are in place for the whole of `train`: a signal while the
+model is built stops the run before its first step (nothing new to save), one after the last step lets the final
+save and export finish. The same SIGINT or SIGTERM a second time means "now": it raises
 `KeyboardInterrupt` wherever the process is (a different one does not: torchrun answers a Ctrl-C by sending its
 workers SIGTERM, and that must not cut short the save the Ctrl-C asked for). A save cut short that way never gets its COMPLETE marker (`CheckpointManager` writes it
 last), so `resume=auto` never picks it.
@@ -28,7 +30,11 @@ class TrainingStopped(Exception):
     def __init__(self, signal_name: str, step: int, checkpoint: str | None) -> None:
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
         self.exit_code = 128 + int(getattr(signal, signal_name))
-        where = f"saved {checkpoint}" if checkpoint is not None else "nothing saved (checkpoint.dir holds no state)"
+        where = (
+            f"saved {checkpoint}"
+            if checkpoint is not None
+            else "nothing saved (checkpoint.dir holds no state)"
+        )
         super().__init__(
             f"stopped on {signal_name} after step {step}: {where}; run the same command with "
             "checkpoint.resume=auto to continue"
@@ -64,13 +70,20 @@ class StopRequests:
     def __exit__(self, *exc: object) -> None:
         self.restore()
 
+    def join(self, group: dist.ProcessGroup | None) -> None:
+        """Agree over ``group`` from now on (the handlers are installed before the process group exists, so that
+        a signal during the build is kept)."""
+        self._group = group
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._first is None:
             self._first = signum
             name = signal.Signals(signum).name
             again = "" if signum == signal.SIGUSR1 else f"; {name} again stops at once, without saving"
             # os.write, not print: a handler may run in the middle of another write to the same stream.
-            os.write(2, f"veomni-train: {name}: saving a checkpoint at the next step boundary{again}\n".encode())
+            os.write(
+                2, f"veomni-train: {name}: saving a checkpoint at the next step boundary{again}\n".encode()
+            )
             return
         if signum == self._first and signum != signal.SIGUSR1:  # asked twice: stop now, whatever is in flight
             raise KeyboardInterrupt

@@ -119,6 +119,10 @@ def check_complete(path: str | os.PathLike) -> None:
     path = Path(path)
     if (path / MARKER).is_file():
         return
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no such directory: {path} (expected auto, never, or a step_* directory with a {MARKER} marker)"
+        )
     hint = ""
     if (newest := latest_complete(path)) is not None:
         # A run's checkpoint.dir given where one of its step directories is meant.

@@ -202,8 +202,9 @@ class LogSection:
     )
     file: str | None = _field(
         None,
-        "also append the log to this file: rank 0's lines (metrics, evaluations, info) and every rank's warnings "
-        "and errors, each stamped with time and rank (e.g. outputs/run/train.log)",
+        "also append the log to this file: rank 0's lines (metrics, evaluations, info), every rank's warnings "
+        "and errors and the line the run ended with, each stamped with time and rank; auto: "
+        "<checkpoint.dir>/train.log",
         path=True,
     )
 
