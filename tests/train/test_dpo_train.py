@@ -111,9 +111,6 @@ def test_refusals(base, tmp_path):
     no_weights = recipe_from_dict(dpo_recipe(None, str(tmp_path)))
     with pytest.raises(PreflightError, match="model.weights for dpo.loss 'sigmoid'"):
         check_dpo_recipe(no_weights)
-    evaluated = dpo_recipe(base, str(tmp_path), data={"eval_files": [str(PAIRS)]}, train={"eval_interval": 5})
-    with pytest.raises(PreflightError, match="no data.eval_files"):
-        check_dpo_recipe(recipe_from_dict(evaluated))
     text = dpo_recipe(base, str(tmp_path), data={"kind": "conversation"})
     with pytest.raises(PreflightError, match="data.kind preference"):
         check_dpo_recipe(recipe_from_dict(text))
@@ -135,3 +132,28 @@ def test_quickstart_dpo_from_the_cli_logs_rewards_and_exports(base, tmp_path):
     assert lines and "margin " in lines[-1] and "accuracy " in lines[-1], done.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert model.config.model_type == "qwen3"
+
+
+def test_evaluation_reports_pair_loss_accuracy_and_margin(dist_pools, base, tmp_path):
+    """An eval pass over held-out pairs (here the first rows of the bundled ones) on two SP ranks equals one
+    rank's: each pair counted once."""
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:24]))
+
+    def recipe(parallel: dict) -> dict:
+        return dpo_recipe(base, str(tmp_path / f"run{len(parallel)}"), data={"eval_files": [str(held_out)]},
+                          train={"eval_interval": 2}, parallel=parallel)  # fmt: skip
+
+    one = dist_pools.get(1, "gloo").run(_evaluate, recipe({}))[0]
+    assert set(one) == {"eval_loss", "eval_rewards/accuracy", "eval_rewards/margin"}
+    assert one["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)  # before training: policy == reference
+    for got in dist_pools.get(2, "gloo").run(_evaluate, recipe({"sp": 2})):
+        assert got == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
+def _evaluate(ctx, raw: dict) -> dict:
+    from veomni.train.loop import build_run
+    from veomni.train.recipe import recipe_from_dict as load
+    from veomni.train.step import evaluate
+
+    return evaluate(build_run(load(raw)))

@@ -262,6 +262,10 @@ def _stop_on_signal(run: Run, signal_name: str, read_pending: Callable[[], None]
     raise TrainingStopped(signal_name, run.step, None if newest is None else str(newest))
 
 
+EVAL_FORMATS = {"eval_loss": ".4f", "eval_ppl": ".2f"}
+"""How the console prints an evaluation's numbers (a task's own, dpo's rewards say, with 4 significant digits)."""
+
+
 def train(
     recipe: Recipe, *, on_step: Callable[[int, dict[str, float]], None] | None = None
 ) -> dict[str, Any]:
@@ -397,10 +401,10 @@ def _train(
                     append_jsonl(metrics_file, {"step": run.step, **result})
                 sinks.write(run.step, result)
                 if rank0 and recipe.log.console:
-                    write_line(
-                        progress,
-                        f"eval step {run.step} | loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f}",
-                    )
+                    write_line(progress, f"eval step {run.step} | " + " | ".join(
+                        f"{k.removeprefix('eval_').rsplit('/', 1)[-1]} {v:{EVAL_FORMATS.get(k, '.4g')}}"
+                        for k, v in result.items()
+                    ))  # fmt: skip
             if saving:
                 _save(run)
             if exporting:

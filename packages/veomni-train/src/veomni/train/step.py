@@ -223,6 +223,9 @@ def evaluate(run: Run) -> dict[str, float]:
     """Mean token loss and perplexity over the eval data (every rank must call it)."""
     if run.eval_data is None:
         raise ValueError("evaluate: this run has no data.eval_files, so there is nothing to evaluate")
+    task_sums = getattr(run.task, "eval_sums", None)  # a task with its own evaluation (dpo: pair metrics)
+    if task_sums is not None:
+        return _task_evaluate(run, task_sums)
     run.model.eval()
     loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
     tokens = 0
@@ -247,6 +250,23 @@ def evaluate(run: Run) -> dict[str, float]:
         )
     loss = float(totals[0] / totals[1])
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def _task_evaluate(run: Run, task_sums: Callable[..., torch.Tensor]) -> dict[str, float]:
+    """`evaluate` through the task's ``eval_sums`` (per batch, this rank's share) and ``eval_results``."""
+    run.model.eval()
+    totals: torch.Tensor | None = None
+    try:
+        for batch in run.eval_data:
+            with use_parallel_state(run.state):
+                sums = task_sums(run.model, batch, run.device).double()
+            totals = sums if totals is None else totals + sums
+    finally:
+        run.model.train()
+    if totals is None:
+        raise ValueError("evaluation: this rank got no evaluation batch")
+    dist.all_reduce(totals, group=run.state.loss_group)
+    return run.task.eval_results(totals)  # type: ignore[attr-defined, no-any-return]
 
 
 def check_cuda_graphs(recipe: Recipe, world_size: int, device: torch.device) -> None:

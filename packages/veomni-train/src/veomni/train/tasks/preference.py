@@ -85,6 +85,8 @@ def pair_layout(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> PairLay
     once and kept in the batch."""
     if "pair_layout" in batch:
         return batch["pair_layout"]  # type: ignore[no-any-return]
+    if batch.get("is_padding"):  # evaluation's filler batch (a rank with fewer batches than its peers): no pair
+        return PairLayout(torch.zeros(batch["input_ids"].shape[1], dtype=torch.int64), torch.zeros(0, dtype=torch.bool), 0, 0)
     cu = batch["cu_seqlens"].numpy().astype(np.int64)
     pairs = len(batch["sample_index"])
     local = batch["input_ids"].shape[1]
@@ -118,6 +120,23 @@ class PairOutputs:
     loss: torch.Tensor
     aux_loss: torch.Tensor | None
     metrics: dict[str, torch.Tensor]
+
+
+@attrs.frozen(kw_only=True)
+class _Scored:
+    """One micro-batch's pairs scored (`DpoTask._score`): fp32 device tensors, per-pair ``[pairs]`` ones."""
+
+    layout: PairLayout
+    labels: torch.Tensor
+    next_ids: torch.Tensor
+    segment: torch.Tensor
+    token_logps: torch.Tensor
+    sums: torch.Tensor
+    counts: torch.Tensor
+    valid: torch.Tensor
+    per_pair: torch.Tensor
+    rewards: tuple[torch.Tensor, torch.Tensor]
+    aux_loss: torch.Tensor | None
 
 
 @attrs.define(kw_only=True)
@@ -198,53 +217,62 @@ class DpoTask:
         kwargs.pop("num_items_in_batch")
         return kwargs
 
-    def forward(
-        self, model: nn.Module, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
-    ) -> PairOutputs:
-        """The pair loss of one micro-batch; ``num_items``: `step_normaliser`'s counts."""
+    def _score(self, model: nn.Module, batch: Mapping[str, Any], device: torch.device) -> _Scored:
+        """Run the reference (when the loss has one) and the policy on one micro-batch and score its pairs."""
         from veomni.models.heads.causal_lm import capture_token_log_probs
 
         layout = pair_layout(batch, *self._sp())
-        kwargs = self.model_kwargs(batch, device, num_items)
+        kwargs = self.model_kwargs(batch, device, torch.ones((), dtype=torch.int64))
         labels = kwargs["shift_labels"]  # the answers' targets
         # Every position's next token in its segment is scored (the kernel's cost is per position either way): the
         # answer sums keep the trained ones, ORPO's NLL all of the chosen segment's.
-        kwargs["shift_labels"] = next_ids = batch["next_ids"].to(device, non_blocking=True)
+        next_ids = batch["next_ids"] if "next_ids" in batch else batch["labels"]  # (a filler batch has no pair)
+        kwargs["shift_labels"] = next_ids = next_ids.to(device, non_blocking=True)
         segment = layout.segment.to(device, non_blocking=True)
         reference = None
         if self.settings.needs_reference:
+            plain = {k: v for k, v in kwargs.items() if k != "output_router_logits"}
             with torch.no_grad(), capture_token_log_probs() as got:
                 if self.lora_reference:
                     from veomni.models.lora import disabled_adapters
 
                     with disabled_adapters(model):
-                        model(**{k: v for k, v in kwargs.items() if k != "output_router_logits"})
+                        model(**plain)
                 else:
                     assert self.reference is not None, "DpoTask.attach builds the reference model"
-                    self.reference(**{k: v for k, v in kwargs.items() if k != "output_router_logits"})
+                    self.reference(**plain)
             reference = self._segment_sums(_one(got), labels, segment, layout.pairs)[0]
         with capture_token_log_probs() as got:
             outputs = model(**kwargs)
         token_logps = _one(got)
         sums, counts = self._segment_sums(token_logps, labels, segment, layout.pairs)
         valid = layout.valid.to(device, non_blocking=True)
-        pairs = num_items[0]
         per_pair, rewards = self._pair_losses(sums, counts, reference, valid)
-        sp = self._sp()[1]
-        weight = valid.float() / (pairs * sp)
-        loss = (per_pair * weight).sum()
+        return _Scored(
+            layout=layout, labels=labels, next_ids=next_ids, segment=segment, token_logps=token_logps, sums=sums,
+            counts=counts, valid=valid, per_pair=per_pair, rewards=rewards, aux_loss=getattr(outputs, "aux_loss", None),
+        )  # fmt: skip
+
+    def forward(
+        self, model: nn.Module, batch: Mapping[str, Any], device: torch.device, num_items: torch.Tensor
+    ) -> PairOutputs:
+        """The pair loss of one micro-batch; ``num_items``: `step_normaliser`'s counts."""
+        scored = self._score(model, batch, device)
+        valid, segment, layout = scored.valid, scored.segment, scored.layout
+        weight = valid.float() / (num_items[0] * self._sp()[1])
+        loss = (scored.per_pair * weight).sum()
         orpo = self.settings.loss == "orpo"
         nll_weight = 1.0 if orpo else self.settings.sft_weight
         if nll_weight:
             chosen = (segment % 2 == 0) & (segment < 2 * layout.pairs)
             chosen = chosen & torch.cat([valid, valid.new_zeros(1)])[segment // 2]
             # ORPO (TRL's): the whole chosen sequence, prompt included; DPO + SFT: the chosen answer's tokens.
-            scored = (next_ids if orpo else labels).view(-1) != IGNORE_INDEX
+            scored_tokens = (scored.next_ids if orpo else scored.labels).view(-1) != IGNORE_INDEX
             count = num_items[2] if orpo else num_items[1]
-            nll = -(token_logps.view(-1) * (chosen & scored)).sum() / count.clamp(min=1)
+            nll = -(scored.token_logps.view(-1) * (chosen & scored_tokens)).sum() / count.clamp(min=1)
             loss = loss + nll_weight * nll
-        chosen_logps, rejected_logps = self._answer_logps(sums, counts)
-        chosen_reward, rejected_reward = rewards
+        chosen_logps, rejected_logps = self._answer_logps(scored.sums, scored.counts)
+        chosen_reward, rejected_reward = scored.rewards
         self._metrics = {
             name: (value.detach() * weight).sum()
             for name, value in zip(METRICS, (
@@ -252,7 +280,27 @@ class DpoTask:
                 (chosen_reward > rejected_reward).float(), chosen_logps, rejected_logps,
             ), strict=True)
         }  # fmt: skip
-        return PairOutputs(loss=loss, aux_loss=getattr(outputs, "aux_loss", None), metrics=self._metrics)
+        return PairOutputs(loss=loss, aux_loss=scored.aux_loss, metrics=self._metrics)
+
+    @torch.no_grad()
+    def eval_sums(self, model: nn.Module, batch: Mapping[str, Any], device: torch.device) -> torch.Tensor:
+        """This rank's share of the evaluation sums of one batch, fp32 ``[4]``: pair loss, correctly ordered
+        pairs, reward margin, pairs (each pair counted on one rank of its SP group); `eval_results` reads them."""
+        scored = self._score(model, batch, device)
+        chosen, rejected = scored.rewards
+        valid = scored.valid.float() * (1.0 if self._sp()[0] == 0 else 0.0)
+        return torch.stack([
+            (scored.per_pair * valid).sum(), ((chosen > rejected).float() * valid).sum(),
+            ((chosen - rejected) * valid).sum(), valid.sum(),
+        ])  # fmt: skip
+
+    def eval_results(self, totals: torch.Tensor) -> dict[str, float]:
+        """``eval_loss`` (the mean pair loss; ORPO's and ``dpo.sft_weight``'s NLL terms left out) and the reward
+        accuracy and margin over every evaluation pair, from `eval_sums` summed over batches and ranks."""
+        loss, correct, margin, pairs = totals.tolist()
+        if pairs == 0:
+            raise ValueError("evaluation: data.eval_files hold no preference pair")
+        return {"eval_loss": loss / pairs, "eval_rewards/accuracy": correct / pairs, "eval_rewards/margin": margin / pairs}
 
     def _sp(self) -> tuple[int, int]:
         state = self.state
@@ -383,10 +431,6 @@ def check_dpo_recipe(recipe: Recipe) -> None:
     if dataset is not None and dataset.get("streaming"):
         problems.append(
             "an indexed dataset (pairs are packed from the index), found a streaming data.dataset"
-        )
-    if recipe.data.eval_files:
-        problems.append(
-            f"no data.eval_files (the dpo task has no evaluation pass yet), found {list(recipe.data.eval_files)}"
         )
     if recipe.data.kind != "preference" and not recipe.data.sources:
         problems.append(f"data.kind preference (chosen/rejected pairs), found {recipe.data.kind!r}")
