@@ -207,6 +207,7 @@ def build_model(
     lora: LoraSpec | None = None,
     lora_dtype: torch.dtype = torch.float32,
     lora_seed: int = 0,
+    zero_init: Sequence[str] = (),
 ) -> PreTrainedModel | nn.Module:
     """Build a model (sharded when ``parallel_state`` is given) and fill it from ``weights`` or its own init.
 
@@ -260,6 +261,8 @@ def build_model(
             start from ``lora.init`` seeded by ``lora_seed`` (the same values on any sharding), or from the PEFT
             adapter ``lora.init_from``. Not for diffusers models yet.
         lora_dtype: the adapters' storage dtype (the optimizer steps them; fp32 by default).
+        zero_init: parameter names the checkpoint does not hold, started at zero after the load (a new
+            classification head on a causal-LM checkpoint); logged.
     Returns:
         the model: materialised, on the compute device, parameters as DTensors under FSDP.
     """
@@ -401,8 +404,13 @@ def build_model(
         check_checkpoint_kind(weights, "transformers", f"transformers {name}")
         report = load_weights(
             model, weights, mode=load_mode, ignore_unexpected=ignore_unexpected,
-            not_in_checkpoint=adapter_keys(model) if lora is not None else (),
+            not_in_checkpoint=(*(adapter_keys(model) if lora is not None else ()), *zero_init),
         )  # fmt: skip
+        with torch.no_grad():
+            for name in zero_init:  # a new head on a checkpoint without one (a reward model from an SFT model)
+                model.get_parameter(name).zero_()
+        if zero_init:
+            logger.info("build_model: %s not in %s: started at zero", list(zero_init), weights)
         _attach_generation_config(model, weights)
         logger.info(
             "build_model: loaded %d tensors of %s from %s (%s, %.1f MiB read on this rank)",

@@ -181,10 +181,14 @@ def _async_ulysses_type(recipe: Recipe, config: PretrainedConfig | str) -> str |
 
 def _build_args(recipe: Recipe, ops: Any) -> dict[str, Any]:
     hf = recipe.model.backend == "hf"
-    return {
+    task = task_class(recipe.model.task)
+    args = {
         "weights": recipe.model.weights, "ops": None if hf else ops, "backend": recipe.model.backend,
-        "task": task_class(recipe.model.task).model_task, "freeze": recipe.model.freeze,
+        "task": task.model_task, "freeze": recipe.model.freeze,
     }  # fmt: skip
+    # A task may need more of the build (the reward task: a new head on a causal-LM checkpoint).
+    extra = getattr(task, "build_args", None)
+    return args if extra is None else {**args, **extra(recipe)}
 
 
 def hand_aux_loss_to_loop(model: nn.Module) -> None:

@@ -3,7 +3,8 @@
 A task prepares its run (tokenizer, config, data), turns a packed batch into the model's keyword arguments, the
 model's outputs into the loss the loop back-propagates, a step into its FLOPs, and a finished model into an export.
 Built in: ``text`` (causal language modelling on packed documents), ``vlm`` and ``omni`` (`veomni.train.tasks.vision`),
-``dit`` (`veomni.train.tasks.dit`), ``dpo`` (preference pairs, `veomni.train.tasks.preference`). Family-specific rules (a VLM's position rule and video layout, say) come from the
+``dit`` (`veomni.train.tasks.dit`), ``dpo`` (preference pairs, `veomni.train.tasks.preference`), ``reward`` (a
+Bradley-Terry reward model on the same pairs, `veomni.train.tasks.reward`). Family-specific rules (a VLM's position rule and video layout, say) come from the
 model's family declaration (`veomni.models.families`), never from a family name here.
 
 Tasks are registered by name: `register_task` (a decorator) adds a class, an installed package may declare one in
@@ -121,6 +122,7 @@ BUILTIN_TASKS: Mapping[str, str] = {
     "omni": "veomni.train.tasks.vision:OmniTask",
     "dit": "veomni.train.tasks.dit:DitTask",
     "dpo": "veomni.train.tasks.preference:DpoTask",
+    "reward": "veomni.train.tasks.reward:RewardTask",
 }
 """veomni's tasks by name, imported on first use (a text run imports no vision or DiT module)."""
 

@@ -113,6 +113,29 @@ def pair_layout(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> PairLay
     return layout
 
 
+def sp_position(state: ParallelState | None) -> tuple[int, int]:
+    """``(SP rank, SP degree)`` of this rank; ``(0, 1)`` without SP."""
+    if state is None or not state.sp_enabled:
+        return 0, 1
+    return state.sp_rank, state.dims.sp
+
+
+def pair_counts(step: Step, state: ParallelState | None, device: torch.device) -> torch.Tensor:
+    """``[pairs, chosen answer tokens, chosen positions]`` of the whole step over every rank (`PairLayout`), int64
+    on ``device`` (one all-reduce): the normalisers of the pair losses and of the NLL terms."""
+    sp_rank, sp = sp_position(state)
+    layouts = [pair_layout(batch, sp_rank, sp) for batch in step.micro_batches]
+    # Every SP rank of a group holds the same pairs: counted once each (the SP ranks' counts are summed).
+    pairs = sum(int(layout.valid.sum()) for layout in layouts) if sp_rank == 0 else 0
+    counts = torch.tensor(
+        [pairs, sum(lay.chosen_tokens for lay in layouts), sum(lay.chosen_positions for lay in layouts)],
+        dtype=torch.int64,
+    ).to(device)
+    if state is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts, group=state.loss_group)
+    return counts
+
+
 @attrs.frozen
 class PairOutputs:
     """What `DpoTask.forward` hands to `DpoTask.loss`: 0-d fp32 tensors, this rank's shares (module docstring)."""
@@ -303,10 +326,7 @@ class DpoTask:
         return {"eval_loss": loss / pairs, "eval_rewards/accuracy": correct / pairs, "eval_rewards/margin": margin / pairs}
 
     def _sp(self) -> tuple[int, int]:
-        state = self.state
-        if state is None or not state.sp_enabled:
-            return 0, 1
-        return state.sp_rank, state.dims.sp
+        return sp_position(self.state)
 
     def _segment_sums(
         self, token_logps: torch.Tensor, labels: torch.Tensor, segment: torch.Tensor, pairs: int
@@ -358,21 +378,8 @@ class DpoTask:
         return -F.logsigmoid(beta * delta), rewards
 
     def step_normaliser(self, step: Step, device: torch.device) -> torch.Tensor:
-        """``[pairs, chosen answer tokens, chosen positions]`` of the whole step over every rank (`PairLayout`),
-        int64 on ``device`` (one all-reduce)."""
-        sp_rank, sp = self._sp()
-        layouts = [pair_layout(batch, sp_rank, sp) for batch in step.micro_batches]
-        # Every SP rank of a group holds the same pairs: counted once each (the SP ranks' counts are summed).
-        pairs = sum(int(layout.valid.sum()) for layout in layouts) if sp_rank == 0 else 0
-        counts = torch.tensor(
-            [pairs, sum(lay.chosen_tokens for lay in layouts), sum(lay.chosen_positions for lay in layouts)],
-            dtype=torch.int64,
-        )
-        counts = counts.to(device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            assert self.state is not None
-            dist.all_reduce(counts, group=self.state.loss_group)
-        return counts
+        """`pair_counts` of the step."""
+        return pair_counts(step, self.state, device)
 
     def trained_tokens(self, batch: Mapping[str, Any]) -> torch.Tensor:
         return self.text.trained_tokens(batch)
@@ -449,4 +456,6 @@ def check_dpo_recipe(recipe: Recipe) -> None:
         raise PreflightError("model.task=dpo needs " + "; ".join(problems))
 
 
-__all__ = ["METRICS", "DpoTask", "PairLayout", "PairOutputs", "check_dpo_recipe", "pair_layout"]
+__all__ = [
+    "METRICS", "DpoTask", "PairLayout", "PairOutputs", "check_dpo_recipe", "pair_counts", "pair_layout", "sp_position",
+]
