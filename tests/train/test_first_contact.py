@@ -151,6 +151,32 @@ def test_weights_that_cannot_give_the_config_are_one_line(tmp_path, capsys):
     assert f"model.weights: {weights} holds no config.json to read the model config from; set model.config" in err
 
 
+def test_bad_tokenizer_config_and_run_directories_are_one_line_each(tmp_path, capsys):
+    (tmp_path / "no_tokenizer").mkdir()
+    (tmp_path / "no_tokenizer" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        "--model.tokenizer=" + str(tmp_path / "no_tokenizer"): (
+            f"model.tokenizer: {tmp_path / 'no_tokenizer'} holds no tokenizer files (none of tokenizer.json, "
+            "tokenizer_config.json, tokenizer.model, vocab.json, vocab.txt, *.tiktoken); it holds ['model.safetensors']"
+        ),
+        "--model.tokenizer=" + str(tmp_path / "bad.json"): (
+            f"model.tokenizer: {tmp_path / 'bad.json'} is a file; expected the directory that holds the tokenizer "
+            f"files ({tmp_path})"
+        ),
+        "--model.config=" + str(tmp_path / "bad.json"): f"model.config: {tmp_path / 'bad.json'} is not valid JSON: ",
+        "--checkpoint.dir=" + str(tmp_path / "a_file" / "run"): (
+            f"checkpoint.dir: cannot create {tmp_path / 'a_file' / 'run'}: Not a directory"
+        ),
+    }
+    for arg, message in cases.items():
+        assert main(["quickstart", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT, arg]) == 2, arg
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith(f"veomni-train: PreflightError: {message}"), (arg, err)
+
+
 def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, capsys):
     weights = _cached_snapshot(tmp_path / "hub", "x/y")
     for f in weights.glob("*.safetensors"):
