@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from data_helpers import write_parquet
 
 from veomni.train.cli import main
@@ -231,3 +232,12 @@ def test_data_files_accept_globs_and_shard_directories(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet, .arrow file and not a save_to_disk dataset"):
         RowSource([str(tmp_path / "empty")], "auto", ["text"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_train_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
+    assert main(["quickstart", "--train.device=cuda", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("veomni-train: PreflightError: train.device: cuda, but torch ")
+    assert "sees no CUDA device" in err
