@@ -241,3 +241,16 @@ def test_train_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("veomni-train: PreflightError: train.device: cuda, but torch ")
     assert "sees no CUDA device" in err
+
+
+def test_data_preview_of_a_directory_without_a_tokenizer_is_one_line(tmp_path, capsys):
+    from veomni.train.data.preview import main as preview
+
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "config.json").write_text("{}")
+    assert preview(["quickstart", f"--model.tokenizer={tmp_path / 'weights'}", "--n", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"veomni-data-preview: error: model.tokenizer: {tmp_path / 'weights'} holds no tokenizer files (none of "
+        "tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, vocab.txt, *.tiktoken); it holds "
+        "['config.json']"
+    ]

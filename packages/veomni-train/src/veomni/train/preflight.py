@@ -216,17 +216,17 @@ def check_model_sources(recipe: Recipe) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def check_tokenizer_dir(path: Path) -> None:
-    """``model.tokenizer`` names a directory that holds a tokenizer (transformers' loader, given one without, may
-    build a stand-in from the config or fail deep in its conversion code)."""
+def check_tokenizer_dir(path: Path, field: str = "model.tokenizer") -> None:
+    """``field`` names a directory that holds a tokenizer (transformers' loader, given one without, may build a
+    stand-in from the config or fail deep in its conversion code)."""
     if path.is_file():
         raise PreflightError(
-            f"model.tokenizer: {path} is a file; expected the directory that holds the tokenizer files ({path.parent})"
+            f"{field}: {path} is a file; expected the directory that holds the tokenizer files ({path.parent})"
         )
     names = sorted(p.name for p in path.iterdir())
     if not any(n in TOKENIZER_FILES or n.endswith(".tiktoken") for n in names):
         raise PreflightError(
-            f"model.tokenizer: {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken); "
+            f"{field}: {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken); "
             f"it holds {names[:12]}"
         )
 
