@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from data_helpers import write_parquet
 
 from veomni.train.cli import main
@@ -151,6 +152,32 @@ def test_weights_that_cannot_give_the_config_are_one_line(tmp_path, capsys):
     assert f"model.weights: {weights} holds no config.json to read the model config from; set model.config" in err
 
 
+def test_bad_tokenizer_config_and_run_directories_are_one_line_each(tmp_path, capsys):
+    (tmp_path / "no_tokenizer").mkdir()
+    (tmp_path / "no_tokenizer" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        "--model.tokenizer=" + str(tmp_path / "no_tokenizer"): (
+            f"model.tokenizer: {tmp_path / 'no_tokenizer'} holds no tokenizer files (none of tokenizer.json, "
+            "tokenizer_config.json, tokenizer.model, vocab.json, vocab.txt, *.tiktoken); it holds ['model.safetensors']"
+        ),
+        "--model.tokenizer=" + str(tmp_path / "bad.json"): (
+            f"model.tokenizer: {tmp_path / 'bad.json'} is a file; expected the directory that holds the tokenizer "
+            f"files ({tmp_path})"
+        ),
+        "--model.config=" + str(tmp_path / "bad.json"): f"model.config: {tmp_path / 'bad.json'} is not valid JSON: ",
+        "--checkpoint.dir=" + str(tmp_path / "a_file" / "run"): (
+            f"checkpoint.dir: cannot create {tmp_path / 'a_file' / 'run'}: Not a directory"
+        ),
+    }
+    for arg, message in cases.items():
+        assert main(["quickstart", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT, arg]) == 2, arg
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith(f"veomni-train: PreflightError: {message}"), (arg, err)
+
+
 def test_pickle_only_weights_are_refused_with_the_conversion_to_run(tmp_path, capsys):
     weights = _cached_snapshot(tmp_path / "hub", "x/y")
     for f in weights.glob("*.safetensors"):
@@ -205,3 +232,25 @@ def test_data_files_accept_globs_and_shard_directories(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"empty: a directory with no .jsonl, .json, .parquet, .arrow file and not a save_to_disk dataset"):
         RowSource([str(tmp_path / "empty")], "auto", ["text"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_train_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
+    assert main(["quickstart", "--train.device=cuda", f"--checkpoint.dir={tmp_path / 'run'}", *SHORT]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("veomni-train: PreflightError: train.device: cuda, but torch ")
+    assert "sees no CUDA device" in err
+
+
+def test_data_preview_of_a_directory_without_a_tokenizer_is_one_line(tmp_path, capsys):
+    from veomni.train.data.preview import main as preview
+
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "config.json").write_text("{}")
+    assert preview(["quickstart", f"--model.tokenizer={tmp_path / 'weights'}", "--n", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"veomni-data-preview: error: model.tokenizer: {tmp_path / 'weights'} holds no tokenizer files (none of "
+        "tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, vocab.txt, *.tiktoken); it holds "
+        "['config.json']"
+    ]

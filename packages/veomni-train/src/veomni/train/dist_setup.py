@@ -18,9 +18,16 @@ def setup_distributed(device_pref: str) -> torch.device:
 
     Args:
         device_pref: ``auto`` (CUDA when available), ``cuda`` or ``cpu``.
+
+    Raises:
+        PreflightError: ``cuda`` where torch sees no CUDA device.
     """
     if device_pref == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but torch sees no CUDA device")
+        raise PreflightError(
+            f"train.device: cuda, but torch {torch.__version__} sees no CUDA device (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; veomni-doctor shows what this machine has); use "
+            "train.device=auto or cpu"
+        )
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
     if use_cuda:
         # torchrun names the GPU; a caller that initialised the group itself has already picked one.

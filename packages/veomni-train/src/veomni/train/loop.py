@@ -56,6 +56,7 @@ from veomni.train.preflight import (
     check_log_sinks,
     check_model_sources,
     check_resume_path,
+    check_run_dir,
     check_warmup,
 )
 from veomni.train.profiling import StepProfiler, dump_oom_snapshot
@@ -149,6 +150,7 @@ def build_run(recipe: Recipe) -> Run:
     checkpoints; resume when asked."""
     device = setup_distributed(recipe.train.device)
     check_resume_path(recipe.checkpoint.resume)
+    check_run_dir(recipe.checkpoint.dir)
     check_log_sinks(recipe)
     recipe = fetch_hub_sources(recipe)  # Hub ids in model.weights / config / tokenizer -> cached snapshots
     check_model_sources(recipe)

@@ -6,7 +6,9 @@ the pieces.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -44,6 +46,10 @@ def model_config(recipe: Recipe) -> PretrainedConfig:
     source = config if config is not None else recipe.model.weights
     try:
         return MODELS.load_config(source, **recipe.model.config_overrides)
+    except json.JSONDecodeError as err:  # a ValueError too, but the file's fault, not the overrides'
+        field = "model.config" if config is not None else "model.weights"
+        file = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+        raise PreflightError(f"{field}: {file} is not valid JSON: {err}") from None
     except (ValueError, StrictDataclassError) as err:
         raise PreflightError(f"model.config_overrides: {err}") from None
 

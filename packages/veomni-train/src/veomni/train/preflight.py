@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
@@ -180,6 +181,8 @@ def check_model_sources(recipe: Recipe) -> None:
                 f"model.{field}: no such file or directory: {value} (nor a Hugging Face Hub id: those read "
                 "org/name[@revision])"
             )
+    if model.tokenizer is not None:
+        check_tokenizer_dir(Path(model.tokenizer))
     weights = Path(model.weights) if model.weights is not None else None
     if weights is not None and model.config is None:
         # The config is read from the weights (a file would be parsed as JSON; a directory needs config.json).
@@ -208,6 +211,35 @@ def check_model_sources(recipe: Recipe) -> None:
             "model.safetensors"
         )
     raise PreflightError(f"model.weights: {weights} holds no *.safetensors weights; it holds {names[:20]}")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_dir(path: Path, field: str = "model.tokenizer") -> None:
+    """``field`` names a directory that holds a tokenizer (transformers' loader, given one without, may build a
+    stand-in from the config or fail deep in its conversion code)."""
+    if path.is_file():
+        raise PreflightError(
+            f"{field}: {path} is a file; expected the directory that holds the tokenizer files ({path.parent})"
+        )
+    names = sorted(p.name for p in path.iterdir())
+    if not any(n in TOKENIZER_FILES or n.endswith(".tiktoken") for n in names):
+        raise PreflightError(
+            f"{field}: {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken); "
+            f"it holds {names[:12]}"
+        )
+
+
+def check_run_dir(path: str) -> None:
+    """``checkpoint.dir`` can be created and written to (found before the build, not at the first write after
+    it). Every rank checks: on several nodes each must reach the shared directory."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PreflightError(f"checkpoint.dir: cannot create {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PreflightError(f"checkpoint.dir: {path} is not writable by this user")
 
 
 def check_log_sinks(recipe: Recipe) -> None:

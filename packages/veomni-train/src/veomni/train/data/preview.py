@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -20,7 +21,7 @@ from veomni.train.data.loader import DataTopology
 from veomni.train.data.packing import unpack
 from veomni.train.data.sources import DataError
 from veomni.train.hub import fetch_hub_sources
-from veomni.train.preflight import PreflightError
+from veomni.train.preflight import PreflightError, check_tokenizer_dir
 from veomni.train.recipe import RecipeError, load_recipe, recipe_help
 
 USAGE = """usage: veomni-data-preview RECIPE [--section.field=value ...] [options]
@@ -170,6 +171,11 @@ def preview(argv: Sequence[str], out: TextIO | None = None) -> None:
     source_name, overrides, opts = parse_args(argv)
     # Hub ids are fetched (configs and tokenizer files only) as the trainer would; a bad one is one line.
     recipe = fetch_hub_sources(load_recipe(source_name, overrides), weights=False)
+    if recipe.model.tokenizer_path is not None and os.path.exists(recipe.model.tokenizer_path):
+        check_tokenizer_dir(
+            Path(recipe.model.tokenizer_path),
+            "model.tokenizer" if recipe.model.tokenizer else "model.weights",
+        )
     tokenizer = load_tokenizer(recipe.model.tokenizer_path, recipe.data.chat_template)
     topology = DataTopology(dp_rank=opts["--dp-rank"], dp_size=opts["--dp-size"])
     budget = recipe.train.tokens_per_micro_batch
@@ -248,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, DataError, PreflightError) as err:
         print(f"veomni-data-preview: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("veomni-data-preview: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # piped into head
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
