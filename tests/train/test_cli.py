@@ -25,6 +25,7 @@ def test_every_shipped_recipe_validates(name):
         "quickstart_dit",
         "quickstart_lora",
         "quickstart_dpo",
+        "quickstart_reward",
         "qwen3_8b_lora",
         "qwen3_0.6b",
         "qwen3_1.7b",

@@ -109,7 +109,7 @@ def test_from_a_causal_lm_the_head_starts_at_zero_and_sp2_matches(dist_pools, ba
 def test_cli_run_exports_a_sequence_classifier(base, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "veomni.train.cli", "quickstart_dpo", "--model.task=reward",
+        sys.executable, "-m", "veomni.train.cli", "quickstart_reward",
         f"--model.weights={base}", f"--model.tokenizer={TOKENIZER}", f"--checkpoint.dir={out}", "--train.steps=4",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
