@@ -126,6 +126,7 @@ def recipes(draw: st.DrawFn) -> dict:
     raw["data"]["kind"] = draw(st.sampled_from(["text", "conversation", "multimodal"]))
     raw["train"]["samples_per_step"] = raw["train"]["samples_per_micro_batch"] = None
     raw["dit"] = {}
+    raw["dpo"] = {}  # model.task=dpo only (a dpo section set under another task is an error: test_dpo_train)
     # LoRA keys only with lora.enabled (a disabled section with keys set is an error, tested in test_lora_train).
     raw["lora"] = draw(
         st.one_of(
