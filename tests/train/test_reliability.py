@@ -368,7 +368,7 @@ def _report_window(ctx, window: list) -> tuple[list[str], list[dict]]:
 
     run = SimpleNamespace(
         step=2, total_steps=4, device=torch.device("cpu"), recipe=SimpleNamespace(log=SimpleNamespace(console=True)),
-        state=SimpleNamespace(dims=SimpleNamespace(world_size=1)), expert_layers=[],
+        state=SimpleNamespace(dims=SimpleNamespace(world_size=1)), expert_layers=[], task=SimpleNamespace(),
     )  # fmt: skip
     sinks, lines = Recorded(), Lines()
     log_window(run, window, None, sinks, lines)

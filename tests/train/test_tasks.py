@@ -176,7 +176,7 @@ def test_text_task_reads_the_language_model_config_of_a_composite():
     assert moe.aux_loss_coef == 0.01
     with pytest.raises(
         ValueError,
-        match=r"model.task: expected one of \['dit', 'omni', 'text', 'vlm'\] or a task class as "
+        match=r"model.task: expected one of \['dit', 'dpo', 'omni', 'reward', 'text', 'vlm'\] or a task class as "
         r"'package.module:Class', found 'tts'",
     ):
         build_task("tts", probe)
