@@ -114,9 +114,12 @@ def _did_you_mean(dotted: str, root: type, dashes: str = "") -> str:
     leaf = dotted.rsplit(".", 1)[-1]
     section = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
     siblings = [k for k in known if k.startswith(section) and "." not in k[len(section) :]]
-    # The same field name in another section first (train.lr -> optim.lr), then a close name in the same
-    # section, then anything close.
-    close = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != dotted]
+    # A one-letter slip of a name in the same section first (optim.beta -> optim.betas, not dpo.beta), then the
+    # same field name in another section (train.lr -> optim.lr), then a close name in the same section, then
+    # anything close.
+    by_leaf = {k[len(section) :]: k for k in siblings}
+    close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.85)]
+    close = close or [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != dotted]
     close = close or difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
     close = close or difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
     if close:
